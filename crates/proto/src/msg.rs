@@ -1,0 +1,161 @@
+//! The messages. One enum for every link; each side accepts only the
+//! variants that make sense for its role and answers others with `Error`.
+
+use crate::types::*;
+use crate::{ProtoError, MAX_PATH};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Role {
+    Client,
+    Agent,
+    Head,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Stream {
+    Stdout,
+    Stderr,
+}
+
+/// A file-view request from a host, answered by the client (or by the head's
+/// cache, for content-named requests).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileReq {
+    Lookup { path: WirePath },
+    ReadDir { path: WirePath },
+    GetRecipe { name: Hash },
+    GetChunks { hashes: Vec<Hash> },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum FileResp {
+    Lookup(Lookup),
+    /// Entries, or an errno (ENOENT, ENOTDIR, EACCES...).
+    ReadDir(Result<Vec<DirEntry>, i32>),
+    Recipe(Option<Recipe>),
+    Chunks(Vec<ChunkData>),
+    /// The request failed with this errno.
+    Errno(i32),
+}
+
+/// One row of `starling status`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    pub head: String,
+    pub hosts: Vec<HostInfo>,
+    /// Free-form facts about the cluster (bridge, subnet, link profile, ...).
+    pub facts: Vec<(String, String)>,
+}
+
+/// Largest number of hashes in one GetChunks request.
+pub const MAX_BATCH: usize = 4096;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Msg {
+    /// First frame in each direction on every connection.
+    Hello { role: Role, name: String },
+    /// Something went wrong; `task` names the task it concerns, if any.
+    Error { task: Option<TaskId>, message: String },
+
+    // ---- agent ↔ head
+    /// Agent → head: who I am and how loaded (sent at start and periodically).
+    HostInfo(HostInfo),
+    /// Head → agent: start a task.
+    RunTask { task: TaskId, spec: TaskSpec },
+
+    // ---- client ↔ head
+    /// Client → head: run this. The head answers `Started` or `Error`.
+    Launch { spec: TaskSpec },
+    Started { task: TaskId, host: String },
+    StatusRequest,
+    StatusReply(ClusterStatus),
+
+    // ---- task traffic (routed by the head between client and agent)
+    Stdin { task: TaskId, data: Vec<u8> },
+    StdinEof { task: TaskId },
+    Output { task: TaskId, stream: Stream, data: Vec<u8> },
+    Signal { task: TaskId, signo: i32 },
+    FileRequest { task: TaskId, id: u64, req: FileReq },
+    FileResponse { task: TaskId, id: u64, resp: FileResp },
+    /// Agent → client: content of files the task wrote, ahead of `Finished`.
+    ChangeChunks { task: TaskId, chunks: Vec<ChunkData> },
+    /// Agent → client: the task ended; these are its file-system changes.
+    Finished { task: TaskId, status: ExitStatus, changes: Vec<Change> },
+    /// Client → agent: changes committed (paths that conflicted were saved beside).
+    Committed { task: TaskId, conflicts: Vec<WirePath> },
+
+    Ping { nonce: u64 },
+    Pong { nonce: u64 },
+}
+
+fn check_bytes(what: &str, len: usize, max: usize) -> Result<(), ProtoError> {
+    if len > max {
+        return Err(ProtoError::invalid(format!("{what} of {len} bytes exceeds {max}")));
+    }
+    Ok(())
+}
+
+impl Msg {
+    /// The task a message concerns (for routing), if any.
+    pub fn task(&self) -> Option<TaskId> {
+        match self {
+            Msg::Error { task, .. } => *task,
+            Msg::RunTask { task, .. }
+            | Msg::Started { task, .. }
+            | Msg::Stdin { task, .. }
+            | Msg::StdinEof { task }
+            | Msg::Output { task, .. }
+            | Msg::Signal { task, .. }
+            | Msg::FileRequest { task, .. }
+            | Msg::FileResponse { task, .. }
+            | Msg::ChangeChunks { task, .. }
+            | Msg::Finished { task, .. }
+            | Msg::Committed { task, .. } => Some(*task),
+            _ => None,
+        }
+    }
+
+    /// Check everything a decoder cannot: paths, ranges, sizes, consistency.
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        match self {
+            Msg::Hello { name, .. } => check_bytes("peer name", name.len(), 256),
+            Msg::Error { message, .. } => check_bytes("error message", message.len(), 64 << 10),
+            Msg::HostInfo(h) => {
+                check_bytes("host name", h.name.len(), 256)?;
+                if !h.load.is_finite() || h.load < 0.0 {
+                    return Err(ProtoError::invalid("host load is not a finite non-negative number"));
+                }
+                Ok(())
+            }
+            Msg::RunTask { spec, .. } | Msg::Launch { spec } => spec.validate(),
+            Msg::Signal { signo, .. } => {
+                if !(1..=64).contains(signo) {
+                    return Err(ProtoError::invalid(format!("signal {signo} out of range")));
+                }
+                Ok(())
+            }
+            Msg::FileRequest { req, .. } => match req {
+                FileReq::Lookup { path } | FileReq::ReadDir { path } => path.validate(),
+                FileReq::GetRecipe { .. } => Ok(()),
+                FileReq::GetChunks { hashes } => check_bytes("chunk batch", hashes.len(), MAX_BATCH),
+            },
+            Msg::FileResponse { resp, .. } => match resp {
+                FileResp::Lookup(Lookup::Symlink(_, t)) => check_bytes("symlink target", t.len(), MAX_PATH),
+                FileResp::ReadDir(Ok(entries)) => {
+                    for e in entries {
+                        if e.name.is_empty() || e.name.contains(&b'/') || e.name.contains(&0) || e.name.len() > 255 {
+                            return Err(ProtoError::invalid("bad directory entry name"));
+                        }
+                    }
+                    Ok(())
+                }
+                FileResp::Recipe(Some(r)) => r.validate(),
+                _ => Ok(()),
+            },
+            Msg::Finished { changes, .. } => changes.iter().try_for_each(|c| c.validate()),
+            Msg::Committed { conflicts, .. } => conflicts.iter().try_for_each(|p| p.validate()),
+            _ => Ok(()),
+        }
+    }
+}

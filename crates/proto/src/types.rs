@@ -1,0 +1,400 @@
+//! Value types carried by messages: hashes, paths, recipes, attributes.
+
+use crate::{ProtoError, MAX_PATH};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// A BLAKE3 digest. Names chunks (hash of the bytes) and recipes (hash of
+/// the encoded recipe).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, Default)]
+pub struct Hash(pub [u8; 32]);
+
+impl Hash {
+    pub fn of(data: &[u8]) -> Hash {
+        Hash(*blake3::hash(data).as_bytes())
+    }
+    pub fn to_hex(&self) -> String {
+        let mut s = String::with_capacity(64);
+        for b in self.0 {
+            s.push_str(&format!("{b:02x}"));
+        }
+        s
+    }
+    pub fn from_hex(s: &str) -> Option<Hash> {
+        if s.len() != 64 {
+            return None;
+        }
+        let mut out = [0u8; 32];
+        for (i, o) in out.iter_mut().enumerate() {
+            *o = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+        }
+        Some(Hash(out))
+    }
+}
+
+impl fmt::Debug for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", &self.to_hex()[..12])
+    }
+}
+impl fmt::Display for Hash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.to_hex())
+    }
+}
+
+/// An absolute, normalised Linux path as raw bytes (paths need not be UTF-8).
+/// Valid: starts with `/`, no NUL, no empty/`.`/`..` components (except the
+/// root itself), at most [`MAX_PATH`] bytes.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WirePath(pub Vec<u8>);
+
+impl WirePath {
+    pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, ProtoError> {
+        let p = WirePath(bytes.into());
+        p.validate()?;
+        Ok(p)
+    }
+    pub fn root() -> Self {
+        WirePath(b"/".to_vec())
+    }
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        let b = &self.0;
+        if b.is_empty() || b[0] != b'/' {
+            return Err(ProtoError::invalid(format!("path {:?} is not absolute", self)));
+        }
+        if b.len() > MAX_PATH {
+            return Err(ProtoError::invalid("path longer than PATH_MAX"));
+        }
+        if b.contains(&0) {
+            return Err(ProtoError::invalid("path contains NUL"));
+        }
+        if b.len() > 1 {
+            for comp in b[1..].split(|&c| c == b'/') {
+                if comp.is_empty() || comp == b"." || comp == b".." {
+                    return Err(ProtoError::invalid(format!("path {:?} is not normalised", self)));
+                }
+            }
+        }
+        Ok(())
+    }
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+    pub fn as_path(&self) -> &std::path::Path {
+        use std::os::unix::ffi::OsStrExt;
+        std::path::Path::new(std::ffi::OsStr::from_bytes(&self.0))
+    }
+    /// `self/name` (name must be one component: no `/`, not `.`/`..`).
+    pub fn join(&self, name: &[u8]) -> Result<WirePath, ProtoError> {
+        let mut v = self.0.clone();
+        if v.len() > 1 {
+            v.push(b'/');
+        }
+        v.extend_from_slice(name);
+        if name.contains(&b'/') {
+            return Err(ProtoError::invalid("name contains '/'"));
+        }
+        WirePath::new(v)
+    }
+    pub fn parent(&self) -> Option<WirePath> {
+        if self.0.len() <= 1 {
+            return None;
+        }
+        let i = self.0.iter().rposition(|&c| c == b'/').unwrap_or(0);
+        Some(if i == 0 { WirePath::root() } else { WirePath(self.0[..i].to_vec()) })
+    }
+    pub fn file_name(&self) -> &[u8] {
+        let i = self.0.iter().rposition(|&c| c == b'/').map(|i| i + 1).unwrap_or(0);
+        &self.0[i..]
+    }
+}
+
+impl fmt::Debug for WirePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}", String::from_utf8_lossy(&self.0))
+    }
+}
+impl fmt::Display for WirePath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&String::from_utf8_lossy(&self.0))
+    }
+}
+
+/// One content-defined chunk of a file: its BLAKE3 name and length.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ChunkRef {
+    pub hash: Hash,
+    pub len: u32,
+}
+
+/// A file's recipe: the chunk list that rebuilds its bytes, plus the
+/// metadata a reader sees. Named by the hash of its encoding ([`Recipe::name`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Recipe {
+    pub size: u64,
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub mtime_ns: i64,
+    pub chunks: Vec<ChunkRef>,
+}
+
+/// Largest chunk any peer may send (the chunker's maximum is far below it).
+pub const MAX_CHUNK: u32 = 4 << 20;
+
+impl Recipe {
+    /// The RecipeName: hash of the canonical encoding of the whole recipe.
+    pub fn name(&self) -> Hash {
+        Hash::of(&bincode::serialize(self).expect("recipe encodes"))
+    }
+    /// Identity of the bytes alone (ignores metadata): files with equal
+    /// content share one assembled copy in a host cache.
+    pub fn content_id(&self) -> Hash {
+        Hash::of(&bincode::serialize(&self.chunks).expect("chunks encode"))
+    }
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        let mut total: u64 = 0;
+        for c in &self.chunks {
+            if c.len == 0 || c.len > MAX_CHUNK {
+                return Err(ProtoError::invalid(format!("chunk length {} out of range", c.len)));
+            }
+            total += c.len as u64;
+        }
+        if total != self.size {
+            return Err(ProtoError::invalid(format!(
+                "recipe chunks sum to {total} bytes but size is {}",
+                self.size
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Chunk bytes in flight, optionally zstd-compressed. [`ChunkData::open`]
+/// decompresses and verifies the bytes against the name before anyone uses them.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChunkData {
+    pub hash: Hash,
+    pub compressed: bool,
+    pub data: Vec<u8>,
+}
+
+impl fmt::Debug for ChunkData {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "ChunkData({:?}, {} B{})", self.hash, self.data.len(), if self.compressed { ", zstd" } else { "" })
+    }
+}
+
+impl ChunkData {
+    /// Package `bytes` for the wire. With `compress`, zstd is tried and kept
+    /// only if it saves at least 1/16 of the size (incompressible data such
+    /// as video or already-compressed archives is sent as is).
+    pub fn seal(bytes: &[u8], compress: bool) -> ChunkData {
+        let hash = Hash::of(bytes);
+        if compress && bytes.len() >= 256 {
+            if let Ok(z) = zstd::bulk::compress(bytes, 3) {
+                if z.len() + bytes.len() / 16 < bytes.len() {
+                    return ChunkData { hash, compressed: true, data: z };
+                }
+            }
+        }
+        ChunkData { hash, compressed: false, data: bytes.to_vec() }
+    }
+    /// Decompress (bounded by [`MAX_CHUNK`]) and verify against the name.
+    pub fn open(&self) -> Result<Vec<u8>, ProtoError> {
+        let bytes = if self.compressed {
+            zstd::bulk::decompress(&self.data, MAX_CHUNK as usize)
+                .map_err(|e| ProtoError::invalid(format!("chunk {:?}: bad zstd data: {e}", self.hash)))?
+        } else {
+            self.data.clone()
+        };
+        if Hash::of(&bytes) != self.hash {
+            return Err(ProtoError::invalid(format!("chunk {:?}: content does not match its name", self.hash)));
+        }
+        Ok(bytes)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeKind {
+    File,
+    Dir,
+    Symlink,
+    /// FIFOs, sockets and device nodes: visible (so `ls` is right) but not openable.
+    Special,
+}
+
+/// What `stat` says about a node in the client's file system.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Attr {
+    pub kind: NodeKind,
+    pub ino: u64,
+    pub size: u64,
+    /// Full st_mode including the file-type bits.
+    pub mode: u32,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub rdev: u64,
+    pub atime_ns: i64,
+    pub mtime_ns: i64,
+    pub ctime_ns: i64,
+}
+
+/// The answer to "what is at this path?" — a *binding* in UCop's terms.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Lookup {
+    /// Nothing there (ENOENT), or not exported (`/proc`, `/sys`, ...).
+    Absent,
+    Dir(Attr),
+    Symlink(Attr, Vec<u8>),
+    /// A regular file and the name of its recipe.
+    File(Attr, Hash),
+    Special(Attr),
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirEntry {
+    pub name: Vec<u8>,
+    pub kind: NodeKind,
+}
+
+/// Host-visible identifier of one task, assigned by the head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct TaskId(pub u64);
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "t{}", self.0)
+    }
+}
+
+/// How a task ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ExitStatus {
+    Code(i32),
+    Signal(i32),
+}
+
+impl ExitStatus {
+    /// The status a shell would report: the code, or 128 + signal.
+    pub fn shell_code(&self) -> i32 {
+        match *self {
+            ExitStatus::Code(c) => c & 0xff,
+            ExitStatus::Signal(s) => 128 + s,
+        }
+    }
+}
+
+/// Everything a host needs to start a command as if on the client
+/// (UCop's configuration transparency).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TaskSpec {
+    pub argv: Vec<Vec<u8>>,
+    pub env: Vec<(Vec<u8>, Vec<u8>)>,
+    pub cwd: WirePath,
+    pub umask: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+    /// (resource, soft, hard) as in getrlimit(2).
+    pub rlimits: Vec<(u32, u64, u64)>,
+    /// Requested host name, or any host.
+    pub host: Option<String>,
+    /// Job name: tasks of one job share a consistency point and a prethrow.
+    pub job: Option<String>,
+    /// Bindings the client sends ahead of execution (prethrow).
+    pub prethrow: Vec<(WirePath, Lookup)>,
+    /// Client wall clock at launch (ns since the epoch): the consistency point.
+    pub launch_ns: i64,
+}
+
+impl TaskSpec {
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        if self.argv.is_empty() {
+            return Err(ProtoError::invalid("empty argv"));
+        }
+        if self.argv.iter().any(|a| a.contains(&0)) {
+            return Err(ProtoError::invalid("argv contains NUL"));
+        }
+        if self.env.iter().any(|(k, v)| k.is_empty() || k.contains(&0) || k.contains(&b'=') || v.contains(&0)) {
+            return Err(ProtoError::invalid("malformed environment entry"));
+        }
+        self.cwd.validate()?;
+        if self.umask > 0o777 {
+            return Err(ProtoError::invalid("umask out of range"));
+        }
+        for (p, l) in &self.prethrow {
+            p.validate()?;
+            if let Lookup::Symlink(_, t) = l {
+                if t.contains(&0) || t.len() > crate::MAX_PATH {
+                    return Err(ProtoError::invalid("bad symlink target"));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a host advertises about itself.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HostInfo {
+    pub name: String,
+    pub addr: String,
+    pub pid: u32,
+    pub cores: u32,
+    pub mem_bytes: u64,
+    /// 1-minute load average.
+    pub load: f32,
+    pub running: u32,
+}
+
+/// What the task's view held at a path before the task changed it. The
+/// client commits a change only if its own copy still matches this base.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Base {
+    Absent,
+    File(Hash),
+    Dir,
+    Symlink(Vec<u8>),
+    Special,
+}
+
+/// One file-system change a task made, returned at exit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// Create or replace a regular file (its chunks travel ahead in `ChangeChunks`).
+    File { path: WirePath, recipe: Recipe, base: Base },
+    Mkdir { path: WirePath, mode: u32, base: Base },
+    Symlink { path: WirePath, target: Vec<u8>, base: Base },
+    /// Remove whatever is at path (recursively for a directory).
+    Remove { path: WirePath, base: Base },
+    /// Permission change on a directory that already existed.
+    Chmod { path: WirePath, mode: u32 },
+}
+
+impl Change {
+    pub fn path(&self) -> &WirePath {
+        match self {
+            Change::File { path, .. }
+            | Change::Mkdir { path, .. }
+            | Change::Symlink { path, .. }
+            | Change::Remove { path, .. }
+            | Change::Chmod { path, .. } => path,
+        }
+    }
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        self.path().validate()?;
+        if self.path().0 == b"/" {
+            return Err(ProtoError::invalid("a task cannot replace /"));
+        }
+        match self {
+            Change::File { recipe, .. } => recipe.validate(),
+            Change::Symlink { target, .. } if target.is_empty() || target.contains(&0) => {
+                Err(ProtoError::invalid("bad symlink target"))
+            }
+            _ => Ok(()),
+        }
+    }
+}
