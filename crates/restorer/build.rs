@@ -1,0 +1,41 @@
+//! Builds the real restorer (`src/restorer.rs`): a `no_std`, `no_main`,
+//! static, libc-free executable. Cargo cannot build it as an ordinary bin
+//! target on stable Rust because a `no_std` binary needs `panic = "abort"`,
+//! which only the workspace root profile could set. So we invoke `rustc`
+//! directly (the same compiler cargo uses) and embed the result in the
+//! library (`RESTORER_ELF`).
+//!
+//! Link layout: PIC code (so no 32-bit absolute relocations) linked as a
+//! static non-PIE executable at `RESTORER_BASE`, far from where Linux places
+//! PIE executables (0x55…/0x56…), non-PIE ones (0x400000), the mmap area and
+//! stacks (0x7f…). Its address is therefore fixed and known before restore;
+//! the restorer checks it against every template region and refuses on
+//! collision.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+const RESTORER_BASE: &str = "0x3f0000000000";
+
+fn main() {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
+    let src = manifest.join("src/restorer.rs");
+    println!("cargo:rerun-if-changed={}", src.display());
+    println!("cargo:rerun-if-changed={}", manifest.join("src/plan.rs").display());
+    let bin = out.join("starling-restorer-static");
+    let status = Command::new(&rustc)
+        .args(["--edition", "2021", "--crate-type", "bin", "--crate-name", "starling_restorer_static"])
+        .args(["-C", "panic=abort", "-C", "opt-level=2", "-C", "debuginfo=0", "-C", "relocation-model=pic"])
+        .args(["-C", "target-cpu=x86-64", "-C", "codegen-units=1", "-C", "strip=symbols"])
+        .args(["-C", "link-arg=-nostartfiles", "-C", "link-arg=-nostdlib", "-C", "link-arg=-static",
+               "-C", "link-arg=-no-pie", "-C", "link-arg=-Wl,--build-id=none"])
+        .arg("-C").arg(format!("link-arg=-Wl,--image-base={RESTORER_BASE}"))
+        .arg("-o").arg(&bin)
+        .arg(&src)
+        .status()
+        .expect("run rustc for the restorer");
+    assert!(status.success(), "building the static restorer failed");
+    println!("cargo:rustc-env=STARLING_RESTORER_ELF={}", bin.display());
+}
