@@ -1,1 +1,491 @@
-//! (to be written)
+//! `starling-cluster`: an emulated cluster on one machine, for developing and testing starling without racks.
+//!
+//! `starling up --hosts N` calls [`up`]: it makes a bridge (`stbr0`, 10.213.0.1/24) in the root network
+//! namespace, and per host `hI` a network namespace `starling-hI` whose `eth0` (10.213.0.(10+I)) is a veth
+//! into the bridge. The head (the relay clients talk to) runs in the root namespace listening on the bridge's
+//! address. Each host is a `starling __host-boot` process started inside its namespace; [`host_boot_main`]
+//! gives it its own mount and UTS namespaces and root file system (an overlay of `/` with a private upper
+//! layer, its own /tmp, /run and hostname) and then execs `starling agent`. `starling down` calls [`down`],
+//! which removes all of it — also after a crash, a `kill -9` of any part, or a lost `cluster.json` — because it
+//! finds its things by name, namespace and command line rather than trusting a record.
+//!
+//! # Running an agent on a real host
+//!
+//! The emulation only supplies what a real machine already has (its own address, hostname and root). On a
+//! real cluster host run, as root:
+//!
+//! ```text
+//! starling agent --head HEAD_IP:7077 --name $(hostname) --state /var/lib/starling/state
+//! ```
+//!
+//! where `HEAD_IP:7077` is where `starling head --listen IP:7077 --state DIR` listens, and the state directory
+//! is on a local ext4 (or similar) file system — not overlayfs or NFS — because the agent keeps FUSE
+//! passthrough backing files and per-task overlay upper directories there. Nothing from this crate is needed.
+//!
+//! # Layout
+//!
+//! - `RUN/cluster.json` ([`ClusterState`]) and `RUN/logs/{head,h1,...}.log` describe the running cluster.
+//! - `STATE/head` is the head's state; `STATE/hosts/hI/state` is host `hI`'s persistent cache, which survives
+//!   `down`/`up`; `STATE/hosts/hI/{layer,root}` are mount points used only inside the host's mount namespace.
+
+mod boot;
+pub mod mounts;
+mod net;
+pub mod procs;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+
+pub use boot::{host_boot_main, HOST_STATE_MOUNT};
+pub use net::{
+    netns_path, NetConfig, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
+    MAX_HOSTS,
+};
+
+/// Persistent state: the head's directory and the per-host caches, which survive `down`/`up`.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/starling";
+/// `cluster.json` and the logs of the running cluster.
+pub const DEFAULT_RUN_DIR: &str = "/run/starling";
+/// Name of the record of the running cluster inside the run dir.
+pub const CLUSTER_FILE: &str = "cluster.json";
+/// Subcommands (argv[1]) of starling processes that belong to a cluster; `down` kills leftovers of these.
+pub const CLUSTER_ROLES: [&str; 4] = ["agent", "__host-boot", "head", "__sandbox-init"];
+
+/// How long `up` waits for the head to listen and for each host to finish booting.
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long `down` waits for killed processes to disappear, per round.
+const KILL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The record of a running cluster, `RUN/cluster.json`.
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct ClusterState {
+    /// `"IP:PORT"` the head listens on (the bridge's address).
+    pub head_addr: String,
+    pub head_pid: u32,
+    pub bridge: String,
+    /// `"10.213.0.0/24"`.
+    pub subnet: String,
+    pub hosts: Vec<HostRecord>,
+    /// Unix seconds.
+    pub started_at: i64,
+    /// Also: `netns_prefix`, `veth_prefix`, `exe`, `state_dir`, `netns_ids` (so `down` finds non-default names).
+    pub extra: BTreeMap<String, String>,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug)]
+pub struct HostRecord {
+    /// `h1`, `h2`, ...
+    pub name: String,
+    pub netns: String,
+    pub ip: String,
+    /// Pid of the boot process, which became the agent by exec.
+    pub boot_pid: u32,
+}
+
+pub struct UpOptions {
+    pub hosts: usize,
+    /// The starling binary.
+    pub exe: PathBuf,
+    pub state_dir: PathBuf,
+    pub run_dir: PathBuf,
+    /// Extra arguments appended to `exe head ...`.
+    pub head_args: Vec<String>,
+    /// Names and subnet; tests use their own so they never touch a real cluster.
+    pub net: NetConfig,
+    /// Run this in each host instead of `exe agent ...` (e.g. `["sleep", "infinity"]` in tests).
+    pub host_command: Option<Vec<String>>,
+}
+
+impl UpOptions {
+    /// Default directories, names and agent.
+    pub fn new(hosts: usize, exe: PathBuf) -> UpOptions {
+        UpOptions {
+            hosts,
+            exe,
+            state_dir: DEFAULT_STATE_DIR.into(),
+            run_dir: DEFAULT_RUN_DIR.into(),
+            head_args: Vec::new(),
+            net: NetConfig::default(),
+            host_command: None,
+        }
+    }
+}
+
+fn cluster_file(run_dir: &Path) -> PathBuf {
+    run_dir.join(CLUSTER_FILE)
+}
+
+/// `STATE/hosts/NAME`.
+pub fn host_dir(state_dir: &Path, host: &str) -> PathBuf {
+    state_dir.join("hosts").join(host)
+}
+
+/// The log of process `name` (`head`, `h1`...).
+pub fn log_path(run_dir: &Path, name: &str) -> PathBuf {
+    run_dir.join("logs").join(format!("{name}.log"))
+}
+
+fn read_state_file(run_dir: &Path) -> Option<ClusterState> {
+    let text = std::fs::read_to_string(cluster_file(run_dir)).ok()?;
+    match serde_json::from_str(&text) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            log::warn!("ignoring unreadable {}: {e}", cluster_file(run_dir).display());
+            None
+        }
+    }
+}
+
+/// The running cluster, or `None` if there is none (no file, an unreadable one, or one whose head is dead).
+pub fn load_state(run_dir: &Path) -> Option<ClusterState> {
+    let state = read_state_file(run_dir)?;
+    let head_alive = procs::is_alive(state.head_pid)
+        && procs::cmdline(state.head_pid).get(1).is_some_and(|role| role == "head");
+    head_alive.then_some(state)
+}
+
+/// Create bridge, namespaces and veths, start the head (`exe head --listen BRIDGE_IP:7077 --state STATE/head
+/// HEAD_ARGS...`) and one `exe __host-boot` per host inside its namespace, all detached (own session, output to
+/// `RUN/logs/NAME.log`); wait until the head accepts connections and every host has exec'd its agent; write
+/// `RUN/cluster.json`. Refuses if a cluster (or the leftovers of one) exists. On failure, tears down what it made.
+pub fn up(opts: &UpOptions) -> Result<ClusterState> {
+    if opts.hosts == 0 || opts.hosts > MAX_HOSTS {
+        bail!("--hosts must be between 1 and {MAX_HOSTS}, not {}", opts.hosts);
+    }
+    opts.net.validate(opts.hosts)?;
+    let exe = std::fs::canonicalize(&opts.exe).with_context(|| format!("starling binary {}", opts.exe.display()))?;
+    let state_dir = absolute(&opts.state_dir)?;
+    let run_dir = absolute(&opts.run_dir)?;
+    if let Some(running) = load_state(&run_dir) {
+        bail!(
+            "a cluster is already running (head pid {} at {}, {} hosts); run `starling down` first",
+            running.head_pid,
+            running.head_addr,
+            running.hosts.len()
+        );
+    }
+    let leftovers: Vec<String> = net::list_netns(&opts.net.netns_prefix)
+        .into_iter()
+        .chain(net::link_exists(&opts.net.bridge).then(|| opts.net.bridge.clone()))
+        .collect();
+    if !leftovers.is_empty() {
+        bail!("leftovers of an earlier cluster exist ({}); run `starling down` first", leftovers.join(", "));
+    }
+
+    match start(opts, &exe, &state_dir, &run_dir) {
+        Ok(state) => Ok(state),
+        Err(e) => {
+            if let Err(cleanup) = down_with(&run_dir, &state_dir, &opts.net) {
+                log::warn!("cleaning up after a failed up: {cleanup:#}");
+            }
+            Err(e)
+        }
+    }
+}
+
+fn absolute(p: &Path) -> Result<PathBuf> {
+    if p.is_absolute() {
+        Ok(p.to_path_buf())
+    } else {
+        Ok(std::env::current_dir()?.join(p))
+    }
+}
+
+fn start(opts: &UpOptions, exe: &Path, state_dir: &Path, run_dir: &Path) -> Result<ClusterState> {
+    let cfg = &opts.net;
+    std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("mkdir {}", run_dir.display()))?;
+    std::fs::create_dir_all(state_dir.join("head")).with_context(|| format!("mkdir {}", state_dir.display()))?;
+
+    net::create_bridge(cfg)?;
+    for i in 1..=opts.hosts {
+        net::create_host_netns(cfg, i)?;
+    }
+
+    let head_addr = SocketAddr::from((cfg.bridge_ip(), HEAD_PORT));
+    let mut head = Command::new(exe);
+    head.arg("head").arg("--listen").arg(head_addr.to_string()).arg("--state").arg(state_dir.join("head"));
+    head.args(&opts.head_args);
+    let head_pid = spawn_detached(head, &log_path(run_dir, "head"), None)?;
+    wait_listening(head_addr, head_pid, &log_path(run_dir, "head"))?;
+
+    let mut hosts = Vec::with_capacity(opts.hosts);
+    for i in 1..=opts.hosts {
+        let name = NetConfig::host_name(i);
+        let netns = cfg.netns_name(&name);
+        let hdir = host_dir(state_dir, &name);
+        std::fs::create_dir_all(hdir.join("state")).with_context(|| format!("mkdir {}", hdir.display()))?;
+        let boot_args = boot::BootArgs {
+            name: name.clone(),
+            head: head_addr.to_string(),
+            host_dir: hdir,
+            exec: opts.host_command.clone().unwrap_or_default(),
+        };
+        let mut cmd = Command::new(exe);
+        cmd.arg("__host-boot").args(boot_args.to_args());
+        let ns_file = File::open(netns_path(&netns)).with_context(|| format!("open netns {netns}"))?;
+        let boot_pid = spawn_detached(cmd, &log_path(run_dir, &name), Some(&ns_file))?;
+        hosts.push(HostRecord { name, netns, ip: cfg.host_ip(i).to_string(), boot_pid });
+    }
+    for h in &hosts {
+        wait_booted(h.boot_pid, &log_path(run_dir, &h.name))
+            .with_context(|| format!("host {} (pid {}) did not boot", h.name, h.boot_pid))?;
+    }
+    if !procs::is_alive(head_pid) {
+        bail!("the head died while the hosts booted:\n{}", log_tail(&log_path(run_dir, "head")));
+    }
+
+    let netns_ids: Vec<String> = hosts
+        .iter()
+        .filter_map(|h| net::ns_id(&netns_path(&h.netns)))
+        .map(|(dev, ino)| format!("{dev}:{ino}"))
+        .collect();
+    let extra = BTreeMap::from([
+        ("netns_prefix".to_string(), cfg.netns_prefix.clone()),
+        ("veth_prefix".to_string(), cfg.veth_prefix.clone()),
+        ("exe".to_string(), exe.display().to_string()),
+        ("state_dir".to_string(), state_dir.display().to_string()),
+        ("netns_ids".to_string(), netns_ids.join(",")),
+    ]);
+    let state = ClusterState {
+        head_addr: head_addr.to_string(),
+        head_pid,
+        bridge: cfg.bridge.clone(),
+        subnet: cfg.subnet_cidr(),
+        hosts,
+        started_at: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs() as i64)
+            .unwrap_or(0),
+        extra,
+    };
+    let file = cluster_file(run_dir);
+    let tmp = file.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?).with_context(|| format!("write {}", tmp.display()))?;
+    std::fs::rename(&tmp, &file).with_context(|| format!("rename to {}", file.display()))?;
+    Ok(state)
+}
+
+/// Start `cmd` in its own session (so a terminal hang-up or Ctrl-C of `starling up` does not reach it), with
+/// stdin from /dev/null and stdout/stderr to `log`, optionally inside the network namespace `netns`.
+fn spawn_detached(mut cmd: Command, log: &Path, netns: Option<&File>) -> Result<u32> {
+    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
+    cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).current_dir("/");
+    let ns_fd = netns.map(|f| f.as_raw_fd());
+    // SAFETY: the closure runs in the forked child before exec and only makes two raw system calls (setns,
+    // setsid), both async-signal-safe; it allocates nothing and touches no lock. `ns_fd` stays open in the
+    // parent until `spawn` returns (the caller holds the File), so it is valid in the child.
+    unsafe {
+        cmd.pre_exec(move || {
+            if let Some(fd) = ns_fd {
+                if libc::setns(fd, libc::CLONE_NEWNET) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if libc::setsid() < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().with_context(|| format!("start {:?}", cmd))?;
+    let pid = child.id();
+    // Reap it whenever it exits, so a long-lived caller (a test, a daemon) does not collect zombies; when the
+    // caller exits first, init adopts it.
+    std::thread::spawn(move || child.wait());
+    Ok(pid)
+}
+
+fn log_tail(log: &Path) -> String {
+    const TAIL: u64 = 4000;
+    let Ok(mut f) = File::open(log) else { return format!("(no log at {})", log.display()) };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(TAIL)));
+    let mut text = String::new();
+    let _ = f.take(TAIL).read_to_string(&mut text);
+    format!("--- {} ---\n{}", log.display(), text.trim_end())
+}
+
+fn wait_listening(addr: SocketAddr, pid: u32, log: &Path) -> Result<()> {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(());
+        }
+        if !procs::is_alive(pid) {
+            bail!("the head (pid {pid}) exited before listening on {addr}:\n{}", log_tail(log));
+        }
+        if Instant::now() > deadline {
+            bail!("the head (pid {pid}) is not listening on {addr} after {START_TIMEOUT:?}:\n{}", log_tail(log));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A host has booted once its boot process has pivoted into its own root (the root differs from ours) and
+/// exec'd the agent (argv[1] is no longer `__host-boot`).
+fn wait_booted(pid: u32, log: &Path) -> Result<()> {
+    let our_root = std::fs::metadata("/").context("stat /")?;
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let root = std::fs::metadata(format!("/proc/{pid}/root/"));
+        let pivoted = root.is_ok_and(|r| (r.dev(), r.ino()) != (our_root.dev(), our_root.ino()));
+        let exec_done = procs::cmdline(pid).get(1).map(String::as_str) != Some("__host-boot");
+        if !procs::is_alive(pid) {
+            bail!("it exited:\n{}", log_tail(log));
+        }
+        if pivoted && exec_done {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("not booted after {START_TIMEOUT:?}:\n{}", log_tail(log));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Tear down the default-named cluster: see [`down_with`].
+pub fn down(run_dir: &Path, state_dir: &Path) -> Result<Vec<String>> {
+    down_with(run_dir, state_dir, &NetConfig::default())
+}
+
+/// Tear everything down, from any partial or crashed state, and return what was removed (empty if nothing was
+/// there). In order: SIGKILL every process in our network namespaces, the head and boot pids of
+/// `cluster.json` (if they still run starling), every starling `agent`/`__host-boot`/`head`/`__sandbox-init`
+/// whose command line names `state_dir` or the head's address, and all their descendants, then wait for them;
+/// detach mounts below `STATE/hosts` and `RUN`; delete the namespaces, veths and bridge; remove
+/// `cluster.json`. The persistent host caches (`STATE/hosts/*/state`) stay. Names come from `cfg` and, if
+/// different, from `cluster.json`. Fails (after doing all it can) if something could not be removed.
+pub fn down_with(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<String>> {
+    let state_dir = absolute(state_dir)?;
+    let run_dir = absolute(run_dir)?;
+    let record = read_state_file(&run_dir);
+    let mut cfgs = vec![cfg.clone()];
+    if let Some(r) = &record {
+        let mut recorded = cfg.clone();
+        recorded.bridge = r.bridge.clone();
+        if let Some(p) = r.extra.get("netns_prefix") {
+            recorded.netns_prefix = p.clone();
+        }
+        if let Some(p) = r.extra.get("veth_prefix") {
+            recorded.veth_prefix = p.clone();
+        }
+        if let Some(ip) = r.subnet.split('/').next().and_then(|s| s.parse().ok()) {
+            recorded.subnet = ip;
+        }
+        // A corrupted record must not make us delete foreign links: same rules as for `up`.
+        if recorded != *cfg && recorded.validate(1).is_ok() {
+            cfgs.push(recorded);
+        }
+    }
+
+    let mut removed = Vec::new();
+    let mut problems = Vec::new();
+
+    // 1. Processes. Repeat because a dying agent's children may just have forked.
+    let recorded_ns: BTreeSet<(u64, u64)> = record
+        .as_ref()
+        .and_then(|r| r.extra.get("netns_ids"))
+        .map(|ids| {
+            ids.split(',')
+                .filter_map(|id| {
+                    let (dev, ino) = id.split_once(':')?;
+                    Some((dev.parse().ok()?, ino.parse().ok()?))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let recorded_pids: BTreeSet<u32> = record
+        .iter()
+        .flat_map(|r| std::iter::once(r.head_pid).chain(r.hosts.iter().map(|h| h.boot_pid)))
+        .collect();
+    let head_addr_prefixes: Vec<String> = cfgs.iter().map(|c| format!("{}:", c.bridge_ip())).collect();
+    for round in 0..10 {
+        let our_ns: BTreeSet<(u64, u64)> =
+            cfgs.iter().flat_map(|c| net::netns_ids(&c.netns_prefix)).chain(recorded_ns.iter().copied()).collect();
+        let table = procs::scan();
+        let ours: BTreeSet<u32> = table
+            .iter()
+            .filter(|p| {
+                let in_our_netns = p.netns.is_some_and(|id| our_ns.contains(&id));
+                let starling_role = p.role().is_some_and(|r| CLUSTER_ROLES.contains(&r));
+                // Every agent's `--state` is HOST_STATE_MOUNT whatever its cluster: that names no cluster.
+                let names_us = p.argv.iter().any(|a| {
+                    (a != HOST_STATE_MOUNT && Path::new(a).starts_with(&state_dir))
+                        || head_addr_prefixes.iter().any(|h| a.starts_with(h))
+                });
+                in_our_netns || (starling_role && (names_us || recorded_pids.contains(&p.pid)))
+            })
+            .map(|p| p.pid)
+            .collect();
+        let targets = procs::with_descendants(&table, &ours);
+        if targets.is_empty() {
+            break;
+        }
+        for p in table.iter().filter(|p| targets.contains(&p.pid)) {
+            removed.push(format!("killed pid {} ({})", p.pid, p.argv.join(" ")));
+        }
+        let left = procs::kill_and_wait(&targets, KILL_TIMEOUT);
+        if round == 9 && !left.is_empty() {
+            problems.push(format!("processes still alive after SIGKILL: {left:?}"));
+        }
+    }
+
+    // 2. Mounts left in our namespace (normally none: hosts mount in their own).
+    for m in mounts::detach_under(&[state_dir.join("hosts"), run_dir.clone()]) {
+        removed.push(format!("unmounted {}", m.display()));
+    }
+    let still_mounted: Vec<PathBuf> = mounts::mounts_under(&[state_dir.join("hosts"), run_dir.clone()]);
+    if !still_mounted.is_empty() {
+        problems.push(format!("still mounted: {still_mounted:?}"));
+    }
+
+    // 3. Network: namespaces (which also destroys the veth ends inside them), our veths, the bridge.
+    for c in &cfgs {
+        for ns in net::list_netns(&c.netns_prefix) {
+            match net::ip(&["netns", "del", &ns]) {
+                Ok(()) => removed.push(format!("deleted netns {ns}")),
+                Err(e) => problems.push(format!("{e:#}")),
+            }
+        }
+        for veth in net::list_links(&c.veth_prefix) {
+            match net::ip(&["link", "del", &veth]) {
+                Ok(()) => removed.push(format!("deleted veth {veth}")),
+                // Deleting a namespace removes its veth pairs asynchronously: gone is what we wanted.
+                Err(_) if !net::link_exists(&veth) => removed.push(format!("deleted veth {veth}")),
+                Err(e) => problems.push(format!("{e:#}")),
+            }
+        }
+        if net::link_exists(&c.bridge) {
+            match net::ip(&["link", "del", &c.bridge]) {
+                Ok(()) => removed.push(format!("deleted bridge {}", c.bridge)),
+                Err(e) => problems.push(format!("{e:#}")),
+            }
+        }
+    }
+
+    // 4. The record.
+    let file = cluster_file(&run_dir);
+    if file.exists() {
+        match std::fs::remove_file(&file) {
+            Ok(()) => removed.push(format!("removed {}", file.display())),
+            Err(e) => problems.push(format!("cannot remove {}: {e}", file.display())),
+        }
+    }
+
+    if problems.is_empty() {
+        Ok(removed)
+    } else {
+        bail!("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))
+    }
+}

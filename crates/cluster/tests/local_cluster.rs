@@ -1,0 +1,361 @@
+//! End-to-end tests of the emulated cluster (need root, iproute2 and nsenter; skipped otherwise).
+//!
+//! This binary has its own `main` (harness = false) because it doubles as the `starling` executable `up`
+//! starts: `head` (a TCP listener standing in for the real head), `__host-boot` (the real boot code) and a
+//! few probes run inside hosts. Hosts run `sleep infinity` instead of the agent. The tests use their own
+//! bridge, namespace and veth names, subnet, and state/run directories, so they never touch a real cluster.
+
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+use std::time::Duration;
+
+use starling_cluster::{
+    down_with, host_dir, load_state, procs, up, ClusterState, NetConfig, UpOptions, HOST_STATE_MOUNT,
+};
+
+const MCAST_GROUP: Ipv4Addr = Ipv4Addr::new(239, 77, 7, 7);
+const MCAST_PORT: u16 = 17077;
+const PROBE_PORT: u16 = 17078;
+
+fn test_net() -> NetConfig {
+    NetConfig {
+        bridge: "sttbr0".into(),
+        netns_prefix: "stt-".into(),
+        veth_prefix: "sttv-".into(),
+        subnet: Ipv4Addr::new(10, 219, 0, 0),
+    }
+}
+
+struct Dirs {
+    base: PathBuf,
+    state: PathBuf,
+    run: PathBuf,
+}
+
+fn dirs(tag: &str) -> Dirs {
+    let base = PathBuf::from(format!("/tmp/starling-cluster-test-{tag}-{}", std::process::id()));
+    Dirs { state: base.join("state"), run: base.join("run"), base }
+}
+
+fn options(d: &Dirs, hosts: usize) -> UpOptions {
+    UpOptions {
+        hosts,
+        exe: std::env::current_exe().unwrap(),
+        state_dir: d.state.clone(),
+        run_dir: d.run.clone(),
+        head_args: vec!["--test-extra-arg".into()],
+        net: test_net(),
+        host_command: Some(vec!["sleep".into(), "infinity".into()]),
+    }
+}
+
+/// `nsenter` into host `pid`'s mount, UTS and network namespaces and run `cmd`; returns (success, stdout).
+fn in_host(pid: u32, cmd: &[&str]) -> (bool, String) {
+    let out = Command::new("nsenter")
+        .args(["-t", &pid.to_string(), "-m", "-u", "-n", "--"])
+        .args(cmd)
+        .output()
+        .expect("nsenter");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+fn me() -> String {
+    std::env::current_exe().unwrap().display().to_string()
+}
+
+/// Everything the tests' cluster could leave behind; empty means clean.
+fn leftovers(d: &Dirs, cfg: &NetConfig) -> Vec<String> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/run/netns").into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&cfg.netns_prefix) {
+            found.push(format!("netns {name}"));
+        }
+    }
+    for entry in std::fs::read_dir("/sys/class/net").into_iter().flatten().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name == cfg.bridge || name.starts_with(&cfg.veth_prefix) {
+            found.push(format!("link {name}"));
+        }
+    }
+    // Mounts under our hosts' dirs in ANY mount namespace (a surviving host namespace would show here).
+    let hosts_dir = d.state.join("hosts");
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let mi = entry.path().join("mountinfo");
+        for m in starling_cluster::mounts::mount_points(&mi) {
+            if m.starts_with(&hosts_dir) {
+                found.push(format!("mount {} in {}", m.display(), mi.display()));
+            }
+        }
+    }
+    let base = d.base.display().to_string();
+    for p in procs::scan() {
+        if p.argv.iter().any(|a| a.contains(&base)) {
+            found.push(format!("process {} {:?}", p.pid, p.argv));
+        }
+    }
+    found
+}
+
+fn check(ok: bool, what: &str, failures: &mut Vec<String>) {
+    if ok {
+        println!("  ok: {what}");
+    } else {
+        println!("  FAILED: {what}");
+        failures.push(what.to_string());
+    }
+}
+
+fn assert_clean(d: &Dirs, failures: &mut Vec<String>) {
+    let left = leftovers(d, &test_net());
+    check(left.is_empty(), &format!("nothing left behind {left:?}"), failures);
+}
+
+/// Up with 3 hosts, check each host's identity and isolation, connectivity and multicast, refuse a second up,
+/// kill -9 one host, down, check nothing is left and the persistent cache survived.
+fn test_lifecycle(f: &mut Vec<String>) {
+    let d = dirs("life");
+    let cfg = test_net();
+    let state: ClusterState = match up(&options(&d, 3)) {
+        Ok(s) => s,
+        Err(e) => {
+            check(false, &format!("up: {e:#}"), f);
+            return;
+        }
+    };
+    check(state.hosts.len() == 3, "three hosts recorded", f);
+    check(state.head_addr == "10.219.0.1:7077", &format!("head address {}", state.head_addr), f);
+    let loaded = load_state(&d.run);
+    check(loaded.is_some_and(|l| l.head_pid == state.head_pid), "load_state finds the running cluster", f);
+    let head_cmd = procs::cmdline(state.head_pid);
+    check(
+        head_cmd.iter().any(|a| a == "--test-extra-arg") && head_cmd.get(1).is_some_and(|r| r == "head"),
+        &format!("head runs `exe head ... HEAD_ARGS` {head_cmd:?}"),
+        f,
+    );
+
+    let second = up(&options(&d, 1));
+    check(
+        second.as_ref().is_err_and(|e| format!("{e}").contains("already running")),
+        "second up refuses while a cluster runs",
+        f,
+    );
+
+    for (i, h) in state.hosts.iter().enumerate() {
+        let pid = h.boot_pid;
+        check(procs::cmdline(pid) == ["sleep", "infinity"], &format!("{}: boot pid {pid} became the host command", h.name), f);
+        let (_, hostname) = in_host(pid, &["hostname"]);
+        check(hostname == h.name, &format!("{}: hostname is {hostname:?}", h.name), f);
+        let (_, addrs) = in_host(pid, &["ip", "-4", "-o", "addr", "show", "dev", "eth0"]);
+        check(addrs.contains(&format!("{}/24", h.ip)), &format!("{}: eth0 has {}", h.name, h.ip), f);
+        check(h.ip == cfg.host_ip(i + 1).to_string(), &format!("{}: ip {} follows the plan", h.name, h.ip), f);
+        let (ok, _) = in_host(pid, &[&me(), "__probe-connect", &state.head_addr]);
+        check(ok, &format!("{}: reaches the head at {}", h.name, state.head_addr), f);
+
+        // /tmp is the host's own: planted through /proc/PID/root, visible inside, invisible on the machine.
+        let marker = format!("starling-cluster-test-{}-{}", std::process::id(), h.name);
+        let planted = std::fs::write(format!("/proc/{pid}/root/tmp/{marker}"), h.name.as_bytes()).is_ok();
+        check(planted, &format!("{}: plant a file in the host's /tmp", h.name), f);
+        check(!Path::new("/tmp").join(&marker).exists(), &format!("{}: the machine's /tmp does not see it", h.name), f);
+        let (_, seen) = in_host(pid, &["cat", &format!("/tmp/{marker}")]);
+        check(seen == h.name, &format!("{}: the host's /tmp has it", h.name), f);
+
+        // Root overlay writes stay in the host; the state dir is the persistent ext4 one.
+        let etc_marker = format!("/proc/{pid}/root/etc/{marker}");
+        check(std::fs::write(&etc_marker, b"x").is_ok(), &format!("{}: root is writable", h.name), f);
+        check(!Path::new("/etc").join(&marker).exists(), &format!("{}: root writes stay private", h.name), f);
+        let cache = format!("/proc/{pid}/root{HOST_STATE_MOUNT}/cache-marker");
+        check(std::fs::write(&cache, h.name.as_bytes()).is_ok(), &format!("{}: write to the state dir", h.name), f);
+        let persistent = host_dir(&d.state, &h.name).join("state/cache-marker");
+        check(persistent.exists(), &format!("{}: state dir is STATE/hosts/{}/state", h.name, h.name), f);
+    }
+
+    // Host to host: TCP h2 -> h1, multicast h1 -> h2 and h3.
+    let (h1, h2, h3) = (&state.hosts[0], &state.hosts[1], &state.hosts[2]);
+    let listener = Command::new("nsenter")
+        .args(["-t", &h1.boot_pid.to_string(), "-m", "-u", "-n", "--", &me(), "__probe-accept"])
+        .spawn()
+        .expect("spawn listener");
+    std::thread::sleep(Duration::from_millis(300));
+    let (ok, _) = in_host(h2.boot_pid, &[&me(), "__probe-connect", &format!("{}:{PROBE_PORT}", h1.ip)]);
+    check(ok, "h2 reaches h1 over TCP", f);
+    wait_child(listener, "h1 accepted the connection", f);
+
+    let receivers: Vec<_> = [h2, h3]
+        .iter()
+        .map(|h| {
+            Command::new("nsenter")
+                .args(["-t", &h.boot_pid.to_string(), "-m", "-u", "-n", "--", &me(), "__probe-mcast-recv"])
+                .spawn()
+                .expect("spawn receiver")
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let (ok, _) = in_host(h1.boot_pid, &[&me(), "__probe-mcast-send"]);
+    check(ok, "h1 sends multicast", f);
+    for (r, h) in receivers.into_iter().zip([h2, h3]) {
+        wait_child(r, &format!("{} received h1's multicast", h.name), f);
+    }
+
+    // Crash one host, then tear down.
+    let victim = h2.boot_pid;
+    let _ = Command::new("kill").args(["-9", &victim.to_string()]).status();
+    // Names that match nothing: down must take the real ones from cluster.json (and must not touch a real
+    // cluster's default names on this machine).
+    let unrelated = NetConfig {
+        bridge: "sttnone0".into(),
+        netns_prefix: "sttnone-".into(),
+        veth_prefix: "sttnv-".into(),
+        subnet: Ipv4Addr::new(10, 218, 0, 0),
+    };
+    let removed = down_with(&d.run, &d.state, &unrelated);
+    check(removed.is_ok(), &format!("down after kill -9 of one host: {removed:?}"), f);
+    let removed = removed.unwrap_or_default();
+    check(removed.iter().any(|r| r.contains("deleted bridge sttbr0")), "down names the bridge (found via cluster.json)", f);
+    check(!d.run.join("cluster.json").exists(), "cluster.json removed", f);
+    check(load_state(&d.run).is_none(), "load_state: no cluster after down", f);
+    for h in &state.hosts {
+        check(!procs::is_alive(h.boot_pid), &format!("{} (pid {}) is dead", h.name, h.boot_pid), f);
+    }
+    check(!procs::is_alive(state.head_pid), "head is dead", f);
+    assert_clean(&d, f);
+    check(host_dir(&d.state, "h1").join("state/cache-marker").exists(), "persistent cache survives down", f);
+    let again = down_with(&d.run, &d.state, &cfg);
+    check(again.as_ref().is_ok_and(|r| r.is_empty()), &format!("down is idempotent: {again:?}"), f);
+
+    // The cache is there again after the next up.
+    match up(&options(&d, 1)) {
+        Ok(s) => {
+            let cache = format!("/proc/{}/root{HOST_STATE_MOUNT}/cache-marker", s.hosts[0].boot_pid);
+            check(std::fs::read(&cache).is_ok_and(|c| c == b"h1"), "cache visible in h1 after re-up", f);
+        }
+        Err(e) => check(false, &format!("re-up: {e:#}"), f),
+    }
+    check(down_with(&d.run, &d.state, &cfg).is_ok(), "second down", f);
+    assert_clean(&d, f);
+    let _ = std::fs::remove_dir_all(&d.base);
+}
+
+/// A crash that also lost cluster.json and killed the head: down still finds everything by name.
+fn test_down_without_record(f: &mut Vec<String>) {
+    let d = dirs("norecord");
+    let cfg = test_net();
+    let state = match up(&options(&d, 2)) {
+        Ok(s) => s,
+        Err(e) => return check(false, &format!("up: {e:#}"), f),
+    };
+    let _ = Command::new("kill").args(["-9", &state.head_pid.to_string()]).status();
+    let _ = std::fs::remove_file(d.run.join("cluster.json"));
+    std::thread::sleep(Duration::from_millis(100));
+    check(load_state(&d.run).is_none(), "no running cluster without the record", f);
+    let refused = up(&options(&d, 1));
+    check(
+        refused.as_ref().is_err_and(|e| format!("{e}").contains("leftovers")),
+        "up refuses while leftovers exist",
+        f,
+    );
+    let removed = down_with(&d.run, &d.state, &cfg);
+    check(removed.is_ok(), &format!("down without cluster.json: {removed:?}"), f);
+    for h in &state.hosts {
+        check(!procs::is_alive(h.boot_pid), &format!("{} (pid {}) is dead", h.name, h.boot_pid), f);
+    }
+    assert_clean(&d, f);
+    let _ = std::fs::remove_dir_all(&d.base);
+}
+
+/// A head that cannot start makes up fail with its log, leaving nothing behind.
+fn test_failed_up_cleans_up(f: &mut Vec<String>) {
+    let d = dirs("fail");
+    let mut opts = options(&d, 2);
+    opts.exe = PathBuf::from("/bin/false");
+    let result = up(&opts);
+    let message = result.as_ref().err().map(|e| format!("{e:#}")).unwrap_or_default();
+    check(message.contains("exited before listening"), &format!("up fails: {message}"), f);
+    assert_clean(&d, f);
+    let _ = std::fs::remove_dir_all(&d.base);
+}
+
+fn wait_child(mut child: std::process::Child, what: &str, f: &mut Vec<String>) {
+    for _ in 0..100 {
+        if let Ok(Some(status)) = child.try_wait() {
+            return check(status.success(), what, f);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    check(false, &format!("{what} (timed out)"), f);
+}
+
+/// Roles this binary plays when started by `up` or by a test inside a host.
+fn role(args: &[String]) -> Option<ExitCode> {
+    let ok = |b: bool| Some(if b { ExitCode::SUCCESS } else { ExitCode::FAILURE });
+    match args.get(1).map(String::as_str)? {
+        "head" => {
+            let addr = args.iter().position(|a| a == "--listen").and_then(|i| args.get(i + 1))?;
+            let listener = TcpListener::bind(addr.as_str()).expect("bind head address");
+            for conn in listener.incoming() {
+                drop(conn);
+            }
+            ok(true)
+        }
+        "__host-boot" => starling_cluster::host_boot_main(&args[2..]),
+        "__probe-connect" => {
+            let addr = args.get(2)?.parse().ok()?;
+            ok(TcpStream::connect_timeout(&addr, Duration::from_secs(3)).is_ok())
+        }
+        "__probe-accept" => {
+            let listener = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, PROBE_PORT)).ok()?;
+            ok(listener.accept().is_ok())
+        }
+        "__probe-mcast-recv" => {
+            let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, MCAST_PORT)).ok()?;
+            sock.join_multicast_v4(&MCAST_GROUP, &Ipv4Addr::UNSPECIFIED).ok()?;
+            sock.set_read_timeout(Some(Duration::from_secs(4))).ok()?;
+            let mut buf = [0u8; 64];
+            ok(sock.recv(&mut buf).is_ok_and(|n| &buf[..n] == b"starling-mcast"))
+        }
+        "__probe-mcast-send" => {
+            let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)).ok()?;
+            // Several sends: the receivers may still be joining.
+            let sent = (0..10).all(|_| {
+                std::thread::sleep(Duration::from_millis(100));
+                sock.send_to(b"starling-mcast", SocketAddrV4::new(MCAST_GROUP, MCAST_PORT)).is_ok()
+            });
+            ok(sent)
+        }
+        _ => None,
+    }
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().collect();
+    if let Some(code) = role(&args) {
+        return code;
+    }
+    if !nix::unistd::Uid::effective().is_root() || Command::new("nsenter").arg("--version").output().is_err() {
+        println!("local_cluster: skipped (needs root, iproute2 and nsenter)");
+        return ExitCode::SUCCESS;
+    }
+    // Whatever an earlier, interrupted run of these tests left.
+    let _ = down_with(Path::new("/nonexistent-run"), Path::new("/nonexistent-state"), &test_net());
+    let mut failures = Vec::new();
+    type Test = fn(&mut Vec<String>);
+    let tests: [(&str, Test); 3] = [
+        ("failed_up_cleans_up", test_failed_up_cleans_up),
+        ("lifecycle", test_lifecycle),
+        ("down_without_record", test_down_without_record),
+    ];
+    for (name, test) in tests {
+        println!("test {name}");
+        test(&mut failures);
+    }
+    if failures.is_empty() {
+        println!("local_cluster: all checks passed");
+        ExitCode::SUCCESS
+    } else {
+        println!("local_cluster: {} failed: {failures:#?}", failures.len());
+        ExitCode::FAILURE
+    }
+}
