@@ -1,0 +1,129 @@
+"""Faults and bad input: lost hosts, kill -9, no cluster, protocol garbage."""
+import json
+import os
+import pathlib
+import signal
+import socket
+import struct
+import subprocess
+import time
+
+import pytest
+
+from conftest import STARLING, down, sh, starling, status, up
+
+
+def leftovers():
+    """Everything `starling down` must remove, as a dict of non-empty findings."""
+    found = {}
+    netns = sh("ip", "netns", "list", check=False).stdout
+    ns = [l.split()[0] for l in netns.splitlines() if l.startswith("starling")]
+    if ns:
+        found["netns"] = ns
+    if sh("ip", "link", "show", "stbr0", check=False).returncode == 0:
+        found["bridge"] = "stbr0"
+    mounts = [l for l in open("/proc/self/mountinfo") if "/var/lib/starling" in l or "/run/starling" in l]
+    if mounts:
+        found["mounts"] = mounts
+    procs = []
+    for p in pathlib.Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            cmd = (p / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if cmd and cmd[0].endswith(b"starling") and len(cmd) > 1 and cmd[1] in (b"agent", b"head", b"__host-boot", b"__sandbox-init"):
+            procs.append((p.name, cmd[:2]))
+    if procs:
+        found["processes"] = procs
+    return found
+
+
+@pytest.fixture
+def fresh_cluster():
+    st = up(3)
+    yield st
+    # Leave a healthy 4-host cluster for whatever runs next.
+    up(4)
+
+
+def test_no_cluster_gives_one_clear_line():
+    down()
+    r = subprocess.run([STARLING, "exec", "--", "true"], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 255
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "starling up" in lines[0], r.stderr
+    r = subprocess.run([STARLING, "status"], capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0 and "starling up" in r.stderr
+    up(4)
+
+
+def test_host_lost_mid_task(fresh_cluster, tmp_path):
+    work = pathlib.Path("/var/tmp/starling-tests/lost")
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "partial.txt"
+    out.unlink(missing_ok=True)
+    h2 = next(h for h in fresh_cluster["hosts"] if h["name"] == "h2")
+    p = subprocess.Popen([STARLING, "exec", "--host", "h2", "--", "sh", "-c", "echo started; echo data > partial.txt; sleep 60"],
+                         cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline() == b"started\n"
+    os.kill(h2["pid"], signal.SIGKILL)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 255
+    assert b"h2" in err and b"lost" in err, err
+    assert not out.exists(), "no partial files on the client"
+    assert not [p for p in work.iterdir() if ".starling-" in p.name]
+
+
+def test_down_after_kill9_leaves_nothing(fresh_cluster):
+    # Start a task so the host has live mounts, then kill -9 an agent and the head.
+    p = subprocess.Popen([STARLING, "exec", "--host", "h1", "--", "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(2)
+    st = status()
+    h1 = next(h for h in st["hosts"] if h["name"] == "h1")
+    os.kill(h1["pid"], signal.SIGKILL)
+    state = json.load(open("/run/starling/cluster.json"))
+    os.kill(state["head_pid"], signal.SIGKILL)
+    p.wait(timeout=30)
+    r = starling("down", check=False, timeout=120)
+    assert r.returncode == 0, r.stderr
+    time.sleep(0.5)
+    assert leftovers() == {}
+
+
+def test_head_survives_garbage_and_wrong_version(fresh_cluster):
+    host, port = fresh_cluster["head"].rsplit(":", 1)
+    # Garbage.
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.settimeout(5)
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except socket.timeout:
+        pytest.fail("head kept a garbage connection open")
+    s.close()
+    # Another protocol version: told why, then closed.
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"STRL" + struct.pack("<HHI", 99, 0, 0))
+    s.settimeout(5)
+    reply = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        reply += chunk
+    assert b"v99" in reply, reply
+    # Truncated frame then close.
+    s = socket.create_connection((host, int(port)), timeout=5)
+    s.sendall(b"STRL" + struct.pack("<HHI", 1, 0, 1000) + b"abc")
+    s.close()
+    # The head is unharmed.
+    assert len(status()["hosts"]) == 3
+    r = subprocess.run([STARLING, "exec", "--", "echo", "ok"], capture_output=True, timeout=60)
+    assert r.stdout == b"ok\n"
