@@ -45,6 +45,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
 use serde::{Deserialize, Serialize};
 
 pub use boot::{host_boot_main, HOST_STATE_MOUNT};
@@ -167,6 +169,7 @@ pub fn up(opts: &UpOptions) -> Result<ClusterState> {
     let exe = std::fs::canonicalize(&opts.exe).with_context(|| format!("starling binary {}", opts.exe.display()))?;
     let state_dir = absolute(&opts.state_dir)?;
     let run_dir = absolute(&opts.run_dir)?;
+    let _lock = lock_run_dir(&run_dir, false)?;
     if let Some(running) = load_state(&run_dir) {
         bail!(
             "a cluster is already running (head pid {} at {}, {} hosts); run `starling down` first",
@@ -186,12 +189,27 @@ pub fn up(opts: &UpOptions) -> Result<ClusterState> {
     match start(opts, &exe, &state_dir, &run_dir) {
         Ok(state) => Ok(state),
         Err(e) => {
-            if let Err(cleanup) = down_with(&run_dir, &state_dir, &opts.net) {
+            if let Err(cleanup) = teardown(&run_dir, &state_dir, &opts.net) {
                 log::warn!("cleaning up after a failed up: {cleanup:#}");
             }
             Err(e)
         }
     }
+}
+
+/// Serialises `up` and `down` on one run dir: without it, a second `up` failing on the first one's bridge would
+/// tear the first one down while it is still starting. `up` refuses to wait; `down` waits for a running `up`
+/// (which is bounded by its start timeouts).
+fn lock_run_dir(run_dir: &Path, wait: bool) -> Result<Flock<File>> {
+    std::fs::create_dir_all(run_dir).with_context(|| format!("mkdir {}", run_dir.display()))?;
+    let path = run_dir.join(".lock");
+    let file = File::options().create(true).truncate(false).write(true).open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    let how = if wait { FlockArg::LockExclusive } else { FlockArg::LockExclusiveNonblock };
+    Flock::lock(file, how).map_err(|(_, errno)| match errno {
+        Errno::EWOULDBLOCK => anyhow::anyhow!("another `starling up` or `down` is in progress ({} is locked)", path.display()),
+        other => anyhow::anyhow!("locking {}: {other}", path.display()),
+    })
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {
@@ -367,8 +385,14 @@ pub fn down(run_dir: &Path, state_dir: &Path) -> Result<Vec<String>> {
 /// `cluster.json`. The persistent host caches (`STATE/hosts/*/state`) stay. Names come from `cfg` and, if
 /// different, from `cluster.json`. Fails (after doing all it can) if something could not be removed.
 pub fn down_with(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<String>> {
-    let state_dir = absolute(state_dir)?;
     let run_dir = absolute(run_dir)?;
+    let _lock = lock_run_dir(&run_dir, true)?;
+    teardown(&run_dir, &absolute(state_dir)?, cfg)
+}
+
+/// `down_with` without the lock (`up` already holds it when it cleans up after itself).
+fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<String>> {
+    let (state_dir, run_dir) = (state_dir.to_path_buf(), run_dir.to_path_buf());
     let record = read_state_file(&run_dir);
     let mut cfgs = vec![cfg.clone()];
     if let Some(r) = &record {

@@ -60,6 +60,18 @@ fn in_host(pid: u32, cmd: &[&str]) -> (bool, String) {
     (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// (mount point, file system type) of every mount host `pid` sees, as it sees them.
+fn mount_types(pid: u32) -> Vec<(String, String)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default();
+    text.lines()
+        .filter_map(|line| {
+            let point = line.split(' ').nth(4)?;
+            let fstype = line.split(" - ").nth(1)?.split(' ').next()?;
+            Some((point.to_string(), fstype.to_string()))
+        })
+        .collect()
+}
+
 fn me() -> String {
     std::env::current_exe().unwrap().display().to_string()
 }
@@ -160,6 +172,18 @@ fn test_lifecycle(f: &mut Vec<String>) {
         check(!Path::new("/tmp").join(&marker).exists(), &format!("{}: the machine's /tmp does not see it", h.name), f);
         let (_, seen) = in_host(pid, &["cat", &format!("/tmp/{marker}")]);
         check(seen == h.name, &format!("{}: the host's /tmp has it", h.name), f);
+
+        // ... and the machine's /tmp files are not in the host's.
+        let machine_file = Path::new("/tmp").join(format!("{marker}-machine"));
+        let _ = std::fs::write(&machine_file, b"machine");
+        let leaked = Path::new(&format!("/proc/{pid}/root/tmp/{marker}-machine")).exists();
+        let _ = std::fs::remove_file(&machine_file);
+        check(!leaked, &format!("{}: the machine's /tmp is not visible in the host", h.name), f);
+        let fs_types = mount_types(pid);
+        for (point, fstype) in [("/", "overlay"), ("/proc", "proc"), ("/sys", "sysfs"), ("/tmp", "tmpfs"), ("/run", "tmpfs"), ("/dev/shm", "tmpfs"), (HOST_STATE_MOUNT, "ext4")] {
+            let found = fs_types.iter().any(|(p, t)| p == point && t == fstype);
+            check(found, &format!("{}: {point} is {fstype}", h.name), f);
+        }
 
         // Root overlay writes stay in the host; the state dir is the persistent ext4 one.
         let etc_marker = format!("/proc/{pid}/root/etc/{marker}");
@@ -276,6 +300,46 @@ fn test_failed_up_cleans_up(f: &mut Vec<String>) {
     let _ = std::fs::remove_dir_all(&d.base);
 }
 
+/// Without an override a host execs `exe agent --head ADDR --name NAME --state HOST_STATE_MOUNT` in its own root.
+fn test_default_agent_command(f: &mut Vec<String>) {
+    let d = dirs("agent");
+    let mut opts = options(&d, 1);
+    opts.host_command = None;
+    match up(&opts) {
+        Ok(s) => {
+            let pid = s.hosts[0].boot_pid;
+            let exe = me();
+            let expected = [exe.as_str(), "agent", "--head", "10.219.0.1:7077", "--name", "h1", "--state", HOST_STATE_MOUNT];
+            let argv = procs::cmdline(pid);
+            check(argv == expected, &format!("agent command line {argv:?}"), f);
+            let (_, hostname) = in_host(pid, &["hostname"]);
+            check(hostname == "h1", "the agent runs in host h1", f);
+        }
+        Err(e) => check(false, &format!("up: {e:#}"), f),
+    }
+    let removed = down_with(&d.run, &d.state, &test_net());
+    check(removed.as_ref().is_ok_and(|r| r.iter().any(|l| l.contains(" agent --head"))), "down kills the agent", f);
+    assert_clean(&d, f);
+    let _ = std::fs::remove_dir_all(&d.base);
+}
+
+/// A host whose boot fails (here: its command cannot be exec'd) makes up fail with the host's log, and up
+/// removes everything it had made, including the running head and the other hosts.
+fn test_failed_boot_cleans_up(f: &mut Vec<String>) {
+    let d = dirs("bootfail");
+    let mut opts = options(&d, 2);
+    opts.host_command = Some(vec!["/nonexistent/starling-test-program".into()]);
+    let message = up(&opts).err().map(|e| format!("{e:#}")).unwrap_or_default();
+    check(
+        message.contains("did not boot") && message.contains("/nonexistent/starling-test-program"),
+        &format!("up fails with the host's log: {message}"),
+        f,
+    );
+    check(load_state(&d.run).is_none(), "no cluster recorded", f);
+    assert_clean(&d, f);
+    let _ = std::fs::remove_dir_all(&d.base);
+}
+
 fn wait_child(mut child: std::process::Child, what: &str, f: &mut Vec<String>) {
     for _ in 0..100 {
         if let Ok(Some(status)) = child.try_wait() {
@@ -300,6 +364,9 @@ fn role(args: &[String]) -> Option<ExitCode> {
             }
             ok(true)
         }
+        "agent" => loop {
+            std::thread::sleep(Duration::from_secs(3600));
+        },
         "__host-boot" => starling_cluster::host_boot_main(&args[2..]),
         "__probe-connect" => {
             let addr = args.get(2)?.parse().ok()?;
@@ -342,8 +409,10 @@ fn main() -> ExitCode {
     let _ = down_with(Path::new("/nonexistent-run"), Path::new("/nonexistent-state"), &test_net());
     let mut failures = Vec::new();
     type Test = fn(&mut Vec<String>);
-    let tests: [(&str, Test); 3] = [
+    let tests: [(&str, Test); 5] = [
         ("failed_up_cleans_up", test_failed_up_cleans_up),
+        ("failed_boot_cleans_up", test_failed_boot_cleans_up),
+        ("default_agent_command", test_default_agent_command),
         ("lifecycle", test_lifecycle),
         ("down_without_record", test_down_without_record),
     ];
