@@ -103,14 +103,10 @@ pub struct UpOptions {
     pub run_dir: PathBuf,
     /// Extra arguments appended to `exe head ...`.
     pub head_args: Vec<String>,
-    /// Names and subnet; tests use their own so they never touch a real cluster.
-    pub net: NetConfig,
-    /// Run this in each host instead of `exe agent ...` (e.g. `["sleep", "infinity"]` in tests).
-    pub host_command: Option<Vec<String>>,
 }
 
 impl UpOptions {
-    /// Default directories, names and agent.
+    /// Default directories, no extra head arguments.
     pub fn new(hosts: usize, exe: PathBuf) -> UpOptions {
         UpOptions {
             hosts,
@@ -118,10 +114,18 @@ impl UpOptions {
             state_dir: DEFAULT_STATE_DIR.into(),
             run_dir: DEFAULT_RUN_DIR.into(),
             head_args: Vec::new(),
-            net: NetConfig::default(),
-            host_command: None,
         }
     }
+}
+
+/// What [`up_with`] can change beyond [`UpOptions`]; the default is what [`up`] does.
+#[derive(Clone, Debug, Default)]
+pub struct UpOverrides {
+    /// Names and subnet; tests use their own so they never touch a real cluster (pass the same to
+    /// [`down_with`]; `down` also reads them from `cluster.json`).
+    pub net: NetConfig,
+    /// Run this in each host instead of `exe agent ...` (e.g. `["sleep", "infinity"]` in tests).
+    pub host_command: Option<Vec<String>>,
 }
 
 fn cluster_file(run_dir: &Path) -> PathBuf {
@@ -152,8 +156,8 @@ fn read_state_file(run_dir: &Path) -> Option<ClusterState> {
 /// The running cluster, or `None` if there is none (no file, an unreadable one, or one whose head is dead).
 pub fn load_state(run_dir: &Path) -> Option<ClusterState> {
     let state = read_state_file(run_dir)?;
-    let head_alive = procs::is_alive(state.head_pid)
-        && procs::cmdline(state.head_pid).get(1).is_some_and(|role| role == "head");
+    let head_alive =
+        procs::is_alive(state.head_pid) && procs::cmdline(state.head_pid).get(1).is_some_and(|role| role == "head");
     head_alive.then_some(state)
 }
 
@@ -162,10 +166,16 @@ pub fn load_state(run_dir: &Path) -> Option<ClusterState> {
 /// `RUN/logs/NAME.log`); wait until the head accepts connections and every host has exec'd its agent; write
 /// `RUN/cluster.json`. Refuses if a cluster (or the leftovers of one) exists. On failure, tears down what it made.
 pub fn up(opts: &UpOptions) -> Result<ClusterState> {
+    up_with(opts, &UpOverrides::default())
+}
+
+/// [`up`] with other names/subnet or another program in place of the agent.
+pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState> {
+    let net = &overrides.net;
     if opts.hosts == 0 || opts.hosts > MAX_HOSTS {
         bail!("--hosts must be between 1 and {MAX_HOSTS}, not {}", opts.hosts);
     }
-    opts.net.validate(opts.hosts)?;
+    net.validate(opts.hosts)?;
     let exe = std::fs::canonicalize(&opts.exe).with_context(|| format!("starling binary {}", opts.exe.display()))?;
     let state_dir = absolute(&opts.state_dir)?;
     let run_dir = absolute(&opts.run_dir)?;
@@ -178,18 +188,18 @@ pub fn up(opts: &UpOptions) -> Result<ClusterState> {
             running.hosts.len()
         );
     }
-    let leftovers: Vec<String> = net::list_netns(&opts.net.netns_prefix)
+    let leftovers: Vec<String> = net::list_netns(&net.netns_prefix)
         .into_iter()
-        .chain(net::link_exists(&opts.net.bridge).then(|| opts.net.bridge.clone()))
+        .chain(net::link_exists(&net.bridge).then(|| net.bridge.clone()))
         .collect();
     if !leftovers.is_empty() {
         bail!("leftovers of an earlier cluster exist ({}); run `starling down` first", leftovers.join(", "));
     }
 
-    match start(opts, &exe, &state_dir, &run_dir) {
+    match start(opts, overrides, &exe, &state_dir, &run_dir) {
         Ok(state) => Ok(state),
         Err(e) => {
-            if let Err(cleanup) = teardown(&run_dir, &state_dir, &opts.net) {
+            if let Err(cleanup) = teardown(&run_dir, &state_dir, net) {
                 log::warn!("cleaning up after a failed up: {cleanup:#}");
             }
             Err(e)
@@ -203,11 +213,17 @@ pub fn up(opts: &UpOptions) -> Result<ClusterState> {
 fn lock_run_dir(run_dir: &Path, wait: bool) -> Result<Flock<File>> {
     std::fs::create_dir_all(run_dir).with_context(|| format!("mkdir {}", run_dir.display()))?;
     let path = run_dir.join(".lock");
-    let file = File::options().create(true).truncate(false).write(true).open(&path)
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
         .with_context(|| format!("open {}", path.display()))?;
     let how = if wait { FlockArg::LockExclusive } else { FlockArg::LockExclusiveNonblock };
     Flock::lock(file, how).map_err(|(_, errno)| match errno {
-        Errno::EWOULDBLOCK => anyhow::anyhow!("another `starling up` or `down` is in progress ({} is locked)", path.display()),
+        Errno::EWOULDBLOCK => {
+            anyhow::anyhow!("another `starling up` or `down` is in progress ({} is locked)", path.display())
+        }
         other => anyhow::anyhow!("locking {}: {other}", path.display()),
     })
 }
@@ -220,8 +236,14 @@ fn absolute(p: &Path) -> Result<PathBuf> {
     }
 }
 
-fn start(opts: &UpOptions, exe: &Path, state_dir: &Path, run_dir: &Path) -> Result<ClusterState> {
-    let cfg = &opts.net;
+fn start(
+    opts: &UpOptions,
+    overrides: &UpOverrides,
+    exe: &Path,
+    state_dir: &Path,
+    run_dir: &Path,
+) -> Result<ClusterState> {
+    let cfg = &overrides.net;
     std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("mkdir {}", run_dir.display()))?;
     std::fs::create_dir_all(state_dir.join("head")).with_context(|| format!("mkdir {}", state_dir.display()))?;
 
@@ -247,7 +269,7 @@ fn start(opts: &UpOptions, exe: &Path, state_dir: &Path, run_dir: &Path) -> Resu
             name: name.clone(),
             head: head_addr.to_string(),
             host_dir: hdir,
-            exec: opts.host_command.clone().unwrap_or_default(),
+            exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);
         cmd.arg("__host-boot").args(boot_args.to_args());
@@ -429,10 +451,8 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
                 .collect()
         })
         .unwrap_or_default();
-    let recorded_pids: BTreeSet<u32> = record
-        .iter()
-        .flat_map(|r| std::iter::once(r.head_pid).chain(r.hosts.iter().map(|h| h.boot_pid)))
-        .collect();
+    let recorded_pids: BTreeSet<u32> =
+        record.iter().flat_map(|r| std::iter::once(r.head_pid).chain(r.hosts.iter().map(|h| h.boot_pid))).collect();
     let head_addr_prefixes: Vec<String> = cfgs.iter().map(|c| format!("{}:", c.bridge_ip())).collect();
     for round in 0..10 {
         let our_ns: BTreeSet<(u64, u64)> =

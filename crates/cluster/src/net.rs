@@ -162,10 +162,8 @@ pub(crate) fn list_links(prefix: &str) -> Vec<String> {
 
 fn list_names(dir: &Path, prefix: &str) -> Vec<String> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
-    let mut names: Vec<String> = entries
-        .filter_map(|e| e.ok()?.file_name().into_string().ok())
-        .filter(|n| n.starts_with(prefix))
-        .collect();
+    let mut names: Vec<String> =
+        entries.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|n| n.starts_with(prefix)).collect();
     names.sort();
     names
 }

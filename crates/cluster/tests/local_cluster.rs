@@ -11,7 +11,7 @@ use std::process::{Command, ExitCode};
 use std::time::Duration;
 
 use starling_cluster::{
-    down_with, host_dir, load_state, procs, up, ClusterState, NetConfig, UpOptions, HOST_STATE_MOUNT,
+    down_with, host_dir, load_state, procs, up_with, ClusterState, NetConfig, UpOptions, UpOverrides, HOST_STATE_MOUNT,
 };
 
 const MCAST_GROUP: Ipv4Addr = Ipv4Addr::new(239, 77, 7, 7);
@@ -45,9 +45,16 @@ fn options(d: &Dirs, hosts: usize) -> UpOptions {
         state_dir: d.state.clone(),
         run_dir: d.run.clone(),
         head_args: vec!["--test-extra-arg".into()],
-        net: test_net(),
-        host_command: Some(vec!["sleep".into(), "infinity".into()]),
     }
+}
+
+fn sleeping_hosts() -> UpOverrides {
+    UpOverrides { net: test_net(), host_command: Some(vec!["sleep".into(), "infinity".into()]) }
+}
+
+/// `up` of the tests' cluster, whose hosts run `sleep infinity`.
+fn up(opts: &UpOptions) -> anyhow::Result<ClusterState> {
+    up_with(opts, &sleeping_hosts())
 }
 
 /// `nsenter` into host `pid`'s mount, UTS and network namespaces and run `cmd`; returns (success, stdout).
@@ -156,7 +163,11 @@ fn test_lifecycle(f: &mut Vec<String>) {
 
     for (i, h) in state.hosts.iter().enumerate() {
         let pid = h.boot_pid;
-        check(procs::cmdline(pid) == ["sleep", "infinity"], &format!("{}: boot pid {pid} became the host command", h.name), f);
+        check(
+            procs::cmdline(pid) == ["sleep", "infinity"],
+            &format!("{}: boot pid {pid} became the host command", h.name),
+            f,
+        );
         let (_, hostname) = in_host(pid, &["hostname"]);
         check(hostname == h.name, &format!("{}: hostname is {hostname:?}", h.name), f);
         let (_, addrs) = in_host(pid, &["ip", "-4", "-o", "addr", "show", "dev", "eth0"]);
@@ -180,9 +191,21 @@ fn test_lifecycle(f: &mut Vec<String>) {
         let _ = std::fs::remove_file(&machine_file);
         check(!leaked, &format!("{}: the machine's /tmp is not visible in the host", h.name), f);
         let fs_types = mount_types(pid);
-        for (point, fstype) in [("/", "overlay"), ("/proc", "proc"), ("/sys", "sysfs"), ("/tmp", "tmpfs"), ("/run", "tmpfs"), ("/dev/shm", "tmpfs"), (HOST_STATE_MOUNT, "ext4")] {
+        for (point, fstype) in [
+            ("/", "overlay"),
+            ("/proc", "proc"),
+            ("/sys", "sysfs"),
+            ("/tmp", "tmpfs"),
+            ("/run", "tmpfs"),
+            ("/dev/shm", "tmpfs"),
+            (HOST_STATE_MOUNT, "ext4"),
+        ] {
             let found = fs_types.iter().any(|(p, t)| p == point && t == fstype);
             check(found, &format!("{}: {point} is {fstype}", h.name), f);
+        }
+        let machine_has_cgroups = mount_types(std::process::id()).iter().any(|(p, _)| p == "/sys/fs/cgroup");
+        if machine_has_cgroups {
+            check(fs_types.iter().any(|(p, _)| p == "/sys/fs/cgroup"), &format!("{}: sees /sys/fs/cgroup", h.name), f);
         }
 
         // Root overlay writes stay in the host; the state dir is the persistent ext4 one.
@@ -236,7 +259,11 @@ fn test_lifecycle(f: &mut Vec<String>) {
     let removed = down_with(&d.run, &d.state, &unrelated);
     check(removed.is_ok(), &format!("down after kill -9 of one host: {removed:?}"), f);
     let removed = removed.unwrap_or_default();
-    check(removed.iter().any(|r| r.contains("deleted bridge sttbr0")), "down names the bridge (found via cluster.json)", f);
+    check(
+        removed.iter().any(|r| r.contains("deleted bridge sttbr0")),
+        "down names the bridge (found via cluster.json)",
+        f,
+    );
     check(!d.run.join("cluster.json").exists(), "cluster.json removed", f);
     check(load_state(&d.run).is_none(), "load_state: no cluster after down", f);
     for h in &state.hosts {
@@ -274,11 +301,7 @@ fn test_down_without_record(f: &mut Vec<String>) {
     std::thread::sleep(Duration::from_millis(100));
     check(load_state(&d.run).is_none(), "no running cluster without the record", f);
     let refused = up(&options(&d, 1));
-    check(
-        refused.as_ref().is_err_and(|e| format!("{e}").contains("leftovers")),
-        "up refuses while leftovers exist",
-        f,
-    );
+    check(refused.as_ref().is_err_and(|e| format!("{e}").contains("leftovers")), "up refuses while leftovers exist", f);
     let removed = down_with(&d.run, &d.state, &cfg);
     check(removed.is_ok(), &format!("down without cluster.json: {removed:?}"), f);
     for h in &state.hosts {
@@ -303,13 +326,13 @@ fn test_failed_up_cleans_up(f: &mut Vec<String>) {
 /// Without an override a host execs `exe agent --head ADDR --name NAME --state HOST_STATE_MOUNT` in its own root.
 fn test_default_agent_command(f: &mut Vec<String>) {
     let d = dirs("agent");
-    let mut opts = options(&d, 1);
-    opts.host_command = None;
-    match up(&opts) {
+    let overrides = UpOverrides { host_command: None, ..sleeping_hosts() };
+    match up_with(&options(&d, 1), &overrides) {
         Ok(s) => {
             let pid = s.hosts[0].boot_pid;
             let exe = me();
-            let expected = [exe.as_str(), "agent", "--head", "10.219.0.1:7077", "--name", "h1", "--state", HOST_STATE_MOUNT];
+            let expected =
+                [exe.as_str(), "agent", "--head", "10.219.0.1:7077", "--name", "h1", "--state", HOST_STATE_MOUNT];
             let argv = procs::cmdline(pid);
             check(argv == expected, &format!("agent command line {argv:?}"), f);
             let (_, hostname) = in_host(pid, &["hostname"]);
@@ -327,9 +350,9 @@ fn test_default_agent_command(f: &mut Vec<String>) {
 /// removes everything it had made, including the running head and the other hosts.
 fn test_failed_boot_cleans_up(f: &mut Vec<String>) {
     let d = dirs("bootfail");
-    let mut opts = options(&d, 2);
-    opts.host_command = Some(vec!["/nonexistent/starling-test-program".into()]);
-    let message = up(&opts).err().map(|e| format!("{e:#}")).unwrap_or_default();
+    let overrides =
+        UpOverrides { host_command: Some(vec!["/nonexistent/starling-test-program".into()]), ..sleeping_hosts() };
+    let message = up_with(&options(&d, 2), &overrides).err().map(|e| format!("{e:#}")).unwrap_or_default();
     check(
         message.contains("did not boot") && message.contains("/nonexistent/starling-test-program"),
         &format!("up fails with the host's log: {message}"),
