@@ -19,6 +19,7 @@
 pub mod types;
 pub mod msg;
 pub mod frame;
+pub mod conn;
 
 pub use frame::{read_frame, write_frame, FrameReader, FrameWriter};
 pub use msg::*;

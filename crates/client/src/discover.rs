@@ -1,0 +1,36 @@
+//! Finding the cluster: `--cluster ADDR`, then `$STARLING_CLUSTER`, then the
+//! embedded local cluster's state file written by `starling up`.
+
+use anyhow::{bail, Result};
+use std::path::Path;
+
+pub const RUN_DIR: &str = "/run/starling";
+
+#[derive(serde::Deserialize)]
+struct StateFile {
+    head_addr: String,
+}
+
+/// The head address to use, or an error telling the user how to get one.
+pub fn head_addr(flag: Option<&str>) -> Result<String> {
+    if let Some(a) = flag {
+        return Ok(a.to_string());
+    }
+    if let Ok(a) = std::env::var("STARLING_CLUSTER") {
+        if !a.is_empty() {
+            return Ok(a);
+        }
+    }
+    let path = Path::new(RUN_DIR).join("cluster.json");
+    match std::fs::read(&path) {
+        Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
+            Ok(s) => Ok(s.head_addr),
+            Err(e) => bail!("{} is unreadable ({e}); run `starling down` then `starling up`", path.display()),
+        },
+        Err(_) => bail!(no_cluster_message()),
+    }
+}
+
+pub fn no_cluster_message() -> String {
+    "no starling cluster is running: start one with `starling up` (or point to one with --cluster ADDR / STARLING_CLUSTER)".into()
+}

@@ -1,0 +1,250 @@
+//! Answering a task's file-view faults from this machine's file system.
+//!
+//! The client is the authority for the task's `/`. A host asks by path
+//! (`Lookup`, `ReadDir`) and by content name (`GetRecipe`, `GetChunks`);
+//! we answer from `lstat`, the recipe cache (a file is re-hashed only when
+//! its identity changed) and the files themselves. Every binding we hand
+//! out is remembered so the commit step can tell what the task saw.
+
+use starling_proto::{Attr, ChunkData, DirEntry, FileReq, FileResp, Hash, Lookup, NodeKind, Recipe, WirePath};
+use starling_store::RecipeCache;
+use std::collections::HashMap;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// Directories whose client contents are never exported: the task gets its
+/// own `/proc`, `/dev` and `/sys`. They appear as empty mount points.
+const MOUNT_POINTS: [&[u8]; 3] = [b"/proc", b"/sys", b"/dev"];
+/// starling's own state never appears inside a task.
+const HIDDEN: [&[u8]; 2] = [b"/var/lib/starling", b"/run/starling"];
+
+fn under(path: &[u8], dir: &[u8]) -> bool {
+    path == dir || (path.starts_with(dir) && path.get(dir.len()) == Some(&b'/'))
+}
+
+enum Export {
+    Normal,
+    EmptyDir,
+    Hidden,
+}
+
+fn classify(path: &[u8]) -> Export {
+    for m in MOUNT_POINTS {
+        if path == m {
+            return Export::EmptyDir;
+        }
+        if under(path, m) {
+            return Export::Hidden;
+        }
+    }
+    if HIDDEN.iter().any(|h| under(path, h)) {
+        return Export::Hidden;
+    }
+    Export::Normal
+}
+
+pub fn attr_of(meta: &std::fs::Metadata) -> Attr {
+    let ft = meta.file_type();
+    let kind = if ft.is_file() {
+        NodeKind::File
+    } else if ft.is_dir() {
+        NodeKind::Dir
+    } else if ft.is_symlink() {
+        NodeKind::Symlink
+    } else {
+        NodeKind::Special
+    };
+    Attr {
+        kind,
+        ino: meta.ino(),
+        size: meta.size(),
+        mode: meta.mode(),
+        nlink: meta.nlink() as u32,
+        uid: meta.uid(),
+        gid: meta.gid(),
+        rdev: meta.rdev(),
+        atime_ns: meta.atime() * 1_000_000_000 + meta.atime_nsec(),
+        mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
+        ctime_ns: meta.ctime() * 1_000_000_000 + meta.ctime_nsec(),
+    }
+}
+
+fn errno_of(e: &std::io::Error) -> i32 {
+    e.raw_os_error().unwrap_or(libc::EIO)
+}
+
+/// Counters for reports and benchmarks.
+#[derive(Default, Debug, Clone, Copy)]
+pub struct ServeStats {
+    pub lookups: u64,
+    pub readdirs: u64,
+    pub recipes: u64,
+    pub chunks_sent: u64,
+    pub chunk_bytes_sent: u64,
+    pub files_hashed: u64,
+}
+
+pub struct FileServer {
+    recipes: RecipeCache,
+    compress: bool,
+    /// Recipes handed out by name, and which file holds each chunk.
+    by_name: Mutex<HashMap<Hash, (PathBuf, Recipe)>>,
+    by_chunk: Mutex<HashMap<Hash, Hash>>,
+    stats: Mutex<ServeStats>,
+}
+
+impl FileServer {
+    pub fn new(recipes: RecipeCache, compress: bool) -> Self {
+        FileServer {
+            recipes,
+            compress,
+            by_name: Mutex::new(HashMap::new()),
+            by_chunk: Mutex::new(HashMap::new()),
+            stats: Mutex::new(ServeStats::default()),
+        }
+    }
+
+    pub fn stats(&self) -> ServeStats {
+        *self.stats.lock().unwrap()
+    }
+
+    pub fn answer(&self, req: &FileReq) -> FileResp {
+        match req {
+            FileReq::Lookup { path } => {
+                self.stats.lock().unwrap().lookups += 1;
+                match self.lookup(path) {
+                    Ok(l) => FileResp::Lookup(l),
+                    Err(e) => FileResp::Errno(errno_of(&e)),
+                }
+            }
+            FileReq::ReadDir { path } => {
+                self.stats.lock().unwrap().readdirs += 1;
+                FileResp::ReadDir(self.readdir(path))
+            }
+            FileReq::GetRecipe { name } => {
+                self.stats.lock().unwrap().recipes += 1;
+                FileResp::Recipe(self.by_name.lock().unwrap().get(name).map(|(_, r)| r.clone()))
+            }
+            FileReq::GetChunks { hashes } => match self.chunks(hashes) {
+                Ok(c) => FileResp::Chunks(c),
+                Err(e) => {
+                    log::warn!("serving chunks: {e}");
+                    FileResp::Errno(errno_of(&e))
+                }
+            },
+        }
+    }
+
+    /// What is at `path` now, as the task will see it.
+    pub fn lookup(&self, path: &WirePath) -> std::io::Result<Lookup> {
+        match classify(path.as_bytes()) {
+            Export::Hidden => return Ok(Lookup::Absent),
+            Export::EmptyDir => {
+                let meta = std::fs::symlink_metadata(path.as_path())?;
+                return Ok(Lookup::Dir(Attr { nlink: 2, ..attr_of(&meta) }));
+            }
+            Export::Normal => {}
+        }
+        // A file may change while we hash it; retry until stat and content agree.
+        for _ in 0..5 {
+            let meta = match std::fs::symlink_metadata(path.as_path()) {
+                Ok(m) => m,
+                Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => return Ok(Lookup::Absent),
+                Err(e) => return Err(e),
+            };
+            let attr = attr_of(&meta);
+            let ft = meta.file_type();
+            if ft.is_dir() {
+                return Ok(Lookup::Dir(attr));
+            }
+            if ft.is_symlink() {
+                let t = std::fs::read_link(path.as_path())?;
+                return Ok(Lookup::Symlink(attr, t.as_os_str().as_bytes().to_vec()));
+            }
+            if ft.is_block_device() || ft.is_char_device() || ft.is_fifo() || ft.is_socket() {
+                return Ok(Lookup::Special(attr));
+            }
+            let (recipe, hashed) = self.recipes.recipe(path.as_path(), &meta)?;
+            if hashed {
+                self.stats.lock().unwrap().files_hashed += 1;
+            }
+            let after = std::fs::symlink_metadata(path.as_path())?;
+            if attr_of(&after) != attr {
+                continue;
+            }
+            let name = recipe.name();
+            self.remember(path.as_path(), recipe);
+            return Ok(Lookup::File(attr, name));
+        }
+        Err(std::io::Error::from_raw_os_error(libc::EAGAIN))
+    }
+
+    fn remember(&self, path: &Path, recipe: Recipe) {
+        let name = recipe.name();
+        let mut by_chunk = self.by_chunk.lock().unwrap();
+        for c in &recipe.chunks {
+            by_chunk.insert(c.hash, name);
+        }
+        self.by_name.lock().unwrap().insert(name, (path.to_path_buf(), recipe));
+    }
+
+    pub fn readdir(&self, path: &WirePath) -> Result<Vec<DirEntry>, i32> {
+        match classify(path.as_bytes()) {
+            Export::Hidden => return Err(libc::ENOENT),
+            Export::EmptyDir => return Ok(Vec::new()),
+            Export::Normal => {}
+        }
+        let rd = std::fs::read_dir(path.as_path()).map_err(|e| errno_of(&e))?;
+        let mut out = Vec::new();
+        for ent in rd {
+            let ent = ent.map_err(|e| errno_of(&e))?;
+            let name = ent.file_name().as_bytes().to_vec();
+            let child = match path.join(&name) {
+                Ok(c) => c,
+                Err(_) => continue,
+            };
+            if matches!(classify(child.as_bytes()), Export::Hidden) {
+                continue;
+            }
+            let kind = match ent.file_type() {
+                Ok(t) if t.is_dir() => NodeKind::Dir,
+                Ok(t) if t.is_file() => NodeKind::File,
+                Ok(t) if t.is_symlink() => NodeKind::Symlink,
+                _ => NodeKind::Special,
+            };
+            out.push(DirEntry { name, kind });
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+
+    fn chunks(&self, hashes: &[Hash]) -> std::io::Result<Vec<ChunkData>> {
+        // Group the wanted chunks by the file that holds them.
+        let mut per_file: HashMap<Hash, Vec<Hash>> = HashMap::new();
+        {
+            let by_chunk = self.by_chunk.lock().unwrap();
+            for h in hashes {
+                match by_chunk.get(h) {
+                    Some(name) => per_file.entry(*name).or_default().push(*h),
+                    None => {
+                        return Err(std::io::Error::new(std::io::ErrorKind::NotFound, format!("chunk {h:?} was never offered")))
+                    }
+                }
+            }
+        }
+        let mut found: HashMap<Hash, ChunkData> = HashMap::new();
+        for (name, wanted) in per_file {
+            let (path, recipe) = self.by_name.lock().unwrap().get(&name).cloned().expect("indexed recipe");
+            for (h, bytes) in starling_store::read_chunks(&path, &recipe, &wanted)? {
+                found.insert(h, ChunkData::seal(&bytes, self.compress));
+            }
+        }
+        let out: Vec<ChunkData> = hashes.iter().filter_map(|h| found.get(h).cloned()).collect();
+        let mut st = self.stats.lock().unwrap();
+        st.chunks_sent += out.len() as u64;
+        st.chunk_bytes_sent += out.iter().map(|c| c.data.len() as u64).sum::<u64>();
+        Ok(out)
+    }
+}

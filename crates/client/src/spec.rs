@@ -1,0 +1,53 @@
+//! Capturing the caller's configuration: what makes the remote task behave
+//! as if it ran here.
+
+use anyhow::{Context, Result};
+use starling_proto::{TaskSpec, WirePath};
+use std::ffi::OsString;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+
+/// Resources carried to the task (all of getrlimit's on Linux).
+const RLIMITS: std::ops::Range<u32> = 0..16;
+
+pub fn now_ns() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+}
+
+pub fn current_umask() -> u32 {
+    // SAFETY: umask(2) cannot fail; we immediately restore the value we read.
+    unsafe {
+        let m = libc::umask(0o022);
+        libc::umask(m);
+        m as u32
+    }
+}
+
+/// The spec for running `argv` as if here and now.
+pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec> {
+    let cwd = std::env::current_dir().context("cannot determine the current directory")?;
+    let cwd = WirePath::new(cwd.as_os_str().as_bytes().to_vec())
+        .map_err(|e| anyhow::anyhow!("current directory cannot be exported: {e}"))?;
+    let mut rlimits = Vec::new();
+    for r in RLIMITS {
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        // SAFETY: `lim` is a valid out-pointer for the duration of the call.
+        if unsafe { libc::getrlimit(r as _, &mut lim) } == 0 {
+            rlimits.push((r, lim.rlim_cur, lim.rlim_max));
+        }
+    }
+    let groups = nix::unistd::getgroups().map(|g| g.into_iter().map(|g| g.as_raw()).collect()).unwrap_or_default();
+    Ok(TaskSpec {
+        argv: argv.into_iter().map(|a| a.into_vec()).collect(),
+        env: std::env::vars_os().map(|(k, v)| (k.into_vec(), v.into_vec())).collect(),
+        cwd,
+        umask: current_umask(),
+        uid: nix::unistd::getuid().as_raw(),
+        gid: nix::unistd::getgid().as_raw(),
+        groups,
+        rlimits,
+        host: None,
+        job: None,
+        prethrow: Vec::new(),
+        launch_ns: now_ns(),
+    })
+}
