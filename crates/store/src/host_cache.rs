@@ -197,21 +197,20 @@ impl HostCache {
     /// Is chunk `h` cached? (Counts as a use for eviction order.)
     pub fn has_chunk(&self, h: &Hash) -> bool {
         let key = (Kind::Chunk, *h);
-        {
-            let mut index = self.lock();
-            if index.touch(key) {
-                index.count(true);
-                return true;
-            }
-        }
-        // Another process sharing the directory may have stored it.
-        let found = fs::metadata(self.path(key)).ok().filter(|m| m.is_file());
         let mut index = self.lock();
-        index.count(found.is_some());
-        if let Some(m) = &found {
-            index.use_entry(key, m.len());
-        }
-        found.is_some()
+        let found = index.touch(key) || {
+            // Another process sharing the directory may have stored it.
+            // (Checked under the lock so our own eviction cannot interleave.)
+            match fs::metadata(self.path(key)) {
+                Ok(m) if m.is_file() => {
+                    index.use_entry(key, m.len());
+                    true
+                }
+                _ => false,
+            }
+        };
+        index.count(found);
+        found
     }
 
     /// Store chunk bytes the caller has already verified against `h`.
@@ -285,31 +284,39 @@ impl HostCache {
 
     /// A local file holding exactly `r`'s bytes, assembled from cached
     /// chunks and shared by all recipes with the same content. Fails with
-    /// `NotFound` if chunks are missing. The file is read-only; it may be
-    /// evicted (unlinked) later, which does not disturb anyone who has it open.
+    /// `NotFound` if chunks are missing. The file is read-only. It may be
+    /// evicted (unlinked) later, which does not disturb anyone who has it
+    /// open; open it promptly, and if that fails with `NotFound` (evicted in
+    /// between by heavy churn), call `assemble` again.
     pub fn assemble(&self, r: &Recipe) -> io::Result<PathBuf> {
         r.validate().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let key = (Kind::File, r.content_id());
         let path = self.path(key);
-        match fs::metadata(&path) {
-            Ok(m) if m.is_file() && m.len() == r.size => {
-                touch_mtime(&path);
-                let mut index = self.lock();
-                index.count(true);
-                index.use_entry(key, m.len());
-                return Ok(path);
+        {
+            let mut index = self.lock();
+            match fs::metadata(&path) {
+                Ok(m) if m.is_file() && m.len() == r.size => {
+                    let _ = touch_mtime(&path);
+                    index.count(true);
+                    index.use_entry(key, m.len());
+                    return Ok(path);
+                }
+                Ok(_) => {
+                    // Wrong size: damaged.
+                    let _ = fs::remove_file(&path);
+                    index.forget(key);
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => index.forget(key),
+                Err(e) => return Err(e),
             }
-            Ok(_) => self.drop_entry(key), // wrong size: damaged
-            Err(e) if e.kind() == io::ErrorKind::NotFound => self.lock().forget(key),
-            Err(e) => return Err(e),
+            index.count(false);
         }
-        self.lock().count(false);
+        // Keep the chunks from being evicted (by our own writes, say) while we copy them.
+        let _pin = Pin::new(self, r.chunks.iter().map(|c| (Kind::Chunk, c.hash)).collect());
         let missing = self.missing(r);
         if !missing.is_empty() {
             return Err(not_found_chunks(&missing));
         }
-        // Keep the chunks from being evicted (by our own writes, say) while we copy them.
-        let _pin = Pin::new(self, r.chunks.iter().map(|c| (Kind::Chunk, c.hash)).collect());
         self.store(key, |f| {
             let mut out = io::BufWriter::with_capacity(1 << 20, &mut *f);
             for c in &r.chunks {
@@ -413,10 +420,15 @@ impl HostCache {
     /// A verified read of `key`: count a hit, and refresh its recency both
     /// in memory and on disk (so it survives a restart).
     fn note_read(&self, key: Key, size: u64) {
-        touch_mtime(&self.path(key));
         let mut index = self.lock();
         index.count(true);
-        index.use_entry(key, size);
+        // Under the lock: if a concurrent eviction unlinked the file after
+        // we read it, the touch fails and the entry is not resurrected.
+        // (Other failures, e.g. a read-only file system, only cost recency.)
+        match touch_mtime(&self.path(key)) {
+            Err(nix::errno::Errno::ENOENT) => index.forget(key),
+            _ => index.use_entry(key, size),
+        }
     }
 
     /// Delete a damaged entry and count the lookup as a miss.
@@ -489,12 +501,12 @@ fn not_found_chunks(missing: &[Hash]) -> io::Error {
     )
 }
 
-/// Mark a cache entry as just used (mtime = now), for recency across restarts.
-fn touch_mtime(path: &Path) {
+/// Mark a cache entry as just used (mtime = now), for recency across
+/// restarts. Fails with ENOENT if the entry no longer exists.
+fn touch_mtime(path: &Path) -> nix::Result<()> {
     use nix::sys::stat::{utimensat, UtimensatFlags};
     use nix::sys::time::TimeSpec;
-    // Best effort: a failure only makes the entry look older after a restart.
-    let _ = utimensat(None, path, &TimeSpec::UTIME_OMIT, &TimeSpec::UTIME_NOW, UtimensatFlags::NoFollowSymlink);
+    utimensat(None, path, &TimeSpec::UTIME_OMIT, &TimeSpec::UTIME_NOW, UtimensatFlags::NoFollowSymlink)
 }
 
 /// Remove temporary files abandoned by crashed writers. Recent ones may

@@ -155,10 +155,7 @@ impl RecipeCache {
             }
             return Ok(recipe);
         }
-        Err(io::Error::new(
-            io::ErrorKind::WouldBlock,
-            format!("{}: changed {HASH_ATTEMPTS} times while being hashed", path.display()),
-        ))
+        Err(io::Error::other(format!("{}: changed {HASH_ATTEMPTS} times while being hashed", path.display())))
     }
 
     fn record_path(&self, (dev, ino): (u64, u64)) -> PathBuf {

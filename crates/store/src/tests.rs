@@ -299,3 +299,10 @@ fn read_chunks_serves_verified_chunks_and_detects_changes() {
     let last = recipe.chunks.last().unwrap().hash;
     assert_eq!(read_chunks(&file, &recipe, &[last]).unwrap_err().kind(), io::ErrorKind::InvalidData);
 }
+
+#[test]
+fn caches_are_shareable_between_threads() {
+    fn shareable<T: Send + Sync>() {}
+    shareable::<HostCache>();
+    shareable::<RecipeCache>();
+}
