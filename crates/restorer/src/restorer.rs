@@ -955,7 +955,7 @@ extern "C" fn restorer_main() -> ! {
     restore_fds(keep_above);
     // SAFETY: close_range of everything above the template's fds (including
     // the handler socket, no longer needed).
-    unsafe { sys!(nr::CLOSE_RANGE, keep_above, u32::MAX, 0) };
+    unsafe { sys!(nr::CLOSE_RANGE, max_fd + 1, u32::MAX, 0) };
     restore_process_state();
     restore_signals();
     restore_thread_state();

@@ -1,0 +1,150 @@
+//! The C ABI (`include/starling.h`), re-exported by `starling-capi`.
+//!
+//! Errors are reported as -1/NULL plus a thread-local message read with
+//! `sf_last_error`. Nothing here unwinds into C: every entry point catches
+//! panics.
+
+use crate::api::Ticket;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int, c_longlong, CString};
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+fn set_error(msg: String) {
+    let c = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+fn guard<T>(fail: T, f: impl FnOnce() -> crate::Result<T>) -> T {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Ok(v)) => v,
+        Ok(Err(e)) => {
+            set_error(e.to_string());
+            fail
+        }
+        Err(_) => {
+            set_error("internal error (panic)".into());
+            fail
+        }
+    }
+}
+
+/// Opaque to C.
+pub type SfTicket = Ticket;
+
+#[no_mangle]
+pub extern "C" fn sf_request_ticket(n: c_int, hierarchical: bool) -> *mut SfTicket {
+    guard(std::ptr::null_mut(), || Ok(Box::into_raw(Box::new(Ticket::request(n, hierarchical)?))))
+}
+
+/// # Safety
+/// `t` is NULL or a ticket from `sf_request_ticket` not yet released.
+#[no_mangle]
+pub unsafe extern "C" fn sf_ticket_allocation(t: *const SfTicket) -> c_int {
+    // SAFETY: per the contract, t is NULL or valid.
+    match unsafe { t.as_ref() } {
+        Some(t) => t.allocation as c_int,
+        None => {
+            set_error("NULL ticket".into());
+            -1
+        }
+    }
+}
+
+/// # Safety
+/// As `sf_ticket_allocation`, and not used concurrently from another thread.
+#[no_mangle]
+pub unsafe extern "C" fn sf_clone(t: *mut SfTicket) -> c_int {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_mut() }) else {
+        set_error("NULL ticket".into());
+        return -1;
+    };
+    guard(-1, || t.clone_now().map(|id| id as c_int))
+}
+
+#[no_mangle]
+pub extern "C" fn sf_exit(status: c_int) -> ! {
+    // exit (not _exit): atexit handlers and stdio flushing deliver results.
+    // SAFETY: terminates the process.
+    unsafe { libc::exit(status) }
+}
+
+/// # Safety
+/// As `sf_clone`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_join(t: *mut SfTicket) -> c_int {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_mut() }) else {
+        set_error("NULL ticket".into());
+        return -1;
+    };
+    guard(-1, || t.join().map(|_| 0))
+}
+
+/// # Safety
+/// As `sf_clone`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_kill(t: *mut SfTicket) -> c_int {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_mut() }) else {
+        set_error("NULL ticket".into());
+        return -1;
+    };
+    guard(-1, || t.kill().map(|_| 0))
+}
+
+/// # Safety
+/// As `sf_ticket_allocation`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_clone_status(t: *const SfTicket, id: c_int) -> c_int {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
+    t.clone_status(id).unwrap_or(-1)
+}
+
+/// Extension: counters of clone `id`'s fault handler; `which`: 0 faults,
+/// 1 pages fetched from the page server, 2 zero-filled, 3 read from files,
+/// 4 fetch requests, 5 remove/unmap events. -1 if unknown.
+///
+/// # Safety
+/// As `sf_ticket_allocation`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_clone_stat(t: *const SfTicket, id: c_int, which: c_int) -> c_longlong {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
+    match (t.clone_stats(id), usize::try_from(which)) {
+        (Some(s), Ok(w)) if w < s.len() => s[w] as c_longlong,
+        _ => -1,
+    }
+}
+
+/// Extension: size in bytes of the ticket's encoded descriptor (-1 if none).
+///
+/// # Safety
+/// As `sf_ticket_allocation`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_descriptor_bytes(t: *const SfTicket) -> c_longlong {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
+    t.descriptor_bytes().map_or(-1, |n| n as c_longlong)
+}
+
+/// Extension: free a ticket (kills its clones if not joined).
+///
+/// # Safety
+/// `t` is NULL or a ticket from `sf_request_ticket`, not used afterwards.
+#[no_mangle]
+pub unsafe extern "C" fn sf_release_ticket(t: *mut SfTicket) {
+    if !t.is_null() {
+        // SAFETY: per the contract, we own the box.
+        drop(unsafe { Box::from_raw(t) });
+    }
+}
+
+#[no_mangle]
+pub extern "C" fn sf_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}

@@ -1,0 +1,227 @@
+//! The page server: serves a frozen template's pages over TCP.
+//!
+//! Protocol (little-endian, one request in flight per connection):
+//!
+//! ```text
+//! request:  "SFPQ" | count: u32 (1..=MAX_BATCH) | count × page address: u64
+//! reply:    "SFPR" | count: u32 (same)          | count × (tag: u8 [| 4096 data bytes if tag = DATA])
+//!           tag: 0 = ZERO (all-zero page), 1 = DATA, 2 = UNREADABLE
+//! ```
+//!
+//! Addresses must be page-aligned and inside a region the server was told
+//! to serve; anything else closes the connection. Page data is read with
+//! `process_vm_readv` from the template (its copy-on-write image stays
+//! frozen while the parent goes on). All-zero pages are answered with the
+//! one-byte ZERO tag.
+
+use crate::{ForkError, Result, PAGE_SIZE};
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub const MAX_BATCH: u32 = 1024;
+const REQ_MAGIC: [u8; 4] = *b"SFPQ";
+const REPLY_MAGIC: [u8; 4] = *b"SFPR";
+const TAG_ZERO: u8 = 0;
+const TAG_DATA: u8 = 1;
+const TAG_UNREADABLE: u8 = 2;
+const PAGE: usize = PAGE_SIZE as usize;
+
+/// Counters of a page server, shared with its threads.
+#[derive(Default, Debug)]
+pub struct ServerStats {
+    pub requests: AtomicU64,
+    pub pages_data: AtomicU64,
+    pub pages_zero: AtomicU64,
+}
+
+pub struct PageServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    stats: Arc<ServerStats>,
+    accept_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl PageServer {
+    /// Serve pages of `pid` within `regions` ([start, end) pairs, sorted).
+    pub fn start(pid: i32, regions: Vec<(u64, u64)>, bind: SocketAddr) -> Result<PageServer> {
+        let listener = TcpListener::bind(bind).map_err(|e| ForkError::io(format!("bind page server {bind}"), e))?;
+        let addr = listener.local_addr().map_err(|e| ForkError::io("page server address", e))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(ServerStats::default());
+        let regions = Arc::new(regions);
+        let (stop2, stats2) = (stop.clone(), stats.clone());
+        let accept_thread = std::thread::Builder::new()
+            .name("sf-page-server".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop2.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let (regions, stats) = (regions.clone(), stats2.clone());
+                    let _ = std::thread::Builder::new().name("sf-page-conn".into()).spawn(move || {
+                        // A protocol error only ends this connection.
+                        let _ = serve_connection(pid, &regions, &stats, conn);
+                    });
+                }
+            })
+            .map_err(|e| ForkError::io("spawn page server", e))?;
+        Ok(PageServer { addr, stop, stats, accept_thread: Some(accept_thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn stats(&self) -> &ServerStats {
+        &self.stats
+    }
+
+    /// Stop accepting (open connections end when their peers close).
+    pub fn stop(&mut self) {
+        if let Some(t) = self.accept_thread.take() {
+            self.stop.store(true, Ordering::Release);
+            let _ = TcpStream::connect(self.addr); // wake the accept loop
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for PageServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn in_regions(regions: &[(u64, u64)], addr: u64) -> bool {
+    let i = regions.partition_point(|&(_, end)| end <= addr);
+    regions.get(i).is_some_and(|&(start, end)| start <= addr && addr + PAGE_SIZE <= end)
+}
+
+fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, conn: TcpStream) -> Result<()> {
+    let _ = conn.set_nodelay(true);
+    let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
+    let mut wr = BufWriter::with_capacity(256 * 1024, conn);
+    let mut data = vec![0u8; MAX_BATCH as usize * PAGE];
+    loop {
+        let mut hdr = [0u8; 8];
+        match rd.read_exact(&mut hdr) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(ForkError::io("read page request", e)),
+        }
+        if hdr[..4] != REQ_MAGIC {
+            return Err(ForkError::Protocol("bad request magic".into()));
+        }
+        let count = u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes"));
+        if count == 0 || count > MAX_BATCH {
+            return Err(ForkError::Protocol(format!("batch of {count} pages")));
+        }
+        let mut raw = vec![0u8; count as usize * 8];
+        rd.read_exact(&mut raw).map_err(|e| ForkError::io("read page addresses", e))?;
+        let addrs: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        if let Some(bad) = addrs.iter().find(|&&a| a % PAGE_SIZE != 0 || !in_regions(regions, a)) {
+            return Err(ForkError::Protocol(format!("page {bad:#x} not served")));
+        }
+        stats.requests.fetch_add(1, Ordering::Relaxed);
+        let ok = read_pages(pid, &addrs, &mut data[..addrs.len() * PAGE]);
+        wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
+            .map_err(|e| ForkError::io("write reply", e))?;
+        for (i, page) in data[..addrs.len() * PAGE].chunks_exact(PAGE).enumerate() {
+            let res = if !ok[i] {
+                wr.write_all(&[TAG_UNREADABLE])
+            } else if page.iter().all(|&b| b == 0) {
+                stats.pages_zero.fetch_add(1, Ordering::Relaxed);
+                wr.write_all(&[TAG_ZERO])
+            } else {
+                stats.pages_data.fetch_add(1, Ordering::Relaxed);
+                wr.write_all(&[TAG_DATA]).and_then(|_| wr.write_all(page))
+            };
+            res.map_err(|e| ForkError::io("write reply", e))?;
+        }
+        wr.flush().map_err(|e| ForkError::io("write reply", e))?;
+    }
+}
+
+/// Read `addrs` from `pid` into `out` (one page each); returns per-page success.
+fn read_pages(pid: i32, addrs: &[u64], out: &mut [u8]) -> Vec<bool> {
+    let remote: Vec<libc::iovec> =
+        addrs.iter().map(|&a| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }).collect();
+    let local = libc::iovec { iov_base: out.as_mut_ptr().cast(), iov_len: out.len() };
+    // SAFETY: `local` covers exactly `out`, which we own mutably; remote
+    // iovecs are addresses in the other process (the kernel checks them).
+    let n = unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), remote.len() as _, 0) };
+    if n == out.len() as isize {
+        return vec![true; addrs.len()];
+    }
+    // Partial read: retry page by page to find out which are unreadable.
+    addrs
+        .iter()
+        .zip(out.chunks_exact_mut(PAGE))
+        .map(|(&a, page)| {
+            let l = libc::iovec { iov_base: page.as_mut_ptr().cast(), iov_len: PAGE };
+            let r = libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE };
+            // SAFETY: as above, one page.
+            unsafe { libc::process_vm_readv(pid, &l, 1, &r, 1, 0) == PAGE as isize }
+        })
+        .collect()
+}
+
+/// One page in a reply.
+pub enum PageReply {
+    Zero,
+    Data(Box<[u8]>),
+    Unreadable,
+}
+
+/// Client side of the protocol.
+pub struct PageClient {
+    rd: BufReader<TcpStream>,
+    wr: BufWriter<TcpStream>,
+}
+
+impl PageClient {
+    pub fn connect(addr: SocketAddr) -> Result<PageClient> {
+        let s = TcpStream::connect(addr).map_err(|e| ForkError::io(format!("connect page server {addr}"), e))?;
+        let _ = s.set_nodelay(true);
+        let rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
+        Ok(PageClient { rd, wr: BufWriter::new(s) })
+    }
+
+    /// Fetch a batch of page addresses (1..=MAX_BATCH).
+    pub fn fetch(&mut self, addrs: &[u64]) -> Result<Vec<PageReply>> {
+        if addrs.is_empty() || addrs.len() > MAX_BATCH as usize {
+            return Err(ForkError::Protocol(format!("batch of {} pages", addrs.len())));
+        }
+        let io = |e| ForkError::io("page server", e);
+        self.wr.write_all(&REQ_MAGIC).map_err(io)?;
+        self.wr.write_all(&(addrs.len() as u32).to_le_bytes()).map_err(io)?;
+        for a in addrs {
+            self.wr.write_all(&a.to_le_bytes()).map_err(io)?;
+        }
+        self.wr.flush().map_err(io)?;
+        let mut hdr = [0u8; 8];
+        self.rd.read_exact(&mut hdr).map_err(io)?;
+        if hdr[..4] != REPLY_MAGIC || u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes")) as usize != addrs.len() {
+            return Err(ForkError::Protocol("bad reply header".into()));
+        }
+        let mut out = Vec::with_capacity(addrs.len());
+        for _ in addrs {
+            let mut tag = [0u8; 1];
+            self.rd.read_exact(&mut tag).map_err(io)?;
+            out.push(match tag[0] {
+                TAG_ZERO => PageReply::Zero,
+                TAG_DATA => {
+                    let mut page = vec![0u8; PAGE].into_boxed_slice();
+                    self.rd.read_exact(&mut page).map_err(io)?;
+                    PageReply::Data(page)
+                }
+                TAG_UNREADABLE => PageReply::Unreadable,
+                t => return Err(ForkError::Protocol(format!("bad page tag {t}"))),
+            });
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,284 @@
+//! The template: a frozen `fork()` child holding the caller's state.
+//!
+//! [`fork_template`] calls libc `fork()` (so `pthread_atfork` handlers run as
+//! usual). The child records a *resume point* inside this module's frame — a
+//! setjmp-like snapshot of the callee-saved registers, rsp, rip, MXCSR and
+//! the x87 control word — then records what only it can read about itself
+//! exactly (signal dispositions and mask, fs base, clear-tid address, robust
+//! list, rseq area, alternate signal stack, brk), sends that
+//! [`TemplateRecord`] to the parent over a pipe, and freezes blocked in
+//! `read()` on another pipe. It never leaves that frame: when a clone jumps
+//! to the resume point, the snapshot routine "returns" the clone ID instead
+//! of 0 and the clone returns out of [`fork_template`] as
+//! [`ForkOutcome::Clone`].
+
+use crate::{ForkError, KernelSigaction, ResumeContext, Result};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+
+// Save a resume point into `*rdi` and return 0. A restorer that loads the
+// context and jumps to `rip` with eax = id makes this call return `id`.
+// Offsets match `ResumeContext` (repr(C), nine u64s; MXCSR in the low half of
+// the last one, the x87 control word right after it).
+core::arch::global_asm!(
+    ".globl starling_fork_save_resume_point",
+    ".type starling_fork_save_resume_point,@function",
+    "starling_fork_save_resume_point:",
+    "mov [rdi + 0], rbx",
+    "mov [rdi + 8], rbp",
+    "mov [rdi + 16], r12",
+    "mov [rdi + 24], r13",
+    "mov [rdi + 32], r14",
+    "mov [rdi + 40], r15",
+    "lea rax, [rsp + 8]",
+    "mov [rdi + 48], rax",
+    "mov rax, [rsp]",
+    "mov [rdi + 56], rax",
+    "mov qword ptr [rdi + 64], 0",
+    "stmxcsr [rdi + 64]",
+    "fnstcw [rdi + 68]",
+    "xor eax, eax",
+    "ret",
+);
+
+extern "C" {
+    /// Returns 0 after saving; returns the clone ID when resumed by a restorer.
+    fn starling_fork_save_resume_point(ctx: *mut ResumeContext) -> u32;
+}
+
+const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"STRLTMPL");
+/// rseq signature glibc uses on x86-64.
+pub const RSEQ_SIG: u32 = 0x5305_3053;
+
+/// What the template records about itself before freezing. Sent raw over a
+/// pipe to the parent: both sides are the same binary, so the layout agrees.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TemplateRecord {
+    pub magic: u64,
+    pub resume: ResumeContext,
+    pub fs_base: u64,
+    pub tid_address: u64,
+    pub robust_head: u64,
+    pub robust_len: u64,
+    pub rseq_addr: u64,
+    pub rseq_len: u64,
+    pub rseq_sig: u64,
+    pub sigmask: u64,
+    pub altstack_sp: u64,
+    pub altstack_flags: u64,
+    pub altstack_size: u64,
+    pub sigactions: [KernelSigaction; 64],
+    pub brk: u64,
+    /// The fd the template is frozen on: not part of the clone's fd table.
+    pub freeze_fd: u64,
+}
+
+impl TemplateRecord {
+    fn zeroed() -> Self {
+        TemplateRecord {
+            magic: 0, resume: ResumeContext::default(), fs_base: 0, tid_address: 0, robust_head: 0,
+            robust_len: 0, rseq_addr: 0, rseq_len: 0, rseq_sig: 0, sigmask: 0, altstack_sp: 0,
+            altstack_flags: 0, altstack_size: 0, sigactions: [KernelSigaction::default(); 64], brk: 0,
+            freeze_fd: 0,
+        }
+    }
+}
+
+/// A frozen template, seen from the parent.
+#[derive(Debug)]
+pub struct Template {
+    pub pid: i32,
+    pub record: TemplateRecord,
+    /// Closing this ends the template (its `read()` returns EOF and it exits).
+    freeze_writer: Option<OwnedFd>,
+}
+
+impl Template {
+    /// Unfreeze and reap the template. Idempotent.
+    pub fn release(&mut self) {
+        if self.freeze_writer.take().is_some() {
+            let mut status = 0;
+            // SAFETY: waits for our own child; status is a live local.
+            unsafe { libc::waitpid(self.pid, &mut status, 0) };
+        }
+    }
+}
+
+impl Drop for Template {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+pub enum ForkOutcome {
+    /// We are the caller; the template is frozen.
+    Parent(Template),
+    /// We are a clone that resumed inside `fork_template`.
+    Clone(u32),
+}
+
+fn pipe_cloexec() -> Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two fds into the array.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        return Err(ForkError::errno("pipe2"));
+    }
+    // SAFETY: both fds were just created and are owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// Fork a template. In the parent returns the frozen template (after it has
+/// sent its record); in a clone returns the clone ID.
+pub fn fork_template() -> Result<ForkOutcome> {
+    let (state_r, state_w) = pipe_cloexec()?;
+    let (freeze_r, freeze_w) = pipe_cloexec()?;
+    let parent_pid = std::process::id() as i32;
+    // SAFETY: fork in a possibly multi-threaded process: the child only runs
+    // `template_child`, which calls async-signal-safe syscalls, glibc's
+    // malloc_trim (malloc is fork-safe in glibc: its atfork handlers reset
+    // the locks) and writes to a pipe, then blocks or _exits.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        return Err(ForkError::errno("fork"));
+    }
+    if pid == 0 {
+        let state_w_fd = state_w.as_raw_fd();
+        let freeze_r_fd = freeze_r.as_raw_fd();
+        std::mem::forget(state_w);
+        std::mem::forget(freeze_r);
+        drop(state_r);
+        drop(freeze_w);
+        let id = template_child(state_w_fd, freeze_r_fd, parent_pid);
+        return Ok(ForkOutcome::Clone(id));
+    }
+    drop(state_w);
+    drop(freeze_r);
+    let mut template = Template { pid, record: TemplateRecord::zeroed(), freeze_writer: Some(freeze_w) };
+    let mut buf = vec![0u8; std::mem::size_of::<TemplateRecord>()];
+    let mut got = 0;
+    let mut file = std::fs::File::from(state_r);
+    use std::io::Read;
+    // Read the record, then wait for EOF: the template closes its end right
+    // before blocking, so after EOF it no longer changes its fd table.
+    loop {
+        let n = if got < buf.len() { file.read(&mut buf[got..]) } else { file.read(&mut [0u8; 1]) };
+        match n {
+            Ok(0) => break,
+            Ok(n) if got < buf.len() => got += n,
+            Ok(_) => return Err(ForkError::Other("template sent more than its record".into())),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(ForkError::io("read template record", e)),
+        }
+    }
+    if got != buf.len() {
+        return Err(ForkError::Other(format!("template died before sending its record ({got} bytes)")));
+    }
+    // SAFETY: the buffer holds exactly one TemplateRecord written by the same
+    // binary; read_unaligned copes with the Vec's alignment; all fields are
+    // plain integers, valid for any bit pattern.
+    template.record = unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const TemplateRecord) };
+    if template.record.magic != RECORD_MAGIC {
+        return Err(ForkError::Other("template record has a bad magic".into()));
+    }
+    Ok(ForkOutcome::Parent(template))
+}
+
+/// The template's side. Returns only in a clone, with its ID.
+#[inline(never)]
+fn template_child(state_w: RawFd, freeze_r: RawFd, parent_pid: i32) -> u32 {
+    let mut record = TemplateRecord::zeroed();
+    // SAFETY: writes the resume context into `record`. The "returns twice"
+    // hazard of setjmp does not bite here: when it returns non-zero nothing
+    // from this frame but the return value is used, and the callee-saved
+    // registers the caller relies on are restored by the restorer exactly as
+    // saved here.
+    let id = unsafe { starling_fork_save_resume_point(&mut record.resume) };
+    if id != 0 {
+        return id;
+    }
+    freeze(&mut record, state_w, freeze_r, parent_pid)
+}
+
+fn raw_syscall_record(record: &mut TemplateRecord) {
+    // SAFETY (whole function): each syscall writes only into fields of
+    // `record` or locals passed by pointer with the sizes the kernel expects.
+    unsafe {
+        libc::syscall(libc::SYS_arch_prctl, 0x1003 /* ARCH_GET_FS */, &mut record.fs_base as *mut u64);
+        let mut tid_addr: u64 = 0;
+        if libc::prctl(libc::PR_GET_TID_ADDRESS, &mut tid_addr as *mut u64) == 0 {
+            record.tid_address = tid_addr;
+        }
+        let mut head: u64 = 0;
+        let mut len: usize = 0;
+        if libc::syscall(libc::SYS_get_robust_list, 0, &mut head as *mut u64, &mut len as *mut usize) == 0 {
+            record.robust_head = head;
+            record.robust_len = len as u64;
+        }
+        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_BLOCK, std::ptr::null::<u64>(), &mut record.sigmask as *mut u64, 8);
+        for sig in 1..=64usize {
+            let mut act = KernelSigaction::default();
+            if libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<KernelSigaction>(), &mut act as *mut KernelSigaction, 8) == 0 {
+                record.sigactions[sig - 1] = act;
+            }
+        }
+        let mut ss: libc::stack_t = std::mem::zeroed();
+        if libc::sigaltstack(std::ptr::null(), &mut ss) == 0 && ss.ss_flags & libc::SS_DISABLE == 0 {
+            record.altstack_sp = ss.ss_sp as u64;
+            record.altstack_flags = ss.ss_flags as u64;
+            record.altstack_size = ss.ss_size as u64;
+        }
+        record.brk = libc::sbrk(0) as u64;
+        // glibc (≥ 2.35) registers an rseq area at thread pointer + __rseq_offset.
+        let off = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr()) as *const isize;
+        let size = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_size".as_ptr()) as *const u32;
+        if !off.is_null() && !size.is_null() && *size > 0 {
+            record.rseq_addr = (record.fs_base as i64 + *off as i64) as u64;
+            // glibc registers at least the original 32-byte ABI size.
+            record.rseq_len = (*size as u64).max(32);
+            record.rseq_sig = RSEQ_SIG as u64;
+        }
+    }
+}
+
+fn freeze(record: &mut TemplateRecord, state_w: RawFd, freeze_r: RawFd, parent_pid: i32) -> ! {
+    // SAFETY (whole function): plain syscalls on our own process and fds;
+    // `record` is a live local of the caller's frame.
+    unsafe {
+        libc::setpgid(0, 0); // leave the terminal's process group (no ^C)
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+        if libc::getppid() != parent_pid {
+            libc::_exit(1);
+        }
+        // Let the page server read us with process_vm_readv under Yama.
+        libc::prctl(libc::PR_SET_PTRACER, libc::PR_SET_PTRACER_ANY);
+        // Return free heap to the kernel: those pages become zero-fill.
+        libc::malloc_trim(0);
+        raw_syscall_record(record);
+        record.freeze_fd = freeze_r as u64;
+        record.magic = RECORD_MAGIC;
+        let bytes = std::slice::from_raw_parts(record as *const TemplateRecord as *const u8, std::mem::size_of::<TemplateRecord>());
+        let mut off = 0;
+        while off < bytes.len() {
+            let n = libc::write(state_w, bytes[off..].as_ptr().cast(), bytes.len() - off);
+            if n <= 0 {
+                libc::_exit(1);
+            }
+            off += n as usize;
+        }
+        libc::close(state_w);
+        let mut b = 0u8;
+        loop {
+            let n = libc::read(freeze_r, (&mut b as *mut u8).cast(), 1);
+            if n < 0 && *libc::__errno_location() == libc::EINTR {
+                continue;
+            }
+            libc::_exit(0);
+        }
+    }
+}
+
+/// Check whether `fd` is open (used by tests).
+pub fn fd_is_open(fd: RawFd) -> bool {
+    // SAFETY: F_GETFD on an arbitrary number has no effect beyond the query.
+    unsafe { libc::fcntl(fd, libc::F_GETFD) >= 0 }
+}

@@ -1,0 +1,61 @@
+/* starling: borrow a cluster's CPUs from an ordinary Linux program.
+ *
+ * Remote fork (SnowFlock at process level). Numbering: sf_clone returns 0 in
+ * the caller (the parent) and 1..m in each of the m clones of a ticket.
+ *
+ *   sf_ticket_t *t = sf_request_ticket(n, false);
+ *   int m  = sf_ticket_allocation(t);     // m <= n clones granted
+ *   int id = sf_clone(t);                 // 0 parent, 1..m clone, -1 failure
+ *   if (id > 0) { work(id, m); sf_exit(0); }
+ *   sf_join(t);                           // waits for all clones
+ *
+ * Only the calling thread follows a clone (as with fork). Clones see the
+ * caller's memory (fetched lazily), its TLS, signal handlers, cwd, umask and
+ * regular files at their offsets; stdio goes to the caller's; other pipes
+ * read EOF / write EPIPE; sockets and other descriptors are closed. Memory a
+ * clone allocates after the fork is local to it. Clones cannot clone.
+ * Link with: -lstarling (plus -lpthread -ldl -lm for the static library).
+ */
+#ifndef STARLING_H
+#define STARLING_H
+
+#include <stdbool.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct sf_ticket sf_ticket_t;
+
+/* Reserve n >= 1 clones. NULL on failure (see sf_last_error). */
+sf_ticket_t *sf_request_ticket(int n, bool hierarchical);
+/* Number of clones granted (m <= n), -1 for a NULL ticket. */
+int sf_ticket_allocation(const sf_ticket_t *t);
+/* Fork: 0 in the parent, 1..m in the clones, -1 on failure (parent only). */
+int sf_clone(sf_ticket_t *t);
+/* Clone only: exit with status (runs atexit handlers, flushes stdio). */
+void sf_exit(int status) __attribute__((noreturn));
+/* Parent only: wait for every clone; 0 on success, -1 on failure. */
+int sf_join(sf_ticket_t *t);
+/* Exit status of clone id after sf_join/sf_kill (exit code, or 128+signal
+ * if killed); -1 if unknown or still running. */
+int sf_clone_status(const sf_ticket_t *t, int id);
+/* Parent only: kill every clone at once; 0 on success, -1 on failure. */
+int sf_kill(sf_ticket_t *t);
+/* Message of the last failure in this thread (never NULL). */
+const char *sf_last_error(void);
+
+/* Extensions (not in SnowFlock's API). */
+/* Counters of clone id's fault handler: which = 0 faults, 1 pages fetched
+ * from the page server, 2 zero-filled, 3 read from files, 4 fetch requests,
+ * 5 remove/unmap events. -1 if unknown. */
+long long sf_clone_stat(const sf_ticket_t *t, int id, int which);
+/* Size in bytes of the encoded process descriptor of the ticket's clone. */
+long long sf_descriptor_bytes(const sf_ticket_t *t);
+/* Free a ticket (kills its clones if they were not joined). */
+void sf_release_ticket(sf_ticket_t *t);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
