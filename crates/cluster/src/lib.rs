@@ -346,14 +346,16 @@ fn spawn_detached(mut cmd: Command, log: &Path, netns: Option<&File>) -> Result<
     Ok(pid)
 }
 
+/// The end of a log, for error messages.
 fn log_tail(log: &Path) -> String {
     const TAIL: u64 = 4000;
     let Ok(mut f) = File::open(log) else { return format!("(no log at {})", log.display()) };
     let len = f.metadata().map(|m| m.len()).unwrap_or(0);
     let _ = f.seek(SeekFrom::Start(len.saturating_sub(TAIL)));
-    let mut text = String::new();
-    let _ = f.take(TAIL).read_to_string(&mut text);
-    format!("--- {} ---\n{}", log.display(), text.trim_end())
+    let mut bytes = Vec::new();
+    let _ = f.take(TAIL).read_to_end(&mut bytes);
+    // Lossy: the cut may split a UTF-8 sequence, and a program may write binary junk.
+    format!("--- {} ---\n{}", log.display(), String::from_utf8_lossy(&bytes).trim_end())
 }
 
 fn wait_listening(addr: SocketAddr, pid: u32, log: &Path) -> Result<()> {
