@@ -74,7 +74,8 @@ pub struct TemplateRecord {
 }
 
 impl TemplateRecord {
-    fn zeroed() -> Self {
+    /// An all-zero record (what a process that is not a template "recorded").
+    pub fn zeroed() -> Self {
         TemplateRecord {
             magic: 0, resume: ResumeContext::default(), fs_base: 0, tid_address: 0, robust_head: 0,
             robust_len: 0, rseq_addr: 0, rseq_len: 0, rseq_sig: 0, sigmask: 0, altstack_sp: 0,
