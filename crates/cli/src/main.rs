@@ -1,1 +1,326 @@
-fn main() {}
+//! `starling`: borrow a cluster's CPUs for a command's heavy phases.
+//!
+//! This is a thin layer: argument parsing and output formatting. The work is
+//! done by the library crates (see docs/ARCHITECTURE.md).
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use starling_proto::Msg;
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+const ABOUT: &str = "Run ordinary Linux programs on a cluster's CPUs as if they ran here.";
+const LONG_ABOUT: &str = "\
+Run ordinary Linux programs on a cluster's CPUs as if they ran here.
+
+`starling exec -- CMD` runs CMD on a cluster host that sees this machine's files, environment,
+working directory and arguments; stdin/stdout/stderr stream live, and files the command creates or
+changes are committed back here atomically when it exits.
+
+Quick start (an embedded cluster of emulated hosts on this machine, needs root):
+  starling up --hosts 4          # start 4 emulated hosts + the head
+  starling status                # see them
+  starling exec -- uname -n      # run something on one of them
+  make -j8 CC='starling exec gcc'
+  starling down                  # remove everything
+
+Environment: STARLING_CLUSTER=IP:PORT selects a cluster (like --cluster); STARLING_LOG=info|debug
+turns on logging.";
+
+#[derive(Parser)]
+#[command(name = "starling", version, about = ABOUT, long_about = LONG_ABOUT)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start the embedded local cluster: N emulated hosts (each an agent in its own network,
+    /// mount and UTS namespace with its own root) plus the head that clients talk to.
+    Up(UpArgs),
+    /// Stop the embedded cluster and remove everything it made (processes, mounts, namespaces,
+    /// bridge). Safe after a crash or a kill -9 of any part. Host caches are kept for next time.
+    Down,
+    /// List the cluster's hosts (name, address, agent pid, cores, load, running tasks) and network.
+    Status {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        #[arg(long, env = "STARLING_CLUSTER")]
+        cluster: Option<String>,
+    },
+    /// Run a command on the cluster as if it ran here.
+    ///
+    /// The command sees this machine's whole file system (read through a content-addressed cache on the
+    /// host), environment, cwd, umask, uid/gid and rlimits. It sees every change made here before it
+    /// started and none made while it runs. Its file changes are committed here when it exits; a file
+    /// changed here meanwhile is not overwritten: the command's version is saved beside it as
+    /// FILE.starling-conflict. The exit status is the command's (128+N if killed by signal N);
+    /// 255 means starling itself failed (no cluster, host lost): then nothing was committed.
+    ///
+    /// Example: make -j8 CC='starling exec gcc'
+    Exec(ExecArgs),
+    /// Run the host agent (the daemon that runs tasks on a host). `starling up` starts these for
+    /// you; on a real machine run `starling agent --head HEAD_IP:7077 --name NAME` as root, or
+    /// `starling agent --listen 0.0.0.0:7078` and start the head with `--agent HOST:7078`.
+    Agent(AgentArgs),
+    /// Run the cluster head (what clients connect to). `starling up` starts one for you.
+    Head(HeadArgs),
+}
+
+#[derive(Args)]
+struct UpArgs {
+    /// Number of emulated hosts.
+    #[arg(long, default_value_t = 4)]
+    hosts: usize,
+}
+
+#[derive(Args)]
+struct ExecArgs {
+    /// Run on this host (see `starling status`); default: the least loaded.
+    #[arg(long)]
+    host: Option<String>,
+    /// Job name: tasks launched separately under one job share a consistency point.
+    #[arg(long)]
+    job: Option<String>,
+    /// Cluster head address (default: the embedded cluster started by `starling up`).
+    #[arg(long, env = "STARLING_CLUSTER")]
+    cluster: Option<String>,
+    /// Send file contents uncompressed (for measurements).
+    #[arg(long)]
+    no_compress: bool,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+#[derive(Args)]
+struct AgentArgs {
+    /// Head to connect to.
+    #[arg(long, conflicts_with = "listen", required_unless_present = "listen")]
+    head: Option<String>,
+    /// Instead, listen here for the head to connect (`starling head --agent THIS_ADDR`).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Host name shown in `starling status`.
+    #[arg(long)]
+    name: Option<String>,
+    /// State directory (content cache, task dirs). Must be on a local disk, not overlayfs.
+    #[arg(long, default_value = "/var/lib/starling/state")]
+    state: PathBuf,
+    /// Content cache size bound in MiB (least recently used content is evicted).
+    #[arg(long, default_value_t = 8192)]
+    cache_mib: u64,
+}
+
+#[derive(Args)]
+struct HeadArgs {
+    #[arg(long, default_value = "0.0.0.0:7077")]
+    listen: String,
+    /// Dial an agent started with `starling agent --listen ADDR` (repeatable).
+    #[arg(long = "agent")]
+    agents: Vec<String>,
+    /// KEY=VALUE shown in `starling status` (repeatable).
+    #[arg(long = "fact")]
+    facts: Vec<String>,
+    /// State directory (the relay's shared content cache lives here; it persists across runs).
+    #[arg(long, default_value = "/var/lib/starling/head")]
+    state: PathBuf,
+    /// Relay cache size bound in MiB.
+    #[arg(long, default_value_t = 8192)]
+    cache_mib: u64,
+    /// Forward every content request to the client (for measuring the relay cache's effect).
+    #[arg(long)]
+    no_relay_cache: bool,
+}
+
+fn init_logging(default: &str) {
+    env_logger::Builder::from_env(env_logger::Env::new().filter_or("STARLING_LOG", default))
+        .format_timestamp_millis()
+        .init();
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
+}
+
+fn main() {
+    // Hidden entry points re-executed by the daemons themselves: they must
+    // run before anything starts a thread.
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("__sandbox-init") => starling_sandbox::init_main(),
+        Some("__host-boot") => starling_cluster::host_boot_main(&args[2..]),
+        _ => {}
+    }
+    let cli = Cli::parse();
+    let code = match run(cli) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("starling: {e:#}");
+            starling_client::EXIT_STARLING_FAILURE
+        }
+    };
+    std::process::exit(code);
+}
+
+fn run(cli: Cli) -> Result<i32> {
+    match cli.cmd {
+        Cmd::Exec(a) => {
+            init_logging("warn");
+            let spec = starling_client::spec::capture(a.command)?;
+            let opts = starling_client::exec::ExecOptions { cluster: a.cluster, host: a.host, job: a.job, compress: !a.no_compress };
+            runtime().block_on(starling_client::exec::run(spec, opts))
+        }
+        Cmd::Status { json, cluster } => {
+            init_logging("warn");
+            runtime().block_on(status(json, cluster))
+        }
+        Cmd::Up(a) => {
+            init_logging("warn");
+            up(a)
+        }
+        Cmd::Down => {
+            init_logging("warn");
+            let removed = starling_cluster::down(
+                std::path::Path::new(starling_cluster::DEFAULT_RUN_DIR),
+                std::path::Path::new(starling_cluster::DEFAULT_STATE_DIR),
+            )?;
+            if removed.is_empty() {
+                println!("no starling cluster was running; nothing to remove");
+            } else {
+                for r in removed {
+                    println!("removed {r}");
+                }
+            }
+            Ok(0)
+        }
+        Cmd::Agent(a) => {
+            init_logging("info");
+            let name = a.name.unwrap_or_else(|| nix_hostname());
+            let cfg = starling_agent::AgentConfig {
+                head: a.head,
+                listen: a.listen,
+                name,
+                state: a.state,
+                cache_bytes: a.cache_mib << 20,
+                exe: std::env::current_exe().context("locating the starling binary")?,
+                compress: true,
+            };
+            runtime().block_on(starling_agent::run(cfg))?;
+            Ok(0)
+        }
+        Cmd::Head(a) => {
+            init_logging("info");
+            let facts = a
+                .facts
+                .iter()
+                .map(|f| f.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).context("--fact takes KEY=VALUE"))
+                .collect::<Result<Vec<_>>>()?;
+            runtime().block_on(starling_head::run(starling_head::HeadConfig {
+                listen: a.listen,
+                dial_agents: a.agents,
+                facts,
+                state: a.state,
+                relay_cache: !a.no_relay_cache,
+                cache_bytes: a.cache_mib << 20,
+            }))?;
+            Ok(0)
+        }
+    }
+}
+
+fn nix_hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "host".into())
+}
+
+async fn fetch_status(cluster: Option<&str>) -> Result<starling_proto::ClusterStatus> {
+    let (mut incoming, tx) = starling_client::exec::connect(cluster).await?;
+    tx.send(Msg::StatusRequest).await.ok();
+    loop {
+        match incoming.recv().await.context("reading the head's reply")? {
+            Msg::StatusReply(s) => return Ok(s),
+            Msg::Error { message, .. } => anyhow::bail!("head: {message}"),
+            _ => {}
+        }
+    }
+}
+
+async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
+    let st = fetch_status(cluster.as_deref()).await?;
+    let local = if cluster.is_none() { starling_cluster::load_state(std::path::Path::new(starling_cluster::DEFAULT_RUN_DIR)) } else { None };
+    let mut network = serde_json::Map::new();
+    if let Some(l) = &local {
+        network.insert("bridge".into(), l.bridge.clone().into());
+        network.insert("subnet".into(), l.subnet.clone().into());
+    }
+    for (k, v) in &st.facts {
+        network.insert(k.clone(), v.clone().into());
+    }
+    if json {
+        let hosts: Vec<_> = st
+            .hosts
+            .iter()
+            .map(|h| {
+                serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
+                    "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running})
+            })
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"head": st.head, "network": network, "hosts": hosts}))?);
+        return Ok(0);
+    }
+    println!("head {}   {}", st.head, network.iter().map(|(k, v)| format!("{k} {}", v.as_str().unwrap_or(""))).collect::<Vec<_>>().join("   "));
+    println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY");
+    for h in &st.hosts {
+        println!(
+            "{:<8} {:<16} {:>8} {:>5} {:>6.2} {:>8} {:>7.1}Gi",
+            h.name, h.addr, h.pid, h.cores, h.load, h.running, h.mem_bytes as f64 / (1u64 << 30) as f64
+        );
+    }
+    if st.hosts.is_empty() {
+        println!("(no hosts connected)");
+    }
+    Ok(0)
+}
+
+fn up(a: UpArgs) -> Result<i32> {
+    if a.hosts == 0 || a.hosts > 64 {
+        anyhow::bail!("--hosts must be between 1 and 64");
+    }
+    let exe = std::env::current_exe().context("locating the starling binary")?;
+    let opts = starling_cluster::UpOptions {
+        hosts: a.hosts,
+        exe,
+        state_dir: starling_cluster::DEFAULT_STATE_DIR.into(),
+        run_dir: starling_cluster::DEFAULT_RUN_DIR.into(),
+        head_args: vec![],
+    };
+    let state = starling_cluster::up(&opts)?;
+    // Wait until every agent has registered with the head.
+    let rt = runtime();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let st = rt.block_on(fetch_status(None));
+        if let Ok(s) = &st {
+            if s.hosts.len() >= state.hosts.len() {
+                break;
+            }
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = starling_cluster::down(std::path::Path::new(&opts.run_dir), std::path::Path::new(&opts.state_dir));
+            anyhow::bail!(
+                "the cluster did not come up within 30 s ({}); logs are in {}/logs",
+                match st {
+                    Ok(s) => format!("{} of {} hosts registered", s.hosts.len(), state.hosts.len()),
+                    Err(e) => format!("{e:#}"),
+                },
+                opts.run_dir.display()
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    println!("starling cluster up: {} hosts, head at {}", state.hosts.len(), state.head_addr);
+    rt.block_on(status(false, None))?;
+    Ok(0)
+}

@@ -15,7 +15,8 @@
 
 use anyhow::{Context, Result};
 use starling_proto::conn::{establish, Outgoing};
-use starling_proto::{ClusterStatus, HostInfo, Msg, ProtoError, Role, TaskId};
+use starling_proto::{ChunkData, ClusterStatus, FileReq, FileResp, Hash, HostInfo, Msg, ProtoError, Role, TaskId};
+use starling_store::HostCache;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -27,6 +28,13 @@ pub struct HeadConfig {
     pub dial_agents: Vec<String>,
     /// Facts shown by `starling status` (bridge, subnet, link profile...).
     pub facts: Vec<(String, String)>,
+    /// Persistent state (the relay cache).
+    pub state: std::path::PathBuf,
+    /// Serve content-named requests (recipes, chunks) from a shared cache, so no
+    /// unique chunk crosses the client's link twice. Off only for measurements.
+    pub relay_cache: bool,
+    /// Relay cache size bound.
+    pub cache_bytes: u64,
 }
 
 struct Host {
@@ -50,8 +58,23 @@ struct State {
     routes: HashMap<TaskId, Route>,
 }
 
+/// Requests the head itself sent to a client (ids with [`HEAD_ID_BIT`] set),
+/// waiting for their answers.
+type HeadWaiters = Mutex<HashMap<u64, tokio::sync::oneshot::Sender<FileResp>>>;
+
+/// Ids of requests the head originates; agents number theirs from 0.
+const HEAD_ID_BIT: u64 = 1 << 63;
+
 pub struct Head {
+    me: Mutex<std::sync::Weak<Head>>,
     state: Mutex<State>,
+    /// The relay cache (UCop's remdis cache): immutable, hash-named content only,
+    /// so it can never change what a task sees.
+    cache: Option<HostCache>,
+    /// Chunks being fetched from a client right now (single flight per chunk).
+    inflight: Mutex<HashMap<Hash, tokio::sync::watch::Receiver<bool>>>,
+    waiters: HeadWaiters,
+    next_req: AtomicU64,
     next_task: AtomicU64,
     next_conn: AtomicU64,
     listen: String,
@@ -61,14 +84,25 @@ pub struct Head {
 /// Run the head until the process is killed.
 pub async fn run(cfg: HeadConfig) -> Result<()> {
     let listener = TcpListener::bind(&cfg.listen).await.with_context(|| format!("head: cannot listen on {}", cfg.listen))?;
+    let cache = if cfg.relay_cache {
+        Some(HostCache::open(&cfg.state.join("cache"), cfg.cache_bytes).context("opening the relay cache")?)
+    } else {
+        None
+    };
     let head = Arc::new(Head {
+        me: Mutex::new(std::sync::Weak::new()),
         state: Mutex::new(State::default()),
+        cache,
+        inflight: Mutex::new(HashMap::new()),
+        waiters: Mutex::new(HashMap::new()),
+        next_req: AtomicU64::new(0),
         // Task ids are unique across head restarts too (hosts keep per-task dirs).
         next_task: AtomicU64::new(now_ns() as u64 / 1000),
         next_conn: AtomicU64::new(1),
         listen: cfg.listen.clone(),
         facts: cfg.facts,
     });
+    *head.me.lock().unwrap() = Arc::downgrade(&head);
     log::info!("head listening on {}", cfg.listen);
     for addr in cfg.dial_agents {
         let head = head.clone();
@@ -97,6 +131,10 @@ pub async fn run(cfg: HeadConfig) -> Result<()> {
             }
         });
     }
+}
+
+fn libc_eio() -> i32 {
+    5 // EIO
 }
 
 fn now_ns() -> i64 {
@@ -145,6 +183,16 @@ impl Head {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
                 Msg::Pong { .. } => {}
+                Msg::FileRequest { task, id, req: req @ (FileReq::GetRecipe { .. } | FileReq::GetChunks { .. }) }
+                    if self.cache.is_some() =>
+                {
+                    let Some(me) = self.self_arc() else { continue };
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        let resp = me.serve_content(task, req).await;
+                        let _ = tx.send(Msg::FileResponse { task, id, resp }).await;
+                    });
+                }
                 m => {
                     let Some(task) = m.task() else {
                         log::warn!("agent sent an unroutable message");
@@ -207,6 +255,11 @@ impl Head {
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
+                Msg::FileResponse { id, resp, .. } if id & HEAD_ID_BIT != 0 => {
+                    if let Some(w) = self.waiters.lock().unwrap().remove(&id) {
+                        let _ = w.send(resp);
+                    }
+                }
                 m => {
                     let Some(task) = m.task() else { continue };
                     let agent = {
@@ -220,6 +273,121 @@ impl Head {
                     if done {
                         self.state.lock().unwrap().routes.remove(&task);
                     }
+                }
+            }
+        }
+    }
+
+    fn self_arc(&self) -> Option<Arc<Head>> {
+        self.me.lock().unwrap().upgrade()
+    }
+
+    /// Ask the client that owns `task` for content; `None` if it is gone.
+    async fn ask_client(&self, task: TaskId, req: FileReq) -> Option<FileResp> {
+        let client = self.state.lock().unwrap().routes.get(&task).map(|r| r.client.clone())?;
+        let id = HEAD_ID_BIT | self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        self.waiters.lock().unwrap().insert(id, tx);
+        if client.send(Msg::FileRequest { task, id, req }).await.is_err() {
+            self.waiters.lock().unwrap().remove(&id);
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// Answer a content-named request from the relay cache, fetching what is
+    /// missing from the task's client exactly once however many hosts ask.
+    async fn serve_content(&self, task: TaskId, req: FileReq) -> FileResp {
+        let cache = self.cache.as_ref().expect("relay cache on");
+        match req {
+            FileReq::GetRecipe { name } => {
+                if let Ok(Some(r)) = cache.get_recipe(&name) {
+                    return FileResp::Recipe(Some(r));
+                }
+                let resp = self.ask_client(task, FileReq::GetRecipe { name }).await.unwrap_or(FileResp::Errno(libc_eio()));
+                if let FileResp::Recipe(Some(r)) = &resp {
+                    if r.name() == name {
+                        let _ = cache.put_recipe(r);
+                    }
+                }
+                resp
+            }
+            FileReq::GetChunks { hashes } => {
+                // Up to three passes: a chunk another task was fetching may
+                // still be missing if that fetch failed; then fetch it ourselves.
+                for _ in 0..3 {
+                    let (mine, theirs, done_tx) = self.claim(cache, &hashes);
+                    if let Some(done_tx) = done_tx {
+                        self.fetch_into_cache(task, &mine).await;
+                        let mut inflight = self.inflight.lock().unwrap();
+                        for h in &mine {
+                            inflight.remove(h);
+                        }
+                        let _ = done_tx.send(true);
+                    }
+                    for mut w in theirs {
+                        let _ = w.wait_for(|done| *done).await;
+                    }
+                    if hashes.iter().all(|h| cache.has_chunk(h)) {
+                        break;
+                    }
+                }
+                let mut out = Vec::with_capacity(hashes.len());
+                for h in &hashes {
+                    match cache.get_chunk(h) {
+                        // Head → host is the cluster network: no need to spend CPU compressing.
+                        Ok(Some(bytes)) => out.push(ChunkData::seal(&bytes, false)),
+                        _ => return FileResp::Errno(libc_eio()),
+                    }
+                }
+                FileResp::Chunks(out)
+            }
+            _ => FileResp::Errno(libc_eio()),
+        }
+    }
+
+    /// Split the missing chunks into those this request will fetch (now
+    /// marked in flight) and the fetches of others to wait for.
+    #[allow(clippy::type_complexity)]
+    fn claim(
+        &self,
+        cache: &HostCache,
+        hashes: &[Hash],
+    ) -> (Vec<Hash>, Vec<tokio::sync::watch::Receiver<bool>>, Option<tokio::sync::watch::Sender<bool>>) {
+        let mut mine = Vec::new();
+        let mut theirs = Vec::new();
+        let mut inflight = self.inflight.lock().unwrap();
+        for h in hashes {
+            if cache.has_chunk(h) || mine.contains(h) {
+                continue;
+            }
+            match inflight.get(h) {
+                Some(w) => theirs.push(w.clone()),
+                None => mine.push(*h),
+            }
+        }
+        if mine.is_empty() {
+            return (mine, theirs, None);
+        }
+        let (done_tx, done_rx) = tokio::sync::watch::channel(false);
+        for h in &mine {
+            inflight.insert(*h, done_rx.clone());
+        }
+        (mine, theirs, Some(done_tx))
+    }
+
+    async fn fetch_into_cache(&self, task: TaskId, hashes: &[Hash]) {
+        let cache = self.cache.as_ref().expect("relay cache on");
+        if let Some(FileResp::Chunks(got)) = self.ask_client(task, FileReq::GetChunks { hashes: hashes.to_vec() }).await {
+            for c in got {
+                if !hashes.contains(&c.hash) {
+                    continue;
+                }
+                match c.open() {
+                    Ok(bytes) => {
+                        let _ = cache.put_chunk(&c.hash, &bytes);
+                    }
+                    Err(e) => log::warn!("client sent a bad chunk: {e}"),
                 }
             }
         }
