@@ -1,1 +1,218 @@
-//! (to be written)
+//! The host agent (`starling agent`): the daemon that runs work on a host.
+//!
+//! It connects to the head (or, with `--listen`, waits for the head to
+//! connect), advertises cores, memory and load, and runs each task it is
+//! given:
+//!
+//! ```text
+//!  RunTask ─▶ view (FUSE, read-only mirror of the client's /)   ◀── faults ──▶ client
+//!               └─ overlay (per-task copy-on-write upper dir)
+//!                    └─ sandbox (mount+PID namespace, chroot, creds) ─▶ the command
+//!  exit ─▶ scan upper dir ─▶ ChangeChunks + Finished ─▶ client commits
+//! ```
+//!
+//! File contents land in the host cache ([`starling_store::HostCache`]),
+//! shared by every task on the host and bounded in size.
+
+mod remote;
+mod task;
+
+use anyhow::{Context, Result};
+use starling_proto::conn::{establish, Outgoing};
+use starling_proto::{HostInfo, Msg, ProtoError, Role, TaskId};
+use starling_store::HostCache;
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::net::{TcpListener, TcpStream};
+
+pub use remote::Waiters;
+
+pub struct AgentConfig {
+    /// Head to connect to (`IP:PORT`).
+    pub head: Option<String>,
+    /// Or: address to listen on for the head to connect.
+    pub listen: Option<String>,
+    pub name: String,
+    /// Persistent state: content cache and per-task directories. Must be on
+    /// a local disk file system (ext4, xfs), not on overlayfs: FUSE
+    /// passthrough backing files and overlay upper dirs live here.
+    pub state: PathBuf,
+    pub cache_bytes: u64,
+    /// The starling binary (re-executed as `__sandbox-init`).
+    pub exe: PathBuf,
+    pub compress: bool,
+}
+
+pub(crate) struct TaskCtl {
+    pub stdin: std::sync::mpsc::Sender<Option<Vec<u8>>>,
+    pub pid: Arc<AtomicU32>,
+}
+
+pub(crate) struct Agent {
+    pub cfg: AgentConfig,
+    pub cache: Arc<HostCache>,
+    pub tasks: Mutex<HashMap<TaskId, TaskCtl>>,
+    pub waiters: Arc<Waiters>,
+    pub running: AtomicU32,
+}
+
+fn read_meminfo_total() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map(|kb| kb * 1024)
+        .unwrap_or(0)
+}
+
+fn read_load() -> f32 {
+    std::fs::read_to_string("/proc/loadavg").ok().and_then(|s| s.split_whitespace().next()?.parse().ok()).unwrap_or(0.0)
+}
+
+impl Agent {
+    fn host_info(&self, addr: &str) -> HostInfo {
+        HostInfo {
+            name: self.cfg.name.clone(),
+            addr: addr.to_string(),
+            pid: std::process::id(),
+            cores: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            mem_bytes: read_meminfo_total(),
+            load: read_load(),
+            running: self.running.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Serve one head connection until it drops.
+    async fn serve(self: &Arc<Self>, sock: TcpStream) -> Result<(), ProtoError> {
+        let addr = sock.local_addr().map(|a| a.ip().to_string()).unwrap_or_default();
+        let _ = sock.set_nodelay(true);
+        let (r, w) = sock.into_split();
+        let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.cfg.name).await?;
+        if peer.role != Role::Head {
+            let _ = tx.send(Msg::Error { task: None, message: "agents only accept a head".into() }).await;
+            return Err(ProtoError::invalid("peer is not a head"));
+        }
+        log::info!("connected to head {}", peer.name);
+        let _ = tx.send(Msg::HostInfo(self.host_info(&addr))).await;
+        let beat = {
+            let me = self.clone();
+            let tx = tx.clone();
+            let addr = addr.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+                    if tx.send(Msg::HostInfo(me.host_info(&addr))).await.is_err() {
+                        return;
+                    }
+                }
+            })
+        };
+        let res = self.dispatch(&mut incoming, &tx).await;
+        beat.abort();
+        // Without a head nobody can receive results: end every task.
+        self.kill_all();
+        res
+    }
+
+    async fn dispatch<R: tokio::io::AsyncRead + Unpin>(
+        self: &Arc<Self>,
+        incoming: &mut starling_proto::conn::Incoming<R>,
+        tx: &Outgoing,
+    ) -> Result<(), ProtoError> {
+        loop {
+            match incoming.recv().await? {
+                Msg::RunTask { task, spec } => {
+                    let me = self.clone();
+                    let tx = tx.clone();
+                    tokio::spawn(async move { task::run(me, task, spec, tx).await });
+                }
+                Msg::FileResponse { id, resp, .. } => self.waiters.complete(id, resp),
+                Msg::Stdin { task, data } => {
+                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                        let _ = t.stdin.send(Some(data));
+                    }
+                }
+                Msg::StdinEof { task } => {
+                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                        let _ = t.stdin.send(None);
+                    }
+                }
+                Msg::Signal { task, signo } => {
+                    let pid = self.tasks.lock().unwrap().get(&task).map(|t| t.pid.load(Ordering::Relaxed));
+                    if let Some(pid) = pid.filter(|p| *p > 0) {
+                        // SAFETY: kill(2) with a pid we started; a stale pid at worst hits nothing (we reap our own children).
+                        unsafe { libc::kill(pid as i32, signo) };
+                    }
+                }
+                Msg::Ping { nonce } => {
+                    let _ = tx.send(Msg::Pong { nonce }).await;
+                }
+                Msg::Committed { .. } | Msg::Pong { .. } => {}
+                Msg::Error { message, .. } => log::warn!("head says: {message}"),
+                other => log::warn!("unexpected message from head: {:?}", std::mem::discriminant(&other)),
+            }
+        }
+    }
+
+    fn kill_all(&self) {
+        for t in self.tasks.lock().unwrap().values() {
+            let pid = t.pid.load(Ordering::Relaxed);
+            if pid > 0 {
+                // SAFETY: as above.
+                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            }
+        }
+        self.waiters.fail_all();
+    }
+}
+
+/// Remove task directories left by a previous run of this agent (crash, kill -9).
+fn clean_stale_tasks(state: &std::path::Path) {
+    let tasks = state.join("tasks");
+    let Ok(rd) = std::fs::read_dir(&tasks) else { return };
+    for e in rd.flatten() {
+        let dir = e.path();
+        for m in ["root", "view"] {
+            let p = dir.join(m);
+            let _ = nix::mount::umount2(&p, nix::mount::MntFlags::MNT_DETACH);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
+
+/// Run the agent until killed.
+pub async fn run(cfg: AgentConfig) -> Result<()> {
+    std::fs::create_dir_all(cfg.state.join("tasks")).with_context(|| format!("cannot create {}", cfg.state.display()))?;
+    clean_stale_tasks(&cfg.state);
+    let cache = Arc::new(HostCache::open(&cfg.state.join("cache"), cfg.cache_bytes).context("opening the host cache")?);
+    let agent = Arc::new(Agent {
+        cfg,
+        cache,
+        tasks: Mutex::new(HashMap::new()),
+        waiters: Arc::new(Waiters::default()),
+        running: AtomicU32::new(0),
+    });
+    if let Some(listen) = agent.cfg.listen.clone() {
+        let l = TcpListener::bind(&listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+        log::info!("agent {} listening on {listen} for a head", agent.cfg.name);
+        loop {
+            let (s, peer) = l.accept().await?;
+            if let Err(e) = agent.serve(s).await {
+                log::warn!("head connection from {peer}: {e}");
+            }
+        }
+    }
+    let head = agent.cfg.head.clone().context("agent needs --head ADDR or --listen ADDR")?;
+    loop {
+        match TcpStream::connect(&head).await {
+            Ok(s) => {
+                if let Err(e) = agent.serve(s).await {
+                    log::warn!("head connection: {e}");
+                }
+            }
+            Err(e) => log::debug!("cannot reach head {head}: {e}"),
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    }
+}

@@ -1,0 +1,125 @@
+//! The file view's [`Source`] on a host: every fault becomes a request to
+//! the client (through the head), answered into the host cache.
+
+use starling_proto::conn::Outgoing;
+use starling_proto::{DirEntry, FileReq, FileResp, Hash, Lookup, Msg, TaskId, WirePath};
+use starling_store::HostCache;
+use std::collections::{HashMap, HashSet};
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+/// Outstanding file requests of all tasks on this host, by request id.
+#[derive(Default)]
+pub struct Waiters {
+    next: AtomicU64,
+    map: Mutex<HashMap<u64, mpsc::Sender<FileResp>>>,
+}
+
+impl Waiters {
+    fn register(&self) -> (u64, mpsc::Receiver<FileResp>) {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let (s, r) = mpsc::channel();
+        self.map.lock().unwrap().insert(id, s);
+        (id, r)
+    }
+    pub fn complete(&self, id: u64, resp: FileResp) {
+        if let Some(s) = self.map.lock().unwrap().remove(&id) {
+            let _ = s.send(resp);
+        }
+    }
+    /// The head is gone: wake every waiter with an error.
+    pub fn fail_all(&self) {
+        self.map.lock().unwrap().clear();
+    }
+}
+
+/// A client hashing a very large file can take a while to answer.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
+/// Chunks per GetChunks request: 64 × 256 KiB max chunk = 16 MiB, under the frame limit.
+const CHUNK_BATCH: usize = 64;
+
+pub struct RemoteSource {
+    pub task: TaskId,
+    pub tx: Outgoing,
+    pub waiters: Arc<Waiters>,
+    pub cache: Arc<HostCache>,
+}
+
+fn eio(msg: impl Into<String>) -> io::Error {
+    let m = msg.into();
+    log::warn!("{m}");
+    io::Error::new(io::ErrorKind::Other, m)
+}
+
+impl RemoteSource {
+    /// One blocking round trip to the client. Called from FUSE threads.
+    fn request(&self, req: FileReq) -> io::Result<FileResp> {
+        let (id, rx) = self.waiters.register();
+        self.tx
+            .blocking_send(Msg::FileRequest { task: self.task, id, req })
+            .map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+        match rx.recv_timeout(REQUEST_TIMEOUT) {
+            Ok(FileResp::Errno(e)) => Err(io::Error::from_raw_os_error(e)),
+            Ok(r) => Ok(r),
+            Err(_) => Err(io::Error::from_raw_os_error(libc::EIO)),
+        }
+    }
+
+    fn fetch_chunks(&self, missing: &[Hash]) -> io::Result<()> {
+        for batch in missing.chunks(CHUNK_BATCH) {
+            let FileResp::Chunks(got) = self.request(FileReq::GetChunks { hashes: batch.to_vec() })? else {
+                return Err(eio("client answered GetChunks with something else"));
+            };
+            let wanted: HashSet<&Hash> = batch.iter().collect();
+            for c in got {
+                if !wanted.contains(&c.hash) {
+                    return Err(eio(format!("client sent chunk {:?} that was not asked for", c.hash)));
+                }
+                let bytes = c.open().map_err(|e| eio(format!("chunk from client rejected: {e}")))?;
+                self.cache.put_chunk(&c.hash, &bytes)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl starling_view::Source for RemoteSource {
+    fn lookup(&self, path: &WirePath) -> io::Result<Lookup> {
+        match self.request(FileReq::Lookup { path: path.clone() })? {
+            FileResp::Lookup(l) => Ok(l),
+            _ => Err(eio("client answered Lookup with something else")),
+        }
+    }
+
+    fn readdir(&self, path: &WirePath) -> Result<Vec<DirEntry>, i32> {
+        match self.request(FileReq::ReadDir { path: path.clone() }) {
+            Ok(FileResp::ReadDir(r)) => r,
+            Ok(_) => Err(libc::EIO),
+            Err(e) => Err(e.raw_os_error().unwrap_or(libc::EIO)),
+        }
+    }
+
+    fn materialize(&self, path: &WirePath, name: &Hash) -> io::Result<std::fs::File> {
+        let recipe = match self.cache.get_recipe(name)? {
+            Some(r) => r,
+            None => {
+                let FileResp::Recipe(Some(r)) = self.request(FileReq::GetRecipe { name: *name })? else {
+                    return Err(eio(format!("client has no recipe for {path}")));
+                };
+                if r.name() != *name {
+                    return Err(eio(format!("recipe for {path} does not match its name")));
+                }
+                self.cache.put_recipe(&r)?;
+                r
+            }
+        };
+        let missing = self.cache.missing(&recipe);
+        if !missing.is_empty() {
+            self.fetch_chunks(&missing)?;
+        }
+        let file = self.cache.assemble(&recipe)?;
+        std::fs::File::open(file)
+    }
+}
