@@ -68,7 +68,7 @@ mod view;
 pub use dir_source::DirSource;
 pub use overlay::Overlay;
 pub use upper::{scan_upper, UpperEntry};
-pub use view::{mount, ViewMount, ViewStats};
+pub use view::{mount, mount_with, ViewMount, ViewOptions, ViewStats};
 
 pub use starling_proto::{Attr, DirEntry, Hash, Lookup, NodeKind, WirePath};
 

@@ -6,7 +6,9 @@ use std::fs::File;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::thread::JoinHandle;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -25,9 +27,22 @@ use crate::Source;
 /// view never changes (bindings are immutable), so "a day" means "forever".
 const TTL: Duration = Duration::from_secs(24 * 3600);
 
-/// Request loops serving the mount. More than one so that a lookup waiting
-/// on the network does not stall opens and lookups of other task threads.
-const REQUEST_THREADS: usize = 4;
+/// How a view is mounted. `ViewOptions::default()` is what tasks use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ViewOptions {
+    /// Serve regular files by kernel passthrough (falls back per file if the
+    /// kernel refuses). Off: every read goes through the daemon.
+    pub passthrough: bool,
+    /// Request loops serving the mount. More than one so that a lookup
+    /// waiting on the network does not stall other task threads.
+    pub threads: usize,
+}
+
+impl Default for ViewOptions {
+    fn default() -> Self {
+        ViewOptions { passthrough: true, threads: 4 }
+    }
+}
 
 /// Counters describing how the view was used (all monotonic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -252,6 +267,8 @@ fn to_file_attr(ino: u64, a: &Attr, kind: FileType) -> FileAttr {
 /// The fuser file system; all state lives in [`Shared`].
 struct ViewFs {
     shared: Arc<Shared>,
+    /// Set in `init` once the kernel has agreed to passthrough.
+    passthrough: bool,
 }
 
 impl ViewFs {
@@ -281,13 +298,15 @@ impl Filesystem for ViewFs {
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> io::Result<()> {
         // Passthrough: backing files live on ext4 (stack depth 0), so depth 1
         // suffices, and keeps room for the overlay mounted on top (depth 2).
-        match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
-            Ok(()) => {
-                if let Err(max) = config.set_max_stack_depth(1) {
-                    log::warn!("view: kernel refuses stack depth 1 (max {max}); reads go through the daemon");
-                }
+        if self.passthrough {
+            self.passthrough = false;
+            match config.add_capabilities(InitFlags::FUSE_PASSTHROUGH) {
+                Ok(()) => match config.set_max_stack_depth(1) {
+                    Ok(_) => self.passthrough = true,
+                    Err(max) => log::warn!("view: stack depth 1 refused (max {max}); reads go through the daemon"),
+                },
+                Err(_) => log::warn!("view: kernel lacks FUSE passthrough; reads go through the daemon"),
             }
-            Err(_) => log::warn!("view: kernel lacks FUSE passthrough; reads go through the daemon"),
         }
         // Lookups in one directory may run concurrently (otherwise the kernel
         // serialises them per directory inode).
@@ -388,7 +407,12 @@ impl Filesystem for ViewFs {
             }
             Err(e) => return reply.error(io_errno(&e)),
         }
-        match reply.open_backing(&file) {
+        let backing = if self.passthrough {
+            reply.open_backing(&file)
+        } else {
+            Err(io::Error::new(io::ErrorKind::Unsupported, "passthrough disabled"))
+        };
+        match backing {
             Ok(id) => {
                 // A concurrent open of the same inode may have registered one
                 // meanwhile; the first registered stays, ours is closed.
@@ -556,7 +580,13 @@ const ABSENT_ATTR: Attr = Attr {
 /// overlay, still uses it).
 pub struct ViewMount {
     shared: Arc<Shared>,
-    session: Option<fuser::BackgroundSession>,
+    /// Owns the kernel mount; `unmount` takes it, so the session thread's own
+    /// clean-up never unmounts whatever is at the mount point later.
+    unmounter: fuser::SessionUnmounter,
+    /// A duplicate of the session's /dev/fuse descriptor, to ask the kernel
+    /// whether the connection is still alive after unmounting.
+    conn: OwnedFd,
+    thread: Option<JoinHandle<io::Result<()>>>,
     mountpoint: PathBuf,
 }
 
@@ -565,6 +595,11 @@ pub struct ViewMount {
 /// `default_permissions` (the kernel checks the client's modes), `ro`,
 /// `nosuid`, `nodev`.
 pub fn mount(source: Arc<dyn Source>, mountpoint: &Path) -> io::Result<ViewMount> {
+    mount_with(source, mountpoint, ViewOptions::default())
+}
+
+/// [`mount`] with explicit options.
+pub fn mount_with(source: Arc<dyn Source>, mountpoint: &Path, options: ViewOptions) -> io::Result<ViewMount> {
     let shared = Arc::new(Shared {
         source,
         inodes: Mutex::new(Inodes::new()),
@@ -586,10 +621,14 @@ pub fn mount(source: Arc<dyn Source>, mountpoint: &Path) -> io::Result<ViewMount
         MountOption::NoDev,
     ];
     config.acl = SessionACL::All;
-    config.n_threads = Some(REQUEST_THREADS);
+    config.n_threads = Some(options.threads.max(1));
     config.clone_fd = true;
-    let session = fuser::spawn_mount(ViewFs { shared: shared.clone() }, mountpoint, &config)?;
-    Ok(ViewMount { shared, session: Some(session), mountpoint: mountpoint.to_path_buf() })
+    let fs = ViewFs { shared: shared.clone(), passthrough: options.passthrough };
+    let mut session = fuser::Session::new(fs, mountpoint, &config)?;
+    let conn = session.as_fd().try_clone_to_owned()?;
+    let unmounter = session.unmount_callable();
+    let thread = std::thread::Builder::new().name("starling-view".into()).spawn(move || session.run())?;
+    Ok(ViewMount { shared, unmounter, conn, thread: Some(thread), mountpoint: mountpoint.to_path_buf() })
 }
 
 impl ViewMount {
@@ -644,32 +683,41 @@ impl ViewMount {
     }
 
     fn unmount_inner(&mut self) -> io::Result<()> {
-        let Some(session) = self.session.take() else { return Ok(()) };
-        // Try a plain unmount first by ourselves, so that a busy mount does
-        // not leave the session half torn down.
-        match nix::mount::umount2(&self.mountpoint, nix::mount::MntFlags::empty()) {
-            Ok(()) => {
-                // The kernel aborts the connection; the request threads see ENODEV and end.
-                session.join()
-            }
-            Err(nix::errno::Errno::EBUSY) => {
+        let Some(thread) = self.thread.take() else { return Ok(()) };
+        let result = match self.unmounter.unmount() {
+            Ok(()) => Ok(()),
+            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => {
                 log::debug!("view: {} busy, detaching lazily", self.mountpoint.display());
-                let r = nix::mount::umount2(&self.mountpoint, nix::mount::MntFlags::MNT_DETACH);
-                // Leave the threads running until the kernel drops the file system;
-                // dropping the handle does not wait for them.
-                drop(session);
-                r.map_err(io::Error::from)
+                nix::mount::umount2(&self.mountpoint, nix::mount::MntFlags::MNT_DETACH).map_err(io::Error::from)
             }
-            Err(nix::errno::Errno::EINVAL) | Err(nix::errno::Errno::ENOENT) => {
-                // Already unmounted by someone else.
-                drop(session);
-                Ok(())
-            }
-            Err(e) => {
-                drop(session);
-                Err(e.into())
+            Err(e) => Err(e),
+        };
+        // Unmounting the last reference to the file system ends the FUSE
+        // connection before umount(2) returns, and the request threads exit:
+        // wait for them. But an overlay holds its own (private) reference to
+        // its lower layer, so the view may live on after the unmount and keep
+        // serving it; then the threads are left to end with the connection.
+        if connection_ended(&self.conn) {
+            match thread.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => log::debug!("view: session ended with {e}"),
+                Err(_) => log::warn!("view: a request thread panicked"),
             }
         }
+        result
+    }
+}
+
+/// Whether the FUSE connection behind `conn` is gone (poll reports POLLERR).
+fn connection_ended(conn: &OwnedFd) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    loop {
+        let mut fds = [PollFd::new(conn.as_fd(), PollFlags::empty())];
+        return match poll(&mut fds, PollTimeout::ZERO) {
+            Ok(_) => fds[0].revents().is_some_and(|r| r.contains(PollFlags::POLLERR)),
+            Err(nix::errno::Errno::EINTR) => continue,
+            Err(_) => false,
+        };
     }
 }
 

@@ -369,3 +369,97 @@ fn a_chrooted_shell_runs_inside_the_overlay() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn without_passthrough_the_daemon_serves_reads() {
+    if !is_root() {
+        return;
+    }
+    let fx = fixture();
+    let big: Vec<u8> = (0..(1u32 << 20) + 123).map(|i| (i.wrapping_mul(40503) >> 7) as u8).collect();
+    write_mode(&fx.src.join("big.bin"), &big, 0o644);
+    let source = Arc::new(DirSource::new(&fx.src, &fx.cache).unwrap());
+    let options = starling_view::ViewOptions { passthrough: false, threads: 2 };
+    let view = starling_view::mount_with(source, &fx.mnt, options).unwrap();
+    assert!(fs::read(fx.mnt.join("big.bin")).unwrap() == big, "contents differ");
+    let stats = view.stats();
+    assert_eq!((stats.opens, stats.passthrough_opens), (1, 0), "{stats:?}");
+    assert!(stats.fallback_reads > 0, "{stats:?}");
+}
+
+/// Wraps a source; lookups of "/slow" wait until the gate opens (or 5 s pass).
+struct SlowSource {
+    inner: DirSource,
+    gate: std::sync::Mutex<bool>,
+    cv: std::sync::Condvar,
+}
+
+impl Source for SlowSource {
+    fn lookup(&self, path: &WirePath) -> io::Result<Lookup> {
+        if path.as_bytes() == b"/slow" {
+            let open = self.gate.lock().unwrap();
+            let _unused = self.cv.wait_timeout_while(open, std::time::Duration::from_secs(5), |open| !*open).unwrap();
+        }
+        self.inner.lookup(path)
+    }
+    fn readdir(&self, path: &WirePath) -> Result<Vec<starling_view::DirEntry>, i32> {
+        self.inner.readdir(path)
+    }
+    fn materialize(&self, path: &WirePath, recipe: &starling_view::Hash) -> io::Result<fs::File> {
+        self.inner.materialize(path, recipe)
+    }
+}
+
+#[test]
+fn a_slow_lookup_does_not_block_other_requests() {
+    if !is_root() {
+        return;
+    }
+    let fx = fixture();
+    write_mode(&fx.src.join("slow"), b"slow", 0o644);
+    write_mode(&fx.src.join("fast.txt"), b"fast", 0o644);
+    let source = Arc::new(SlowSource {
+        inner: DirSource::new(&fx.src, &fx.cache).unwrap(),
+        gate: std::sync::Mutex::new(false),
+        cv: std::sync::Condvar::new(),
+    });
+    let view = mount(source.clone(), &fx.mnt).unwrap();
+    fs::metadata(&fx.mnt).unwrap(); // bind "/" first
+    let slow_path = fx.mnt.join("slow");
+    let slow = std::thread::spawn(move || {
+        let r = fs::read(slow_path);
+        (r.map_err(|e| e.to_string()), std::time::Instant::now())
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200)); // let it get stuck in the source
+    let t0 = std::time::Instant::now();
+    // Same directory as the stuck lookup: needs FUSE_PARALLEL_DIROPS as well as several threads.
+    assert_eq!(fs::read(fx.mnt.join("fast.txt")).unwrap(), b"fast");
+    let fast_done = std::time::Instant::now();
+    assert!(fast_done - t0 < std::time::Duration::from_secs(2), "fast lookup waited {:?}", fast_done - t0);
+    *source.gate.lock().unwrap() = true;
+    source.cv.notify_all();
+    let (slow_result, slow_done) = slow.join().unwrap();
+    assert_eq!(slow_result.unwrap(), b"slow");
+    assert!(fast_done < slow_done);
+    drop(view);
+}
+
+#[test]
+fn unmounting_the_view_under_a_live_overlay_detaches_lazily() {
+    if !is_root() {
+        return;
+    }
+    let fx = fixture();
+    write_mode(&fx.src.join("a.txt"), b"still here", 0o644);
+    let source = Arc::new(DirSource::new(&fx.src, &fx.cache).unwrap());
+    let view = mount(source, &fx.mnt).unwrap();
+    let task_dir = fx.base.join("task");
+    fs::create_dir(&task_dir).unwrap();
+    let ov = Overlay::mount(&fx.mnt, &task_dir).unwrap();
+    // Busy (the overlay stacks on it): detached, not an error, no hang.
+    view.unmount().unwrap();
+    assert_eq!(errno_of(fs::metadata(fx.mnt.join("a.txt"))), Some(libc::ENOENT));
+    // The overlay keeps the detached view alive and readable.
+    assert_eq!(fs::read(ov.root().join("a.txt")).unwrap(), b"still here");
+    ov.unmount().unwrap();
+}
