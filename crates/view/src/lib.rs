@@ -52,6 +52,12 @@
 //! against). [`ViewMount::preload`] seeds bindings sent ahead of the task
 //! (UCop's *prethrow*), which removes one network round trip per path.
 //!
+//! Special nodes (`Lookup::Special`) appear with their type and mode. Device
+//! nodes cannot be opened (the view and the overlay are `nodev`: EACCES),
+//! sockets give ENXIO, and a FIFO opens as a fresh local pipe (the kernel
+//! implements FIFO opens without asking the file system) — never the
+//! client's pipe, as in UCop.
+//!
 //! Concurrency: fuser 0.18 can run several request loops, each with its own
 //! cloned `/dev/fuse` descriptor, and the view asks for
 //! `FUSE_PARALLEL_DIROPS`, so one slow network lookup does not hold up the

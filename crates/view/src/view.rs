@@ -204,12 +204,12 @@ impl Shared {
     }
 }
 
-/// Make a peer's answer self-consistent: the node kind decides the variant.
+/// Refuse answers the kernel cannot represent: a symlink target must be
+/// non-empty, NUL-free and at most PATH_MAX bytes. Such a node is shown as absent.
 fn sanitize(l: Lookup) -> Lookup {
     match l {
-        Lookup::Symlink(a, t) if t.is_empty() || t.contains(&0) || t.len() > starling_proto::MAX_PATH => {
+        Lookup::Symlink(_, t) if t.is_empty() || t.contains(&0) || t.len() > starling_proto::MAX_PATH => {
             log::warn!("view: source gave a malformed symlink target; treating as absent");
-            let _ = a;
             Lookup::Absent
         }
         other => other,
