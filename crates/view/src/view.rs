@@ -49,7 +49,8 @@ impl Default for ViewOptions {
 pub struct ViewStats {
     /// `Source::lookup` calls (paths not already bound).
     pub lookups_sent: u64,
-    /// FUSE lookups answered from an existing binding (prethrow or earlier answer).
+    /// Requests (lookup, getattr, open...) answered from an existing binding
+    /// (prethrow or earlier answer) without asking the source.
     pub lookups_local: u64,
     /// `Source::readdir` calls.
     pub readdirs_sent: u64,
