@@ -13,6 +13,7 @@ pub mod commit;
 pub mod discover;
 pub mod exec;
 pub mod files;
+pub mod session;
 pub mod spec;
 
 /// Exit status `starling exec` uses for its own failures (cluster missing,
