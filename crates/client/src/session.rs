@@ -62,9 +62,13 @@ struct TaskSink {
     finishing: bool,
 }
 
+/// A head's answer to a ticket request: the ticket id and (host, clones there).
+pub type Grant = (u64, Vec<(String, u32)>);
+
 #[derive(Default)]
 struct State {
     launches: VecDeque<oneshot::Sender<Result<(TaskId, String), String>>>,
+    tickets: VecDeque<oneshot::Sender<Result<Grant, String>>>,
     tasks: HashMap<TaskId, TaskSink>,
     closed: Option<String>,
 }
@@ -156,6 +160,20 @@ impl Session {
         Ok(TaskHandle { task, host, events: ev_rx, tx: self.tx.clone() })
     }
 
+    /// Reserve up to `n` clones (the fork API's `sf_request_ticket`).
+    pub async fn request_ticket(&self, n: u32, hierarchical: bool) -> Result<Grant> {
+        let (done_tx, done_rx) = oneshot::channel();
+        {
+            let mut st = self.state.lock().unwrap();
+            if let Some(why) = &st.closed {
+                return Err(anyhow!("{why}"));
+            }
+            st.tickets.push_back(done_tx);
+        }
+        self.tx.send(Msg::TicketRequest { n, hierarchical }).await.map_err(|_| anyhow!("lost connection to the cluster head"))?;
+        done_rx.await.map_err(|_| anyhow!("lost connection to the cluster head"))?.map_err(|e| anyhow!("{e}"))
+    }
+
     /// Deliver an event (or park it until the handle exists). A final event
     /// retires the task.
     fn emit(&self, task: TaskId, ev: TaskEvent) {
@@ -186,6 +204,11 @@ impl Session {
                     st.tasks.entry(task).or_default();
                     if let Some(w) = st.launches.pop_front() {
                         let _ = w.send(Ok((task, host)));
+                    }
+                }
+                Msg::TicketGrant { ticket, granted } => {
+                    if let Some(w) = self.state.lock().unwrap().tickets.pop_front() {
+                        let _ = w.send(granted.map(|g| (ticket, g)));
                     }
                 }
                 Msg::Error { task: None, message } => {
@@ -263,6 +286,9 @@ impl Session {
         }
         let mut st = self.state.lock().unwrap();
         for w in st.launches.drain(..) {
+            let _ = w.send(Err(why.clone()));
+        }
+        for w in st.tickets.drain(..) {
             let _ = w.send(Err(why.clone()));
         }
     }

@@ -49,5 +49,6 @@ pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec> {
         job: None,
         prethrow: Vec::new(),
         launch_ns: now_ns(),
+        clone: None,
     })
 }

@@ -255,6 +255,11 @@ impl Head {
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
+                Msg::TicketRequest { n, hierarchical } => {
+                    let ticket = self.next_task.fetch_add(1, Ordering::Relaxed);
+                    let granted = self.grant(n, hierarchical);
+                    let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
+                }
                 Msg::FileResponse { id, resp, .. } if id & HEAD_ID_BIT != 0 => {
                     if let Some(w) = self.waiters.lock().unwrap().remove(&id) {
                         let _ = w.send(resp);
@@ -399,6 +404,52 @@ impl Head {
             st.hosts.values().map(|h| HostInfo { running: h.info.running.max(h.tasks), ..h.info.clone() }).collect();
         hosts.sort_by(|a, b| natural_key(&a.name).cmp(&natural_key(&b.name)));
         ClusterStatus { head: self.listen.clone(), hosts, facts: self.facts.clone() }
+    }
+
+    /// Grant up to `n` clones by free cores (cores minus tasks placed there).
+    /// The grant is advisory: the clones are then launched as tasks.
+    fn grant(&self, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, String> {
+        let st = self.state.lock().unwrap();
+        let mut free: Vec<(String, u32)> = st
+            .hosts
+            .values()
+            .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.tasks)))
+            .filter(|(_, f)| *f > 0)
+            .collect();
+        if free.is_empty() {
+            return Err(if st.hosts.is_empty() { "the cluster has no hosts".into() } else { "no free cores in the cluster".into() });
+        }
+        free.sort_by(|a, b| b.1.cmp(&a.1).then(natural_key(&a.0).cmp(&natural_key(&b.0))));
+        let mut out: Vec<(String, u32)> = Vec::new();
+        let mut left = n;
+        if hierarchical {
+            // Fill each host's cores before moving on: one restore per host, then local forks.
+            for (h, f) in free {
+                if left == 0 {
+                    break;
+                }
+                let k = f.min(left);
+                out.push((h, k));
+                left -= k;
+            }
+        } else {
+            // Spread round-robin so clones land on as many hosts as possible.
+            let mut free = free;
+            while left > 0 && free.iter().any(|(_, f)| *f > 0) {
+                for (h, f) in free.iter_mut() {
+                    if left == 0 || *f == 0 {
+                        continue;
+                    }
+                    *f -= 1;
+                    left -= 1;
+                    match out.iter_mut().find(|(o, _)| o == h) {
+                        Some((_, k)) => *k += 1,
+                        None => out.push((h.clone(), 1)),
+                    }
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Choose a host: the named one, else the one with the most free cores.

@@ -141,6 +141,7 @@ mod tests {
             job: None,
             prethrow: vec![],
             launch_ns: 0,
+            clone: None,
         }
     }
 

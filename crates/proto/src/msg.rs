@@ -87,6 +87,14 @@ pub enum Msg {
 
     Ping { nonce: u64 },
     Pong { nonce: u64 },
+
+    // ---- fork API
+    /// Client → head: reserve up to `n` clones.
+    TicketRequest { n: u32, hierarchical: bool },
+    /// Head → client: the grant — (host, clones on that host) — or why not.
+    /// Non-hierarchical: one clone per granted core. Hierarchical: the first
+    /// clone on each host is restored there; the rest are local forks of it.
+    TicketGrant { ticket: u64, granted: Result<Vec<(String, u32)>, String> },
 }
 
 fn check_bytes(what: &str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -155,6 +163,12 @@ impl Msg {
             },
             Msg::Finished { changes, .. } => changes.iter().try_for_each(|c| c.validate()),
             Msg::Committed { conflicts, .. } => conflicts.iter().try_for_each(|p| p.validate()),
+            Msg::TicketRequest { n, .. } => {
+                if *n == 0 || *n > 4096 {
+                    return Err(ProtoError::invalid(format!("ticket for {n} clones")));
+                }
+                Ok(())
+            }
             _ => Ok(()),
         }
     }

@@ -308,6 +308,28 @@ pub struct TaskSpec {
     pub prethrow: Vec<(WirePath, Lookup)>,
     /// Client wall clock at launch (ns since the epoch): the consistency point.
     pub launch_ns: i64,
+    /// Set when the task is a clone of a running process (the fork API):
+    /// instead of exec'ing `argv`, the host restores the process.
+    pub clone: Option<CloneSpec>,
+}
+
+/// Largest encoded process descriptor accepted (they are kilobytes).
+pub const MAX_DESCRIPTOR: usize = 16 << 20;
+
+/// What a host needs to restore one clone of a frozen template process.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CloneSpec {
+    /// The ticket this clone belongs to (one multicast group per ticket).
+    pub ticket: u64,
+    /// 1..m; the value `sf_clone` returns in this clone.
+    pub clone_id: u32,
+    /// The encoded process descriptor (`starling_fork::descriptor`); opaque here.
+    pub descriptor: Vec<u8>,
+    /// Where the template's page server listens (`IP:PORT`, reachable from hosts).
+    pub page_server: String,
+    /// Hierarchical mode: further process-level clones to fork() on this host
+    /// after the restore (ids clone_id+1 ..= clone_id+local_forks).
+    pub local_forks: u32,
 }
 
 impl TaskSpec {
@@ -322,6 +344,14 @@ impl TaskSpec {
             return Err(ProtoError::invalid("malformed environment entry"));
         }
         self.cwd.validate()?;
+        if let Some(c) = &self.clone {
+            if c.descriptor.is_empty() || c.descriptor.len() > MAX_DESCRIPTOR {
+                return Err(ProtoError::invalid("clone descriptor empty or too large"));
+            }
+            if c.clone_id == 0 || c.page_server.len() > 256 {
+                return Err(ProtoError::invalid("bad clone spec"));
+            }
+        }
         if self.umask > 0o777 {
             return Err(ProtoError::invalid("umask out of range"));
         }
