@@ -26,6 +26,7 @@ pub mod local;
 pub mod page_server;
 pub mod plan;
 pub mod template;
+pub mod template_hook;
 pub mod uffd;
 
 pub use starling_restorer::plan::{KernelSigaction, ResumeContext};

@@ -149,6 +149,7 @@ pub fn fork_template() -> Result<ForkOutcome> {
         std::mem::forget(freeze_r);
         drop(state_r);
         drop(freeze_w);
+        crate::template_hook::run_in_template();
         let id = template_child(state_w_fd, freeze_r_fd, parent_pid);
         return Ok(ForkOutcome::Clone(id));
     }
