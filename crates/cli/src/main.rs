@@ -74,6 +74,15 @@ struct UpArgs {
     /// Number of emulated hosts.
     #[arg(long, default_value_t = 4)]
     hosts: usize,
+    /// Emulated WAN link between this machine (the client) and the cluster's head:
+    /// lan (no shaping), cable-modem (70 ms RTT, 4 Mib/s up, 16 Mib/s down),
+    /// coffee-shop (160 ms RTT, 1400 Kib/s up, 1500 Kib/s down), or RTT_MS,UP_KBIT,DOWN_KBIT.
+    #[arg(long, default_value = "lan", value_parser = parse_link)]
+    link: String,
+}
+
+fn parse_link(s: &str) -> Result<String, String> {
+    starling_link::Profile::parse(s).map(|_| s.to_string()).map_err(|e| e.to_string())
 }
 
 #[derive(Args)]
@@ -152,6 +161,7 @@ fn main() {
     match args.get(1).map(String::as_str) {
         Some("__sandbox-init") => starling_sandbox::init_main(),
         Some("__host-boot") => starling_cluster::host_boot_main(&args[2..]),
+        Some("__link") => link_main(&args[2..]),
         _ => {}
     }
     let cli = Cli::parse();
@@ -231,6 +241,35 @@ fn run(cli: Cli) -> Result<i32> {
     }
 }
 
+/// Hidden `__link --listen A --target B --profile P --stats FILE`: the emulated WAN link relay.
+fn link_main(args: &[String]) -> ! {
+    init_logging("info");
+    let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let (Some(listen), Some(target), Some(profile)) = (get("--listen"), get("--target"), get("--profile")) else {
+        eprintln!("starling __link: internal: needs --listen, --target and --profile");
+        std::process::exit(2);
+    };
+    let profile = match starling_link::Profile::parse(&profile) {
+        Ok(p) => p,
+        Err(e) => {
+            eprintln!("starling __link: {e:#}");
+            std::process::exit(2);
+        }
+    };
+    let counters = std::sync::Arc::new(starling_link::Counters::default());
+    let res = runtime().block_on(async {
+        if let Some(stats) = get("--stats") {
+            tokio::spawn(starling_link::publish_counters(stats.into(), profile, counters.clone()));
+        }
+        log::info!("link {listen} -> {target}: {}", profile.describe());
+        starling_link::run_relay(&listen, &target, profile, counters).await
+    });
+    if let Err(e) = res {
+        eprintln!("starling __link: {e:#}");
+    }
+    std::process::exit(1);
+}
+
 fn nix_hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "host".into())
 }
@@ -258,6 +297,17 @@ async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
     for (k, v) in &st.facts {
         network.insert(k.clone(), v.clone().into());
     }
+    if let Some(l) = &local {
+        let link = l.extra.get("link").cloned().unwrap_or_else(|| "lan".into());
+        let desc = starling_link::Profile::parse(&link).map(|p| p.describe()).unwrap_or(link.clone());
+        network.insert("link".into(), link.into());
+        network.insert("link_detail".into(), desc.into());
+        if let Ok(bytes) = std::fs::read(std::path::Path::new(starling_cluster::DEFAULT_RUN_DIR).join("link.json")) {
+            if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
+                network.insert("link_counters".into(), v["counters"].clone());
+            }
+        }
+    }
     if json {
         let hosts: Vec<_> = st
             .hosts
@@ -270,7 +320,11 @@ async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({"head": st.head, "network": network, "hosts": hosts}))?);
         return Ok(0);
     }
-    println!("head {}   {}", st.head, network.iter().map(|(k, v)| format!("{k} {}", v.as_str().unwrap_or(""))).collect::<Vec<_>>().join("   "));
+    let field = |k: &str| network.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_string();
+    println!("head {}   bridge {}   subnet {}", st.head, field("bridge"), field("subnet"));
+    if network.contains_key("link") {
+        println!("link {}: {}", field("link"), field("link_detail"));
+    }
     println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY");
     for h in &st.hosts {
         println!(
@@ -295,6 +349,7 @@ fn up(a: UpArgs) -> Result<i32> {
         state_dir: starling_cluster::DEFAULT_STATE_DIR.into(),
         run_dir: starling_cluster::DEFAULT_RUN_DIR.into(),
         head_args: vec![],
+        link: Some(a.link.clone()),
     };
     let state = starling_cluster::up(&opts)?;
     // Wait until every agent has registered with the head.

@@ -62,7 +62,9 @@ pub const DEFAULT_RUN_DIR: &str = "/run/starling";
 /// Name of the record of the running cluster inside the run dir.
 pub const CLUSTER_FILE: &str = "cluster.json";
 /// Subcommands (argv[1]) of starling processes that belong to a cluster; `down` kills leftovers of these.
-pub const CLUSTER_ROLES: [&str; 4] = ["agent", "__host-boot", "head", "__sandbox-init"];
+pub const CLUSTER_ROLES: [&str; 5] = ["agent", "__host-boot", "head", "__sandbox-init", "__link"];
+/// Where the emulated WAN link (`starling up --link`) listens for clients.
+pub const LINK_PORT: u16 = 7079;
 
 /// How long `up` waits for the head to listen and for each host to finish booting.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -103,6 +105,9 @@ pub struct UpOptions {
     pub run_dir: PathBuf,
     /// Extra arguments appended to `exe head ...`.
     pub head_args: Vec<String>,
+    /// WAN link profile between clients and the head (`starling_link::Profile::parse`
+    /// syntax). `None` or `lan`: clients talk to the head directly.
+    pub link: Option<String>,
 }
 
 impl UpOptions {
@@ -114,6 +119,7 @@ impl UpOptions {
             state_dir: DEFAULT_STATE_DIR.into(),
             run_dir: DEFAULT_RUN_DIR.into(),
             head_args: Vec::new(),
+            link: None,
         }
     }
 }
@@ -285,6 +291,31 @@ fn start(
         bail!("the head died while the hosts booted:\n{}", log_tail(&log_path(run_dir, "head")));
     }
 
+    // The emulated WAN link: clients reach the head only through it.
+    let mut client_addr = head_addr.to_string();
+    let mut link_facts = Vec::new();
+    if let Some(profile) = opts.link.as_deref().filter(|p| *p != "lan") {
+        let listen = SocketAddr::from(([127, 0, 0, 1], LINK_PORT));
+        let mut link = Command::new(exe);
+        link.arg("__link")
+            .arg("--listen")
+            .arg(listen.to_string())
+            .arg("--target")
+            .arg(head_addr.to_string())
+            .arg("--profile")
+            .arg(profile)
+            .arg("--stats")
+            .arg(run_dir.join("link.json"));
+        let link_pid = spawn_detached(link, &log_path(run_dir, "link"), None)?;
+        wait_listening(listen, link_pid, &log_path(run_dir, "link"))?;
+        client_addr = listen.to_string();
+        link_facts = vec![
+            ("link".to_string(), profile.to_string()),
+            ("link_pid".to_string(), link_pid.to_string()),
+            ("head_direct".to_string(), head_addr.to_string()),
+        ];
+    }
+
     let netns_ids: Vec<String> = hosts
         .iter()
         .filter_map(|h| net::ns_id(&netns_path(&h.netns)))
@@ -297,8 +328,10 @@ fn start(
         ("state_dir".to_string(), state_dir.display().to_string()),
         ("netns_ids".to_string(), netns_ids.join(",")),
     ]);
+    let mut extra = extra;
+    extra.extend(link_facts);
     let state = ClusterState {
-        head_addr: head_addr.to_string(),
+        head_addr: client_addr,
         head_pid,
         bridge: cfg.bridge.clone(),
         subnet: cfg.subnet_cidr(),
