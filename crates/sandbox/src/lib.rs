@@ -1,1 +1,120 @@
-//! (to be written)
+//! The task sandbox: how a starling agent runs one task "as if on the client".
+//!
+//! A task must see the client's file system (a prepared directory, `root`:
+//! an overlay over a FUSE view of the client's `/`), run with the client's
+//! credentials, umask, limits, environment and working directory, and must
+//! not see or outlive the host it borrows. This crate gives it:
+//!
+//! * its own **mount namespace** (mounts made for it never reach the host),
+//!   its own **PID namespace** (it sees only its own processes in a fresh
+//!   `/proc`, and everything it starts dies with it), its own IPC namespace
+//!   and, when a host name is requested, its own UTS namespace;
+//! * a **chroot** into `root` with a fresh `/proc` and a minimal `/dev`;
+//! * the client's uid/gid/groups, umask, rlimits, env, cwd and argv, with a
+//!   shell-like `PATH` search (127 "command not found", 126 "Permission denied");
+//! * the **exact** exit status (`ExitStatus::Code(130)` and
+//!   `ExitStatus::Signal(SIGINT)` stay distinct: the status travels on a side
+//!   channel, not only as an exit code).
+//!
+//! # Why a re-executed helper process
+//!
+//! The agent is a multi-threaded tokio daemon. A process that unshares a PID
+//! namespace cannot create threads afterwards, and code running in a
+//! `fork()`ed child of a multi-threaded process may not allocate (another
+//! thread may have held the allocator's lock). So [`spawn`] re-executes the
+//! starling binary as `starling __sandbox-init`, a fresh single-threaded
+//! process whose entry point is [`init_main`]. The process tree is:
+//!
+//! ```text
+//! agent ── outer init (`__sandbox-init`, root PID ns)
+//!             └── reaper (PID 1 of the new PID ns: mounts /proc and /dev, chroots)
+//!                    └── task (PID 2: drops credentials, execs argv)
+//! ```
+//!
+//! The spec travels to the outer init in a memfd (fd 3), never in argv; the
+//! final status comes back on a pipe (fd 4). That pipe doubles as the
+//! outer init's *lifeline*: when the agent dies (even by `kill -9`) its read
+//! end closes, the outer init sees `POLLERR` at once and kills the sandbox.
+//! The lower levels use `PR_SET_PDEATHSIG(SIGKILL)`. The outer level does
+//! not, on purpose: the parent-death signal fires when the *thread* that
+//! forked exits, and an agent spawning from tokio's blocking pool would
+//! otherwise see its tasks killed whenever an idle pool thread retires.
+
+mod init;
+mod spawn;
+mod status;
+
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::path::PathBuf;
+
+pub use init::init_main;
+pub use spawn::{spawn, Sandboxed};
+pub use starling_proto::ExitStatus;
+
+/// The hidden subcommand the agent's binary must route to [`init_main`].
+pub const INIT_SUBCOMMAND: &str = "__sandbox-init";
+
+/// Status of a sandbox that could not be set up (mount, chroot, chdir,
+/// credentials...), as env(1) does for its own failures.
+pub const EXIT_SETUP_FAILED: i32 = 125;
+/// Status when the command was found but could not be executed.
+pub const EXIT_NOT_EXECUTABLE: i32 = 126;
+/// Status when the command was not found.
+pub const EXIT_NOT_FOUND: i32 = 127;
+
+/// Everything needed to start one task in a sandbox.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct SandboxSpec {
+    /// Directory to chroot into, already populated (a view of the client's
+    /// `/`). It must contain the mount points `proc` and `dev`.
+    pub root: PathBuf,
+    pub argv: Vec<Vec<u8>>,
+    pub env: Vec<(Vec<u8>, Vec<u8>)>,
+    /// Working directory, a path inside `root`.
+    pub cwd: Vec<u8>,
+    pub umask: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Supplementary groups.
+    pub groups: Vec<u32>,
+    /// (resource, soft, hard) as in getrlimit(2).
+    pub rlimits: Vec<(u32, u64, u64)>,
+    /// Host name inside the sandbox (gets its own UTS namespace), or the host's.
+    pub hostname: Option<String>,
+}
+
+impl SandboxSpec {
+    /// Rejects what could never be executed: empty argv, NUL bytes where C
+    /// strings are needed, malformed environment entries, a bad umask.
+    pub fn validate(&self) -> io::Result<()> {
+        let invalid = |what: &str| Err(io::Error::new(io::ErrorKind::InvalidInput, what.to_string()));
+        if self.argv.is_empty() {
+            return invalid("empty argv");
+        }
+        if self.argv.iter().any(|a| a.contains(&0)) {
+            return invalid("argv contains NUL");
+        }
+        if self.env.iter().any(|(k, v)| k.is_empty() || k.contains(&0) || k.contains(&b'=') || v.contains(&0)) {
+            return invalid("malformed environment entry");
+        }
+        if self.cwd.contains(&0) {
+            return invalid("cwd contains NUL");
+        }
+        if self.umask > 0o777 {
+            return invalid("umask out of range");
+        }
+        if let Some(h) = &self.hostname {
+            if h.is_empty() || h.len() > 64 || h.contains('\0') {
+                return invalid("host name must be 1 to 64 bytes without NUL");
+            }
+        }
+        Ok(())
+    }
+
+    /// The value of `name` in the task's environment: the first entry, which
+    /// is what getenv(3) in the task would return.
+    pub fn env_var(&self, name: &[u8]) -> Option<&[u8]> {
+        self.env.iter().find(|(k, _)| k == name).map(|(_, v)| v.as_slice())
+    }
+}

@@ -1,0 +1,180 @@
+//! The agent's side: start `exe __sandbox-init`, then signal, poll and wait.
+
+use crate::{status, ExitStatus, SandboxSpec, INIT_SUBCOMMAND};
+use nix::fcntl::{fcntl, FcntlArg, OFlag};
+use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+
+/// Descriptor numbers the outer init finds its inputs at.
+pub(crate) const SPEC_FD: RawFd = 3;
+pub(crate) const STATUS_FD: RawFd = 4;
+
+/// Lowest number the inherited descriptors are parked at before the child
+/// moves them to [`SPEC_FD`]/[`STATUS_FD`], so neither move clobbers the other.
+const PARK_FD_MIN: RawFd = 10;
+
+/// A running sandbox. Dropping it without [`Sandboxed::wait`] kills the
+/// sandbox (the outer init's lifeline closes) and reaps it.
+#[derive(Debug)]
+pub struct Sandboxed {
+    child: Child,
+    /// Read end of the status pipe (non-blocking): one record from the outer init.
+    status_read: File,
+    pidfd: Option<OwnedFd>,
+    result: Option<ExitStatus>,
+}
+
+/// Start `spec` in a sandbox.
+///
+/// `exe` is the starling binary (the agent passes `/proc/self/exe`'s target);
+/// it is run as `exe __sandbox-init`, its stdio being `stdin`, `stdout` and
+/// `stderr`, the spec in a memfd at fd 3 and the status pipe at fd 4. The
+/// outer init starts a new session, so the task has no controlling terminal.
+pub fn spawn(exe: &Path, spec: &SandboxSpec, stdin: OwnedFd, stdout: OwnedFd, stderr: OwnedFd) -> io::Result<Sandboxed> {
+    spec.validate()?;
+    let encoded = bincode::serialize(spec).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+
+    let mut spec_file = File::from(memfd_create(c"starling-sandbox-spec", MemFdCreateFlag::MFD_CLOEXEC)?);
+    spec_file.write_all(&encoded)?;
+    // The child shares this open file description, hence its offset.
+    spec_file.seek(SeekFrom::Start(0))?;
+
+    let (status_read, status_write) = nix::unistd::pipe2(OFlag::O_CLOEXEC)?;
+    // Only the read end (its own open file description) becomes non-blocking:
+    // after reaping, the record is either already in the pipe or never coming.
+    fcntl(status_read.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
+
+    let spec_parked = park(spec_file.as_fd())?;
+    let status_parked = park(status_write.as_fd())?;
+    let (spec_raw, status_raw) = (spec_parked.as_raw_fd(), status_parked.as_raw_fd());
+
+    let mut cmd = Command::new(exe);
+    cmd.arg(INIT_SUBCOMMAND)
+        .env_clear()
+        .current_dir("/")
+        .stdin(Stdio::from(stdin))
+        .stdout(Stdio::from(stdout))
+        .stderr(Stdio::from(stderr));
+    // SAFETY: the closure runs in the forked child before exec and calls only
+    // async-signal-safe functions (dup2, setsid) on descriptors that stay open
+    // in the parent until `spawn` returns; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(spec_raw, SPEC_FD) < 0 || libc::dup2(status_raw, STATUS_FD) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn()?;
+    drop((spec_parked, status_parked, status_write, spec_file));
+
+    let pidfd = pidfd_open(child.id()).ok();
+    Ok(Sandboxed { child, status_read: File::from(status_read), pidfd, result: None })
+}
+
+/// A close-on-exec duplicate at or above [`PARK_FD_MIN`].
+fn park(fd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
+    let raw = fcntl(fd.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(PARK_FD_MIN))?;
+    // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor; we own it.
+    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
+}
+
+fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
+    // or -1; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: the syscall returned a fresh descriptor that nothing else owns
+    // (pidfd_open sets close-on-exec itself).
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+impl Sandboxed {
+    /// Pid of the outer `__sandbox-init` process (in the agent's PID namespace).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Send `signo` towards the task. SIGKILL kills the whole sandbox at once
+    /// (the outer init dies, and with it everything below) and is reported as
+    /// `Signal(9)`; any other signal is relayed by both inits to the task.
+    pub fn signal(&self, signo: i32) -> io::Result<()> {
+        if self.result.is_some() {
+            return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        // SAFETY: kill takes plain integers; the pid is our unreaped child,
+        // so it cannot have been reused by another process.
+        if unsafe { libc::kill(self.child.id() as libc::pid_t, signo) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// A pidfd of the outer init: it becomes readable when the sandbox has
+    /// ended, so an async caller can wrap it in `tokio::io::unix::AsyncFd`
+    /// and then call [`Sandboxed::try_wait`]. `None` on kernels without pidfd.
+    pub fn pidfd(&self) -> Option<BorrowedFd<'_>> {
+        self.pidfd.as_ref().map(|fd| fd.as_fd())
+    }
+
+    /// Block until the sandbox has ended; returns the task's status.
+    pub fn wait(&mut self) -> io::Result<ExitStatus> {
+        if let Some(st) = self.result {
+            return Ok(st);
+        }
+        let raw = self.child.wait()?;
+        Ok(self.finish(raw))
+    }
+
+    /// The task's status if the sandbox has ended, without blocking.
+    pub fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
+        if let Some(st) = self.result {
+            return Ok(Some(st));
+        }
+        Ok(self.child.try_wait()?.map(|raw| self.finish(raw)))
+    }
+
+    /// Combine the outer init's own wait status with its status record.
+    fn finish(&mut self, raw: std::process::ExitStatus) -> ExitStatus {
+        let mut record = [0u8; status::RECORD_LEN];
+        let mut got = 0;
+        while got < record.len() {
+            match self.status_read.read(&mut record[got..]) {
+                Ok(0) => break,
+                Ok(n) => got += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break, // WouldBlock: no record was written
+            }
+        }
+        let st = status::decode(&record[..got]).unwrap_or_else(|| match (raw.signal(), raw.code()) {
+            // Killed before it could report (e.g. `signal(SIGKILL)`).
+            (Some(sig), _) => ExitStatus::Signal(sig),
+            (None, Some(code)) => ExitStatus::Code(code),
+            (None, None) => ExitStatus::Code(crate::EXIT_SETUP_FAILED),
+        });
+        self.result = Some(st);
+        st
+    }
+}
+
+impl Drop for Sandboxed {
+    fn drop(&mut self) {
+        if self.result.is_none() {
+            // Killing the outer init takes the whole namespace down with it
+            // (PDEATHSIG below it); then reap it so no zombie is left.
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
