@@ -40,6 +40,46 @@
 //! forked exits, and an agent spawning from tokio's blocking pool would
 //! otherwise see its tasks killed whenever an idle pool thread retires.
 
+//!
+//! # Using it from the agent
+//!
+//! ```no_run
+//! use starling_sandbox::{spawn, ExitStatus, SandboxSpec, INIT_SUBCOMMAND};
+//! # fn agent_main() -> std::io::Result<()> {
+//! // First thing in the binary's main, before any thread exists:
+//! if std::env::args_os().nth(1).is_some_and(|a| a == INIT_SUBCOMMAND) {
+//!     starling_sandbox::init_main();
+//! }
+//! # let (spec, stdin, stdout, stderr): (SandboxSpec, std::os::fd::OwnedFd, std::os::fd::OwnedFd, std::os::fd::OwnedFd) = todo!();
+//! // Later, per task. "/proc/self/exe" keeps working even if the binary
+//! // on disk has been replaced since the agent started.
+//! let mut sandbox = spawn("/proc/self/exe".as_ref(), &spec, stdin, stdout, stderr)?;
+//! sandbox.signal(libc::SIGTERM)?; // relayed to the task
+//! match sandbox.wait()? {
+//!     ExitStatus::Code(c) => println!("exited {c}"),
+//!     ExitStatus::Signal(s) => println!("killed by signal {s}"),
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! An async agent can instead wrap [`Sandboxed::pidfd`] in
+//! `tokio::io::unix::AsyncFd`, await readability, then call
+//! [`Sandboxed::try_wait`].
+//!
+//! # Statuses
+//!
+//! The task's own exit code or fatal signal, exactly; or
+//! [`EXIT_SETUP_FAILED`] (125) when the sandbox could not be set up,
+//! [`EXIT_NOT_EXECUTABLE`] (126) or [`EXIT_NOT_FOUND`] (127) when the
+//! command could not be run. In those cases a line starting `starling: `
+//! explains why on the task's stderr.
+//!
+//! # Limits
+//!
+//! `chroot` (not `pivot_root`) confines the file-system view; a task that
+//! runs as uid 0 keeps its capabilities and could leave it. Tasks of
+//! ordinary users cannot.
+
 mod init;
 mod spawn;
 mod status;

@@ -444,3 +444,28 @@ fn killing_the_agent_with_sigkill_kills_its_tasks() {
         }
     })
 }
+
+#[test]
+fn when_the_task_exits_the_rest_of_its_namespace_is_killed() {
+    with_root(|root| {
+        // The background sleep keeps stdout open: run() returns only once
+        // it is gone too.
+        let t0 = Instant::now();
+        let o = sh(root, "sleep 1000 & echo started; exit 4");
+        assert_eq!((o.status, o.stdout.as_str()), (ExitStatus::Code(4), "started\n"));
+        assert!(t0.elapsed() < Duration::from_secs(10), "the background process outlived the task");
+    })
+}
+
+#[test]
+fn a_spec_larger_than_a_pipe_buffer_reaches_the_task_intact() {
+    with_root(|root| {
+        let mut s = spec(root, &["sh", "-c", "echo ${#BIG_A} ${#BIG_B} ${#BIG_C} $BIG_MARK"]);
+        for name in ["BIG_A", "BIG_B", "BIG_C"] {
+            s.env.push((name.as_bytes().to_vec(), vec![b'x'; 100_000]));
+        }
+        s.env.push((b"BIG_MARK".to_vec(), b"end".to_vec()));
+        let o = run(&s);
+        assert_eq!((o.status, o.stdout.as_str()), (ExitStatus::Code(0), "100000 100000 100000 end\n"), "{}", o.stderr);
+    })
+}
