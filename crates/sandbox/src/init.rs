@@ -37,6 +37,11 @@ const RELAYED: [Signal; 9] = [
     Signal::SIGCONT,
 ];
 
+/// Whether [`crate::Sandboxed::signal`] can deliver `signo` to the task.
+pub(crate) fn is_relayed(signo: i32) -> bool {
+    RELAYED.iter().any(|&s| s as i32 == signo)
+}
+
 /// Host devices made visible in the sandbox's `/dev`, with their numbers
 /// for when the host's node cannot be bind-mounted.
 const DEVICES: [(&str, u64, u64); 6] =

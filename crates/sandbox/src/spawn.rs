@@ -108,8 +108,14 @@ impl Sandboxed {
 
     /// Send `signo` towards the task. SIGKILL kills the whole sandbox at once
     /// (the outer init dies, and with it everything below) and is reported as
-    /// `Signal(9)`; any other signal is relayed by both inits to the task.
+    /// `Signal(9)`. SIGHUP, SIGINT, SIGQUIT, SIGTERM, SIGUSR1, SIGUSR2,
+    /// SIGALRM, SIGWINCH and SIGCONT are relayed by both inits to the task;
+    /// any other signal is refused (`InvalidInput`), since it would hit only
+    /// the outer init.
     pub fn signal(&self, signo: i32) -> io::Result<()> {
+        if signo != libc::SIGKILL && !crate::init::is_relayed(signo) {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("signal {signo} cannot be relayed to a task")));
+        }
         if self.result.is_some() {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }

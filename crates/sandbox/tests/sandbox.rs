@@ -209,8 +209,11 @@ fn signals_are_forwarded_to_the_task() {
         // Default disposition: the task dies of the forwarded SIGTERM.
         let Started { mut sandbox, stdout, .. } = start(&spec(root, &["sh", "-c", "echo ready; exec sleep 100"]));
         await_ready(&mut BufReader::new(stdout));
+        // Signals the inits cannot relay are refused, not misdelivered.
+        assert_eq!(sandbox.signal(libc::SIGSTOP).unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
         sandbox.signal(libc::SIGTERM).unwrap();
         assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(10)), ExitStatus::Signal(libc::SIGTERM));
+        assert!(sandbox.signal(libc::SIGTERM).is_err(), "no signal after the end");
 
         // A trap sees it, and its exit code comes back exactly.
         let script = "trap 'echo got-usr1; exit 42' USR1; echo ready; while :; do sleep 0.05; done";
