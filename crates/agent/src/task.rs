@@ -108,11 +108,12 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
 
     let bindings = view.bindings();
     let stats = view.stats();
+    let accessed = view.accessed_paths();
     overlay.unmount().context("unmounting the task's copy-on-write layer")?;
     let changes = collect_changes(task, &dir.join("upper"), &bindings, agent.cfg.compress, tx)?;
     drop(view);
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
-    tx.blocking_send(Msg::Finished { task, status, changes }).map_err(|_| anyhow::anyhow!("head connection lost"))?;
+    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| anyhow::anyhow!("head connection lost"))?;
     let _: ExitStatus = status;
     Ok(())
 }

@@ -122,7 +122,7 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
                     handle.signal(libc::SIGPIPE).await;
                 }
             }
-            Some(TaskEvent::Finished { status, commit }) => {
+            Some(TaskEvent::Finished { status, commit, .. }) => {
                 if !report_commit(&commit) {
                     return Ok(EXIT_STARLING_FAILURE);
                 }

@@ -12,7 +12,7 @@ use crate::discover;
 use crate::files::FileServer;
 use anyhow::{anyhow, Context, Result};
 use starling_proto::conn::{establish, Outgoing};
-use starling_proto::{ExitStatus, Hash, Msg, ProtoError, Role, Stream, TaskId, TaskSpec};
+use starling_proto::{ExitStatus, Hash, JobTask, Msg, ProtoError, Role, Stream, TaskId, TaskSpec, WirePath};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use tokio::net::TcpStream;
@@ -23,7 +23,8 @@ use tokio::sync::{mpsc, oneshot};
 pub enum TaskEvent {
     Output(Stream, Vec<u8>),
     /// The task ended and its changes were committed (or the commit failed: Err).
-    Finished { status: ExitStatus, commit: Result<CommitReport, String> },
+    /// `accessed`: the paths it looked at (for prethrow profiles).
+    Finished { status: ExitStatus, commit: Result<CommitReport, String>, accessed: Vec<WirePath> },
     /// The task is gone without a result (host lost, head lost); nothing was committed.
     Lost(String),
 }
@@ -144,6 +145,11 @@ impl Session {
         }
         self.tx.send(Msg::Launch { spec }).await.map_err(|_| anyhow!("lost connection to the cluster head"))?;
         let (task, host) = done_rx.await.map_err(|_| anyhow!("lost connection to the cluster head"))?.map_err(|e| anyhow!("{e}"))?;
+        Ok(self.register(task, host))
+    }
+
+    /// Hand out the handle for a placed task, delivering what arrived before it.
+    fn register(&self, task: TaskId, host: String) -> TaskHandle {
         let (ev_tx, ev_rx) = mpsc::unbounded_channel();
         let mut st = self.state.lock().unwrap();
         let sink = st.tasks.entry(task).or_default();
@@ -157,7 +163,39 @@ impl Session {
         } else {
             sink.events = Some(ev_tx);
         }
-        Ok(TaskHandle { task, host, events: ev_rx, tx: self.tx.clone() })
+        TaskHandle { task, host, events: ev_rx, tx: self.tx.clone() }
+    }
+
+    /// Start a job: one message, one prethrow, many tasks. Resolves once
+    /// every task is placed; a task the head refused is an `Err` in its slot.
+    pub async fn launch_job(&self, spec: TaskSpec, tasks: Vec<JobTask>) -> Result<Vec<Result<TaskHandle, String>>> {
+        let mut waits = Vec::with_capacity(tasks.len());
+        {
+            let mut st = self.state.lock().unwrap();
+            if let Some(why) = &st.closed {
+                return Err(anyhow!("{why}"));
+            }
+            for _ in 0..tasks.len() {
+                let (done_tx, done_rx) = oneshot::channel();
+                st.launches.push_back(done_tx);
+                waits.push(done_rx);
+            }
+        }
+        self.tx.send(Msg::LaunchJob { spec, tasks }).await.map_err(|_| anyhow!("lost connection to the cluster head"))?;
+        let mut out = Vec::with_capacity(waits.len());
+        for w in waits {
+            match w.await {
+                Ok(Ok((task, host))) => out.push(Ok(self.register(task, host))),
+                Ok(Err(e)) => out.push(Err(e)),
+                Err(_) => out.push(Err("lost connection to the cluster head".into())),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Send content ahead of a launch, in the same flight.
+    pub async fn push(&self, recipes: Vec<starling_proto::Recipe>, chunks: Vec<starling_proto::ChunkData>) -> Result<()> {
+        self.tx.send(Msg::Push { recipes, chunks }).await.map_err(|_| anyhow!("lost connection to the cluster head"))
     }
 
     /// Reserve up to `n` clones (the fork API's `sf_request_ticket`).
@@ -249,7 +287,7 @@ impl Session {
                         log::warn!("task {task}: output chunk rejected: {e}");
                     }
                 }
-                Msg::Finished { task, status, changes } => {
+                Msg::Finished { task, status, changes, accessed } => {
                     let chunks = match self.state.lock().unwrap().tasks.get_mut(&task) {
                         Some(sink) => {
                             sink.finishing = true;
@@ -267,7 +305,7 @@ impl Session {
                             .and_then(|r| r.map_err(|e| format!("{e:#}")));
                         let conflicts = commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.clone()).collect()).unwrap_or_default();
                         let _ = tx.send(Msg::Committed { task, conflicts }).await;
-                        me.emit(task, TaskEvent::Finished { status, commit });
+                        me.emit(task, TaskEvent::Finished { status, commit, accessed });
                     });
                 }
                 Msg::Ping { nonce } => {

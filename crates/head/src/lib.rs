@@ -233,21 +233,31 @@ impl Head {
                     let reply = Msg::StatusReply(self.status());
                     let _ = tx.send(reply).await;
                 }
-                Msg::Launch { spec } => {
-                    let placed = self.place(spec.host.as_deref());
-                    match placed {
-                        Err(message) => {
-                            let _ = tx.send(Msg::Error { task: None, message }).await;
+                Msg::Launch { spec } => self.launch(conn, &tx, spec).await,
+                Msg::LaunchJob { spec, tasks } => {
+                    let n = tasks.len();
+                    for (i, t) in tasks.into_iter().enumerate() {
+                        let mut s = spec.clone();
+                        if let Some(argv) = t.argv {
+                            s.argv = argv;
                         }
-                        Ok((host, host_tx, host_conn)) => {
-                            let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
-                            self.state.lock().unwrap().routes.insert(
-                                task,
-                                Route { client: tx.clone(), client_conn: conn, host: host.clone(), host_conn },
-                            );
-                            let _ = tx.send(Msg::Started { task, host: host.clone() }).await;
-                            if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
-                                self.lose_task(task, &format!("host {host} went away before the task started")).await;
+                        s.env.retain(|(k, _)| k != b"STARLING_TASK" && k != b"STARLING_TASKS");
+                        s.env.push((b"STARLING_TASK".to_vec(), i.to_string().into_bytes()));
+                        s.env.push((b"STARLING_TASKS".to_vec(), n.to_string().into_bytes()));
+                        self.launch(conn, &tx, s).await;
+                    }
+                }
+                Msg::Push { recipes, chunks } => {
+                    if let Some(cache) = &self.cache {
+                        for r in &recipes {
+                            let _ = cache.put_recipe(r);
+                        }
+                        for c in &chunks {
+                            match c.open() {
+                                Ok(bytes) => {
+                                    let _ = cache.put_chunk(&c.hash, &bytes);
+                                }
+                                Err(e) => log::warn!("client pushed a bad chunk: {e}"),
                             }
                         }
                     }
@@ -278,6 +288,27 @@ impl Head {
                     if done {
                         self.state.lock().unwrap().routes.remove(&task);
                     }
+                }
+            }
+        }
+    }
+
+    /// Place one task and start it; answers the client `Started` or `Error`.
+    async fn launch(&self, conn: u64, tx: &Outgoing, spec: starling_proto::TaskSpec) {
+        match self.place(spec.host.as_deref()) {
+            Err(message) => {
+                let _ = tx.send(Msg::Error { task: None, message }).await;
+            }
+            Ok((host, host_tx, host_conn)) => {
+                let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
+                self.state
+                    .lock()
+                    .unwrap()
+                    .routes
+                    .insert(task, Route { client: tx.clone(), client_conn: conn, host: host.clone(), host_conn });
+                let _ = tx.send(Msg::Started { task, host: host.clone() }).await;
+                if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
+                    self.lose_task(task, &format!("host {host} went away before the task started")).await;
                 }
             }
         }

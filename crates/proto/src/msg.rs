@@ -39,6 +39,16 @@ pub enum FileResp {
     Errno(i32),
 }
 
+/// One task of a [`Msg::LaunchJob`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobTask {
+    /// This task's argv, or `None` for the job spec's.
+    pub argv: Option<Vec<Vec<u8>>>,
+}
+
+/// Most tasks in one job launch.
+pub const MAX_JOB_TASKS: usize = 100_000;
+
 /// One row of `starling status`.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterStatus {
@@ -80,13 +90,23 @@ pub enum Msg {
     FileResponse { task: TaskId, id: u64, resp: FileResp },
     /// Agent → client: content of files the task wrote, ahead of `Finished`.
     ChangeChunks { task: TaskId, chunks: Vec<ChunkData> },
-    /// Agent → client: the task ended; these are its file-system changes.
-    Finished { task: TaskId, status: ExitStatus, changes: Vec<Change> },
+    /// Agent → client: the task ended; these are its file-system changes,
+    /// and the paths it looked at (for the client's prethrow profile).
+    Finished { task: TaskId, status: ExitStatus, changes: Vec<Change>, accessed: Vec<WirePath> },
     /// Client → agent: changes committed (paths that conflicted were saved beside).
     Committed { task: TaskId, conflicts: Vec<WirePath> },
 
     Ping { nonce: u64 },
     Pong { nonce: u64 },
+
+    /// Client → head, ahead of a launch in the same flight: content the
+    /// client's shadow index says the head lacks (UCop's proposed push).
+    Push { recipes: Vec<Recipe>, chunks: Vec<ChunkData> },
+    /// Client → head: start several tasks sharing one spec, one prethrow and
+    /// one consistency point (a job). Task i gets `STARLING_TASK=i`,
+    /// `STARLING_TASKS=n` and, if given, its own argv. Answered by one
+    /// `Started` (or `Error`) per task, in order.
+    LaunchJob { spec: TaskSpec, tasks: Vec<JobTask> },
 
     // ---- fork API
     /// Client → head: reserve up to `n` clones.
@@ -161,7 +181,28 @@ impl Msg {
                 FileResp::Recipe(Some(r)) => r.validate(),
                 _ => Ok(()),
             },
-            Msg::Finished { changes, .. } => changes.iter().try_for_each(|c| c.validate()),
+            Msg::Finished { changes, accessed, .. } => {
+                changes.iter().try_for_each(|c| c.validate())?;
+                accessed.iter().try_for_each(|p| p.validate())
+            }
+            Msg::Push { recipes, chunks } => {
+                check_bytes("pushed chunks", chunks.len(), MAX_BATCH)?;
+                recipes.iter().try_for_each(|r| r.validate())
+            }
+            Msg::LaunchJob { spec, tasks } => {
+                spec.validate()?;
+                if tasks.is_empty() || tasks.len() > MAX_JOB_TASKS {
+                    return Err(ProtoError::invalid(format!("job of {} tasks", tasks.len())));
+                }
+                for t in tasks {
+                    if let Some(a) = &t.argv {
+                        if a.is_empty() || a.iter().any(|x| x.contains(&0)) {
+                            return Err(ProtoError::invalid("bad argv in job task"));
+                        }
+                    }
+                }
+                Ok(())
+            }
             Msg::Committed { conflicts, .. } => conflicts.iter().try_for_each(|p| p.validate()),
             Msg::TicketRequest { n, .. } => {
                 if *n == 0 || *n > 4096 {
