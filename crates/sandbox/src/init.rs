@@ -4,6 +4,7 @@
 //! `__sandbox-init` process or in its forks, which is what makes `fork()`
 //! followed by ordinary Rust (allocation included) sound.
 
+use crate::program::ProgramWire;
 use crate::spawn::{SPEC_FD, STATUS_FD};
 use crate::{status, ExitStatus, SandboxSpec, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_SETUP_FAILED};
 use nix::errno::Errno;
@@ -74,9 +75,6 @@ fn outer_init() -> ExitStatus {
     // SAFETY: both descriptors were just checked to be open; the agent
     // handed them to this process and nothing else in it owns them.
     let (spec_fd, status_fd) = unsafe { (OwnedFd::from_raw_fd(SPEC_FD), OwnedFd::from_raw_fd(STATUS_FD)) };
-    // Whatever else the agent leaked must not keep pipes open for the
-    // lifetime of this sandbox, nor reach the task.
-    close_from(STATUS_FD + 1);
     for fd in [&spec_fd, &status_fd] {
         let _ = fcntl(fd.as_raw_fd(), FcntlArg::F_SETFD(FdFlag::FD_CLOEXEC));
     }
@@ -86,14 +84,19 @@ fn outer_init() -> ExitStatus {
         st
     };
 
-    let spec = match read_spec(spec_fd) {
+    let (spec, program) = match read_spec(spec_fd) {
         Ok(spec) => spec,
         Err(msg) => {
+            close_from(STATUS_FD + 1);
             let _ = writeln!(std::io::stderr(), "starling: {msg}");
             return report(ExitStatus::Code(EXIT_SETUP_FAILED));
         }
     };
-    match start_and_supervise(&spec, &status_fd) {
+    // Whatever else the agent leaked must not keep pipes open for the
+    // lifetime of this sandbox, nor reach the task (the program extension's
+    // descriptors sit right above the status pipe).
+    close_from(STATUS_FD + 1 + crate::program::count(&program));
+    match start_and_supervise(&spec, &program, &status_fd) {
         Ok(Some(st)) => report(st),
         // The agent is gone: nobody is left to report to.
         Ok(None) => ExitStatus::Signal(libc::SIGKILL),
@@ -104,15 +107,16 @@ fn outer_init() -> ExitStatus {
     }
 }
 
-fn read_spec(fd: OwnedFd) -> Result<SandboxSpec, String> {
+fn read_spec(fd: OwnedFd) -> Result<(SandboxSpec, Option<ProgramWire>), String> {
     let mut bytes = Vec::new();
     File::from(fd)
         .take(MAX_SPEC_BYTES)
         .read_to_end(&mut bytes)
         .map_err(|e| format!("cannot read the sandbox spec: {e}"))?;
-    let spec: SandboxSpec = bincode::deserialize(&bytes).map_err(|e| format!("malformed sandbox spec: {e}"))?;
+    let (spec, program): (SandboxSpec, Option<ProgramWire>) =
+        bincode::deserialize(&bytes).map_err(|e| format!("malformed sandbox spec: {e}"))?;
     spec.validate().map_err(|e| format!("invalid sandbox spec: {e}"))?;
-    Ok(spec)
+    Ok((spec, program))
 }
 
 fn relayed_and_chld() -> SigSet {
@@ -126,7 +130,11 @@ fn relayed_and_chld() -> SigSet {
 
 /// Create the namespaces, fork PID 1 and relay signals to it until it ends.
 /// `Ok(None)` means the agent went away and the sandbox was killed.
-fn start_and_supervise(spec: &SandboxSpec, status_fd: &OwnedFd) -> Result<Option<ExitStatus>, String> {
+fn start_and_supervise(
+    spec: &SandboxSpec,
+    program: &Option<ProgramWire>,
+    status_fd: &OwnedFd,
+) -> Result<Option<ExitStatus>, String> {
     // Blocked before the fork so none is lost: they queue until read from a
     // signalfd, and a blocked signal reaches a namespace's PID 1 even
     // though it has no handler.
@@ -157,10 +165,11 @@ fn start_and_supervise(spec: &SandboxSpec, status_fd: &OwnedFd) -> Result<Option
             // init's `OwnedFd`; closing the child's copy does not touch the
             // parent's, and the child never uses that `OwnedFd` again.
             unsafe { libc::close(status_fd.as_raw_fd()) };
-            reaper_main(spec, report_write)
+            reaper_main(spec, program, report_write)
         }
         Ok(ForkResult::Parent { child }) => child,
     };
+    crate::program::close_copies(program);
     drop(report_write);
     fcntl(report_read.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(|e| format!("fcntl: {e}"))?;
     let mut report = File::from(report_read);
@@ -237,7 +246,7 @@ fn unreported_pid1_status(ws: WaitStatus) -> ExitStatus {
 
 /// PID 1 of the new namespace: prepare the root, start the task, reap
 /// everything, relay signals, report the task's status.
-fn reaper_main(spec: &SandboxSpec, report_write: OwnedFd) -> ! {
+fn reaper_main(spec: &SandboxSpec, program: &Option<ProgramWire>, report_write: OwnedFd) -> ! {
     // Armed first, then checked: if the outer init died before the death
     // signal was armed, its end of the report pipe is already closed.
     // (getppid() cannot tell: a parent outside our PID namespace reads as 0.)
@@ -271,10 +280,11 @@ fn reaper_main(spec: &SandboxSpec, report_write: OwnedFd) -> ! {
         }
         Ok(ForkResult::Child) => {
             drop(sigfd);
-            task_main(spec, reaper_pid)
+            task_main(spec, program, reaper_pid)
         }
         Ok(ForkResult::Parent { child }) => child,
     };
+    crate::program::close_copies(program);
     loop {
         let signo = match sigfd.read_signal() {
             Ok(Some(info)) => info.ssi_signo as i32,
@@ -422,9 +432,19 @@ fn close_from(first: RawFd) {
 }
 
 /// PID 2: become the client, then exec the command. Never returns.
-fn task_main(spec: &SandboxSpec, reaper_pid: Pid) -> ! {
-    // Only the three stdio descriptors may reach the task.
-    close_from(3);
+fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid) -> ! {
+    // Only the three stdio descriptors may reach the task (plus, for the
+    // program extension, its descriptors at their fixed numbers).
+    let program_fd = match program {
+        None => {
+            close_from(3);
+            None
+        }
+        Some(w) => match crate::program::install(w) {
+            Ok(fd) => Some(fd),
+            Err(e) => die(e),
+        },
+    };
     if nix::sys::prctl::set_pdeathsig(Signal::SIGKILL).is_err() || getppid() != reaper_pid {
         std::process::exit(EXIT_SETUP_FAILED)
     }
@@ -463,7 +483,10 @@ fn task_main(spec: &SandboxSpec, reaper_pid: Pid) -> ! {
     let path_var = spec.env_var(b"PATH").unwrap_or(b"/bin:/usr/bin");
 
     restore_default_signals();
-    let (code, why) = exec_command(&argv, &envp, path_var);
+    let (code, why) = match program_fd {
+        Some(fd) => (EXIT_NOT_EXECUTABLE, crate::program::exec_program(fd, &argv, &envp).desc().to_string()),
+        None => exec_command(&argv, &envp, path_var),
+    };
     let _ = writeln!(std::io::stderr(), "starling: {}: {why}", String::from_utf8_lossy(&spec.argv[0]));
     std::process::exit(code)
 }

@@ -81,6 +81,7 @@
 //! ordinary users cannot.
 
 mod init;
+pub mod program;
 mod spawn;
 mod status;
 
@@ -89,7 +90,8 @@ use std::io;
 use std::path::PathBuf;
 
 pub use init::init_main;
-pub use spawn::{spawn, Sandboxed};
+pub use program::TaskProgram;
+pub use spawn::{spawn, spawn_program, Sandboxed};
 pub use starling_proto::ExitStatus;
 
 /// The hidden subcommand the agent's binary must route to [`init_main`].

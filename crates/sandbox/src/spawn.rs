@@ -1,5 +1,6 @@
 //! The agent's side: start `exe __sandbox-init`, then signal, poll and wait.
 
+use crate::program::{TaskProgram, PROGRAM_FD};
 use crate::{status, ExitStatus, SandboxSpec, INIT_SUBCOMMAND};
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
@@ -36,8 +37,35 @@ pub struct Sandboxed {
 /// `stderr`, the spec in a memfd at fd 3 and the status pipe at fd 4. The
 /// outer init starts a new session, so the task has no controlling terminal.
 pub fn spawn(exe: &Path, spec: &SandboxSpec, stdin: OwnedFd, stdout: OwnedFd, stderr: OwnedFd) -> io::Result<Sandboxed> {
+    spawn_inner(exe, spec, None, stdin, stdout, stderr)
+}
+
+/// As [`spawn`], but the task runs `program` (an open executable, e.g. a
+/// memfd) with extra descriptors at fixed numbers; see [`crate::program`].
+/// `spec.argv` is still the task's argv.
+pub fn spawn_program(
+    exe: &Path,
+    spec: &SandboxSpec,
+    program: TaskProgram,
+    stdin: OwnedFd,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+) -> io::Result<Sandboxed> {
+    program.validate()?;
+    spawn_inner(exe, spec, Some(program), stdin, stdout, stderr)
+}
+
+fn spawn_inner(
+    exe: &Path,
+    spec: &SandboxSpec,
+    program: Option<TaskProgram>,
+    stdin: OwnedFd,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+) -> io::Result<Sandboxed> {
     spec.validate()?;
-    let encoded = bincode::serialize(spec).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let wire = program.as_ref().map(TaskProgram::wire);
+    let encoded = bincode::serialize(&(spec, &wire)).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
 
     let mut spec_file = File::from(memfd_create(c"starling-sandbox-spec", MemFdCreateFlag::MFD_CLOEXEC)?);
     spec_file.write_all(&encoded)?;
@@ -52,6 +80,12 @@ pub fn spawn(exe: &Path, spec: &SandboxSpec, stdin: OwnedFd, stdout: OwnedFd, st
     let spec_parked = park(spec_file.as_fd())?;
     let status_parked = park(status_write.as_fd())?;
     let (spec_raw, status_raw) = (spec_parked.as_raw_fd(), status_parked.as_raw_fd());
+    // Program extension: parked like the others, moved to PROGRAM_FD, PROGRAM_FD+1, ...
+    let extra_parked: Vec<OwnedFd> = match &program {
+        Some(p) => p.sources().into_iter().map(|fd| park(unsafe_borrow(fd))).collect::<io::Result<_>>()?,
+        None => Vec::new(),
+    };
+    let extra_raw: Vec<RawFd> = extra_parked.iter().map(|f| f.as_raw_fd()).collect();
 
     let mut cmd = Command::new(exe);
     cmd.arg(INIT_SUBCOMMAND)
@@ -68,6 +102,11 @@ pub fn spawn(exe: &Path, spec: &SandboxSpec, stdin: OwnedFd, stdout: OwnedFd, st
             if libc::dup2(spec_raw, SPEC_FD) < 0 || libc::dup2(status_raw, STATUS_FD) < 0 {
                 return Err(io::Error::last_os_error());
             }
+            for (i, &fd) in extra_raw.iter().enumerate() {
+                if libc::dup2(fd, PROGRAM_FD + i as RawFd) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             if libc::setsid() < 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -75,10 +114,17 @@ pub fn spawn(exe: &Path, spec: &SandboxSpec, stdin: OwnedFd, stdout: OwnedFd, st
         });
     }
     let child = cmd.spawn()?;
-    drop((spec_parked, status_parked, status_write, spec_file));
+    drop((spec_parked, status_parked, status_write, spec_file, extra_parked, program));
 
     let pidfd = pidfd_open(child.id()).ok();
     Ok(Sandboxed { child, status_read: File::from(status_read), pidfd, result: None })
+}
+
+/// Borrow a raw descriptor owned by a live `OwnedFd` of the caller.
+fn unsafe_borrow<'a>(fd: RawFd) -> BorrowedFd<'a> {
+    // SAFETY: only called on numbers of `OwnedFd`s in the `TaskProgram`,
+    // which `spawn_inner` keeps alive until the child has been started.
+    unsafe { BorrowedFd::borrow_raw(fd) }
 }
 
 /// A close-on-exec duplicate at or above [`PARK_FD_MIN`].
