@@ -48,6 +48,8 @@ pub struct AgentConfig {
 pub(crate) struct TaskCtl {
     pub stdin: std::sync::mpsc::Sender<Option<Vec<u8>>>,
     pub pid: Arc<AtomicU32>,
+    /// A signal that arrived before the sandbox existed; delivered once it does.
+    pub pending_signal: Arc<std::sync::atomic::AtomicI32>,
 }
 
 pub(crate) struct Agent {
@@ -123,9 +125,18 @@ impl Agent {
         loop {
             match incoming.recv().await? {
                 Msg::RunTask { task, spec } => {
+                    // Register before setting up: stdin and signals may arrive
+                    // while the view is still being mounted.
+                    let (stdin_tx, stdin_rx) = std::sync::mpsc::channel();
+                    let pid = Arc::new(AtomicU32::new(0));
+                    let pending = Arc::new(std::sync::atomic::AtomicI32::new(0));
+                    self.tasks
+                        .lock()
+                        .unwrap()
+                        .insert(task, TaskCtl { stdin: stdin_tx, pid: pid.clone(), pending_signal: pending.clone() });
                     let me = self.clone();
                     let tx = tx.clone();
-                    tokio::spawn(async move { task::run(me, task, spec, tx).await });
+                    tokio::spawn(async move { task::run(me, task, spec, tx, stdin_rx, pid, pending).await });
                 }
                 Msg::FileResponse { id, resp, .. } => self.waiters.complete(id, resp),
                 Msg::Stdin { task, data } => {
@@ -139,10 +150,14 @@ impl Agent {
                     }
                 }
                 Msg::Signal { task, signo } => {
-                    let pid = self.tasks.lock().unwrap().get(&task).map(|t| t.pid.load(Ordering::Relaxed));
-                    if let Some(pid) = pid.filter(|p| *p > 0) {
-                        // SAFETY: kill(2) with a pid we started; a stale pid at worst hits nothing (we reap our own children).
-                        unsafe { libc::kill(pid as i32, signo) };
+                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                        t.pending_signal.store(signo, Ordering::SeqCst);
+                        let pid = t.pid.load(Ordering::SeqCst);
+                        if pid > 0 {
+                            // SAFETY: kill(2) on the sandbox we started and have not reaped yet
+                            // (the pid is cleared before the task is reaped).
+                            unsafe { libc::kill(pid as i32, signo) };
+                        }
                     }
                 }
                 Msg::Ping { nonce } => {
@@ -157,7 +172,8 @@ impl Agent {
 
     fn kill_all(&self) {
         for t in self.tasks.lock().unwrap().values() {
-            let pid = t.pid.load(Ordering::Relaxed);
+            t.pending_signal.store(libc::SIGKILL, Ordering::SeqCst);
+            let pid = t.pid.load(Ordering::SeqCst);
             if pid > 0 {
                 // SAFETY: as above.
                 unsafe { libc::kill(pid as i32, libc::SIGKILL) };

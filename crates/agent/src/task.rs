@@ -1,7 +1,7 @@
 //! Running one task: view → overlay → sandbox → changes.
 
 use crate::remote::RemoteSource;
-use crate::{Agent, TaskCtl};
+use crate::Agent;
 use anyhow::{Context, Result};
 use starling_proto::conn::Outgoing;
 use starling_proto::{Base, Change, ChunkData, ExitStatus, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
@@ -15,14 +15,22 @@ use std::sync::Arc;
 /// Bytes of file content per ChangeChunks message.
 const CHANGE_BATCH_BYTES: usize = 8 << 20;
 
-pub(crate) async fn run(agent: Arc<Agent>, task: TaskId, spec: TaskSpec, tx: Outgoing) {
+pub(crate) async fn run(
+    agent: Arc<Agent>,
+    task: TaskId,
+    spec: TaskSpec,
+    tx: Outgoing,
+    stdin_rx: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
+    pid: Arc<AtomicU32>,
+    pending_signal: Arc<std::sync::atomic::AtomicI32>,
+) {
     agent.running.fetch_add(1, Ordering::Relaxed);
     let dir = agent.cfg.state.join("tasks").join(task.to_string());
     let res = {
         let agent = agent.clone();
         let tx = tx.clone();
         let dir = dir.clone();
-        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir)).await
+        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir, stdin_rx, pid, &pending_signal)).await
     };
     let err = match res {
         Ok(Ok(())) => None,
@@ -59,7 +67,16 @@ fn pump_output(task: TaskId, stream: Stream, fd: OwnedFd, tx: Outgoing) -> std::
     })
 }
 
-fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing, dir: &std::path::Path) -> Result<()> {
+fn run_blocking(
+    agent: &Arc<Agent>,
+    task: TaskId,
+    spec: TaskSpec,
+    tx: &Outgoing,
+    dir: &std::path::Path,
+    stdin_rx: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
+    pid: Arc<AtomicU32>,
+    pending_signal: &std::sync::atomic::AtomicI32,
+) -> Result<()> {
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).with_context(|| format!("cannot create {}", view_dir.display()))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
@@ -82,11 +99,13 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         rlimits: spec.rlimits.clone(),
         hostname: None,
     };
-    let pid = Arc::new(AtomicU32::new(0));
-    let (stdin_tx, stdin_rx) = std::sync::mpsc::channel::<Option<Vec<u8>>>();
-    agent.tasks.lock().unwrap().insert(task, TaskCtl { stdin: stdin_tx, pid: pid.clone() });
     let mut child = starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w).context("starting the task sandbox")?;
-    pid.store(child.pid(), Ordering::Relaxed);
+    pid.store(child.pid(), Ordering::SeqCst);
+    // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.
+    let early = pending_signal.load(Ordering::SeqCst);
+    if early > 0 {
+        let _ = child.signal(early);
+    }
     log::info!("task {task} started: {:?} (pid {})", String::from_utf8_lossy(&spec.argv[0]), child.pid());
 
     std::thread::spawn(move || {
@@ -104,7 +123,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     let status = child.wait().context("waiting for the task")?;
     let _ = out.join();
     let _ = err.join();
-    pid.store(0, Ordering::Relaxed);
+    pid.store(0, Ordering::SeqCst);
 
     let bindings = view.bindings();
     let stats = view.stats();
