@@ -11,7 +11,7 @@ use crate::commit::{self, CommitReport};
 use crate::discover;
 use crate::files::FileServer;
 use anyhow::{anyhow, Context, Result};
-use starling_proto::conn::{establish, Outgoing};
+use starling_proto::conn::{establish, open_pipelined, Outgoing};
 use starling_proto::{ExitStatus, Hash, JobTask, Msg, ProtoError, Role, Stream, TaskId, TaskSpec, WirePath};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -98,10 +98,17 @@ pub fn cache_dir() -> std::path::PathBuf {
     base.join("starling")
 }
 
-/// Connect to the head and introduce ourselves as a client.
+/// Connect to the head and introduce ourselves as a client (waiting for the head's hello).
 pub async fn connect(
     cluster: Option<&str>,
 ) -> Result<(starling_proto::conn::Incoming<tokio::net::tcp::OwnedReadHalf>, Outgoing)> {
+    let sock = dial(cluster).await?;
+    let (r, w) = sock.into_split();
+    let (_peer, incoming, tx) = establish(r, w, Role::Client, "client").await.context("handshake with the cluster head")?;
+    Ok((incoming, tx))
+}
+
+async fn dial(cluster: Option<&str>) -> Result<TcpStream> {
     let addr = discover::head_addr(cluster)?;
     let sock = match TcpStream::connect(&addr).await {
         Ok(s) => s,
@@ -111,9 +118,7 @@ pub async fn connect(
         Err(e) => return Err(anyhow!("cannot reach the starling cluster at {addr}: {e}")),
     };
     sock.set_nodelay(true)?;
-    let (r, w) = sock.into_split();
-    let (_peer, incoming, tx) = establish(r, w, Role::Client, "client").await.context("handshake with the cluster head")?;
-    Ok((incoming, tx))
+    Ok(sock)
 }
 
 impl Session {
@@ -122,7 +127,10 @@ impl Session {
             starling_store::RecipeCache::open(&cache_dir().join("recipes")).context("opening the recipe cache")?,
             opts.compress,
         ));
-        let (incoming, tx) = connect(opts.cluster.as_deref()).await?;
+        // Pipelined: the launch can follow our hello in the same flight.
+        let sock = dial(opts.cluster.as_deref()).await?;
+        let (r, w) = sock.into_split();
+        let (incoming, tx) = open_pipelined(r, w, Role::Client, "client", opts.compress).await.context("connecting to the cluster head")?;
         let session = Session { tx, files, state: Arc::new(Mutex::new(State::default())) };
         let s = session.clone();
         tokio::spawn(async move { s.read_loop(incoming).await });

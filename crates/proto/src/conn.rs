@@ -26,6 +26,8 @@ impl<R: AsyncRead + Unpin> Incoming<R> {
 pub struct PeerInfo {
     pub role: Role,
     pub name: String,
+    /// The peer wants compressed frames.
+    pub compress: bool,
 }
 
 /// Outgoing queue depth per connection: bounded, so a slow peer pushes back
@@ -47,10 +49,10 @@ where
     W: AsyncWrite + Unpin + Send + 'static,
 {
     let mut writer = BufWriter::new(write);
-    write_frame(&mut writer, &Msg::Hello { role, name: name.to_string() }).await?;
+    write_frame(&mut writer, &Msg::Hello { role, name: name.to_string(), compress: false }).await?;
     let mut incoming = Incoming { reader: BufReader::new(read) };
     let peer = match incoming.recv().await {
-        Ok(Msg::Hello { role, name }) => PeerInfo { role, name },
+        Ok(Msg::Hello { role, name, compress }) => PeerInfo { role, name, compress },
         Ok(Msg::Error { message, .. }) => return Err(ProtoError::invalid(format!("peer refused us: {message}"))),
         Ok(other) => {
             let e = format!("expected Hello, got {:?}", std::mem::discriminant(&other));
@@ -64,11 +66,32 @@ where
             return Err(e);
         }
     };
+    let tx = spawn_writer(writer, peer.compress);
+    Ok((peer, incoming, tx))
+}
+
+/// The client's side of [`establish`], pipelined for slow links: our
+/// `Hello` goes out and the caller may send at once, in the same flight; the
+/// head's `Hello` is checked when it arrives (the first message [`Incoming`]
+/// yields is that `Hello`). `compress`: compress our frames and ask the peer
+/// to compress its frames to us.
+pub async fn open_pipelined<R, W>(read: R, write: W, role: Role, name: &str, compress: bool) -> Result<(Incoming<R>, Outgoing), ProtoError>
+where
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
+    let writer = BufWriter::new(write);
+    let tx = spawn_writer(writer, compress);
+    tx.send(Msg::Hello { role, name: name.to_string(), compress }).await.map_err(|_| ProtoError::Closed)?;
+    Ok((Incoming { reader: BufReader::new(read) }, tx))
+}
+
+fn spawn_writer<W: AsyncWrite + Unpin + Send + 'static>(mut writer: BufWriter<W>, compress: bool) -> Outgoing {
     let (tx, mut rx) = mpsc::channel::<Msg>(QUEUE);
     tokio::spawn(async move {
         use tokio::io::AsyncWriteExt;
         while let Some(m) = rx.recv().await {
-            let buf = match crate::frame::encode(&m) {
+            let buf = match crate::frame::encode_with(&m, compress) {
                 Ok(b) => b,
                 Err(_) => continue,
             };
@@ -82,5 +105,5 @@ where
         }
         let _ = writer.shutdown().await;
     });
-    Ok((peer, incoming, tx))
+    tx
 }

@@ -13,23 +13,43 @@ fn codec() -> impl bincode::Options {
         .reject_trailing_bytes()
 }
 
-/// Encode a message into one frame (header + body).
+/// Header flag: the body is zstd-compressed.
+pub const FLAG_ZSTD: u16 = 1;
+/// Bodies smaller than this are never worth compressing.
+const COMPRESS_MIN: usize = 512;
+
+/// Encode a message into one frame (header + body), uncompressed.
 pub fn encode(msg: &Msg) -> Result<Vec<u8>, ProtoError> {
-    let body = codec().serialize(msg).map_err(|e| ProtoError::Decode(e.to_string()))?;
+    encode_with(msg, false)
+}
+
+/// Encode a message; with `compress`, a body worth it is zstd-compressed
+/// (kept only if that saves at least an eighth).
+pub fn encode_with(msg: &Msg, compress: bool) -> Result<Vec<u8>, ProtoError> {
+    let mut body = codec().serialize(msg).map_err(|e| ProtoError::Decode(e.to_string()))?;
+    let mut flags = 0u16;
+    if compress && body.len() >= COMPRESS_MIN && msg.worth_compressing() {
+        if let Ok(z) = zstd::bulk::compress(&body, 3) {
+            if z.len() + body.len() / 8 < body.len() {
+                body = z;
+                flags |= FLAG_ZSTD;
+            }
+        }
+    }
     if body.len() as u64 > MAX_FRAME as u64 {
         return Err(ProtoError::TooLarge(body.len() as u64));
     }
     let mut out = Vec::with_capacity(HEADER + body.len());
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    out.extend_from_slice(&0u16.to_le_bytes());
+    out.extend_from_slice(&flags.to_le_bytes());
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
     out.extend_from_slice(&body);
     Ok(out)
 }
 
-/// Check a header; returns the body length.
-pub fn parse_header(h: &[u8; HEADER]) -> Result<usize, ProtoError> {
+/// Check a header; returns the body length and flags.
+pub fn parse_header(h: &[u8; HEADER]) -> Result<(usize, u16), ProtoError> {
     let magic = [h[0], h[1], h[2], h[3]];
     if magic != MAGIC {
         return Err(ProtoError::BadMagic(magic));
@@ -38,11 +58,25 @@ pub fn parse_header(h: &[u8; HEADER]) -> Result<usize, ProtoError> {
     if version != PROTOCOL_VERSION {
         return Err(ProtoError::Version { peer: version, ours: PROTOCOL_VERSION });
     }
+    let flags = u16::from_le_bytes([h[6], h[7]]);
+    if flags & !FLAG_ZSTD != 0 {
+        return Err(ProtoError::invalid(format!("unknown frame flags {flags:#x}")));
+    }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if len > MAX_FRAME {
         return Err(ProtoError::TooLarge(len as u64));
     }
-    Ok(len as usize)
+    Ok((len as usize, flags))
+}
+
+/// Decompress (bounded by the frame limit) if the flags say so, then decode.
+pub fn decode_flagged(body: &[u8], flags: u16) -> Result<Msg, ProtoError> {
+    if flags & FLAG_ZSTD != 0 {
+        let plain = zstd::bulk::decompress(body, MAX_FRAME as usize)
+            .map_err(|e| ProtoError::Decode(format!("bad compressed frame: {e}")))?;
+        return decode(&plain);
+    }
+    decode(body)
 }
 
 /// Decode and validate a body.
@@ -72,10 +106,10 @@ async fn read_exact_or<R: AsyncRead + Unpin>(r: &mut R, buf: &mut [u8], at_start
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Msg, ProtoError> {
     let mut h = [0u8; HEADER];
     read_exact_or(r, &mut h, true).await?;
-    let len = parse_header(&h)?;
+    let (len, flags) = parse_header(&h)?;
     let mut body = vec![0u8; len];
     read_exact_or(r, &mut body, false).await?;
-    decode(&body)
+    decode_flagged(&body, flags)
 }
 
 pub async fn write_frame<W: AsyncWrite + Unpin>(w: &mut W, msg: &Msg) -> Result<(), ProtoError> {
@@ -98,7 +132,7 @@ impl<R: std::io::Read> FrameReader<R> {
             }
             got += n;
         }
-        let len = parse_header(&h)?;
+        let (len, flags) = parse_header(&h)?;
         let mut body = vec![0u8; len];
         let mut got = 0;
         while got < len {
@@ -108,7 +142,7 @@ impl<R: std::io::Read> FrameReader<R> {
             }
             got += n;
         }
-        decode(&body)
+        decode_flagged(&body, flags)
     }
 }
 
@@ -200,6 +234,20 @@ mod tests {
                 m.validate().unwrap();
             }
         }
+    }
+
+    #[tokio::test]
+    async fn compressed_frames_roundtrip_and_shrink() {
+        let mut s = spec();
+        s.env = (0..200).map(|i| (format!("VAR{i}").into_bytes(), b"/usr/local/bin:/usr/bin:/bin".to_vec())).collect();
+        let m = Msg::Launch { spec: s };
+        let plain = encode(&m).unwrap();
+        let z = encode_with(&m, true).unwrap();
+        assert!(z.len() * 3 < plain.len(), "{} vs {}", z.len(), plain.len());
+        assert_eq!(read_frame(&mut &z[..]).await.unwrap(), m);
+        let mut bad = z.clone();
+        bad[6] = 0x80;
+        assert!(read_frame(&mut &bad[..]).await.is_err(), "unknown flags are refused");
     }
 
     #[test]

@@ -63,8 +63,9 @@ pub const MAX_BATCH: usize = 4096;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
-    /// First frame in each direction on every connection.
-    Hello { role: Role, name: String },
+    /// First frame in each direction on every connection. `compress`: the
+    /// sender would like frames to it zstd-compressed (a slow link).
+    Hello { role: Role, name: String, compress: bool },
     /// Something went wrong; `task` names the task it concerns, if any.
     Error { task: Option<TaskId>, message: String },
 
@@ -125,6 +126,16 @@ fn check_bytes(what: &str, len: usize, max: usize) -> Result<(), ProtoError> {
 }
 
 impl Msg {
+    /// Whether compressing the whole frame is worth trying: not for
+    /// messages whose bulk is chunk data (compressed, or found
+    /// incompressible, chunk by chunk already).
+    pub fn worth_compressing(&self) -> bool {
+        !matches!(
+            self,
+            Msg::ChangeChunks { .. } | Msg::Push { .. } | Msg::FileResponse { resp: FileResp::Chunks(_), .. } | Msg::Stdin { .. }
+        )
+    }
+
     /// The task a message concerns (for routing), if any.
     pub fn task(&self) -> Option<TaskId> {
         match self {
