@@ -9,6 +9,11 @@
  *   if (id > 0) { work(id, m); sf_exit(0); }
  *   sf_join(t);                           // waits for all clones
  *
+ * Backend: STARLING_FORK_BACKEND=cluster (default) runs clones on the hosts
+ * of the starling cluster (found as `starling exec` finds it); with no
+ * reachable cluster sf_request_ticket fails. STARLING_FORK_BACKEND=local
+ * runs them on this machine.
+ *
  * Only the calling thread follows a clone (as with fork). Clones see the
  * caller's memory (fetched lazily), its TLS, signal handlers, cwd, umask and
  * regular files at their offsets; stdio goes to the caller's; other pipes
@@ -54,6 +59,18 @@ long long sf_clone_stat(const sf_ticket_t *t, int id, int which);
 long long sf_descriptor_bytes(const sf_ticket_t *t);
 /* Free a ticket (kills its clones if they were not joined). */
 void sf_release_ticket(sf_ticket_t *t);
+/* What became of clone id: SF_CLONE_RUNNING (or unknown id), _EXITED,
+ * _KILLED (by a signal), _LOST (host or head lost: no result, nothing
+ * committed); -1 for a NULL ticket. */
+#define SF_CLONE_RUNNING 0
+#define SF_CLONE_EXITED 1
+#define SF_CLONE_KILLED 2
+#define SF_CLONE_LOST 3
+int sf_clone_state(const sf_ticket_t *t, int id);
+/* The parent's host address (IP) as clones reach it, for connecting back
+ * (also in the clones' environment as STARLING_PARENT_HOST). Valid in the
+ * parent after a cluster ticket and in its clones; NULL otherwise. */
+const char *sf_parent_host(void);
 
 #ifdef __cplusplus
 }

@@ -14,6 +14,7 @@
 //! File contents land in the host cache ([`starling_store::HostCache`]),
 //! shared by every task on the host and bounded in size.
 
+mod clone;
 mod remote;
 mod task;
 

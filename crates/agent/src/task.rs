@@ -87,7 +87,7 @@ fn run_blocking(
     let (stdin_r, stdin_w) = pipe()?;
     let (stdout_r, stdout_w) = pipe()?;
     let (stderr_r, stderr_w) = pipe()?;
-    let sb = starling_sandbox::SandboxSpec {
+    let mut sb = starling_sandbox::SandboxSpec {
         root: overlay.root().to_path_buf(),
         argv: spec.argv.clone(),
         env: spec.env.clone(),
@@ -99,7 +99,18 @@ fn run_blocking(
         rlimits: spec.rlimits.clone(),
         hostname: None,
     };
-    let mut child = starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w).context("starting the task sandbox")?;
+    // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
+    let (child, clone_run) = match &spec.clone {
+        None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
+        Some(c) => {
+            let (program, run) = crate::clone::prepare(c, overlay.root()).context("preparing the clone's restore")?;
+            // The restorer drops to the template's credentials itself, after
+            // the steps that need root (PID namespace, set_tid, userfaultfd).
+            (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
+            (starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w), Some(run))
+        }
+    };
+    let mut child = child.context("starting the task sandbox")?;
     pid.store(child.pid(), Ordering::SeqCst);
     // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.
     let early = pending_signal.load(Ordering::SeqCst);
@@ -124,6 +135,9 @@ fn run_blocking(
     let _ = out.join();
     let _ = err.join();
     pid.store(0, Ordering::SeqCst);
+    if let Some(run) = clone_run {
+        run.finish(task, tx);
+    }
 
     let bindings = view.bindings();
     let stats = view.stats();

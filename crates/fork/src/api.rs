@@ -1,9 +1,19 @@
-//! The fork API over the local backend: tickets, clone, join, kill.
+//! The fork API: tickets, clone, join, kill — over one of two backends.
 //!
 //! Numbering follows SnowFlock: `clone` returns 0 in the caller (the
 //! *parent*) and 1..=m in the m clones of a ticket.
+//!
+//! Backend choice (`STARLING_FORK_BACKEND`):
+//! * `cluster` (the default): clones run on the hosts of the starling
+//!   cluster found as `starling exec` finds it (`STARLING_CLUSTER`, else
+//!   `/run/starling/cluster.json`); the head grants by free cores. No
+//!   reachable cluster is an error (one line naming both remedies), never a
+//!   silent fallback: a program asking for remote CPUs should know it got none.
+//! * `local`: clones on this machine ([`crate::local`]), up to
+//!   [`MAX_LOCAL_CLONES`]; used by the restore-correctness suite.
 
 use crate::descriptor::{dump, Descriptor};
+use crate::cluster::{CloneState, ClusterClones, ClusterLink};
 use crate::local::LocalClone;
 use crate::page_server::PageServer;
 use crate::template::{fork_template, ForkOutcome, Template};
@@ -21,12 +31,25 @@ pub fn current_clone_id() -> u32 {
     CLONE_ID.load(Ordering::Relaxed)
 }
 
+/// The clones of a ticket, wherever they run.
+enum Clones {
+    Local(Vec<LocalClone>),
+    Cluster(ClusterClones),
+}
+
 struct Active {
     template: Template,
     server: PageServer,
-    clones: Vec<LocalClone>,
+    clones: Clones,
     descriptor_bytes: usize,
     descriptor: Descriptor,
+}
+
+/// Where a ticket's clones run.
+pub enum Backend {
+    Local,
+    /// The head's grant: ticket id and (host, clones there).
+    Cluster { link: std::sync::Arc<ClusterLink>, ticket: u64, placement: Vec<(String, u32)> },
 }
 
 /// A reservation of clones.
@@ -34,8 +57,18 @@ pub struct Ticket {
     pub requested: u32,
     pub allocation: u32,
     pub hierarchical: bool,
+    backend: Backend,
     active: Option<Active>,
     used: bool,
+}
+
+/// The backend `STARLING_FORK_BACKEND` selects (default: cluster).
+pub fn backend_is_local() -> Result<bool> {
+    match std::env::var("STARLING_FORK_BACKEND").as_deref() {
+        Err(_) | Ok("") | Ok("cluster") => Ok(false),
+        Ok("local") => Ok(true),
+        Ok(other) => Err(ForkError::Other(format!("STARLING_FORK_BACKEND={other:?}: expected \"cluster\" or \"local\""))),
+    }
 }
 
 impl Ticket {
@@ -43,8 +76,32 @@ impl Ticket {
         if n < 1 {
             return Err(ForkError::Other(format!("ticket for {n} clones")));
         }
-        let allocation = (n as u32).min(MAX_LOCAL_CLONES);
-        Ok(Ticket { requested: n as u32, allocation, hierarchical, active: None, used: false })
+        if current_clone_id() != 0 {
+            return Err(ForkError::Other("a clone cannot request tickets (no nested clones yet)".into()));
+        }
+        if backend_is_local()? {
+            let allocation = (n as u32).min(MAX_LOCAL_CLONES);
+            return Ok(Ticket { requested: n as u32, allocation, hierarchical, backend: Backend::Local, active: None, used: false });
+        }
+        let link = ClusterLink::get()?;
+        let (ticket, placement) = link.request(n as u32, hierarchical)?;
+        let allocation = placement.iter().map(|(_, k)| *k).sum();
+        Ok(Ticket {
+            requested: n as u32,
+            allocation,
+            hierarchical,
+            backend: Backend::Cluster { link, ticket, placement },
+            active: None,
+            used: false,
+        })
+    }
+
+    /// Hosts and clones per host (cluster backend); empty for the local one.
+    pub fn placement(&self) -> &[(String, u32)] {
+        match &self.backend {
+            Backend::Local => &[],
+            Backend::Cluster { placement, .. } => placement,
+        }
     }
 
     /// Fork: 0 in the parent, the clone ID (1..=allocation) in each clone.
@@ -74,21 +131,39 @@ impl Ticket {
             .filter(|r| r.pages.count(PageClass::Fetch) > 0)
             .map(|r| (r.start, r.end))
             .collect();
-        let bind = std::env::var("STARLING_PAGE_SERVER_BIND").ok().and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| "127.0.0.1:0".parse().expect("literal address"));
+        let default_bind = match &self.backend {
+            Backend::Local => std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+            // Where the hosts reach this machine (the embedded cluster's bridge address).
+            Backend::Cluster { link, .. } => std::net::SocketAddr::new(link.parent_ip, 0),
+        };
+        let bind = std::env::var("STARLING_PAGE_SERVER_BIND").ok().and_then(|v| v.parse().ok()).unwrap_or(default_bind);
         let server = PageServer::start(template.pid, served, bind)?;
-        let mut active = Active { template, server, clones: Vec::new(), descriptor_bytes, descriptor };
-        for id in 1..=self.allocation {
-            match LocalClone::launch(&active.descriptor, id, active.server.addr()) {
-                Ok(c) => active.clones.push(c),
-                Err(e) => {
-                    active.clones.iter_mut().for_each(LocalClone::kill);
-                    active.clones.iter_mut().for_each(|c| { let _ = c.wait(); });
-                    return Err(e);
+        let clones = match &self.backend {
+            Backend::Local => {
+                let mut clones = Vec::new();
+                for id in 1..=self.allocation {
+                    match LocalClone::launch(&descriptor, id, server.addr()) {
+                        Ok(c) => clones.push(c),
+                        Err(e) => {
+                            clones.iter_mut().for_each(LocalClone::kill);
+                            clones.iter_mut().for_each(|c| {
+                                let _ = c.wait();
+                            });
+                            return Err(e);
+                        }
+                    }
                 }
+                Clones::Local(clones)
             }
-        }
-        self.active = Some(active);
+            Backend::Cluster { link, ticket, placement } => Clones::Cluster(ClusterClones::launch(
+                link.clone(),
+                *ticket,
+                placement,
+                descriptor.encode(),
+                server.addr(),
+            )?),
+        };
+        self.active = Some(Active { template, server, clones, descriptor_bytes, descriptor });
         Ok(0)
     }
 
@@ -104,10 +179,16 @@ impl Ticket {
     pub fn join(&mut self) -> Result<()> {
         let a = self.active()?;
         let mut first_err = None;
-        for c in &mut a.clones {
-            if let Err(e) = c.wait() {
-                first_err.get_or_insert(e);
+        match &mut a.clones {
+            Clones::Local(clones) => {
+                for c in clones {
+                    if let Err(e) = c.wait() {
+                        first_err.get_or_insert(e);
+                    }
+                }
             }
+            // Lost clones are a per-clone state (`clone_state`), not a join failure.
+            Clones::Cluster(c) => c.wait_all(),
         }
         a.template.release();
         a.server.stop();
@@ -117,27 +198,68 @@ impl Ticket {
     /// Kill every clone at once, then release like `join`.
     pub fn kill(&mut self) -> Result<()> {
         let a = self.active()?;
-        a.clones.iter_mut().for_each(LocalClone::kill);
-        for c in &mut a.clones {
-            let _ = c.wait();
+        match &mut a.clones {
+            Clones::Local(clones) => {
+                clones.iter_mut().for_each(LocalClone::kill);
+                for c in clones {
+                    let _ = c.wait();
+                }
+            }
+            Clones::Cluster(c) => {
+                c.kill();
+                c.wait_all();
+            }
         }
         a.template.release();
         a.server.stop();
         Ok(())
     }
 
-    fn clone_ref(&self, id: i32) -> Option<&LocalClone> {
-        self.active.as_ref()?.clones.iter().find(|c| c.id as i32 == id)
+    /// Exit status of clone `id` once ended: exit code, or 128+signal.
+    pub fn clone_status(&self, id: i32) -> Option<i32> {
+        self.clone_state(id)?.status_code()
     }
 
-    /// Exit status of clone `id` once joined.
-    pub fn clone_status(&self, id: i32) -> Option<i32> {
-        self.clone_ref(id)?.status()
+    /// Where clone `id` is: running, exited, killed or lost.
+    pub fn clone_state(&self, id: i32) -> Option<CloneState> {
+        let id = u32::try_from(id).ok()?;
+        match &self.active.as_ref()?.clones {
+            Clones::Local(cs) => {
+                let c = cs.iter().find(|c| c.id == id)?;
+                // The local backend relays the restorer's status: code, or 128+signal.
+                Some(match c.status() {
+                    None => CloneState::Running,
+                    Some(s) if s >= 128 => CloneState::Killed(s - 128),
+                    Some(s) => CloneState::Exited(s),
+                })
+            }
+            Clones::Cluster(c) => c.state(id),
+        }
     }
 
     /// [faults, pages fetched, zero pages, file pages, fetch requests, remove events].
+    /// Cluster clones report them when they end.
     pub fn clone_stats(&self, id: i32) -> Option<[u64; 6]> {
-        Some(self.clone_ref(id)?.stats.snapshot())
+        let id = u32::try_from(id).ok()?;
+        match &self.active.as_ref()?.clones {
+            Clones::Local(cs) => Some(cs.iter().find(|c| c.id == id)?.stats.snapshot()),
+            Clones::Cluster(c) => c.stats(id),
+        }
+    }
+
+    /// The host clone `id` runs on (cluster backend).
+    pub fn clone_host(&self, id: i32) -> Option<String> {
+        match &self.active.as_ref()?.clones {
+            Clones::Local(_) => None,
+            Clones::Cluster(c) => c.host(u32::try_from(id).ok()?),
+        }
+    }
+
+    /// Page-server counters: (requests, data pages, zero pages) served so far.
+    pub fn server_stats(&self) -> Option<(u64, u64, u64)> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = self.active.as_ref()?.server.stats();
+        Some((s.requests.load(Relaxed), s.pages_data.load(Relaxed), s.pages_zero.load(Relaxed)))
     }
 
     pub fn descriptor(&self) -> Option<&Descriptor> {

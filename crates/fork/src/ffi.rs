@@ -144,6 +144,32 @@ pub unsafe extern "C" fn sf_release_ticket(t: *mut SfTicket) {
     }
 }
 
+/// Extension: what became of clone `id`: 0 running (or unknown id),
+/// 1 exited, 2 killed by a signal, 3 lost (host or head lost, restore
+/// failed; nothing was committed). -1 for a NULL ticket.
+///
+/// # Safety
+/// As `sf_ticket_allocation`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_clone_state(t: *const SfTicket, id: c_int) -> c_int {
+    use crate::cluster::CloneState;
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
+    match t.clone_state(id) {
+        None | Some(CloneState::Running) => 0,
+        Some(CloneState::Exited(_)) => 1,
+        Some(CloneState::Killed(_)) => 2,
+        Some(CloneState::Lost(_)) => 3,
+    }
+}
+
+/// Extension: the address (IP) of the parent's host as clones reach it, in
+/// the parent (after a cluster ticket) and in its clones; NULL otherwise.
+#[no_mangle]
+pub extern "C" fn sf_parent_host() -> *const c_char {
+    crate::cluster::parent_host().map_or(std::ptr::null(), |c| c.as_ptr())
+}
+
 #[no_mangle]
 pub extern "C" fn sf_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())

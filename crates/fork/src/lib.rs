@@ -13,12 +13,15 @@
 //! 4. [`plan`]: lower a descriptor into the restorer's flat plan (clone host).
 //! 5. the static restorer (crate `starling-restorer`) maps the regions and
 //!    becomes the clone; [`fault`] serves its userfaultfd (clone host).
-//! 6. [`local`]: a backend that runs 4–5 on this machine, and [`api`] the
-//!    ticket/clone/join/kill calls over it. [`ffi`] is the C ABI.
+//! 6. [`local`]: a backend that runs 4–5 on this machine; [`cluster`]: one
+//!    that launches each clone as a task on a cluster host (the agent runs
+//!    4–5 there, inside the task's sandbox and file view); [`api`] the
+//!    ticket/clone/join/kill calls over either. [`ffi`] is the C ABI.
 //!
 //! See `README.md` for what follows a clone and what does not.
 
 pub mod api;
+pub mod cluster;
 pub mod descriptor;
 pub mod fault;
 pub mod ffi;

@@ -22,6 +22,43 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::sync::{Arc, OnceLock};
 
+/// A close-on-exec duplicate of the restorer memfd (for the cluster agent,
+/// which hands it to a sandbox as the task's program).
+pub fn restorer_program() -> Result<OwnedFd> {
+    let fd = restorer_memfd()?;
+    // SAFETY: F_DUPFD_CLOEXEC on the process-wide memfd; the result is owned below.
+    let dup = unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 3) };
+    if dup < 0 {
+        return Err(ForkError::errno("dup restorer memfd"));
+    }
+    // SAFETY: fresh fd owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(dup) })
+}
+
+/// The plan for clone `id` of `desc` in a memfd, positioned at its start.
+pub fn plan_memfd(desc: &Descriptor, id: u32) -> Result<OwnedFd> {
+    let plan = build_plan(desc, PlanOptions { clone_id: id, new_pid_namespace: true });
+    let plan_fd = memfd("starling-plan")?;
+    {
+        let mut f = std::fs::File::from(plan_fd.try_clone().map_err(|e| ForkError::io("dup plan fd", e))?);
+        f.write_all(&plan).map_err(|e| ForkError::io("write plan", e))?;
+    }
+    // SAFETY: lseek on our own memfd.
+    unsafe { libc::lseek(plan_fd.as_raw_fd(), 0, libc::SEEK_SET) };
+    Ok(plan_fd)
+}
+
+/// A close-on-exec AF_UNIX stream socketpair: (handler end, restorer end).
+pub fn handler_socketpair() -> Result<(OwnedFd, OwnedFd)> {
+    let mut sv = [0; 2];
+    // SAFETY: socketpair writes two fds into sv.
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, sv.as_mut_ptr()) } != 0 {
+        return Err(ForkError::errno("socketpair"));
+    }
+    // SAFETY: fresh fds owned by nobody else.
+    Ok(unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) })
+}
+
 /// The restorer executable, written once per process into a memfd.
 fn restorer_memfd() -> Result<RawFd> {
     static EXE: OnceLock<std::result::Result<OwnedFd, String>> = OnceLock::new();
@@ -76,21 +113,8 @@ impl LocalClone {
     /// are served at `server`.
     pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr) -> Result<LocalClone> {
         let exe = restorer_memfd()?;
-        let plan = build_plan(desc, PlanOptions { clone_id: id, new_pid_namespace: true });
-        let plan_fd = memfd("starling-plan")?;
-        {
-            let mut f = std::fs::File::from(plan_fd.try_clone().map_err(|e| ForkError::io("dup plan fd", e))?);
-            f.write_all(&plan).map_err(|e| ForkError::io("write plan", e))?;
-        }
-        // SAFETY: lseek on our own memfd.
-        unsafe { libc::lseek(plan_fd.as_raw_fd(), 0, libc::SEEK_SET) };
-        let mut sv = [0; 2];
-        // SAFETY: socketpair writes two fds into sv.
-        if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, sv.as_mut_ptr()) } != 0 {
-            return Err(ForkError::errno("socketpair"));
-        }
-        // SAFETY: fresh fds owned by nobody else.
-        let (ours, theirs) = unsafe { (OwnedFd::from_raw_fd(sv[0]), OwnedFd::from_raw_fd(sv[1])) };
+        let plan_fd = plan_memfd(desc, id)?;
+        let (ours, theirs) = handler_socketpair()?;
         let (plan_raw, sock_raw) = (plan_fd.as_raw_fd(), theirs.as_raw_fd());
         let mut cmd = Command::new(format!("/proc/self/fd/{exe}"));
         cmd.arg0("starling-restorer").env_clear().stdin(Stdio::null());
@@ -185,7 +209,7 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
 }
 
 /// Receive one fd (SCM_RIGHTS) from the restorer; None if it hung up first.
-fn recv_fd(sock: &OwnedFd) -> Result<Option<OwnedFd>> {
+pub fn recv_fd(sock: &OwnedFd) -> Result<Option<OwnedFd>> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
     let mut payload = [0u8; 8];
     let mut iov = [IoSliceMut::new(&mut payload)];

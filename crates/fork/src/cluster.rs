@@ -1,0 +1,350 @@
+//! The cluster backend: clones restored on other hosts of a starling cluster.
+//!
+//! The parent keeps one [`Session`] to the head for the whole process (one
+//! connection, however many tickets and clones), driven by a small tokio
+//! runtime of its own. A ticket is the head's grant (`TicketRequest` →
+//! `TicketGrant`: hosts and clones per host, by free cores). `sf_clone`
+//! then freezes the template, dumps the descriptor, starts the page server
+//! on the address the hosts reach this machine at, and launches every clone
+//! as a task whose `TaskSpec::clone` is set: the agent runs the restorer in
+//! the same sandbox over the same file view as `starling exec` tasks, so a
+//! clone sees this machine's files and its output files come home at exit
+//! (the session commits them, as for any task).
+//!
+//! Per clone, a tokio task consumes the task's events: output goes straight
+//! to this process's fd 1/2; the end (`Finished` or `Lost`) sets the clone's
+//! [`CloneState`]. [`ClusterClones::wait_all`] blocks on those states, so
+//! `sf_join` never hangs: a lost host or head ends every affected clone as
+//! `Lost`.
+//!
+//! Hierarchical tickets: the head fills each host's cores before moving on;
+//! every granted clone is then its own restore on that host (`local_forks` =
+//! 0). A `fork()` inside a restored clone would see zeros for pages not yet
+//! fetched (no `UFFD_FEATURE_EVENT_FORK` across an SCM_RIGHTS'ed uffd), so it
+//! would have to materialise the whole address space first; k lazy restores
+//! on one host share that host's file cache and fetch only what each touches.
+//!
+//! The fault handler's counters travel back in-band: after the clone ended
+//! the agent sends one `Output` frame on stderr holding [`STATS_MAGIC`] and
+//! the counters (see [`encode_stats`]); the parent recognises the frame and
+//! never prints it.
+
+use crate::{ForkError, Result};
+use starling_client::session::{Session, SessionOptions, TaskEvent};
+use starling_proto::conn::Outgoing;
+use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+/// Starts a stats frame (an `Output` frame of a clone task on stderr). NUL
+/// bytes make a collision with a program's own output chunk implausible.
+pub const STATS_MAGIC: &[u8; 24] = b"\0\0STARLING-CLONE-STATS\0\0";
+/// Counters in a stats frame (as `FaultStats::snapshot`).
+pub const STATS_COUNTERS: usize = 6;
+
+/// The frame the agent sends with a clone's fault-handler counters.
+pub fn encode_stats(counters: &[u64; STATS_COUNTERS]) -> Vec<u8> {
+    let mut v = STATS_MAGIC.to_vec();
+    for c in counters {
+        v.extend_from_slice(&c.to_le_bytes());
+    }
+    v
+}
+
+/// The counters if `data` is exactly one stats frame.
+pub fn decode_stats(data: &[u8]) -> Option<[u64; STATS_COUNTERS]> {
+    let rest = data.strip_prefix(STATS_MAGIC.as_slice())?;
+    if rest.len() != 8 * STATS_COUNTERS {
+        return None;
+    }
+    let mut out = [0u64; STATS_COUNTERS];
+    for (o, b) in out.iter_mut().zip(rest.chunks_exact(8)) {
+        *o = u64::from_le_bytes(b.try_into().expect("8-byte chunk"));
+    }
+    Some(out)
+}
+
+/// Where a clone is in its life.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CloneState {
+    /// Launched, not ended yet.
+    Running,
+    Exited(i32),
+    Killed(i32),
+    /// Gone without a result (host or head lost, restore could not start).
+    Lost(String),
+}
+
+impl CloneState {
+    pub fn is_final(&self) -> bool {
+        !matches!(self, CloneState::Running)
+    }
+    /// The classic status int: exit code, or 128+signal; -1 otherwise.
+    pub fn status_code(&self) -> Option<i32> {
+        match self {
+            CloneState::Exited(c) => Some(*c),
+            CloneState::Killed(s) => Some(128 + s),
+            _ => None,
+        }
+    }
+}
+
+/// The process's link to the cluster: one runtime, one session.
+pub struct ClusterLink {
+    rt: tokio::runtime::Runtime,
+    session: Session,
+    /// This machine's address as the hosts reach it (the page server binds here).
+    pub parent_ip: IpAddr,
+}
+
+static LINK: OnceLock<Mutex<Option<Arc<ClusterLink>>>> = OnceLock::new();
+/// The parent's address, readable in clones (it is in the memory they inherit).
+static PARENT_HOST: OnceLock<std::ffi::CString> = OnceLock::new();
+
+/// `IP` of the parent's host as clones reach it, in the parent and in its clones.
+pub fn parent_host() -> Option<&'static std::ffi::CStr> {
+    PARENT_HOST.get().map(|c| c.as_c_str())
+}
+
+/// The local address this machine uses to reach `head` (a connected UDP
+/// socket sends nothing; `getsockname` tells the route's source address).
+/// For the embedded cluster that is the bridge address hosts reach us at.
+fn local_ip_towards(head: &str) -> Result<IpAddr> {
+    let target: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(head)
+        .map_err(|e| ForkError::Other(format!("cluster head address {head:?}: {e}")))?
+        .next()
+        .ok_or_else(|| ForkError::Other(format!("cluster head address {head:?} does not resolve")))?;
+    let bind: SocketAddr = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal");
+    let s = UdpSocket::bind(bind).map_err(|e| ForkError::io("udp socket", e))?;
+    s.connect(target).map_err(|e| ForkError::io(format!("route to the cluster head {target}"), e))?;
+    let ip = s.local_addr().map_err(|e| ForkError::io("getsockname", e))?.ip();
+    // A head on loopback: hosts of a real cluster could not reach us there,
+    // but an embedded cluster's head never listens on loopback.
+    Ok(ip)
+}
+
+impl ClusterLink {
+    /// The process-wide link, connecting on first use.
+    pub fn get() -> Result<Arc<ClusterLink>> {
+        let cell = LINK.get_or_init(|| Mutex::new(None));
+        let mut g = cell.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = g.as_ref() {
+            return Ok(l.clone());
+        }
+        let head = starling_client::discover::head_addr(None).map_err(|e| ForkError::Other(format!("{e:#}")))?;
+        let parent_ip = local_ip_towards(&head)?;
+        let _ = PARENT_HOST.set(std::ffi::CString::new(parent_ip.to_string()).expect("an IP has no NUL"));
+        // Clones inherit the parent's memory, environ included: set it here
+        // (before this library starts any thread) so `getenv` in a clone
+        // finds it. The task spec's env carries it too, for the host's logs.
+        std::env::set_var("STARLING_PARENT_HOST", parent_ip.to_string());
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("starling-fork")
+            .enable_all()
+            .build()
+            .map_err(|e| ForkError::io("tokio runtime", e))?;
+        let session = rt
+            .block_on(Session::connect(SessionOptions { cluster: None, compress: false }))
+            .map_err(|e| ForkError::Other(format!("{e:#}")))?;
+        let link = Arc::new(ClusterLink { rt, session, parent_ip });
+        *g = Some(link.clone());
+        Ok(link)
+    }
+
+    /// Ask the head for up to `n` clones: (ticket, [(host, clones there)]).
+    pub fn request(&self, n: u32, hierarchical: bool) -> Result<(u64, Vec<(String, u32)>)> {
+        self.rt
+            .block_on(self.session.request_ticket(n, hierarchical))
+            .map_err(|e| ForkError::Other(format!("cluster refused the ticket: {e:#}")))
+    }
+}
+
+struct CloneSlot {
+    id: u32,
+    host: String,
+    task: Option<TaskId>,
+    state: CloneState,
+    stats: Option<[u64; STATS_COUNTERS]>,
+}
+
+#[derive(Default)]
+struct Shared {
+    slots: Mutex<Vec<CloneSlot>>,
+    changed: Condvar,
+}
+
+/// The clones of one ticket, launched on the cluster.
+pub struct ClusterClones {
+    link: Arc<ClusterLink>,
+    shared: Arc<Shared>,
+    tx: Option<Outgoing>,
+}
+
+/// Write all of `data` to raw fd `fd` (the parent's own stdout/stderr).
+fn write_fd(fd: i32, mut data: &[u8]) {
+    while !data.is_empty() {
+        // SAFETY: writes from a live slice to a descriptor number; a closed
+        // fd just returns EBADF.
+        let n = unsafe { libc::write(fd, data.as_ptr().cast(), data.len()) };
+        if n < 0 {
+            if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return;
+        }
+        data = &data[n as usize..];
+    }
+}
+
+impl ClusterClones {
+    /// Launch one clone per (host, clone id) over the link's session. On the
+    /// first failure, kills what was launched and returns the error.
+    pub fn launch(
+        link: Arc<ClusterLink>,
+        ticket: u64,
+        placement: &[(String, u32)],
+        descriptor: Vec<u8>,
+        page_server: SocketAddr,
+    ) -> Result<ClusterClones> {
+        let shared = Arc::new(Shared::default());
+        let base = starling_client::spec::capture(vec!["starling-clone".into()])
+            .map_err(|e| ForkError::Other(format!("capturing the caller's configuration: {e:#}")))?;
+        let mut clones = ClusterClones { link: link.clone(), shared: shared.clone(), tx: None };
+        let mut id = 0u32;
+        for (host, k) in placement {
+            for _ in 0..*k {
+                id += 1;
+                let mut spec = base.clone();
+                spec.argv = vec![b"starling-clone".to_vec(), format!("ticket={ticket}").into_bytes(), format!("clone={id}").into_bytes()];
+                spec.env.retain(|(k, _)| k != b"STARLING_PARENT_HOST");
+                spec.env.push((b"STARLING_PARENT_HOST".to_vec(), link.parent_ip.to_string().into_bytes()));
+                spec.host = Some(host.clone());
+                spec.job = Some(format!("fork-ticket-{ticket}"));
+                spec.clone = Some(CloneSpec {
+                    ticket,
+                    clone_id: id,
+                    descriptor: descriptor.clone(),
+                    page_server: page_server.to_string(),
+                    local_forks: 0,
+                });
+                shared.slots.lock().unwrap().push(CloneSlot {
+                    id,
+                    host: host.clone(),
+                    task: None,
+                    state: CloneState::Running,
+                    stats: None,
+                });
+                // Launches go one after another: the session pairs each
+                // `Started` with the oldest pending launch.
+                let launched = link.rt.block_on(link.session.launch(spec));
+                let handle = match launched {
+                    Ok(h) => h,
+                    Err(e) => {
+                        {
+                            let mut slots = shared.slots.lock().unwrap();
+                            slots.pop();
+                        }
+                        clones.kill();
+                        clones.wait_all();
+                        return Err(ForkError::Other(format!("launching clone {id} on {host}: {e:#}")));
+                    }
+                };
+                clones.tx.get_or_insert_with(|| handle.sender());
+                if let Some(s) = shared.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+                    s.task = Some(handle.task);
+                }
+                let shared2 = shared.clone();
+                link.rt.spawn(async move {
+                    let mut events = handle.events;
+                    let mut end = CloneState::Lost("the session ended without news of the clone".into());
+                    while let Some(ev) = events.recv().await {
+                        match ev {
+                            TaskEvent::Output(stream, data) => {
+                                if let Some(st) = decode_stats(&data) {
+                                    if let Some(s) = shared2.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+                                        s.stats = Some(st);
+                                    }
+                                    continue;
+                                }
+                                write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data);
+                            }
+                            TaskEvent::Finished { status, commit, .. } => {
+                                if let Err(e) = commit {
+                                    write_fd(2, format!("starling: clone {id}: its files were not committed: {e}\n").as_bytes());
+                                }
+                                end = match status {
+                                    ExitStatus::Code(c) => CloneState::Exited(c),
+                                    ExitStatus::Signal(s) => CloneState::Killed(s),
+                                };
+                                break;
+                            }
+                            TaskEvent::Lost(why) => {
+                                end = CloneState::Lost(why);
+                                break;
+                            }
+                        }
+                    }
+                    let mut slots = shared2.slots.lock().unwrap();
+                    if let Some(s) = slots.iter_mut().find(|s| s.id == id) {
+                        s.state = end;
+                    }
+                    shared2.changed.notify_all();
+                });
+            }
+        }
+        Ok(clones)
+    }
+
+    /// Block until every clone has ended (exited, killed or lost).
+    pub fn wait_all(&self) {
+        let mut slots = self.shared.slots.lock().unwrap();
+        while slots.iter().any(|s| !s.state.is_final()) {
+            slots = self.shared.changed.wait(slots).unwrap();
+        }
+    }
+
+    /// SIGKILL every clone that is still running (the agent kills its sandbox).
+    pub fn kill(&self) {
+        let Some(tx) = &self.tx else { return };
+        let tasks: Vec<TaskId> = self
+            .shared
+            .slots
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|s| !s.state.is_final())
+            .filter_map(|s| s.task)
+            .collect();
+        for task in tasks {
+            let _ = self.link.rt.block_on(tx.send(Msg::Signal { task, signo: libc::SIGKILL }));
+        }
+    }
+
+    pub fn state(&self, id: u32) -> Option<CloneState> {
+        self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).map(|s| s.state.clone())
+    }
+
+    pub fn stats(&self, id: u32) -> Option<[u64; STATS_COUNTERS]> {
+        self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).and_then(|s| s.stats)
+    }
+
+    pub fn host(&self, id: u32) -> Option<String> {
+        self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).map(|s| s.host.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stats_frame_round_trips_and_rejects_other_output() {
+        let c = [1, 2, 3, 4, 5, u64::MAX];
+        assert_eq!(decode_stats(&encode_stats(&c)), Some(c));
+        assert_eq!(decode_stats(b"hello"), None);
+        let mut long = encode_stats(&c);
+        long.push(0);
+        assert_eq!(decode_stats(&long), None);
+    }
+}
