@@ -4,6 +4,9 @@
  * parent's; each host has its own UTS namespace). Exit 99 if not. */
 #ifndef SF_ON_OTHER_HOST_H
 #define SF_ON_OTHER_HOST_H
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
 #include <stdio.h>
 #include <string.h>
 #include <stdlib.h>

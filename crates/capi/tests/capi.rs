@@ -25,7 +25,7 @@ fn build_and_run(name: &str, args: &[&str]) -> String {
         .status()
         .expect("cc");
     assert!(status.success());
-    let o = Command::new(&out).args(args).output().expect("run");
+    let o = Command::new(&out).args(args).env("STARLING_FORK_BACKEND", "local").output().expect("run");
     let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
     println!("{stdout}{}", String::from_utf8_lossy(&o.stderr));
     assert!(o.status.success(), "{name}: {:?}", o.status);

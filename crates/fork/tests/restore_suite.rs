@@ -48,6 +48,8 @@ fn run(name: &str, args: &[&str]) -> String {
     let exe = build(name);
     let mut child = Command::new(&exe)
         .args(args)
+        // This suite tests restore on this machine (the cluster suite is tests/test_fork.py).
+        .env("STARLING_FORK_BACKEND", "local")
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
