@@ -9,6 +9,16 @@
 //!   not-yet-served `Fetch` neighbours (prefetch), each installed with
 //!   `UFFDIO_COPY` (EEXIST — already present — is fine).
 //!
+//! With mcdist (see `starling-mcdist`; switch `STARLING_MCDIST=off|on|push`,
+//! default on) `Fetch` pages come from the ticket's multicast group: the
+//! handler joins the group the page server names (on the interface of its
+//! TCP connection), and a receive thread installs every page any clone asked
+//! for into this clone too, in batches (`UFFDIO_COPY` of contiguous runs,
+//! EEXIST fine). The faulting path only waits for its own pages. If no
+//! multicast arrives (detected by a probe at start, or a fetch that times
+//! out later) the handler falls back to the page server's TCP unicast and
+//! says so: a warning in the log and [`FaultStats::mode`].
+//!
 //! A per-region state byte per page is the presence bitmap. REMOVE and UNMAP
 //! events (MADV_DONTNEED, munmap) turn pages into `Zero`, so a range that the
 //! clone discarded reads as zero instead of template data; REMAP events
@@ -18,11 +28,13 @@
 use crate::descriptor::{Descriptor, PageClass, RegionKind};
 use crate::page_server::{PageClient, PageReply};
 use crate::{ForkError, Result, PAGE_SIZE};
+use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
 use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
 use crate::uffd::{Event, Uffd};
 
 /// Largest number of pages fetched per fault (faulting page + prefetch).
@@ -42,9 +54,19 @@ pub struct FaultStats {
     pub pages_file: AtomicU64,
     pub fetch_requests: AtomicU64,
     pub events_remove: AtomicU64,
+    /// Pages installed from the multicast group without this clone asking
+    /// (included in `pages_fetched`).
+    pub pages_multicast_unsolicited: AtomicU64,
+    /// A [`starling_mcdist::Mode`] as u8: how this clone gets its pages.
+    pub mode: AtomicU8,
 }
 
 impl FaultStats {
+    /// How this clone gets its pages (for `starling status`).
+    pub fn mode(&self) -> Mode {
+        Mode::from_u8(self.mode.load(Ordering::Relaxed))
+    }
+
     pub fn snapshot(&self) -> [u64; 6] {
         [&self.faults, &self.pages_fetched, &self.pages_zero, &self.pages_file, &self.fetch_requests, &self.events_remove]
             .map(|c| c.load(Ordering::Relaxed))
@@ -54,44 +76,204 @@ impl FaultStats {
 struct HandlerRegion {
     start: u64,
     end: u64,
-    state: Vec<u8>,
+    /// Atomic: the multicast receive thread reads and sets it too.
+    state: Vec<AtomicU8>,
     /// For File pages: (path, file offset of `start`).
     file: Option<(String, u64)>,
 }
 
-pub struct FaultHandler {
+/// What the handler thread and the multicast receive thread share.
+struct Shared {
     uffd: Uffd,
     regions: Vec<HandlerRegion>,
+    /// Held by the handler while it reads and applies a non-fault event, and
+    /// by the receive thread while it installs: so a page the clone
+    /// discarded (REMOVE → state Zero) is never filled with template data
+    /// after the fact. Holds the template ranges that moved (REMAP): the
+    /// receive thread leaves those to the faulting path.
+    events: Mutex<Vec<(u64, u64)>>,
+}
+
+impl Shared {
+    fn locate(&self, tmpl_addr: u64) -> Option<(usize, usize)> {
+        let i = self.regions.partition_point(|r| r.end <= tmpl_addr);
+        let r = self.regions.get(i).filter(|r| r.start <= tmpl_addr)?;
+        Some((i, ((tmpl_addr - r.start) / PAGE_SIZE) as usize))
+    }
+
+    fn state(&self, ri: usize, pi: usize) -> u8 {
+        self.regions[ri].state[pi].load(Ordering::Acquire)
+    }
+
+    fn set_state(&self, ri: usize, pi: usize, st: u8) {
+        self.regions[ri].state[pi].store(st, Ordering::Release);
+    }
+}
+
+/// Options of [`FaultHandler::new_with`].
+#[derive(Debug, Clone)]
+pub struct FaultOptions {
+    /// Use the ticket's multicast group if the page server offers one.
+    pub mcdist: Switch,
+    /// How long to listen for the sender's probe before falling back.
+    pub probe_timeout: std::time::Duration,
+}
+
+impl FaultOptions {
+    pub fn from_env() -> FaultOptions {
+        FaultOptions { mcdist: Switch::from_env(), probe_timeout: std::time::Duration::from_millis(300) }
+    }
+}
+
+pub struct FaultHandler {
+    shared: Arc<Shared>,
     files: HashMap<String, std::fs::File>,
     client: PageClient,
+    /// The multicast receiver, while multicast works.
+    mc: Option<Receiver>,
     stats: Arc<FaultStats>,
     prefetch: usize,
     /// (new start, len, template start) after REMAP events.
     remaps: Vec<(u64, u64, u64)>,
 }
 
+/// Installs pages other clones asked for (runs on the receive thread).
+struct CloneSink {
+    shared: Arc<Shared>,
+    stats: Arc<FaultStats>,
+}
+
+impl PageSink for CloneSink {
+    fn offer(&self, pages: &[(u64, Fetched)]) -> Vec<bool> {
+        let mut out = vec![false; pages.len()];
+        let mut new_installs = 0u64;
+        let moved = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted = |addr: u64| -> Option<(usize, usize)> {
+            if moved.iter().any(|&(s, l)| addr >= s && addr < s + l) {
+                return None;
+            }
+            let (ri, pi) = self.shared.locate(addr)?;
+            (self.shared.state(ri, pi) == ST_FETCH).then_some((ri, pi))
+        };
+        // Runs of consecutive data pages go in with one UFFDIO_COPY each.
+        let mut i = 0;
+        while i < pages.len() {
+            let (addr, ref page) = pages[i];
+            let Some((ri, pi)) = wanted(addr) else {
+                // Present already (or not ours to fill): nothing to install.
+                out[i] = self.shared.locate(addr).is_some_and(|(ri, pi)| self.shared.state(ri, pi) == ST_DONE);
+                i += 1;
+                continue;
+            };
+            match page {
+                Fetched::Zero => {
+                    let r = self.shared.uffd.zeropage(addr, PAGE_SIZE);
+                    new_installs += r.is_ok() as u64;
+                    out[i] = install_result(r);
+                    if out[i] {
+                        self.shared.set_state(ri, pi, ST_DONE);
+                    }
+                    i += 1;
+                }
+                Fetched::Data(first) => {
+                    let mut j = i + 1;
+                    let mut run = first.clone();
+                    while j < pages.len() && j - i < 256 {
+                        let (a, ref p) = pages[j];
+                        let Fetched::Data(d) = p else { break };
+                        if a != addr + (j - i) as u64 * PAGE_SIZE || wanted(a).is_none() {
+                            break;
+                        }
+                        run.extend_from_slice(d);
+                        j += 1;
+                    }
+                    let whole = self.shared.uffd.copy(addr, &run).is_ok();
+                    if whole {
+                        new_installs += (j - i) as u64;
+                    }
+                    for k in i..j {
+                        let a = pages[k].0;
+                        // A run that failed part-way is retried page by page.
+                        out[k] = whole || {
+                            let r = self.shared.uffd.copy(a, &run[(k - i) * PAGE..(k - i + 1) * PAGE]);
+                            new_installs += r.is_ok() as u64;
+                            install_result(r)
+                        };
+                        if out[k] {
+                            if let Some((ri, pi)) = self.shared.locate(a) {
+                                self.shared.set_state(ri, pi, ST_DONE);
+                            }
+                        }
+                    }
+                    i = j;
+                }
+                Fetched::Unreadable | Fetched::Installed => i += 1,
+            }
+        }
+        drop(moved);
+        // Multicast pages another clone asked for still arrived from the
+        // template into this clone: they count as fetched, too.
+        self.stats.pages_multicast_unsolicited.fetch_add(new_installs, Ordering::Relaxed);
+        self.stats.pages_fetched.fetch_add(new_installs, Ordering::Relaxed);
+        out
+    }
+}
+
+const PAGE: usize = PAGE_SIZE as usize;
+
+/// Outcome of installing one page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Install {
+    /// Installed now.
+    New,
+    /// Was there already (EEXIST), or the range is gone (ENOENT/ESRCH).
+    Present,
+    /// Nothing installed (EAGAIN while the clone's map changed): fault again.
+    Retry,
+}
+
+/// Whether an install left the page present: done, or present before (EEXIST).
+fn install_result(r: std::result::Result<(), i32>) -> bool {
+    matches!(r, Ok(()) | Err(libc::EEXIST))
+}
+
+static RECEIVER_SEQ: AtomicU64 = AtomicU64::new(0);
+
 impl FaultHandler {
     pub fn new(uffd: OwnedFd, desc: &Descriptor, client: PageClient, stats: Arc<FaultStats>) -> FaultHandler {
+        Self::new_with(uffd, desc, client, stats, FaultOptions::from_env())
+    }
+
+    /// As [`FaultHandler::new`] with explicit options. Never fails: without
+    /// working multicast the handler is unicast (see [`FaultStats::mode`]).
+    pub fn new_with(uffd: OwnedFd, desc: &Descriptor, mut client: PageClient, stats: Arc<FaultStats>, opts: FaultOptions) -> FaultHandler {
         let uffd = Uffd::new(uffd);
-        let regions = desc
+        let regions: Vec<HandlerRegion> = desc
             .regions
             .iter()
             .filter(|r| crate::plan::region_plan_kind(r) == starling_restorer::plan::REGION_ANON_REGISTER)
             .map(|r| HandlerRegion {
                 start: r.start,
                 end: r.end,
-                state: r.pages.expand().into_iter().map(|c| match c {
+                state: r.pages.expand().into_iter().map(|c| AtomicU8::new(match c {
                     PageClass::Zero => ST_ZERO,
                     PageClass::File => ST_FILE,
                     PageClass::Fetch => ST_FETCH,
-                }).collect(),
+                })).collect(),
                 file: match &r.kind {
                     RegionKind::File { path, offset, .. } => Some((path.clone(), *offset)),
                     _ => None,
                 },
             })
             .collect();
-        FaultHandler { uffd, regions, files: HashMap::new(), client, stats, prefetch: DEFAULT_PREFETCH, remaps: vec![] }
+        let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()) });
+        let mc = start_receiver(&shared, &mut client, &stats, &opts);
+        FaultHandler { shared, files: HashMap::new(), client, mc, stats, prefetch: DEFAULT_PREFETCH, remaps: vec![] }
+    }
+
+    /// How this handler gets its pages.
+    pub fn mode(&self) -> Mode {
+        self.stats.mode()
     }
 
     pub fn set_prefetch(&mut self, pages: usize) {
@@ -102,7 +284,7 @@ impl FaultHandler {
     pub fn run(mut self, stop: BorrowedFd<'_>) -> Result<()> {
         loop {
             let mut fds = [
-                libc::pollfd { fd: self.uffd.raw(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.shared.uffd.raw(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
             ];
             // SAFETY: polls two fds we hold for the duration of the call.
@@ -120,13 +302,22 @@ impl FaultHandler {
                 return Ok(());
             }
             loop {
-                let ev = match self.uffd.read_event() {
+                // Events are read and applied under the events lock (see `Shared::events`).
+                let shared = self.shared.clone();
+                let mut moved = shared.events.lock().unwrap_or_else(|p| p.into_inner());
+                let ev = match self.shared.uffd.read_event() {
                     Ok(Some(ev)) => ev,
                     Ok(None) => break,
                     Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
                     Err(e) => return Err(ForkError::io("read userfaultfd event", e)),
                 };
-                self.handle(ev)?;
+                if let Event::Pagefault { addr } = ev {
+                    drop(moved);
+                    self.stats.faults.fetch_add(1, Ordering::Relaxed);
+                    self.serve_fault(addr & !(PAGE_SIZE - 1))?;
+                } else {
+                    self.handle_event(ev, &mut moved);
+                }
             }
         }
     }
@@ -141,62 +332,57 @@ impl FaultHandler {
     }
 
     fn locate(&self, tmpl_addr: u64) -> Option<(usize, usize)> {
-        let i = self.regions.partition_point(|r| r.end <= tmpl_addr);
-        let r = self.regions.get(i).filter(|r| r.start <= tmpl_addr)?;
-        Some((i, ((tmpl_addr - r.start) / PAGE_SIZE) as usize))
+        self.shared.locate(tmpl_addr)
     }
 
-    fn mark_range(&mut self, start: u64, end: u64, state: u8) {
+    fn mark_range(&self, start: u64, end: u64, state: u8) {
         let mut a = start & !(PAGE_SIZE - 1);
         while a < end {
             let t = self.translate(a);
             if let Some((ri, pi)) = self.locate(t) {
-                self.regions[ri].state[pi] = state;
+                self.shared.set_state(ri, pi, state);
             }
             a += PAGE_SIZE;
         }
     }
 
-    fn handle(&mut self, ev: Event) -> Result<()> {
+    /// A non-fault event; the caller holds the events lock (`moved`).
+    fn handle_event(&mut self, ev: Event, moved: &mut Vec<(u64, u64)>) {
         match ev {
-            Event::Pagefault { addr } => {
-                self.stats.faults.fetch_add(1, Ordering::Relaxed);
-                self.serve_fault(addr & !(PAGE_SIZE - 1))
-            }
             Event::Remove { start, end } | Event::Unmap { start, end } => {
                 self.stats.events_remove.fetch_add(1, Ordering::Relaxed);
                 // Discarded: from now on the range reads as zero.
                 self.mark_range(start, end, ST_ZERO);
-                Ok(())
             }
             Event::Remap { from, to, len } => {
                 let old = self.translate(from);
                 self.remaps.push((to, len, old));
-                Ok(())
+                moved.push((old, len));
             }
-            Event::Fork | Event::Unknown(_) => Ok(()),
+            Event::Pagefault { .. } | Event::Fork | Event::Unknown(_) => {}
         }
     }
 
-    fn zero(&self, addr: u64) -> Result<()> {
-        match self.uffd.zeropage(addr, PAGE_SIZE) {
-            Ok(()) => Ok(()),
-            Err(e) if benign(e) => self.wake(addr),
-            Err(e) => Err(ForkError::Other(format!("UFFDIO_ZEROPAGE {addr:#x}: errno {e}"))),
-        }
+    /// Install a zero page.
+    fn zero(&self, addr: u64) -> Result<Install> {
+        self.installed(addr, self.shared.uffd.zeropage(addr, PAGE_SIZE), "UFFDIO_ZEROPAGE")
     }
 
-    fn copy(&self, addr: u64, page: &[u8]) -> Result<()> {
-        match self.uffd.copy(addr, page) {
-            Ok(()) => Ok(()),
-            Err(e) if benign(e) => self.wake(addr),
-            Err(e) => Err(ForkError::Other(format!("UFFDIO_COPY {addr:#x}: errno {e}"))),
-        }
+    /// Install a page.
+    fn copy(&self, addr: u64, page: &[u8]) -> Result<Install> {
+        self.installed(addr, self.shared.uffd.copy(addr, page), "UFFDIO_COPY")
     }
 
-    fn wake(&self, addr: u64) -> Result<()> {
-        self.uffd.wake(addr, PAGE_SIZE);
-        Ok(())
+    fn installed(&self, addr: u64, r: std::result::Result<(), i32>, what: &str) -> Result<Install> {
+        match r {
+            Ok(()) => Ok(Install::New),
+            Err(e) if benign(e) => {
+                self.shared.uffd.wake(addr, PAGE_SIZE);
+                // EAGAIN: the clone's memory map was changing; nothing was installed.
+                Ok(if e == libc::EAGAIN { Install::Retry } else { Install::Present })
+            }
+            Err(e) => Err(ForkError::Other(format!("{what} {addr:#x}: errno {e}"))),
+        }
     }
 
     fn serve_fault(&mut self, addr: u64) -> Result<()> {
@@ -204,17 +390,18 @@ impl FaultHandler {
         let Some((ri, pi)) = self.locate(t) else {
             // Registered memory outside the descriptor (grown stack): zero.
             self.stats.pages_zero.fetch_add(1, Ordering::Relaxed);
-            return self.zero(addr);
+            return self.zero(addr).map(drop);
         };
-        match self.regions[ri].state[pi] {
+        match self.shared.state(ri, pi) {
             ST_ZERO | ST_DONE => {
                 self.stats.pages_zero.fetch_add(1, Ordering::Relaxed);
-                self.regions[ri].state[pi] = ST_DONE;
-                self.zero(addr)
+                self.shared.set_state(ri, pi, ST_DONE);
+                self.zero(addr).map(drop)
             }
             ST_FILE => {
-                let (path, off) = self.regions[ri].file.clone().ok_or_else(|| ForkError::Other("file page without file".into()))?;
-                let file_off = off + (t - self.regions[ri].start);
+                let region = &self.shared.regions[ri];
+                let (path, off) = region.file.clone().ok_or_else(|| ForkError::Other("file page without file".into()))?;
+                let file_off = off + (t - region.start);
                 let mut page = vec![0u8; PAGE_SIZE as usize];
                 if !self.files.contains_key(&path) {
                     let f = std::fs::File::open(&path).map_err(|e| ForkError::io(format!("open {path}"), e))?;
@@ -231,9 +418,11 @@ impl FaultHandler {
                         Err(e) => return Err(ForkError::io(format!("read {path}"), e)),
                     }
                 }
-                self.regions[ri].state[pi] = ST_DONE;
                 self.stats.pages_file.fetch_add(1, Ordering::Relaxed);
-                self.copy(addr, &page)
+                if self.copy(addr, &page)? != Install::Retry {
+                    self.shared.set_state(ri, pi, ST_DONE);
+                }
+                Ok(())
             }
             _ => self.fetch_batch(addr, ri, pi),
         }
@@ -242,30 +431,106 @@ impl FaultHandler {
     /// Fetch the faulting page plus following not-yet-served Fetch pages of
     /// the same region (in clone addresses, contiguous with `addr`).
     fn fetch_batch(&mut self, addr: u64, ri: usize, pi: usize) -> Result<()> {
-        let region = &self.regions[ri];
+        let region = &self.shared.regions[ri];
         let tmpl_base = region.start + pi as u64 * PAGE_SIZE;
         let mut pages = vec![pi];
         let mut j = pi + 1;
-        while pages.len() < self.prefetch && j < region.state.len() && region.state[j] == ST_FETCH {
+        while pages.len() < self.prefetch && j < region.state.len() && region.state[j].load(Ordering::Acquire) == ST_FETCH {
             pages.push(j);
             j += 1;
         }
         let tmpl_addrs: Vec<u64> = pages.iter().map(|&p| region.start + p as u64 * PAGE_SIZE).collect();
-        let replies = self.client.fetch(&tmpl_addrs)?;
+        let replies = self.fetch(&tmpl_addrs)?;
         self.stats.fetch_requests.fetch_add(1, Ordering::Relaxed);
-        self.stats.pages_fetched.fetch_add(pages.len() as u64, Ordering::Relaxed);
+        let mut fetched = 0;
         for (k, (p, reply)) in pages.iter().zip(replies).enumerate() {
             let dst = addr + (tmpl_addrs[k] - tmpl_base);
-            self.regions[ri].state[*p] = ST_DONE;
-            match reply {
-                PageReply::Data(d) => self.copy(dst, &d)?,
-                PageReply::Zero => self.zero(dst)?,
-                PageReply::Unreadable => {
+            let done = match reply {
+                Fetched::Data(d) => self.copy(dst, &d)?,
+                Fetched::Zero => self.zero(dst)?,
+                // The receive thread installed it (and woke the clone).
+                Fetched::Installed => {
+                    self.shared.uffd.wake(dst, PAGE_SIZE);
+                    Install::Present
+                }
+                Fetched::Unreadable => {
                     return Err(ForkError::Other(format!("template page {:#x} unreadable", tmpl_addrs[k])))
+                }
+            };
+            // Counted where a page becomes present, so that pages the
+            // receive thread installed are not counted twice.
+            fetched += (done == Install::New) as u64;
+            if done != Install::Retry {
+                self.shared.set_state(ri, *p, ST_DONE);
+            }
+        }
+        self.stats.pages_fetched.fetch_add(fetched, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Pages from the multicast group, or by unicast if multicast fails.
+    fn fetch(&mut self, tmpl_addrs: &[u64]) -> Result<Vec<Fetched>> {
+        if let Some(rx) = &self.mc {
+            match rx.fetch(tmpl_addrs) {
+                Ok(r) => return Ok(r),
+                Err(e) => {
+                    log::warn!("mcdist: {e}; this clone falls back to unicast page fetches");
+                    self.stats.mode.store(Mode::UnicastFallback as u8, Ordering::Relaxed);
+                    self.mc = None;
                 }
             }
         }
-        Ok(())
+        Ok(self
+            .client
+            .fetch(tmpl_addrs)?
+            .into_iter()
+            .map(|r| match r {
+                PageReply::Data(d) => Fetched::Data(d.into_vec()),
+                PageReply::Zero => Fetched::Zero,
+                PageReply::Unreadable => Fetched::Unreadable,
+            })
+            .collect())
+    }
+}
+
+/// Join the ticket's multicast group if the page server offers one and it
+/// works here; record the outcome in `stats.mode`.
+fn start_receiver(shared: &Arc<Shared>, client: &mut PageClient, stats: &Arc<FaultStats>, opts: &FaultOptions) -> Option<Receiver> {
+    let set = |m: Mode| stats.mode.store(m as u8, Ordering::Relaxed);
+    if opts.mcdist == Switch::Off {
+        set(Mode::Unicast);
+        return None;
+    }
+    let info = match client.mcdist_info() {
+        Ok(Some(info)) => info,
+        Ok(None) => {
+            set(Mode::Unicast);
+            return None;
+        }
+        Err(e) => {
+            log::warn!("mcdist: page server did not answer ({e}); unicast");
+            set(Mode::UnicastFallback);
+            return None;
+        }
+    };
+    let iface = match client.local_addr() {
+        Some(SocketAddr::V4(a)) => *a.ip(),
+        _ => Ipv4Addr::LOCALHOST,
+    };
+    let id = (std::process::id() << 12) ^ RECEIVER_SEQ.fetch_add(1, Ordering::Relaxed) as u32;
+    let mut cfg = ReceiverConfig::new(info.ticket, info.group, iface, info.sender, id);
+    cfg.probe_timeout = opts.probe_timeout;
+    let sink = Arc::new(CloneSink { shared: shared.clone(), stats: stats.clone() });
+    match Receiver::start(cfg, sink) {
+        Ok(rx) => {
+            set(if info.push { Mode::MulticastPush } else { Mode::Multicast });
+            Some(rx)
+        }
+        Err(e) => {
+            log::warn!("mcdist: {e} (group {}); falling back to unicast", info.group);
+            set(Mode::UnicastFallback);
+            None
+        }
     }
 }
 
@@ -273,4 +538,18 @@ impl FaultHandler {
 /// gone (ENOENT, after munmap), clone gone (ESRCH).
 fn benign(errno: i32) -> bool {
     errno == libc::EEXIST || errno == libc::ENOENT || errno == libc::ESRCH || errno == libc::EAGAIN
+}
+impl Drop for FaultHandler {
+    fn drop(&mut self) {
+        let s = &self.stats;
+        log::debug!(
+            "fault handler done: {:?} unsolicited={} mode={}",
+            s.snapshot(),
+            s.pages_multicast_unsolicited.load(Ordering::Relaxed),
+            s.mode().as_str()
+        );
+        if let Some(rx) = &self.mc {
+            log::debug!("mcdist receiver: {:?}", rx.stats());
+        }
+    }
 }

@@ -8,6 +8,16 @@
 //!           tag: 0 = ZERO (all-zero page), 1 = DATA, 2 = UNREADABLE
 //! ```
 //!
+//! mcdist (`STARLING_MCDIST=off|on|push`, default on): the server also
+//! starts a multicast [`starling_mcdist::Sender`] for the same template on
+//! the same address, and answers one more request so clones can find it:
+//!
+//! ```text
+//! request:  "SFPM"
+//! reply:    "SFPN" | mode u8 (0 off, 1 on, 2 push) | ticket u64 | group ip [4] | group port u16
+//!                  | request ip [4] | request port u16
+//! ```
+//!
 //! Addresses must be page-aligned and inside a region the server was told
 //! to serve; anything else closes the connection. Page data is read with
 //! `process_vm_readv` from the template (its copy-on-write image stays
@@ -16,12 +26,15 @@
 
 use crate::{ForkError, Result, PAGE_SIZE};
 use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
+use starling_mcdist::{Sender, SenderConfig, Switch};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub const MAX_BATCH: u32 = 1024;
 const REQ_MAGIC: [u8; 4] = *b"SFPQ";
+const MCDIST_MAGIC: [u8; 4] = *b"SFPM";
+const MCDIST_REPLY_MAGIC: [u8; 4] = *b"SFPN";
 const REPLY_MAGIC: [u8; 4] = *b"SFPR";
 const TAG_ZERO: u8 = 0;
 const TAG_DATA: u8 = 1;
@@ -36,8 +49,61 @@ pub struct ServerStats {
     pub pages_zero: AtomicU64,
 }
 
+/// Where and how a ticket's pages are multicast (told to clones by the page server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct McdistInfo {
+    pub push: bool,
+    pub ticket: u64,
+    pub group: SocketAddrV4,
+    /// The sender's request socket.
+    pub sender: SocketAddrV4,
+}
+
+/// Options of [`PageServer::start_with`].
+#[derive(Debug, Clone)]
+pub struct PageServerOptions {
+    /// Multicast distribution: off, on, or on with push.
+    pub mcdist: Switch,
+    /// Ticket id (selects the multicast group); default: from PID and port.
+    pub ticket: Option<u64>,
+}
+
+impl PageServerOptions {
+    /// From the environment (`STARLING_MCDIST`).
+    pub fn from_env() -> PageServerOptions {
+        PageServerOptions { mcdist: Switch::from_env(), ticket: None }
+    }
+}
+
+/// Reads pages of the frozen template for the multicast sender.
+struct TemplateSource {
+    pid: i32,
+    regions: Vec<(u64, u64)>,
+}
+
+impl starling_mcdist::PageSource for TemplateSource {
+    fn regions(&self) -> &[(u64, u64)] {
+        &self.regions
+    }
+
+    fn read(&mut self, addrs: &[u64]) -> Vec<starling_mcdist::SourcePage> {
+        use starling_mcdist::SourcePage;
+        let mut data = vec![0u8; addrs.len() * PAGE];
+        let ok = read_pages(self.pid, addrs, &mut data);
+        data.chunks_exact(PAGE)
+            .zip(ok)
+            .map(|(p, ok)| match ok {
+                false => SourcePage::Unreadable,
+                true if p.iter().all(|&b| b == 0) => SourcePage::Zero,
+                true => SourcePage::Data(p.to_vec()),
+            })
+            .collect()
+    }
+}
+
 pub struct PageServer {
     addr: SocketAddr,
+    mcdist: Option<(McdistInfo, Sender)>,
     stop: Arc<AtomicBool>,
     stats: Arc<ServerStats>,
     accept_thread: Option<std::thread::JoinHandle<()>>,
@@ -46,10 +112,42 @@ pub struct PageServer {
 impl PageServer {
     /// Serve pages of `pid` within `regions` ([start, end) pairs, sorted).
     pub fn start(pid: i32, regions: Vec<(u64, u64)>, bind: SocketAddr) -> Result<PageServer> {
+        Self::start_with(pid, regions, bind, PageServerOptions::from_env())
+    }
+
+    /// As [`PageServer::start`], with explicit options. A multicast sender
+    /// that cannot start (no IPv4, socket errors) only leaves the server
+    /// unicast; clones find out through the `SFPM` request.
+    pub fn start_with(pid: i32, regions: Vec<(u64, u64)>, bind: SocketAddr, opts: PageServerOptions) -> Result<PageServer> {
         let listener = TcpListener::bind(bind).map_err(|e| ForkError::io(format!("bind page server {bind}"), e))?;
         let addr = listener.local_addr().map_err(|e| ForkError::io("page server address", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ServerStats::default());
+        let mcdist = match (opts.mcdist, addr) {
+            (Switch::Off, _) => None,
+            (switch, SocketAddr::V4(a)) => {
+                let ticket = opts.ticket.unwrap_or(((pid as u64) << 16) ^ a.port() as u64);
+                let group = starling_mcdist::group_for_ticket(ticket);
+                let iface = if a.ip().is_unspecified() { Ipv4Addr::LOCALHOST } else { *a.ip() };
+                let mut cfg = SenderConfig::new(ticket, group, iface);
+                cfg.push = switch == Switch::Push;
+                // Loopback (the local backend) has a 64 KiB MTU: one datagram per page.
+                cfg.mtu = if iface.is_loopback() { 65_535 } else { 1500 };
+                let source = TemplateSource { pid, regions: regions.clone() };
+                match Sender::start(cfg, Box::new(source)) {
+                    Ok(sender) => {
+                        let info = McdistInfo { push: switch == Switch::Push, ticket, group, sender: sender.request_addr() };
+                        Some((info, sender))
+                    }
+                    Err(e) => {
+                        log::warn!("page server {addr}: multicast sender not started ({e}); unicast only");
+                        None
+                    }
+                }
+            }
+            (_, SocketAddr::V6(_)) => None,
+        };
+        let info = mcdist.as_ref().map(|(i, _)| *i);
         let regions = Arc::new(regions);
         let (stop2, stats2) = (stop.clone(), stats.clone());
         let accept_thread = std::thread::Builder::new()
@@ -63,12 +161,22 @@ impl PageServer {
                     let (regions, stats) = (regions.clone(), stats2.clone());
                     let _ = std::thread::Builder::new().name("sf-page-conn".into()).spawn(move || {
                         // A protocol error only ends this connection.
-                        let _ = serve_connection(pid, &regions, &stats, conn);
+                        let _ = serve_connection(pid, &regions, &stats, info, conn);
                     });
                 }
             })
             .map_err(|e| ForkError::io("spawn page server", e))?;
-        Ok(PageServer { addr, stop, stats, accept_thread: Some(accept_thread) })
+        Ok(PageServer { addr, mcdist, stop, stats, accept_thread: Some(accept_thread) })
+    }
+
+    /// The multicast distribution of this server, if it runs.
+    pub fn mcdist(&self) -> Option<McdistInfo> {
+        self.mcdist.as_ref().map(|(i, _)| *i)
+    }
+
+    /// The multicast sender (stats, rate trace), if it runs.
+    pub fn mcdist_sender(&self) -> Option<&Sender> {
+        self.mcdist.as_ref().map(|(_, s)| s)
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -86,6 +194,9 @@ impl PageServer {
             let _ = TcpStream::connect(self.addr); // wake the accept loop
             let _ = t.join();
         }
+        if let Some((_, mut s)) = self.mcdist.take() {
+            s.stop();
+        }
     }
 }
 
@@ -100,7 +211,22 @@ fn in_regions(regions: &[(u64, u64)], addr: u64) -> bool {
     regions.get(i).is_some_and(|&(start, end)| start <= addr && addr + PAGE_SIZE <= end)
 }
 
-fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, conn: TcpStream) -> Result<()> {
+fn encode_mcdist(info: Option<McdistInfo>) -> Vec<u8> {
+    let mut out = MCDIST_REPLY_MAGIC.to_vec();
+    let Some(i) = info else {
+        out.extend_from_slice(&[0u8; 1 + 8 + 6 + 6]);
+        return out;
+    };
+    out.push(if i.push { 2 } else { 1 });
+    out.extend_from_slice(&i.ticket.to_le_bytes());
+    out.extend_from_slice(&i.group.ip().octets());
+    out.extend_from_slice(&i.group.port().to_le_bytes());
+    out.extend_from_slice(&i.sender.ip().octets());
+    out.extend_from_slice(&i.sender.port().to_le_bytes());
+    out
+}
+
+fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, info: Option<McdistInfo>, conn: TcpStream) -> Result<()> {
     let _ = conn.set_nodelay(true);
     let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
     let mut wr = BufWriter::with_capacity(256 * 1024, conn);
@@ -111,6 +237,11 @@ fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, conn:
             Ok(()) => {}
             Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(ForkError::io("read page request", e)),
+        }
+        if hdr[..4] == MCDIST_MAGIC {
+            // 4 bytes of magic were enough; the other 4 are zero padding.
+            wr.write_all(&encode_mcdist(info)).and_then(|_| wr.flush()).map_err(|e| ForkError::io("write reply", e))?;
+            continue;
         }
         if hdr[..4] != REQ_MAGIC {
             return Err(ForkError::Protocol("bad request magic".into()));
@@ -188,6 +319,44 @@ impl PageClient {
         let _ = s.set_nodelay(true);
         let rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
         Ok(PageClient { rd, wr: BufWriter::new(s) })
+    }
+
+    /// Local address of the connection (the interface to join multicast on).
+    pub fn local_addr(&self) -> Option<SocketAddr> {
+        self.wr.get_ref().local_addr().ok()
+    }
+
+    /// Ask the server whether (and where) it multicasts pages.
+    pub fn mcdist_info(&mut self) -> Result<Option<McdistInfo>> {
+        let io = |e| ForkError::io("page server", e);
+        self.wr.write_all(&MCDIST_MAGIC).and_then(|_| self.wr.write_all(&[0u8; 4])).map_err(io)?;
+        self.wr.flush().map_err(io)?;
+        let mut r = [0u8; 4 + 1 + 8 + 6 + 6];
+        self.rd.read_exact(&mut r).map_err(io)?;
+        if r[..4] != MCDIST_REPLY_MAGIC {
+            return Err(ForkError::Protocol("bad mcdist reply".into()));
+        }
+        let v4 = |o: usize| {
+            SocketAddrV4::new(Ipv4Addr::new(r[o], r[o + 1], r[o + 2], r[o + 3]), u16::from_le_bytes([r[o + 4], r[o + 5]]))
+        };
+        Ok(match r[4] {
+            0 => None,
+            m @ (1 | 2) => {
+                let sender = v4(19);
+                // A sender bound to 0.0.0.0 is reached at the page server's address.
+                let sender = match (sender.ip().is_unspecified(), self.wr.get_ref().peer_addr()) {
+                    (true, Ok(SocketAddr::V4(p))) => SocketAddrV4::new(*p.ip(), sender.port()),
+                    _ => sender,
+                };
+                Some(McdistInfo {
+                    push: m == 2,
+                    ticket: u64::from_le_bytes(r[5..13].try_into().expect("8 bytes")),
+                    group: v4(13),
+                    sender,
+                })
+            }
+            m => return Err(ForkError::Protocol(format!("bad mcdist mode {m}"))),
+        })
     }
 
     /// Fetch a batch of page addresses (1..=MAX_BATCH).

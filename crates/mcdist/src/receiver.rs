@@ -56,7 +56,8 @@ pub struct ReceiverConfig {
     pub receiver_id: u32,
     /// How long to wait for a PROBE before declaring multicast unavailable.
     pub probe_timeout: Duration,
-    /// First re-request timeout (raised to 4 × the measured request→arrival time).
+    /// First re-request timeout (raised to 4 × the measured request→arrival
+    /// time); above the sender's lockstep floor, so a re-request is answered.
     pub min_timeout: Duration,
     pub max_timeout: Duration,
     /// Total wait for one page before `fetch` fails.
@@ -75,7 +76,7 @@ impl ReceiverConfig {
             sender,
             receiver_id,
             probe_timeout: Duration::from_millis(500),
-            min_timeout: Duration::from_millis(10),
+            min_timeout: Duration::from_millis(20),
             max_timeout: Duration::from_millis(400),
             give_up: Duration::from_secs(10),
             drop_permille: 0,

@@ -56,6 +56,8 @@ pub struct SenderConfig {
     pub push: bool,
     pub push_pages: usize,
     /// Bounds of the lockstep window (2 × reported request→arrival time).
+    /// The floor (10 ms) covers scheduling delays on loaded hosts: a clone
+    /// whose request crossed the multicast copy must not look like a loss.
     pub lockstep_min: Duration,
     pub lockstep_max: Duration,
     pub ttl: u32,
@@ -77,7 +79,7 @@ impl SenderConfig {
             increase_per_10ms: link_rate / 100.0,
             push: false,
             push_pages: 16,
-            lockstep_min: Duration::from_millis(2),
+            lockstep_min: Duration::from_millis(10),
             lockstep_max: Duration::from_millis(100),
             ttl: 1,
         }
