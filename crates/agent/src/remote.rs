@@ -87,6 +87,7 @@ impl RemoteSource {
 
 impl starling_view::Source for RemoteSource {
     fn lookup(&self, path: &WirePath) -> io::Result<Lookup> {
+        log::debug!("task {}: lookup {path} (not prethrown)", self.task);
         match self.request(FileReq::Lookup { path: path.clone() })? {
             FileResp::Lookup(l) => Ok(l),
             _ => Err(eio("client answered Lookup with something else")),

@@ -96,9 +96,12 @@ struct ExecArgs {
     /// Cluster head address (default: the embedded cluster started by `starling up`).
     #[arg(long, env = "STARLING_CLUSTER")]
     cluster: Option<String>,
-    /// Send file contents uncompressed (for measurements).
+    /// Send file contents and messages uncompressed (for measurements).
     #[arg(long)]
     no_compress: bool,
+    /// Don't send the program's predicted file bindings with the launch (for measurements).
+    #[arg(long)]
+    no_prethrow: bool,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -155,6 +158,10 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 fn main() {
+    // Behave like other Unix tools when our output pipe closes (`starling status | head`):
+    // die quietly of SIGPIPE. `exec` handles EPIPE itself.
+    // SAFETY: restoring the default disposition of a signal touches no memory.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
     // Hidden entry points re-executed by the daemons themselves: they must
     // run before anything starts a thread.
     let args: Vec<String> = std::env::args().collect();
@@ -180,7 +187,7 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::Exec(a) => {
             init_logging("warn");
             let spec = starling_client::spec::capture(a.command)?;
-            let opts = starling_client::exec::ExecOptions { cluster: a.cluster, host: a.host, job: a.job, compress: !a.no_compress };
+            let opts = starling_client::exec::ExecOptions { cluster: a.cluster, host: a.host, job: a.job, compress: !a.no_compress, prethrow: !a.no_prethrow };
             runtime().block_on(starling_client::exec::run(spec, opts))
         }
         Cmd::Status { json, cluster } => {
@@ -193,10 +200,7 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Down => {
             init_logging("warn");
-            let removed = starling_cluster::down(
-                std::path::Path::new(starling_cluster::DEFAULT_RUN_DIR),
-                std::path::Path::new(starling_cluster::DEFAULT_STATE_DIR),
-            )?;
+            let removed = starling_cluster::Instance::from_env()?.down()?;
             if removed.is_empty() {
                 println!("no starling cluster was running; nothing to remove");
             } else {
@@ -288,7 +292,8 @@ async fn fetch_status(cluster: Option<&str>) -> Result<starling_proto::ClusterSt
 
 async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
     let st = fetch_status(cluster.as_deref()).await?;
-    let local = if cluster.is_none() { starling_cluster::load_state(std::path::Path::new(starling_cluster::DEFAULT_RUN_DIR)) } else { None };
+    let instance = starling_cluster::Instance::from_env()?;
+    let local = if cluster.is_none() { instance.load_state() } else { None };
     let mut network = serde_json::Map::new();
     if let Some(l) = &local {
         network.insert("bridge".into(), l.bridge.clone().into());
@@ -302,7 +307,7 @@ async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
         let desc = starling_link::Profile::parse(&link).map(|p| p.describe()).unwrap_or(link.clone());
         network.insert("link".into(), link.into());
         network.insert("link_detail".into(), desc.into());
-        if let Ok(bytes) = std::fs::read(std::path::Path::new(starling_cluster::DEFAULT_RUN_DIR).join("link.json")) {
+        if let Ok(bytes) = std::fs::read(instance.run_dir.join("link.json")) {
             if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
                 network.insert("link_counters".into(), v["counters"].clone());
             }
@@ -343,15 +348,8 @@ fn up(a: UpArgs) -> Result<i32> {
         anyhow::bail!("--hosts must be between 1 and 64");
     }
     let exe = std::env::current_exe().context("locating the starling binary")?;
-    let opts = starling_cluster::UpOptions {
-        hosts: a.hosts,
-        exe,
-        state_dir: starling_cluster::DEFAULT_STATE_DIR.into(),
-        run_dir: starling_cluster::DEFAULT_RUN_DIR.into(),
-        head_args: vec![],
-        link: Some(a.link.clone()),
-    };
-    let state = starling_cluster::up(&opts)?;
+    let instance = starling_cluster::Instance::from_env()?;
+    let state = instance.up(a.hosts, exe, Some(a.link.clone()))?;
     // Wait until every agent has registered with the head.
     let rt = runtime();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -363,14 +361,14 @@ fn up(a: UpArgs) -> Result<i32> {
             }
         }
         if std::time::Instant::now() > deadline {
-            let _ = starling_cluster::down(std::path::Path::new(&opts.run_dir), std::path::Path::new(&opts.state_dir));
+            let _ = instance.down();
             anyhow::bail!(
                 "the cluster did not come up within 30 s ({}); logs are in {}/logs",
                 match st {
                     Ok(s) => format!("{} of {} hosts registered", s.hosts.len(), state.hosts.len()),
                     Err(e) => format!("{e:#}"),
                 },
-                opts.run_dir.display()
+                instance.run_dir.display()
             );
         }
         std::thread::sleep(std::time::Duration::from_millis(100));

@@ -2,9 +2,16 @@
 //! embedded local cluster's state file written by `starling up`.
 
 use anyhow::{bail, Result};
-use std::path::Path;
 
 pub const RUN_DIR: &str = "/run/starling";
+
+/// The run dir of the embedded cluster this process means (`STARLING_INSTANCE`).
+pub fn run_dir() -> std::path::PathBuf {
+    match std::env::var("STARLING_INSTANCE") {
+        Ok(n) if !n.is_empty() => format!("{RUN_DIR}-{n}").into(),
+        _ => RUN_DIR.into(),
+    }
+}
 
 #[derive(serde::Deserialize)]
 struct StateFile {
@@ -21,7 +28,7 @@ pub fn head_addr(flag: Option<&str>) -> Result<String> {
             return Ok(a);
         }
     }
-    let path = Path::new(RUN_DIR).join("cluster.json");
+    let path = run_dir().join("cluster.json");
     match std::fs::read(&path) {
         Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
             Ok(s) => Ok(s.head_addr),

@@ -13,8 +13,32 @@ pub struct ExecOptions {
     pub cluster: Option<String>,
     pub host: Option<String>,
     pub job: Option<String>,
-    /// Compress chunk transfers (zstd).
+    /// Compress chunk transfers and frames on the link (zstd).
     pub compress: bool,
+    /// Send predicted path bindings with the launch.
+    pub prethrow: bool,
+}
+
+/// Learned prethrow state of one launch: the profile and what was sent.
+pub struct Prediction {
+    pub profile: crate::prethrow::Profile,
+    pub sent: Vec<starling_proto::WirePath>,
+}
+
+/// Bind the program's predicted paths (and files named in argv) into `spec`.
+pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec) -> Prediction {
+    use crate::prethrow;
+    let key = prethrow::profile_key(spec);
+    let profile = prethrow::Profile::load(&cache_dir().join("profiles"), &key);
+    let mut paths = profile.predicted();
+    // The root is looked up when the view mounts, before the task runs.
+    paths.push(starling_proto::WirePath::root());
+    paths.extend(prethrow::argv_paths(spec));
+    paths.sort();
+    paths.dedup();
+    spec.prethrow = prethrow::bind(files, &paths);
+    log::info!("prethrow for {key}: {} bindings", spec.prethrow.len());
+    Prediction { profile, sent: paths }
 }
 
 /// Copy our stdin to the task from a plain thread (stdin may be a terminal
@@ -89,6 +113,19 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let mut sigs = forwarded_signals()?;
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
+    let mut prediction = if opts.prethrow {
+        let files = session.files().clone();
+        let (p, spec2) = tokio::task::spawn_blocking(move || {
+            let mut spec = spec;
+            let p = predict(&files, &mut spec);
+            (p, spec)
+        })
+        .await?;
+        spec = spec2;
+        Some(p)
+    } else {
+        None
+    };
     let launch = session.launch(spec);
     tokio::pin!(launch);
     let mut handle = loop {
@@ -122,7 +159,11 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
                     handle.signal(libc::SIGPIPE).await;
                 }
             }
-            Some(TaskEvent::Finished { status, commit, .. }) => {
+            Some(TaskEvent::Finished { status, commit, accessed }) => {
+                if let Some(p) = prediction.as_mut() {
+                    p.profile.record(&accessed, &p.sent);
+                    p.profile.save();
+                }
                 if !report_commit(&commit) {
                     return Ok(EXIT_STARLING_FAILURE);
                 }

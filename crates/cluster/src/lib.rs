@@ -63,8 +63,75 @@ pub const DEFAULT_RUN_DIR: &str = "/run/starling";
 pub const CLUSTER_FILE: &str = "cluster.json";
 /// Subcommands (argv[1]) of starling processes that belong to a cluster; `down` kills leftovers of these.
 pub const CLUSTER_ROLES: [&str; 5] = ["agent", "__host-boot", "head", "__sandbox-init", "__link"];
-/// Where the emulated WAN link (`starling up --link`) listens for clients.
+/// Where the emulated WAN link (`starling up --link`) listens for clients
+/// (instance N listens on LINK_PORT + N).
 pub const LINK_PORT: u16 = 7079;
+
+/// Which embedded cluster a command means. Several can coexist on one
+/// machine (tests, benchmarks, development): `STARLING_INSTANCE=N` (1–9)
+/// selects the N-th, with its own run/state dirs, bridge, namespaces and
+/// subnet; unset or empty means the default one.
+#[derive(Clone, Debug)]
+pub struct Instance {
+    pub number: u8,
+    pub run_dir: PathBuf,
+    pub state_dir: PathBuf,
+    pub net: NetConfig,
+    pub link_port: u16,
+}
+
+impl Instance {
+    pub fn from_env() -> Result<Instance> {
+        let n = match std::env::var("STARLING_INSTANCE") {
+            Ok(v) if !v.is_empty() => match v.parse::<u8>() {
+                Ok(n) if (1..=9).contains(&n) => n,
+                _ => bail!("STARLING_INSTANCE must be a number from 1 to 9, not {v:?}"),
+            },
+            _ => 0,
+        };
+        Ok(Instance::numbered(n))
+    }
+
+    pub fn numbered(n: u8) -> Instance {
+        if n == 0 {
+            return Instance {
+                number: 0,
+                run_dir: DEFAULT_RUN_DIR.into(),
+                state_dir: DEFAULT_STATE_DIR.into(),
+                net: NetConfig::default(),
+                link_port: LINK_PORT,
+            };
+        }
+        let d = NetConfig::default();
+        let [a, b, _, _] = d.subnet.octets();
+        Instance {
+            number: n,
+            run_dir: format!("{DEFAULT_RUN_DIR}-{n}").into(),
+            state_dir: format!("{DEFAULT_STATE_DIR}-{n}").into(),
+            net: NetConfig {
+                bridge: format!("stbr{n}"),
+                netns_prefix: format!("starling{n}-"),
+                veth_prefix: format!("stv{n}-"),
+                subnet: std::net::Ipv4Addr::new(a, b, n, 0),
+            },
+            link_port: LINK_PORT + n as u16,
+        }
+    }
+
+    /// Start this instance's cluster.
+    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>) -> Result<ClusterState> {
+        let opts = UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args: vec![], link };
+        up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
+    }
+
+    pub fn down(&self) -> Result<Vec<String>> {
+        down_with(&self.run_dir, &self.state_dir, &self.net)
+    }
+
+    pub fn load_state(&self) -> Option<ClusterState> {
+        load_state(&self.run_dir)
+    }
+}
 
 /// How long `up` waits for the head to listen and for each host to finish booting.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -125,13 +192,21 @@ impl UpOptions {
 }
 
 /// What [`up_with`] can change beyond [`UpOptions`]; the default is what [`up`] does.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct UpOverrides {
     /// Names and subnet; tests use their own so they never touch a real cluster (pass the same to
     /// [`down_with`]; `down` also reads them from `cluster.json`).
     pub net: NetConfig,
     /// Run this in each host instead of `exe agent ...` (e.g. `["sleep", "infinity"]` in tests).
     pub host_command: Option<Vec<String>>,
+    /// Loopback port of the emulated WAN link, if any.
+    pub link_port: u16,
+}
+
+impl Default for UpOverrides {
+    fn default() -> Self {
+        UpOverrides { net: NetConfig::default(), host_command: None, link_port: LINK_PORT }
+    }
 }
 
 fn cluster_file(run_dir: &Path) -> PathBuf {
@@ -295,7 +370,7 @@ fn start(
     let mut client_addr = head_addr.to_string();
     let mut link_facts = Vec::new();
     if let Some(profile) = opts.link.as_deref().filter(|p| *p != "lan") {
-        let listen = SocketAddr::from(([127, 0, 0, 1], LINK_PORT));
+        let listen = SocketAddr::from(([127, 0, 0, 1], overrides.link_port));
         let mut link = Command::new(exe);
         link.arg("__link")
             .arg("--listen")
