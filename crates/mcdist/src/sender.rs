@@ -74,7 +74,9 @@ impl SenderConfig {
             request_bind: SocketAddrV4::new(interface, 0),
             mtu: 1500,
             link_rate,
-            initial_rate: link_rate / 4.0,
+            // Start low (50 MB/s on 10 GbE) and let the linear increase find
+            // the rate: a burst at line rate to many receivers is lost wholesale.
+            initial_rate: link_rate / 25.0,
             min_rate: 1e6,
             increase_per_10ms: link_rate / 100.0,
             push: false,
