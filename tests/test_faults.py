@@ -14,15 +14,16 @@ from conftest import STARLING, down, sh, starling, status, up
 
 
 def leftovers():
-    """Everything `starling down` must remove, as a dict of non-empty findings."""
+    """Everything `starling down` of the default instance must remove, as a dict of
+    non-empty findings (other instances, STARLING_INSTANCE=N, are not ours to judge)."""
     found = {}
     netns = sh("ip", "netns", "list", check=False).stdout
-    ns = [l.split()[0] for l in netns.splitlines() if l.startswith("starling")]
+    ns = [l.split()[0] for l in netns.splitlines() if l.startswith("starling-")]
     if ns:
         found["netns"] = ns
     if sh("ip", "link", "show", "stbr0", check=False).returncode == 0:
         found["bridge"] = "stbr0"
-    mounts = [l for l in open("/proc/self/mountinfo") if "/var/lib/starling" in l or "/run/starling" in l]
+    mounts = [l for l in open("/proc/self/mountinfo") if "/var/lib/starling/" in l or "/run/starling/" in l]
     if mounts:
         found["mounts"] = mounts
     procs = []
@@ -33,7 +34,8 @@ def leftovers():
             cmd = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if cmd and cmd[0].endswith(b"starling") and len(cmd) > 1 and cmd[1] in (b"agent", b"head", b"__host-boot", b"__sandbox-init"):
+        ours = any(b"10.213.0." in a or a.startswith(b"/var/lib/starling/") for a in cmd)
+        if cmd and cmd[0].endswith(b"starling") and len(cmd) > 1 and cmd[1] in (b"agent", b"head", b"__host-boot", b"__sandbox-init", b"__link") and ours:
             procs.append((p.name, cmd[:2]))
     if procs:
         found["processes"] = procs

@@ -5,7 +5,9 @@
 //!
 //! `starling exec` uses one task per session; `starling run`/`batch` and the
 //! fork API launch many tasks over one session (one process, one connection,
-//! however many tasks).
+//! however many tasks). Launches are matched to their tasks by a reference
+//! the session chooses, since the head may queue a launch until a core is
+//! free and so start tasks out of order.
 
 use crate::commit::{self, CommitReport};
 use crate::discover;
@@ -18,9 +20,14 @@ use std::sync::{Arc, Mutex};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
-/// What happens to a task, in order: output, then exactly one of `Finished` or `Lost`.
+/// What happens to a launch, in order: `Started` (or `Refused`), output,
+/// then exactly one of `Finished` or `Lost`.
 #[derive(Debug)]
 pub enum TaskEvent {
+    /// A host has a core for it and it is starting.
+    Started { task: TaskId, host: String },
+    /// The head could not place it (no such host, no hosts).
+    Refused(String),
     Output(Stream, Vec<u8>),
     /// The task ended and its changes were committed (or the commit failed: Err).
     /// `accessed`: the paths it looked at (for prethrow profiles).
@@ -29,6 +36,13 @@ pub enum TaskEvent {
     Lost(String),
 }
 
+impl TaskEvent {
+    fn is_last(&self) -> bool {
+        matches!(self, TaskEvent::Refused(_) | TaskEvent::Finished { .. } | TaskEvent::Lost(_))
+    }
+}
+
+/// A started task.
 pub struct TaskHandle {
     pub task: TaskId,
     pub host: String,
@@ -52,12 +66,14 @@ impl TaskHandle {
     }
 }
 
-/// Where a task's events go. Events that arrive before `launch` has
-/// returned the handle wait in `backlog`.
-#[derive(Default)]
+/// A launched job task: its events start with `Started` or `Refused`.
+pub struct Pending {
+    pub index: usize,
+    pub events: mpsc::UnboundedReceiver<TaskEvent>,
+}
+
 struct TaskSink {
-    events: Option<mpsc::UnboundedSender<TaskEvent>>,
-    backlog: Vec<TaskEvent>,
+    events: mpsc::UnboundedSender<TaskEvent>,
     chunks: HashMap<Hash, Vec<u8>>,
     /// `Finished` arrived; its commit is under way (a closing connection can no longer lose it).
     finishing: bool,
@@ -68,9 +84,10 @@ pub type Grant = (u64, Vec<(String, u32)>);
 
 #[derive(Default)]
 struct State {
-    launches: VecDeque<oneshot::Sender<Result<(TaskId, String), String>>>,
+    next_ref: u64,
+    sinks: HashMap<u64, TaskSink>,
+    by_task: HashMap<TaskId, u64>,
     tickets: VecDeque<oneshot::Sender<Result<Grant, String>>>,
-    tasks: HashMap<TaskId, TaskSink>,
     closed: Option<String>,
 }
 
@@ -83,7 +100,7 @@ pub struct Session {
 
 pub struct SessionOptions {
     pub cluster: Option<String>,
-    /// zstd on chunk transfers.
+    /// zstd on chunk transfers and on frames over the link.
     pub compress: bool,
 }
 
@@ -121,6 +138,8 @@ async fn dial(cluster: Option<&str>) -> Result<TcpStream> {
     Ok(sock)
 }
 
+const LOST_HEAD: &str = "lost connection to the cluster head";
+
 impl Session {
     pub async fn connect(opts: SessionOptions) -> Result<Session> {
         let files = Arc::new(FileServer::new(
@@ -130,7 +149,8 @@ impl Session {
         // Pipelined: the launch can follow our hello in the same flight.
         let sock = dial(opts.cluster.as_deref()).await?;
         let (r, w) = sock.into_split();
-        let (incoming, tx) = open_pipelined(r, w, Role::Client, "client", opts.compress).await.context("connecting to the cluster head")?;
+        let (incoming, tx) =
+            open_pipelined(r, w, Role::Client, "client", opts.compress).await.context("connecting to the cluster head")?;
         let session = Session { tx, files, state: Arc::new(Mutex::new(State::default())) };
         let s = session.clone();
         tokio::spawn(async move { s.read_loop(incoming).await });
@@ -141,69 +161,51 @@ impl Session {
         &self.files
     }
 
-    /// Start a task; resolves once the head has placed it.
-    pub async fn launch(&self, spec: TaskSpec) -> Result<TaskHandle> {
-        let (done_tx, done_rx) = oneshot::channel();
-        {
-            let mut st = self.state.lock().unwrap();
-            if let Some(why) = &st.closed {
-                return Err(anyhow!("{why}"));
-            }
-            st.launches.push_back(done_tx);
-        }
-        self.tx.send(Msg::Launch { spec }).await.map_err(|_| anyhow!("lost connection to the cluster head"))?;
-        let (task, host) = done_rx.await.map_err(|_| anyhow!("lost connection to the cluster head"))?.map_err(|e| anyhow!("{e}"))?;
-        Ok(self.register(task, host))
-    }
-
-    /// Hand out the handle for a placed task, delivering what arrived before it.
-    fn register(&self, task: TaskId, host: String) -> TaskHandle {
-        let (ev_tx, ev_rx) = mpsc::unbounded_channel();
+    /// Register `n` launches; returns the first reference and their event streams.
+    fn register(&self, n: usize) -> Result<(u64, Vec<mpsc::UnboundedReceiver<TaskEvent>>)> {
         let mut st = self.state.lock().unwrap();
-        let sink = st.tasks.entry(task).or_default();
-        let mut ended = false;
-        for ev in sink.backlog.drain(..) {
-            ended |= matches!(ev, TaskEvent::Finished { .. } | TaskEvent::Lost(_));
-            let _ = ev_tx.send(ev);
+        if let Some(why) = &st.closed {
+            return Err(anyhow!("{why}"));
         }
-        if ended {
-            st.tasks.remove(&task);
-        } else {
-            sink.events = Some(ev_tx);
+        let first = st.next_ref;
+        st.next_ref += n as u64;
+        let mut rxs = Vec::with_capacity(n);
+        for i in 0..n as u64 {
+            let (tx, rx) = mpsc::unbounded_channel();
+            st.sinks.insert(first + i, TaskSink { events: tx, chunks: HashMap::new(), finishing: false });
+            rxs.push(rx);
         }
-        TaskHandle { task, host, events: ev_rx, tx: self.tx.clone() }
+        Ok((first, rxs))
     }
 
-    /// Start a job: one message, one prethrow, many tasks. Resolves once
-    /// every task is placed; a task the head refused is an `Err` in its slot.
-    pub async fn launch_job(&self, spec: TaskSpec, tasks: Vec<JobTask>) -> Result<Vec<Result<TaskHandle, String>>> {
-        let mut waits = Vec::with_capacity(tasks.len());
-        {
-            let mut st = self.state.lock().unwrap();
-            if let Some(why) = &st.closed {
-                return Err(anyhow!("{why}"));
-            }
-            for _ in 0..tasks.len() {
-                let (done_tx, done_rx) = oneshot::channel();
-                st.launches.push_back(done_tx);
-                waits.push(done_rx);
-            }
+    /// Start a task; resolves once a host has started it.
+    pub async fn launch(&self, spec: TaskSpec) -> Result<TaskHandle> {
+        let (reference, mut rxs) = self.register(1)?;
+        let mut events = rxs.pop().expect("one receiver");
+        self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        match events.recv().await {
+            Some(TaskEvent::Started { task, host }) => Ok(TaskHandle { task, host, events, tx: self.tx.clone() }),
+            Some(TaskEvent::Refused(why)) | Some(TaskEvent::Lost(why)) => Err(anyhow!("{why}")),
+            _ => Err(anyhow!(LOST_HEAD)),
         }
-        self.tx.send(Msg::LaunchJob { spec, tasks }).await.map_err(|_| anyhow!("lost connection to the cluster head"))?;
-        let mut out = Vec::with_capacity(waits.len());
-        for w in waits {
-            match w.await {
-                Ok(Ok((task, host))) => out.push(Ok(self.register(task, host))),
-                Ok(Err(e)) => out.push(Err(e)),
-                Err(_) => out.push(Err("lost connection to the cluster head".into())),
-            }
-        }
-        Ok(out)
+    }
+
+    /// Start a job: one message and one prethrow for all its tasks. Each
+    /// task's events begin with `Started` once a host has a core for it.
+    pub async fn launch_job(&self, spec: TaskSpec, tasks: Vec<JobTask>) -> Result<Vec<Pending>> {
+        let (first_reference, rxs) = self.register(tasks.len())?;
+        self.tx.send(Msg::LaunchJob { spec, tasks, first_reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        Ok(rxs.into_iter().enumerate().map(|(index, events)| Pending { index, events }).collect())
+    }
+
+    /// Forward a signal to a started task.
+    pub async fn signal(&self, task: TaskId, signo: i32) {
+        let _ = self.tx.send(Msg::Signal { task, signo }).await;
     }
 
     /// Send content ahead of a launch, in the same flight.
     pub async fn push(&self, recipes: Vec<starling_proto::Recipe>, chunks: Vec<starling_proto::ChunkData>) -> Result<()> {
-        self.tx.send(Msg::Push { recipes, chunks }).await.map_err(|_| anyhow!("lost connection to the cluster head"))
+        self.tx.send(Msg::Push { recipes, chunks }).await.map_err(|_| anyhow!(LOST_HEAD))
     }
 
     /// Reserve up to `n` clones (the fork API's `sf_request_ticket`).
@@ -216,24 +218,27 @@ impl Session {
             }
             st.tickets.push_back(done_tx);
         }
-        self.tx.send(Msg::TicketRequest { n, hierarchical }).await.map_err(|_| anyhow!("lost connection to the cluster head"))?;
-        done_rx.await.map_err(|_| anyhow!("lost connection to the cluster head"))?.map_err(|e| anyhow!("{e}"))
+        self.tx.send(Msg::TicketRequest { n, hierarchical }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        done_rx.await.map_err(|_| anyhow!(LOST_HEAD))?.map_err(|e| anyhow!("{e}"))
     }
 
-    /// Deliver an event (or park it until the handle exists). A final event
-    /// retires the task.
-    fn emit(&self, task: TaskId, ev: TaskEvent) {
-        let last = matches!(ev, TaskEvent::Finished { .. } | TaskEvent::Lost(_));
+    /// Deliver an event to a launch; a final event retires it.
+    fn emit_ref(&self, reference: u64, ev: TaskEvent) {
         let mut st = self.state.lock().unwrap();
-        let Some(sink) = st.tasks.get_mut(&task) else { return };
-        match &sink.events {
-            Some(tx) => {
-                let _ = tx.send(ev);
-                if last {
-                    st.tasks.remove(&task);
-                }
-            }
-            None => sink.backlog.push(ev),
+        let last = ev.is_last();
+        if let Some(sink) = st.sinks.get(&reference) {
+            let _ = sink.events.send(ev);
+        }
+        if last {
+            st.sinks.remove(&reference);
+            st.by_task.retain(|_, r| *r != reference);
+        }
+    }
+
+    fn emit(&self, task: TaskId, ev: TaskEvent) {
+        let r = self.state.lock().unwrap().by_task.get(&task).copied();
+        if let Some(r) = r {
+            self.emit_ref(r, ev);
         }
     }
 
@@ -241,31 +246,21 @@ impl Session {
         let why = loop {
             let msg = match incoming.recv().await {
                 Ok(m) => m,
-                Err(ProtoError::Closed) => break "lost connection to the cluster head".to_string(),
+                Err(ProtoError::Closed) => break LOST_HEAD.to_string(),
                 Err(e) => break format!("protocol error from the cluster head: {e}"),
             };
             match msg {
-                Msg::Started { task, host } => {
-                    let mut st = self.state.lock().unwrap();
-                    st.tasks.entry(task).or_default();
-                    if let Some(w) = st.launches.pop_front() {
-                        let _ = w.send(Ok((task, host)));
-                    }
+                Msg::Started { task, host, reference } => {
+                    self.state.lock().unwrap().by_task.insert(task, reference);
+                    self.emit_ref(reference, TaskEvent::Started { task, host });
                 }
+                Msg::LaunchFailed { reference, message } => self.emit_ref(reference, TaskEvent::Refused(message)),
                 Msg::TicketGrant { ticket, granted } => {
                     if let Some(w) = self.state.lock().unwrap().tickets.pop_front() {
                         let _ = w.send(granted.map(|g| (ticket, g)));
                     }
                 }
-                Msg::Error { task: None, message } => {
-                    let w = self.state.lock().unwrap().launches.pop_front();
-                    match w {
-                        Some(w) => {
-                            let _ = w.send(Err(message));
-                        }
-                        None => log::warn!("head: {message}"),
-                    }
-                }
+                Msg::Error { task: None, message } => log::warn!("head: {message}"),
                 Msg::Error { task: Some(task), message } => self.emit(task, TaskEvent::Lost(message)),
                 Msg::Output { task, stream, data } => self.emit(task, TaskEvent::Output(stream, data)),
                 Msg::FileRequest { task, id, req } => {
@@ -277,31 +272,26 @@ impl Session {
                     });
                 }
                 Msg::ChangeChunks { task, chunks } => {
-                    let mut bad = None;
-                    {
-                        let mut st = self.state.lock().unwrap();
-                        if let Some(sink) = st.tasks.get_mut(&task) {
-                            for c in chunks {
-                                match c.open() {
-                                    Ok(bytes) => {
-                                        sink.chunks.insert(c.hash, bytes);
-                                    }
-                                    Err(e) => bad = Some(e.to_string()),
-                                }
+                    let mut st = self.state.lock().unwrap();
+                    let Some(r) = st.by_task.get(&task).copied() else { continue };
+                    let Some(sink) = st.sinks.get_mut(&r) else { continue };
+                    for c in chunks {
+                        match c.open() {
+                            Ok(bytes) => {
+                                sink.chunks.insert(c.hash, bytes);
                             }
+                            // The commit then finds the chunk missing and commits nothing.
+                            Err(e) => log::warn!("task {task}: output chunk rejected: {e}"),
                         }
-                    }
-                    if let Some(e) = bad {
-                        log::warn!("task {task}: output chunk rejected: {e}");
                     }
                 }
                 Msg::Finished { task, status, changes, accessed } => {
-                    let chunks = match self.state.lock().unwrap().tasks.get_mut(&task) {
-                        Some(sink) => {
-                            sink.finishing = true;
-                            std::mem::take(&mut sink.chunks)
-                        }
-                        None => continue,
+                    let chunks = {
+                        let mut st = self.state.lock().unwrap();
+                        let Some(r) = st.by_task.get(&task).copied() else { continue };
+                        let Some(sink) = st.sinks.get_mut(&r) else { continue };
+                        sink.finishing = true;
+                        std::mem::take(&mut sink.chunks)
                     };
                     let files = self.files.clone();
                     let tx = self.tx.clone();
@@ -311,7 +301,8 @@ impl Session {
                             .await
                             .map_err(|e| e.to_string())
                             .and_then(|r| r.map_err(|e| format!("{e:#}")));
-                        let conflicts = commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.clone()).collect()).unwrap_or_default();
+                        let conflicts =
+                            commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.clone()).collect()).unwrap_or_default();
                         let _ = tx.send(Msg::Committed { task, conflicts }).await;
                         me.emit(task, TaskEvent::Finished { status, commit, accessed });
                     });
@@ -322,20 +313,16 @@ impl Session {
                 _ => {}
             }
         };
-        let tasks: Vec<TaskId> = {
+        let refs: Vec<u64> = {
             let mut st = self.state.lock().unwrap();
             st.closed = Some(why.clone());
-            st.tasks.iter().filter(|(_, s)| !s.finishing).map(|(t, _)| *t).collect()
+            for w in st.tickets.drain(..) {
+                let _ = w.send(Err(why.clone()));
+            }
+            st.sinks.iter().filter(|(_, s)| !s.finishing).map(|(r, _)| *r).collect()
         };
-        for t in tasks {
-            self.emit(t, TaskEvent::Lost(format!("{why}; no changes were committed")));
-        }
-        let mut st = self.state.lock().unwrap();
-        for w in st.launches.drain(..) {
-            let _ = w.send(Err(why.clone()));
-        }
-        for w in st.tickets.drain(..) {
-            let _ = w.send(Err(why.clone()));
+        for r in refs {
+            self.emit_ref(r, TaskEvent::Lost(format!("{why}; no changes were committed")));
         }
     }
 }

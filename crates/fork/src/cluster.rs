@@ -211,6 +211,10 @@ impl ClusterClones {
         let base = starling_client::spec::capture(vec!["starling-clone".into()])
             .map_err(|e| ForkError::Other(format!("capturing the caller's configuration: {e:#}")))?;
         let mut clones = ClusterClones { link: link.clone(), shared: shared.clone(), tx: None };
+        // Build every clone's spec, then launch them all at once: the head
+        // starts each as soon as its host has the core, so clone time does
+        // not grow with the number of clones.
+        let mut specs = Vec::new();
         let mut id = 0u32;
         for (host, k) in placement {
             for _ in 0..*k {
@@ -235,63 +239,80 @@ impl ClusterClones {
                     state: CloneState::Running,
                     stats: None,
                 });
-                // Launches go one after another: the session pairs each
-                // `Started` with the oldest pending launch.
-                let launched = link.rt.block_on(link.session.launch(spec));
-                let handle = match launched {
-                    Ok(h) => h,
-                    Err(e) => {
-                        {
-                            let mut slots = shared.slots.lock().unwrap();
-                            slots.pop();
-                        }
-                        clones.kill();
-                        clones.wait_all();
-                        return Err(ForkError::Other(format!("launching clone {id} on {host}: {e:#}")));
-                    }
-                };
-                clones.tx.get_or_insert_with(|| handle.sender());
-                if let Some(s) = shared.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
-                    s.task = Some(handle.task);
-                }
-                let shared2 = shared.clone();
-                link.rt.spawn(async move {
-                    let mut events = handle.events;
-                    let mut end = CloneState::Lost("the session ended without news of the clone".into());
-                    while let Some(ev) = events.recv().await {
-                        match ev {
-                            TaskEvent::Output(stream, data) => {
-                                if let Some(st) = decode_stats(&data) {
-                                    if let Some(s) = shared2.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
-                                        s.stats = Some(st);
-                                    }
-                                    continue;
-                                }
-                                write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data);
-                            }
-                            TaskEvent::Finished { status, commit, .. } => {
-                                if let Err(e) = commit {
-                                    write_fd(2, format!("starling: clone {id}: its files were not committed: {e}\n").as_bytes());
-                                }
-                                end = match status {
-                                    ExitStatus::Code(c) => CloneState::Exited(c),
-                                    ExitStatus::Signal(s) => CloneState::Killed(s),
-                                };
-                                break;
-                            }
-                            TaskEvent::Lost(why) => {
-                                end = CloneState::Lost(why);
-                                break;
-                            }
-                        }
-                    }
-                    let mut slots = shared2.slots.lock().unwrap();
-                    if let Some(s) = slots.iter_mut().find(|s| s.id == id) {
-                        s.state = end;
-                    }
-                    shared2.changed.notify_all();
-                });
+                specs.push((id, host.clone(), spec));
             }
+        }
+        let launched: Vec<(u32, String, anyhow::Result<starling_client::session::TaskHandle>)> = link.rt.block_on(async {
+            let mut set = tokio::task::JoinSet::new();
+            for (id, host, spec) in specs {
+                let session = link.session.clone();
+                set.spawn(async move { (id, host, session.launch(spec).await) });
+            }
+            let mut out = Vec::new();
+            while let Some(r) = set.join_next().await {
+                if let Ok(x) = r {
+                    out.push(x);
+                }
+            }
+            out
+        });
+        let mut failure = None;
+        for (id, host, launched) in launched {
+            let handle = match launched {
+                Ok(h) => h,
+                Err(e) => {
+                    shared.slots.lock().unwrap().retain(|s| s.id != id);
+                    failure.get_or_insert(format!("launching clone {id} on {host}: {e:#}"));
+                    continue;
+                }
+            };
+            clones.tx.get_or_insert_with(|| handle.sender());
+            if let Some(s) = shared.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+                s.task = Some(handle.task);
+            }
+            let shared2 = shared.clone();
+            link.rt.spawn(async move {
+                let mut events = handle.events;
+                let mut end = CloneState::Lost("the session ended without news of the clone".into());
+                while let Some(ev) = events.recv().await {
+                    match ev {
+                        TaskEvent::Output(stream, data) => {
+                            if let Some(st) = decode_stats(&data) {
+                                if let Some(s) = shared2.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+                                    s.stats = Some(st);
+                                }
+                                continue;
+                            }
+                            write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data);
+                        }
+                        TaskEvent::Finished { status, commit, .. } => {
+                            if let Err(e) = commit {
+                                write_fd(2, format!("starling: clone {id}: its files were not committed: {e}\n").as_bytes());
+                            }
+                            end = match status {
+                                ExitStatus::Code(c) => CloneState::Exited(c),
+                                ExitStatus::Signal(s) => CloneState::Killed(s),
+                            };
+                            break;
+                        }
+                        TaskEvent::Lost(why) | TaskEvent::Refused(why) => {
+                            end = CloneState::Lost(why);
+                            break;
+                        }
+                        TaskEvent::Started { .. } => {}
+                    }
+                }
+                let mut slots = shared2.slots.lock().unwrap();
+                if let Some(s) = slots.iter_mut().find(|s| s.id == id) {
+                    s.state = end;
+                }
+                shared2.changed.notify_all();
+            });
+        }
+        if let Some(e) = failure {
+            clones.kill();
+            clones.wait_all();
+            return Err(ForkError::Other(e));
         }
         Ok(clones)
     }

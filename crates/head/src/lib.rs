@@ -46,16 +46,27 @@ struct Host {
 }
 
 struct Route {
-    client: Outgoing,
+    /// `None` once the client has gone (the task is being killed).
+    client: Option<Outgoing>,
     client_conn: u64,
     host: String,
     host_conn: u64,
 }
 
+/// A launch waiting for a free core.
+struct Queued {
+    conn: u64,
+    client: Outgoing,
+    spec: starling_proto::TaskSpec,
+    reference: u64,
+}
+
 #[derive(Default)]
 struct State {
     hosts: HashMap<String, Host>,
+    /// Tasks placed and not yet ended; a task holds a core of its host until then.
     routes: HashMap<TaskId, Route>,
+    queue: std::collections::VecDeque<Queued>,
 }
 
 /// Requests the head itself sent to a client (ids with [`HEAD_ID_BIT`] set),
@@ -198,14 +209,14 @@ impl Head {
                         log::warn!("agent sent an unroutable message");
                         continue;
                     };
-                    let finished = matches!(m, Msg::Finished { .. });
+                    // A task ends with Finished, or with an Error when its host could not run it.
+                    let ended = matches!(m, Msg::Finished { .. } | Msg::Error { .. });
                     let client = {
                         let mut st = self.state.lock().unwrap();
-                        let c = st.routes.get(&task).map(|r| r.client.clone());
-                        if finished {
-                            if let Some(r) = st.routes.get(&task) {
-                                let host = r.host.clone();
-                                if let Some(h) = st.hosts.get_mut(&host) {
+                        let c = st.routes.get(&task).and_then(|r| r.client.clone());
+                        if ended {
+                            if let Some(r) = st.routes.remove(&task) {
+                                if let Some(h) = st.hosts.get_mut(&r.host) {
                                     h.tasks = h.tasks.saturating_sub(1);
                                 }
                             }
@@ -214,6 +225,9 @@ impl Head {
                     };
                     if let Some(c) = client {
                         let _ = c.send(m).await;
+                    }
+                    if ended {
+                        self.drain_queue().await;
                     }
                 }
             }
@@ -233,8 +247,8 @@ impl Head {
                     let reply = Msg::StatusReply(self.status());
                     let _ = tx.send(reply).await;
                 }
-                Msg::Launch { spec } => self.launch(conn, &tx, spec).await,
-                Msg::LaunchJob { spec, tasks } => {
+                Msg::Launch { spec, reference } => self.launch(conn, &tx, spec, reference).await,
+                Msg::LaunchJob { spec, tasks, first_reference } => {
                     let n = tasks.len();
                     for (i, t) in tasks.into_iter().enumerate() {
                         let mut s = spec.clone();
@@ -244,7 +258,7 @@ impl Head {
                         s.env.retain(|(k, _)| k != b"STARLING_TASK" && k != b"STARLING_TASKS");
                         s.env.push((b"STARLING_TASK".to_vec(), i.to_string().into_bytes()));
                         s.env.push((b"STARLING_TASKS".to_vec(), n.to_string().into_bytes()));
-                        self.launch(conn, &tx, s).await;
+                        self.launch(conn, &tx, s, first_reference + i as u64).await;
                     }
                 }
                 Msg::Push { recipes, chunks } => {
@@ -281,36 +295,82 @@ impl Head {
                         let st = self.state.lock().unwrap();
                         st.routes.get(&task).filter(|r| r.client_conn == conn).and_then(|r| st.hosts.get(&r.host)).map(|h| h.tx.clone())
                     };
-                    let done = matches!(m, Msg::Committed { .. });
                     if let Some(a) = agent {
                         let _ = a.send(m).await;
-                    }
-                    if done {
-                        self.state.lock().unwrap().routes.remove(&task);
                     }
                 }
             }
         }
     }
 
-    /// Place one task and start it; answers the client `Started` or `Error`.
-    async fn launch(&self, conn: u64, tx: &Outgoing, spec: starling_proto::TaskSpec) {
-        match self.place(spec.host.as_deref()) {
-            Err(message) => {
-                let _ = tx.send(Msg::Error { task: None, message }).await;
+    /// Place a task on a host with a free core and start it, or queue it
+    /// until one frees up. Answers the client `Started` or `LaunchFailed`.
+    async fn launch(&self, conn: u64, tx: &Outgoing, spec: starling_proto::TaskSpec, reference: u64) {
+        let placed = {
+            let mut st = self.state.lock().unwrap();
+            match Self::check_placeable(&st, spec.host.as_deref()) {
+                Err(message) => Err(message),
+                Ok(()) => match Self::pick(&mut st, spec.host.as_deref()) {
+                    Some(p) => Ok(Some((spec, p))),
+                    None => {
+                        st.queue.push_back(Queued { conn, client: tx.clone(), spec, reference });
+                        Ok(None)
+                    }
+                },
             }
-            Ok((host, host_tx, host_conn)) => {
-                let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
-                self.state
-                    .lock()
-                    .unwrap()
-                    .routes
-                    .insert(task, Route { client: tx.clone(), client_conn: conn, host: host.clone(), host_conn });
-                let _ = tx.send(Msg::Started { task, host: host.clone() }).await;
-                if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
-                    self.lose_task(task, &format!("host {host} went away before the task started")).await;
+        };
+        match placed {
+            Err(message) => {
+                let _ = tx.send(Msg::LaunchFailed { reference, message }).await;
+            }
+            Ok(Some((spec, (host, host_tx, host_conn)))) => self.start(conn, tx, spec, reference, host, host_tx, host_conn).await,
+            Ok(None) => {}
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn start(
+        &self,
+        conn: u64,
+        tx: &Outgoing,
+        spec: starling_proto::TaskSpec,
+        reference: u64,
+        host: String,
+        host_tx: Outgoing,
+        host_conn: u64,
+    ) {
+        let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
+        self.state
+            .lock()
+            .unwrap()
+            .routes
+            .insert(task, Route { client: Some(tx.clone()), client_conn: conn, host: host.clone(), host_conn });
+        let _ = tx.send(Msg::Started { task, host: host.clone(), reference }).await;
+        if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
+            self.lose_task(task, &format!("host {host} went away before the task started")).await;
+        }
+    }
+
+    /// Start queued launches that now fit, oldest first.
+    async fn drain_queue(&self) {
+        let ready: Vec<(Queued, (String, Outgoing, u64))> = {
+            let mut st = self.state.lock().unwrap();
+            let mut out = Vec::new();
+            let mut i = 0;
+            while i < st.queue.len() {
+                let want = st.queue[i].spec.host.clone();
+                match Self::pick(&mut st, want.as_deref()) {
+                    Some(p) => {
+                        let q = st.queue.remove(i).expect("index in range");
+                        out.push((q, p));
+                    }
+                    None => i += 1,
                 }
             }
+            out
+        };
+        for (q, (host, host_tx, host_conn)) in ready {
+            self.start(q.conn, &q.client, q.spec, q.reference, host, host_tx, host_conn).await;
         }
     }
 
@@ -320,7 +380,7 @@ impl Head {
 
     /// Ask the client that owns `task` for content; `None` if it is gone.
     async fn ask_client(&self, task: TaskId, req: FileReq) -> Option<FileResp> {
-        let client = self.state.lock().unwrap().routes.get(&task).map(|r| r.client.clone())?;
+        let client = self.state.lock().unwrap().routes.get(&task).and_then(|r| r.client.clone())?;
         let id = HEAD_ID_BIT | self.next_req.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = tokio::sync::oneshot::channel();
         self.waiters.lock().unwrap().insert(id, tx);
@@ -434,7 +494,10 @@ impl Head {
         let mut hosts: Vec<HostInfo> =
             st.hosts.values().map(|h| HostInfo { running: h.info.running.max(h.tasks), ..h.info.clone() }).collect();
         hosts.sort_by(|a, b| natural_key(&a.name).cmp(&natural_key(&b.name)));
-        ClusterStatus { head: self.listen.clone(), hosts, facts: self.facts.clone() }
+        let mut facts = self.facts.clone();
+        facts.push(("queued".into(), st.queue.len().to_string()));
+        facts.push(("relay_cache".into(), if self.cache.is_some() { "on" } else { "off" }.into()));
+        ClusterStatus { head: self.listen.clone(), hosts, facts }
     }
 
     /// Grant up to `n` clones by free cores (cores minus tasks placed there).
@@ -483,41 +546,56 @@ impl Head {
         Ok(out)
     }
 
-    /// Choose a host: the named one, else the one with the most free cores.
-    fn place(&self, want: Option<&str>) -> Result<(String, Outgoing, u64), String> {
-        let mut st = self.state.lock().unwrap();
+    /// Can this launch ever be placed?
+    fn check_placeable(st: &State, want: Option<&str>) -> Result<(), String> {
         if st.hosts.is_empty() {
             return Err("the cluster has no hosts (are the agents running? see `starling status`)".into());
         }
-        let name = match want {
-            Some(w) => {
-                if !st.hosts.contains_key(w) {
-                    let mut names: Vec<_> = st.hosts.keys().cloned().collect();
-                    names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
-                    return Err(format!("no host named {w:?} (hosts: {})", names.join(", ")));
-                }
-                w.to_string()
+        if let Some(w) = want {
+            if !st.hosts.contains_key(w) {
+                let mut names: Vec<_> = st.hosts.keys().cloned().collect();
+                names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
+                return Err(format!("no host named {w:?} (hosts: {})", names.join(", ")));
             }
+        }
+        Ok(())
+    }
+
+    /// A host with a free core (the named one, else the least loaded), now
+    /// holding one more task; `None` if every eligible host is busy.
+    fn pick(st: &mut State, want: Option<&str>) -> Option<(String, Outgoing, u64)> {
+        let free = |h: &Host| h.tasks < h.info.cores.max(1);
+        let name = match want {
+            Some(w) => st.hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
             None => st
                 .hosts
                 .values()
+                .filter(|h| free(h))
                 .min_by(|a, b| {
                     let fa = a.tasks as f32 / a.info.cores.max(1) as f32;
                     let fb = b.tasks as f32 / b.info.cores.max(1) as f32;
                     fa.partial_cmp(&fb).unwrap().then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
                 })
-                .map(|h| h.info.name.clone())
-                .expect("hosts is not empty"),
+                .map(|h| h.info.name.clone())?,
         };
         let h = st.hosts.get_mut(&name).expect("host exists");
         h.tasks += 1;
-        Ok((name, h.tx.clone(), h.conn_id))
+        Some((name, h.tx.clone(), h.conn_id))
     }
 
     async fn lose_task(&self, task: TaskId, why: &str) {
-        let r = self.state.lock().unwrap().routes.remove(&task);
-        if let Some(r) = r {
-            let _ = r.client.send(Msg::Error { task: Some(task), message: why.to_string() }).await;
+        let r = {
+            let mut st = self.state.lock().unwrap();
+            let r = st.routes.remove(&task);
+            if let Some(r) = &r {
+                if let Some(h) = st.hosts.get_mut(&r.host) {
+                    h.tasks = h.tasks.saturating_sub(1);
+                }
+            }
+            r
+        };
+        if let Some(c) = r.and_then(|r| r.client) {
+            let _ = c.send(Msg::Error { task: Some(task), message: why.to_string() }).await;
         }
     }
 
@@ -540,16 +618,32 @@ impl Head {
         for t in lost {
             self.lose_task(t, &format!("host {name} was lost while running the task ({reason}); no changes were committed")).await;
         }
+        // Queued launches that can no longer be placed fail now.
+        let failed: Vec<Queued> = {
+            let mut st = self.state.lock().unwrap();
+            let queue: Vec<Queued> = st.queue.drain(..).collect();
+            let (bad, keep): (Vec<Queued>, Vec<Queued>) =
+                queue.into_iter().partition(|q| Self::check_placeable(&st, q.spec.host.as_deref()).is_err());
+            st.queue = keep.into();
+            bad
+        };
+        for q in failed {
+            let _ = q.client.send(Msg::LaunchFailed { reference: q.reference, message: format!("host {name} was lost before the task could start") }).await;
+        }
     }
 
     async fn client_gone(&self, conn: u64) {
         let orphans: Vec<(TaskId, Option<Outgoing>)> = {
             let mut st = self.state.lock().unwrap();
-            let ids: Vec<TaskId> = st.routes.iter().filter(|(_, r)| r.client_conn == conn).map(|(t, _)| *t).collect();
-            ids.into_iter()
-                .map(|t| {
-                    let r = st.routes.remove(&t).expect("route exists");
-                    (t, st.hosts.get(&r.host).map(|h| h.tx.clone()))
+            st.queue.retain(|q| q.conn != conn);
+            let st = &mut *st;
+            st.routes
+                .iter_mut()
+                .filter(|(_, r)| r.client_conn == conn)
+                .map(|(t, r)| {
+                    // Keep the route until the host reports the end: the core stays busy until then.
+                    r.client = None;
+                    (*t, st.hosts.get(&r.host).map(|h| h.tx.clone()))
                 })
                 .collect()
         };

@@ -181,7 +181,7 @@ mod tests {
 
     #[tokio::test]
     async fn roundtrip() {
-        let m = Msg::Launch { spec: spec() };
+        let m = Msg::Launch { spec: spec(), reference: 1 };
         let buf = encode(&m).unwrap();
         let mut r = &buf[..];
         assert_eq!(read_frame(&mut r).await.unwrap(), m);
@@ -240,7 +240,7 @@ mod tests {
     async fn compressed_frames_roundtrip_and_shrink() {
         let mut s = spec();
         s.env = (0..200).map(|i| (format!("VAR{i}").into_bytes(), b"/usr/local/bin:/usr/bin:/bin".to_vec())).collect();
-        let m = Msg::Launch { spec: s };
+        let m = Msg::Launch { spec: s, reference: 1 };
         let plain = encode(&m).unwrap();
         let z = encode_with(&m, true).unwrap();
         assert!(z.len() * 3 < plain.len(), "{} vs {}", z.len(), plain.len());
@@ -257,7 +257,7 @@ mod tests {
         }
         let mut s = spec();
         s.cwd = WirePath(b"/x/..".to_vec());
-        let body = bincode::DefaultOptions::new().with_fixint_encoding().serialize(&Msg::Launch { spec: s }).unwrap();
+        let body = bincode::DefaultOptions::new().with_fixint_encoding().serialize(&Msg::Launch { spec: s, reference: 1 }).unwrap();
         assert!(matches!(decode(&body), Err(ProtoError::Invalid(_))));
     }
 

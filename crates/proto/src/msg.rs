@@ -76,9 +76,12 @@ pub enum Msg {
     RunTask { task: TaskId, spec: TaskSpec },
 
     // ---- client ↔ head
-    /// Client → head: run this. The head answers `Started` or `Error`.
-    Launch { spec: TaskSpec },
-    Started { task: TaskId, host: String },
+    /// Client → head: run this. `reference` is the client's name for the
+    /// launch; the head answers `Started` (once a host has a free core: the
+    /// head queues tasks rather than oversubscribe hosts) or `LaunchFailed`.
+    Launch { spec: TaskSpec, reference: u64 },
+    Started { task: TaskId, host: String, reference: u64 },
+    LaunchFailed { reference: u64, message: String },
     StatusRequest,
     StatusReply(ClusterStatus),
 
@@ -106,8 +109,9 @@ pub enum Msg {
     /// Client → head: start several tasks sharing one spec, one prethrow and
     /// one consistency point (a job). Task i gets `STARLING_TASK=i`,
     /// `STARLING_TASKS=n` and, if given, its own argv. Answered by one
-    /// `Started` (or `Error`) per task, in order.
-    LaunchJob { spec: TaskSpec, tasks: Vec<JobTask> },
+    /// `Started` (or `LaunchFailed`) per task; task i has reference
+    /// `first_reference + i`.
+    LaunchJob { spec: TaskSpec, tasks: Vec<JobTask>, first_reference: u64 },
 
     // ---- fork API
     /// Client → head: reserve up to `n` clones.
@@ -167,7 +171,8 @@ impl Msg {
                 }
                 Ok(())
             }
-            Msg::RunTask { spec, .. } | Msg::Launch { spec } => spec.validate(),
+            Msg::RunTask { spec, .. } | Msg::Launch { spec, .. } => spec.validate(),
+            Msg::LaunchFailed { message, .. } => check_bytes("error message", message.len(), 64 << 10),
             Msg::Signal { signo, .. } => {
                 if !(1..=64).contains(signo) {
                     return Err(ProtoError::invalid(format!("signal {signo} out of range")));
@@ -200,7 +205,10 @@ impl Msg {
                 check_bytes("pushed chunks", chunks.len(), MAX_BATCH)?;
                 recipes.iter().try_for_each(|r| r.validate())
             }
-            Msg::LaunchJob { spec, tasks } => {
+            Msg::LaunchJob { spec, tasks, first_reference } => {
+                if first_reference.checked_add(tasks.len() as u64).is_none() {
+                    return Err(ProtoError::invalid("job references overflow"));
+                }
                 spec.validate()?;
                 if tasks.is_empty() || tasks.len() > MAX_JOB_TASKS {
                     return Err(ProtoError::invalid(format!("job of {} tasks", tasks.len())));
