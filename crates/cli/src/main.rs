@@ -61,6 +61,20 @@ enum Cmd {
     ///
     /// Example: make -j8 CC='starling exec gcc'
     Exec(ExecArgs),
+    /// Run N copies of a command as one job: task i gets STARLING_TASK=i and STARLING_TASKS=N.
+    ///
+    /// One process, one connection and one launch carry the whole job (one prethrow); all tasks
+    /// see this machine as it was when the job started. The head starts tasks as cores free up.
+    /// Output is passed through line by line; a progress bar (tasks done/running/queued, bytes
+    /// moved) is shown on a terminal. Exit status: 0 if every task exited 0, 255 if starling lost
+    /// a task, else the first failing task's status.
+    ///
+    /// Example: starling run -n 16 -- sh -c 'render --tile $STARLING_TASK/$STARLING_TASKS'
+    Run(RunArgs),
+    /// Run each line of FILE (or stdin with `-`) as a shell command, all as one job (like GNU parallel).
+    ///
+    /// Blank lines and lines starting with # are skipped. Same output, progress and exit rules as `run`.
+    Batch(BatchArgs),
     /// Run the host agent (the daemon that runs tasks on a host). `starling up` starts these for
     /// you; on a real machine run `starling agent --head HEAD_IP:7077 --name NAME` as root, or
     /// `starling agent --listen 0.0.0.0:7078` and start the head with `--agent HOST:7078`.
@@ -105,6 +119,49 @@ struct ExecArgs {
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
     command: Vec<OsString>,
+}
+
+#[derive(Args)]
+struct JobFlags {
+    /// Cluster head address (default: the embedded cluster started by `starling up`).
+    #[arg(long, env = "STARLING_CLUSTER")]
+    cluster: Option<String>,
+    /// No progress bar or summary.
+    #[arg(long, conflicts_with = "json")]
+    quiet: bool,
+    /// JSON lines on stdout: started/output/finished events per task, then a summary.
+    #[arg(long)]
+    json: bool,
+    /// Send file contents and messages uncompressed (for measurements).
+    #[arg(long)]
+    no_compress: bool,
+    /// Don't send predicted file bindings with the launch (for measurements).
+    #[arg(long)]
+    no_prethrow: bool,
+    /// Send the prethrow with every task instead of once per job (for measurements).
+    #[arg(long)]
+    prethrow_per_task: bool,
+}
+
+#[derive(Args)]
+struct RunArgs {
+    /// Number of tasks.
+    #[arg(short = 'n', long = "tasks", default_value_t = 1)]
+    tasks: usize,
+    #[command(flatten)]
+    flags: JobFlags,
+    /// The command and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+#[derive(Args)]
+struct BatchArgs {
+    /// File with one shell command per line, or - for stdin.
+    #[arg(value_name = "FILE")]
+    file: PathBuf,
+    #[command(flatten)]
+    flags: JobFlags,
 }
 
 #[derive(Args)]
@@ -190,6 +247,29 @@ fn run(cli: Cli) -> Result<i32> {
             let opts = starling_client::exec::ExecOptions { cluster: a.cluster, host: a.host, job: a.job, compress: !a.no_compress, prethrow: !a.no_prethrow };
             runtime().block_on(starling_client::exec::run(spec, opts))
         }
+        Cmd::Run(a) => {
+            init_logging("warn");
+            if a.tasks == 0 || a.tasks > starling_proto::MAX_JOB_TASKS {
+                anyhow::bail!("-n must be between 1 and {}", starling_proto::MAX_JOB_TASKS);
+            }
+            let spec = starling_client::spec::capture(a.command)?;
+            let argvs = vec![None; a.tasks];
+            runtime().block_on(starling_client::job::run(spec, argvs, job_options(a.flags)))
+        }
+        Cmd::Batch(a) => {
+            init_logging("warn");
+            let text = if a.file.as_os_str() == "-" {
+                std::io::read_to_string(std::io::stdin()).context("reading commands from stdin")?
+            } else {
+                std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?
+            };
+            let cmds = starling_client::job::batch_commands(&text);
+            if cmds.is_empty() {
+                anyhow::bail!("{}: no commands", a.file.display());
+            }
+            let spec = starling_client::spec::capture(vec!["/bin/sh".into()])?;
+            runtime().block_on(starling_client::job::run(spec, cmds.into_iter().map(Some).collect(), job_options(a.flags)))
+        }
         Cmd::Status { json, cluster } => {
             init_logging("warn");
             runtime().block_on(status(json, cluster))
@@ -272,6 +352,23 @@ fn link_main(args: &[String]) -> ! {
         eprintln!("starling __link: {e:#}");
     }
     std::process::exit(1);
+}
+
+fn job_options(f: JobFlags) -> starling_client::job::JobOptions {
+    use starling_client::job::Report;
+    starling_client::job::JobOptions {
+        cluster: f.cluster,
+        compress: !f.no_compress,
+        prethrow: !f.no_prethrow,
+        prethrow_per_task: f.prethrow_per_task,
+        report: if f.json {
+            Report::Json
+        } else if f.quiet {
+            Report::Quiet
+        } else {
+            Report::Auto
+        },
+    }
 }
 
 fn nix_hostname() -> String {

@@ -23,6 +23,8 @@ use std::path::{Path, PathBuf};
 pub struct CommitReport {
     pub applied: usize,
     pub conflicts: Vec<Conflict>,
+    /// Bytes of file content written here.
+    pub bytes: u64,
 }
 
 #[derive(Debug)]
@@ -140,6 +142,7 @@ pub fn apply(files: &FileServer, changes: &[Change], chunks: &HashMap<Hash, Vec<
                 }
                 let tmp = tmp_beside(p, "new");
                 write_file(&tmp, recipe, chunks)?;
+                report.bytes += recipe.size;
                 if let Err(e) = std::fs::rename(&tmp, p) {
                     let _ = std::fs::remove_file(&tmp);
                     return Err(e).with_context(|| format!("cannot replace {path}"));

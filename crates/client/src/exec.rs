@@ -66,7 +66,7 @@ fn stdin_pump(handle: &TaskHandle) {
 }
 
 /// Signals we pass on to the task instead of dying of them.
-fn forwarded_signals() -> Result<tokio::sync::mpsc::Receiver<i32>> {
+pub(crate) fn forwarded_signals() -> Result<tokio::sync::mpsc::Receiver<i32>> {
     let (sig_tx, sig_rx) = tokio::sync::mpsc::channel::<i32>(8);
     for (kind, no) in [
         (SignalKind::interrupt(), libc::SIGINT),

@@ -13,6 +13,7 @@ pub mod commit;
 pub mod discover;
 pub mod exec;
 pub mod files;
+pub mod job;
 pub mod prethrow;
 pub mod session;
 pub mod spec;

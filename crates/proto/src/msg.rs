@@ -12,7 +12,7 @@ pub enum Role {
     Head,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub enum Stream {
     Stdout,
     Stderr,
