@@ -53,8 +53,30 @@ const char *sf_last_error(void);
 /* Extensions (not in SnowFlock's API). */
 /* Counters of clone id's fault handler: which = 0 faults, 1 pages fetched
  * from the page server, 2 zero-filled, 3 read from files, 4 fetch requests,
- * 5 remove/unmap events. -1 if unknown. */
+ * 5 remove/unmap events, 6 page distribution (SF_DIST_*), 7 pages installed
+ * from multicast without the clone asking (included in 1). -1 if unknown.
+ * Cluster clones report them when they end. */
 long long sf_clone_stat(const sf_ticket_t *t, int id, int which);
+#define SF_DIST_UNKNOWN 0
+#define SF_DIST_MULTICAST 1
+#define SF_DIST_MULTICAST_PUSH 2
+#define SF_DIST_UNICAST 3          /* STARLING_MCDIST=off */
+#define SF_DIST_UNICAST_FALLBACK 4 /* multicast did not work: fell back */
+/* What the parent's host sent for the ticket (sender-side counters of its
+ * TCP page server and multicast sender, valid after sf_clone, also after
+ * sf_join): which = SF_STAT_* below. -1 if unknown. */
+long long sf_ticket_stat(const sf_ticket_t *t, int which);
+#define SF_STAT_BYTES_WIRE 0      /* TCP + multicast bytes, IP/UDP/TCP headers included */
+#define SF_STAT_BYTES_TCP 1
+#define SF_STAT_BYTES_MULTICAST 2
+#define SF_STAT_PAGES_REQUESTED 3 /* pages clones asked for (TCP + multicast) */
+#define SF_STAT_PAGES_SERVED 4    /* pages sent (pushed ones included) */
+#define SF_STAT_RATE_CUTS 5       /* multicast rate cuts on implicit loss */
+#define SF_STAT_IMPLICIT_LOSSES 6
+#define SF_STAT_LOCKSTEP_SUPPRESSED 7
+#define SF_STAT_PAGES_PUSHED 8
+#define SF_STAT_RATE_MIN 9        /* lowest multicast rate limit, bytes/s */
+#define SF_STAT_RATE_NOW 10
 /* Size in bytes of the encoded process descriptor of the ticket's clone. */
 long long sf_descriptor_bytes(const sf_ticket_t *t);
 /* Free a ticket (kills its clones if they were not joined). */

@@ -237,9 +237,11 @@ impl Ticket {
         }
     }
 
-    /// [faults, pages fetched, zero pages, file pages, fetch requests, remove events].
+    /// [faults, pages fetched, zero pages, file pages, fetch requests, remove
+    /// events, distribution mode (`starling_mcdist::Mode` as a number), pages
+    /// installed from multicast without asking] (`FaultStats::snapshot`).
     /// Cluster clones report them when they end.
-    pub fn clone_stats(&self, id: i32) -> Option<[u64; 6]> {
+    pub fn clone_stats(&self, id: i32) -> Option<[u64; crate::fault::COUNTERS]> {
         let id = u32::try_from(id).ok()?;
         match &self.active.as_ref()?.clones {
             Clones::Local(cs) => Some(cs.iter().find(|c| c.id == id)?.stats.snapshot()),
@@ -260,6 +262,12 @@ impl Ticket {
         use std::sync::atomic::Ordering::Relaxed;
         let s = self.active.as_ref()?.server.stats();
         Some((s.requests.load(Relaxed), s.pages_data.load(Relaxed), s.pages_zero.load(Relaxed)))
+    }
+
+    /// What the parent's host sent for this ticket (TCP page server +
+    /// multicast sender), readable after join.
+    pub fn wire_stats(&self) -> Option<crate::page_server::WireStats> {
+        Some(self.active.as_ref()?.server.wire_stats())
     }
 
     pub fn descriptor(&self) -> Option<&Descriptor> {

@@ -40,7 +40,7 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 /// bytes make a collision with a program's own output chunk implausible.
 pub const STATS_MAGIC: &[u8; 24] = b"\0\0STARLING-CLONE-STATS\0\0";
 /// Counters in a stats frame (as `FaultStats::snapshot`).
-pub const STATS_COUNTERS: usize = 6;
+pub const STATS_COUNTERS: usize = crate::fault::COUNTERS;
 
 /// The frame the agent sends with a clone's fault-handler counters.
 pub fn encode_stats(counters: &[u64; STATS_COUNTERS]) -> Vec<u8> {
@@ -361,7 +361,7 @@ mod tests {
 
     #[test]
     fn stats_frame_round_trips_and_rejects_other_output() {
-        let c = [1, 2, 3, 4, 5, u64::MAX];
+        let c = [1, 2, 3, 4, 5, 6, 7, u64::MAX];
         assert_eq!(decode_stats(&encode_stats(&c)), Some(c));
         assert_eq!(decode_stats(b"hello"), None);
         let mut long = encode_stats(&c);

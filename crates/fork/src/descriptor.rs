@@ -309,8 +309,18 @@ const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;
 const PM_FILE: u64 = 1 << 61;
 
+/// Whether the fetch-avoidance heuristics are on (default). With
+/// `STARLING_FORK_HEURISTICS=off` every readable page of a private
+/// mapping is classified `Fetch`: nothing is zero-filled locally or read
+/// from the host's file copy, so every page a clone touches comes from the
+/// page server (SnowFlock's "no heuristics" runs, for benchmarks).
+pub fn heuristics_enabled() -> bool {
+    !matches!(std::env::var("STARLING_FORK_HEURISTICS").as_deref().map(str::trim), Ok("off") | Ok("0"))
+}
+
 /// Dump a frozen template into a descriptor.
 pub fn dump(pid: i32, record: &TemplateRecord) -> Result<Descriptor> {
+    let heuristics = heuristics_enabled();
     let smaps = parse_smaps(&read_proc(&format!("/proc/{pid}/smaps"))?)?;
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))
         .map_err(|e| ForkError::io(format!("open /proc/{pid}/pagemap"), e))?;
@@ -374,7 +384,10 @@ pub fn dump(pid: i32, record: &TemplateRecord) -> Result<Descriptor> {
             for (i, chunk) in raw.chunks_exact(8).enumerate() {
                 let e = u64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
                 let addr = m.start + i as u64 * PAGE_SIZE;
-                let class = if is_stack && addr + PAGE_SIZE <= dead_stack_below {
+                let class = if !heuristics && prot & 1 != 0 {
+                    // Heuristics off: the page server serves every readable page.
+                    PageClass::Fetch
+                } else if is_stack && addr + PAGE_SIZE <= dead_stack_below {
                     PageClass::Zero
                 } else if e & PM_SWAPPED != 0 || (e & PM_PRESENT != 0 && (e & PM_FILE == 0 || !is_file)) {
                     // present anon (incl. COW copies in file mappings), swapped, or shared anon

@@ -45,6 +45,9 @@ const ST_FILE: u8 = 1;
 const ST_FETCH: u8 = 2;
 const ST_DONE: u8 = 3;
 
+/// Number of values in [`FaultStats::snapshot`].
+pub const COUNTERS: usize = 8;
+
 /// Counters of one handler (shared with whoever wants to report them).
 #[derive(Default, Debug)]
 pub struct FaultStats {
@@ -67,9 +70,20 @@ impl FaultStats {
         Mode::from_u8(self.mode.load(Ordering::Relaxed))
     }
 
-    pub fn snapshot(&self) -> [u64; 6] {
-        [&self.faults, &self.pages_fetched, &self.pages_zero, &self.pages_file, &self.fetch_requests, &self.events_remove]
-            .map(|c| c.load(Ordering::Relaxed))
+    /// [faults, pages fetched, zero, file, fetch requests, remove events,
+    /// mode (a [`Mode`] as a number), pages multicast without asking].
+    pub fn snapshot(&self) -> [u64; COUNTERS] {
+        let c = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        [
+            c(&self.faults),
+            c(&self.pages_fetched),
+            c(&self.pages_zero),
+            c(&self.pages_file),
+            c(&self.fetch_requests),
+            c(&self.events_remove),
+            self.mode.load(Ordering::Relaxed) as u64,
+            c(&self.pages_multicast_unsolicited),
+        ]
     }
 }
 

@@ -121,6 +121,26 @@ pub unsafe extern "C" fn sf_clone_stat(t: *const SfTicket, id: c_int, which: c_i
     }
 }
 
+/// Extension: what the parent's host sent for the ticket (sender-side
+/// counters of the TCP page server and the multicast sender); `which`:
+/// 0 bytes on the wire (TCP + multicast, headers included), 1 TCP bytes,
+/// 2 multicast bytes, 3 pages requested, 4 pages served (sent), 5 rate
+/// cuts, 6 implicit losses, 7 lockstep-suppressed requests, 8 pages
+/// pushed, 9 lowest rate limit (bytes/s), 10 rate limit now. -1 if the
+/// ticket has not cloned or `which` is out of range.
+///
+/// # Safety
+/// As `sf_ticket_allocation`.
+#[no_mangle]
+pub unsafe extern "C" fn sf_ticket_stat(t: *const SfTicket, which: c_int) -> c_longlong {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
+    match (t.wire_stats(), usize::try_from(which)) {
+        (Some(w), Ok(i)) => w.to_array().get(i).map_or(-1, |&v| v as c_longlong),
+        _ => -1,
+    }
+}
+
 /// Extension: size in bytes of the ticket's encoded descriptor (-1 if none).
 ///
 /// # Safety

@@ -45,8 +45,62 @@ const PAGE: usize = PAGE_SIZE as usize;
 #[derive(Default, Debug)]
 pub struct ServerStats {
     pub requests: AtomicU64,
+    /// Pages asked for over TCP (every address of every `SFPQ`).
+    pub pages_requested: AtomicU64,
     pub pages_data: AtomicU64,
     pub pages_zero: AtomicU64,
+    /// Bytes this server sent over TCP: reply bytes plus an estimate of
+    /// the TCP/IP headers (one [`TCP_SEGMENT_OVERHEAD`] per started
+    /// [`TCP_MSS`] of a flushed reply; ACK-only segments are not counted).
+    pub bytes_wire: AtomicU64,
+}
+
+/// Payload of one TCP segment at MTU 1500 with timestamps (1500 − 20 − 32).
+pub const TCP_MSS: u64 = 1448;
+/// IPv4 + TCP header with the timestamp option.
+pub const TCP_SEGMENT_OVERHEAD: u64 = 52;
+
+/// What the parent's host sent to clones for one ticket, TCP page server
+/// and multicast sender together (the "bytes on the wire" of the benches).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct WireStats {
+    /// TCP page-server bytes + multicast bytes (both with headers).
+    pub bytes_wire: u64,
+    pub bytes_tcp: u64,
+    pub bytes_multicast: u64,
+    /// Pages clones asked for (TCP + multicast requests).
+    pub pages_requested: u64,
+    /// Pages sent (TCP replies + multicast, pushed pages included).
+    pub pages_served: u64,
+    /// Multicast sender: rate cuts on implicit loss, implicit losses,
+    /// requests not answered (lockstep), pages pushed.
+    pub rate_cuts: u64,
+    pub implicit_losses: u64,
+    pub lockstep_suppressed: u64,
+    pub pages_pushed: u64,
+    /// Lowest rate limit in the sender's trace and the limit now, bytes/s
+    /// (0 without multicast).
+    pub rate_min: u64,
+    pub rate_now: u64,
+}
+
+impl WireStats {
+    /// As a fixed array (the order of `sf_ticket_stat`'s `which`).
+    pub fn to_array(&self) -> [u64; 11] {
+        [
+            self.bytes_wire,
+            self.bytes_tcp,
+            self.bytes_multicast,
+            self.pages_requested,
+            self.pages_served,
+            self.rate_cuts,
+            self.implicit_losses,
+            self.lockstep_suppressed,
+            self.pages_pushed,
+            self.rate_min,
+            self.rate_now,
+        ]
+    }
 }
 
 /// Where and how a ticket's pages are multicast (told to clones by the page server).
@@ -187,6 +241,33 @@ impl PageServer {
         &self.stats
     }
 
+    /// Everything sent so far by this server and its multicast sender
+    /// (still readable after [`PageServer::stop`]).
+    pub fn wire_stats(&self) -> WireStats {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let st = &self.stats;
+        let mut w = WireStats {
+            bytes_tcp: g(&st.bytes_wire),
+            pages_requested: g(&st.pages_requested),
+            pages_served: g(&st.pages_data) + g(&st.pages_zero),
+            ..WireStats::default()
+        };
+        if let Some(s) = self.mcdist_sender() {
+            let ms = s.stats();
+            w.bytes_multicast = g(&ms.bytes_wire);
+            w.pages_requested += g(&ms.pages_requested);
+            w.pages_served += g(&ms.pages_sent);
+            w.rate_cuts = g(&ms.rate_cuts);
+            w.implicit_losses = g(&ms.implicit_losses);
+            w.lockstep_suppressed = g(&ms.lockstep_suppressed);
+            w.pages_pushed = g(&ms.pages_pushed);
+            w.rate_now = s.rate() as u64;
+            w.rate_min = s.rate_trace().iter().map(|t| t.rate as u64).min().unwrap_or(w.rate_now).min(w.rate_now);
+        }
+        w.bytes_wire = w.bytes_tcp + w.bytes_multicast;
+        w
+    }
+
     /// Stop accepting (open connections end when their peers close).
     pub fn stop(&mut self) {
         if let Some(t) = self.accept_thread.take() {
@@ -194,7 +275,8 @@ impl PageServer {
             let _ = TcpStream::connect(self.addr); // wake the accept loop
             let _ = t.join();
         }
-        if let Some((_, mut s)) = self.mcdist.take() {
+        // Stopped but kept: its counters and rate trace stay readable.
+        if let Some((_, s)) = self.mcdist.as_mut() {
             s.stop();
         }
     }
@@ -240,7 +322,9 @@ fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, info:
         }
         if hdr[..4] == MCDIST_MAGIC {
             // 4 bytes of magic were enough; the other 4 are zero padding.
-            wr.write_all(&encode_mcdist(info)).and_then(|_| wr.flush()).map_err(|e| ForkError::io("write reply", e))?;
+            let reply = encode_mcdist(info);
+            wr.write_all(&reply).and_then(|_| wr.flush()).map_err(|e| ForkError::io("write reply", e))?;
+            stats.bytes_wire.fetch_add(tcp_wire_bytes(reply.len() as u64), Ordering::Relaxed);
             continue;
         }
         if hdr[..4] != REQ_MAGIC {
@@ -257,10 +341,13 @@ fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, info:
             return Err(ForkError::Protocol(format!("page {bad:#x} not served")));
         }
         stats.requests.fetch_add(1, Ordering::Relaxed);
+        stats.pages_requested.fetch_add(addrs.len() as u64, Ordering::Relaxed);
+        let mut reply_bytes = 8u64;
         let ok = read_pages(pid, &addrs, &mut data[..addrs.len() * PAGE]);
         wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
             .map_err(|e| ForkError::io("write reply", e))?;
         for (i, page) in data[..addrs.len() * PAGE].chunks_exact(PAGE).enumerate() {
+            reply_bytes += 1;
             let res = if !ok[i] {
                 wr.write_all(&[TAG_UNREADABLE])
             } else if page.iter().all(|&b| b == 0) {
@@ -268,12 +355,20 @@ fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, info:
                 wr.write_all(&[TAG_ZERO])
             } else {
                 stats.pages_data.fetch_add(1, Ordering::Relaxed);
+                reply_bytes += PAGE as u64;
                 wr.write_all(&[TAG_DATA]).and_then(|_| wr.write_all(page))
             };
             res.map_err(|e| ForkError::io("write reply", e))?;
         }
         wr.flush().map_err(|e| ForkError::io("write reply", e))?;
+        stats.bytes_wire.fetch_add(tcp_wire_bytes(reply_bytes), Ordering::Relaxed);
     }
+}
+
+/// A reply of `payload` bytes as sent on the wire: payload plus one
+/// TCP/IP header per started segment.
+fn tcp_wire_bytes(payload: u64) -> u64 {
+    payload + payload.div_ceil(TCP_MSS) * TCP_SEGMENT_OVERHEAD
 }
 
 /// Read `addrs` from `pid` into `out` (one page each); returns per-page success.
