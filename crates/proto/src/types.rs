@@ -378,6 +378,11 @@ pub struct HostInfo {
     /// 1-minute load average.
     pub load: f32,
     pub running: u32,
+    /// How the last remote-fork clone on this host got its pages
+    /// (`multicast`, `multicast+push`, `unicast`, `unicast (multicast
+    /// unavailable)`); None before the first clone.
+    #[serde(default)]
+    pub page_distribution: Option<String>,
 }
 
 /// What the task's view held at a path before the task changed it. The
