@@ -41,6 +41,30 @@ pub(crate) struct CloneRun {
     stats: Arc<FaultStats>,
     stop: Option<OwnedFd>,
     handler: Option<std::thread::JoinHandle<starling_fork::Result<()>>>,
+    /// The agent's "last clone's page distribution" (shown by `starling status`).
+    distribution: DistributionReport,
+}
+
+/// Where the agent keeps the last clone's page distribution mode.
+pub(crate) type DistributionReport = Arc<std::sync::Mutex<Option<String>>>;
+
+/// Record (and log) how clone `id` gets its pages.
+fn report_mode(report: &DistributionReport, id: u32, stats: &FaultStats) {
+    // Compared by name: the agent does not depend on starling-mcdist.
+    let text = stats.mode().as_str().to_string();
+    if text == "unknown" {
+        return;
+    }
+    let fallback = text.starts_with("unicast (");
+    let mut g = report.lock().unwrap_or_else(|p| p.into_inner());
+    if g.as_deref() != Some(text.as_str()) {
+        if fallback {
+            log::warn!("clone {id}: page distribution falls back to unicast (multicast unavailable)");
+        } else {
+            log::info!("clone {id}: page distribution {text}");
+        }
+    }
+    *g = Some(text);
 }
 
 /// The descriptor as the handler must see it: file paths resolved under the
@@ -61,7 +85,7 @@ fn root_file_paths(regions: &mut [starling_fork::descriptor::Region], root: &Pat
 
 /// Decode and check the clone spec, start the fault handler, and return the
 /// program (restorer + plan + handler socket) the sandbox must run.
-pub(crate) fn prepare(spec: &CloneSpec, root: &Path) -> Result<(TaskProgram, CloneRun)> {
+pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionReport) -> Result<(TaskProgram, CloneRun)> {
     let desc = Descriptor::decode(&spec.descriptor).context("the clone's process descriptor")?;
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
@@ -78,13 +102,15 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path) -> Result<(TaskProgram, Clo
     let handler_desc = rooted(&desc, root);
     let stats2 = stats.clone();
     let id = spec.clone_id;
+    let report = distribution.clone();
     let handler = std::thread::Builder::new()
         .name(format!("clone-fault-{id}"))
         .spawn(move || -> starling_fork::Result<()> {
             // None: the restorer ended before registering anything.
             let Some(uffd) = starling_fork::local::recv_fd(&ours)? else { return Ok(()) };
             let client = PageClient::connect(server)?;
-            let mut h = FaultHandler::new(uffd, &handler_desc, client, stats2);
+            let mut h = FaultHandler::new(uffd, &handler_desc, client, stats2.clone());
+            report_mode(&report, id, &stats2);
             if let Some(n) = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()) {
                 h.set_prefetch(n);
             }
@@ -93,7 +119,7 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path) -> Result<(TaskProgram, Clo
         .context("starting the fault handler")?;
     Ok((
         TaskProgram { program, fds: vec![(PLAN_FD, plan), (HANDLER_FD, theirs)] },
-        CloneRun { id, stats, stop: Some(stop_w), handler: Some(handler) },
+        CloneRun { id, stats, stop: Some(stop_w), handler: Some(handler), distribution },
     ))
 }
 
@@ -111,6 +137,8 @@ impl CloneRun {
                 Err(_) => log::warn!("task {task}: fault handler panicked"),
             }
         }
+        // A fetch that timed out mid-run may have switched it to unicast.
+        report_mode(&self.distribution, self.id, &self.stats);
         let data = starling_fork::cluster::encode_stats(&self.stats.snapshot());
         let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data });
     }

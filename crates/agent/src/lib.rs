@@ -59,6 +59,8 @@ pub(crate) struct Agent {
     pub tasks: Mutex<HashMap<TaskId, TaskCtl>>,
     pub waiters: Arc<Waiters>,
     pub running: AtomicU32,
+    /// Page distribution of the last clone's fault handler (for `starling status`).
+    pub page_distribution: Arc<std::sync::Mutex<Option<String>>>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -83,6 +85,7 @@ impl Agent {
             mem_bytes: read_meminfo_total(),
             load: read_load(),
             running: self.running.load(Ordering::Relaxed),
+            page_distribution: self.page_distribution.lock().map(|m| m.clone()).unwrap_or(None),
         }
     }
 
@@ -209,6 +212,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         tasks: Mutex::new(HashMap::new()),
         waiters: Arc::new(Waiters::default()),
         running: AtomicU32::new(0),
+        page_distribution: Arc::new(std::sync::Mutex::new(None)),
     });
     if let Some(listen) = agent.cfg.listen.clone() {
         let l = TcpListener::bind(&listen).await.with_context(|| format!("cannot listen on {listen}"))?;
