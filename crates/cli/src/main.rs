@@ -416,7 +416,8 @@ async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
             .iter()
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
-                    "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running})
+                    "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
+                    "page_distribution": h.page_distribution})
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({"head": st.head, "network": network, "hosts": hosts}))?);
@@ -436,6 +437,13 @@ async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
     }
     if st.hosts.is_empty() {
         println!("(no hosts connected)");
+    }
+    // Remote fork: how each host's last clone got its pages (a fallback to
+    // unicast because multicast does not pass is said here and in the logs).
+    let dist: Vec<String> =
+        st.hosts.iter().filter_map(|h| Some(format!("{} {}", h.name, h.page_distribution.as_deref()?))).collect();
+    if !dist.is_empty() {
+        println!("page distribution (last clone per host): {}", dist.join(", "));
     }
     Ok(0)
 }
