@@ -93,6 +93,10 @@ struct UpArgs {
     /// coffee-shop (160 ms RTT, 1400 Kib/s up, 1500 Kib/s down), or RTT_MS,UP_KBIT,DOWN_KBIT.
     #[arg(long, default_value = "lan", value_parser = parse_link)]
     link: String,
+    /// Run the head without its shared relay cache: every content request goes to the client
+    /// (for measuring what the cache saves).
+    #[arg(long)]
+    no_relay_cache: bool,
 }
 
 fn parse_link(s: &str) -> Result<String, String> {
@@ -454,7 +458,8 @@ fn up(a: UpArgs) -> Result<i32> {
     }
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let instance = starling_cluster::Instance::from_env()?;
-    let state = instance.up(a.hosts, exe, Some(a.link.clone()))?;
+    let head_args = if a.no_relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
+    let state = instance.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
     // Wait until every agent has registered with the head.
     let rt = runtime();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);

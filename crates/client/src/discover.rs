@@ -16,6 +16,21 @@ pub fn run_dir() -> std::path::PathBuf {
 #[derive(serde::Deserialize)]
 struct StateFile {
     head_addr: String,
+    #[serde(default)]
+    extra: std::collections::BTreeMap<String, String>,
+}
+
+/// Whether the embedded cluster's head keeps a relay cache (pushing content
+/// to a head without one would only waste the link).
+pub fn relay_cache_on(flag: Option<&str>) -> bool {
+    if flag.is_some() || std::env::var_os("STARLING_CLUSTER").is_some() {
+        return true;
+    }
+    std::fs::read(run_dir().join("cluster.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
+        .map(|s| s.extra.get("relay_cache").map(|v| v != "off").unwrap_or(true))
+        .unwrap_or(true)
 }
 
 /// The head address to use, or an error telling the user how to get one.

@@ -23,22 +23,73 @@ pub struct ExecOptions {
 pub struct Prediction {
     pub profile: crate::prethrow::Profile,
     pub sent: Vec<starling_proto::WirePath>,
+    /// Content the head lacks, to push in the launch flight.
+    pub push: (Vec<starling_proto::Recipe>, Vec<starling_proto::ChunkData>),
+    pub shadow: Option<crate::shadow::Shadow>,
+    pub job: Option<crate::shadow::JobBindings>,
 }
 
-/// Bind the program's predicted paths (and files named in argv) into `spec`.
-pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec) -> Prediction {
+impl Prediction {
+    /// After the run: learn the profile, and remember what the head now holds.
+    pub fn finish(&mut self, files: &crate::files::FileServer, accessed: &[starling_proto::WirePath]) {
+        self.profile.record(accessed, &self.sent);
+        self.profile.save();
+        if let Some(s) = self.shadow.as_mut() {
+            for h in files.take_served() {
+                s.note(h);
+            }
+            s.save();
+        }
+    }
+}
+
+/// Pushing can be switched off (`STARLING_PUSH=off`) to measure what it
+/// saves; it is pointless when the head keeps no relay cache.
+fn push_enabled() -> bool {
+    std::env::var("STARLING_PUSH").map(|v| v != "off").unwrap_or(true) && crate::discover::relay_cache_on(None)
+}
+
+/// Bind the program's predicted paths (and files named in argv) into
+/// `spec`, and plan the push of what the head lacks. With a job name, the
+/// head already holds the job's earlier bindings: only changed ones are
+/// sent, and every binding the head holds is re-validated here first, so
+/// none can go stale.
+pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec, head_addr: &str, compress: bool) -> Prediction {
     use crate::prethrow;
     let key = prethrow::profile_key(spec);
     let profile = prethrow::Profile::load(&cache_dir().join("profiles"), &key);
+    let mut job = spec.job.as_deref().map(|j| crate::shadow::JobBindings::load(&cache_dir().join("jobs"), head_addr, j));
     let mut paths = profile.predicted();
     // The root is looked up when the view mounts, before the task runs.
     paths.push(starling_proto::WirePath::root());
     paths.extend(prethrow::argv_paths(spec));
+    if let Some(j) = &job {
+        paths.extend(j.paths());
+    }
     paths.sort();
     paths.dedup();
-    spec.prethrow = prethrow::bind(files, &paths);
-    log::info!("prethrow for {key}: {} bindings", spec.prethrow.len());
-    Prediction { profile, sent: paths }
+    let bindings = prethrow::bind(files, &paths);
+    let mut shadow = push_enabled().then(|| crate::shadow::Shadow::load(&cache_dir().join("shadow"), head_addr));
+    let push = match shadow.as_mut() {
+        Some(s) => s.plan_push(files, &bindings, compress),
+        None => (Vec::new(), Vec::new()),
+    };
+    let total = bindings.len();
+    spec.prethrow = match job.as_mut() {
+        Some(j) => {
+            let d = j.delta(bindings);
+            j.save();
+            d
+        }
+        None => bindings,
+    };
+    log::info!(
+        "prethrow for {key}: {total} bindings, {} sent; pushing {} recipes, {} chunks",
+        spec.prethrow.len(),
+        push.0.len(),
+        push.1.len()
+    );
+    Prediction { profile, sent: paths, push, shadow, job }
 }
 
 /// Copy our stdin to the task from a plain thread (stdin may be a terminal
@@ -115,13 +166,19 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
     let mut prediction = if opts.prethrow {
         let files = session.files().clone();
-        let (p, spec2) = tokio::task::spawn_blocking(move || {
+        let head = session.head_addr.clone();
+        let compress = opts.compress;
+        let (mut p, spec2) = tokio::task::spawn_blocking(move || {
             let mut spec = spec;
-            let p = predict(&files, &mut spec);
+            let p = predict(&files, &mut spec, &head, compress);
             (p, spec)
         })
         .await?;
         spec = spec2;
+        let (recipes, chunks) = std::mem::take(&mut p.push);
+        if !recipes.is_empty() || !chunks.is_empty() {
+            session.push(recipes, chunks).await?;
+        }
         Some(p)
     } else {
         None
@@ -161,8 +218,7 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
             }
             Some(TaskEvent::Finished { status, commit, accessed }) => {
                 if let Some(p) = prediction.as_mut() {
-                    p.profile.record(&accessed, &p.sent);
-                    p.profile.save();
+                    p.finish(session.files(), &accessed);
                 }
                 if !report_commit(&commit) {
                     return Ok(EXIT_STARLING_FAILURE);

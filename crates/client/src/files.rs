@@ -93,6 +93,8 @@ pub struct FileServer {
     by_name: Mutex<HashMap<Hash, (PathBuf, Recipe)>>,
     by_chunk: Mutex<HashMap<Hash, Hash>>,
     stats: Mutex<ServeStats>,
+    /// Recipe and chunk names handed to the cluster (its relay cache now holds them).
+    served: Mutex<Vec<Hash>>,
 }
 
 impl FileServer {
@@ -103,7 +105,18 @@ impl FileServer {
             by_name: Mutex::new(HashMap::new()),
             by_chunk: Mutex::new(HashMap::new()),
             stats: Mutex::new(ServeStats::default()),
+            served: Mutex::new(Vec::new()),
         }
+    }
+
+    /// A recipe this server has handed out, with the file that holds it.
+    pub fn recipe_by_name(&self, name: &Hash) -> Option<(PathBuf, Recipe)> {
+        self.by_name.lock().unwrap().get(name).cloned()
+    }
+
+    /// Names of the recipes and chunks sent to the cluster since the last call.
+    pub fn take_served(&self) -> Vec<Hash> {
+        std::mem::take(&mut *self.served.lock().unwrap())
     }
 
     pub fn stats(&self) -> ServeStats {
@@ -125,7 +138,11 @@ impl FileServer {
             }
             FileReq::GetRecipe { name } => {
                 self.stats.lock().unwrap().recipes += 1;
-                FileResp::Recipe(self.by_name.lock().unwrap().get(name).map(|(_, r)| r.clone()))
+                let r = self.by_name.lock().unwrap().get(name).map(|(_, r)| r.clone());
+                if r.is_some() {
+                    self.served.lock().unwrap().push(*name);
+                }
+                FileResp::Recipe(r)
             }
             FileReq::GetChunks { hashes } => match self.chunks(hashes) {
                 Ok(c) => FileResp::Chunks(c),
@@ -242,6 +259,7 @@ impl FileServer {
             }
         }
         let out: Vec<ChunkData> = hashes.iter().filter_map(|h| found.get(h).cloned()).collect();
+        self.served.lock().unwrap().extend(out.iter().map(|c| c.hash));
         let mut st = self.stats.lock().unwrap();
         st.chunks_sent += out.len() as u64;
         st.chunk_bytes_sent += out.iter().map(|c| c.data.len() as u64).sum::<u64>();

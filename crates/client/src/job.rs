@@ -88,13 +88,19 @@ pub async fn run(mut base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: Job
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
     let mut prediction = if opts.prethrow {
         let files = session.files().clone();
-        let (p, b) = tokio::task::spawn_blocking(move || {
+        let head = session.head_addr.clone();
+        let compress = opts.compress;
+        let (mut p, b) = tokio::task::spawn_blocking(move || {
             let mut b = base;
-            let p = predict(&files, &mut b);
+            let p = predict(&files, &mut b, &head, compress);
             (p, b)
         })
         .await?;
         base = b;
+        let (recipes, chunks) = std::mem::take(&mut p.push);
+        if !recipes.is_empty() || !chunks.is_empty() {
+            session.push(recipes, chunks).await?;
+        }
         Some(p)
     } else {
         None
@@ -240,8 +246,7 @@ pub async fn run(mut base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: Job
     if let Some(p) = prediction.as_mut() {
         // One run of the job is one run of the program: count each path once.
         let acc: Vec<WirePath> = accessed.into_iter().collect();
-        p.profile.record(&acc, &p.sent);
-        p.profile.save();
+        p.finish(session.files(), &acc);
     }
     let failed = ends.iter().filter(|e| !matches!(e, Some(End::Exit(starling_proto::ExitStatus::Code(0))))).count();
     if opts.report == Report::Json {

@@ -16,6 +16,7 @@ pub mod files;
 pub mod job;
 pub mod prethrow;
 pub mod session;
+pub mod shadow;
 pub mod spec;
 
 /// Exit status `starling exec` uses for its own failures (cluster missing,

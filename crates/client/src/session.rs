@@ -93,6 +93,8 @@ struct State {
 
 #[derive(Clone)]
 pub struct Session {
+    /// Where the head was reached (names this cluster in client-side caches).
+    pub head_addr: String,
     tx: Outgoing,
     files: Arc<FileServer>,
     state: Arc<Mutex<State>>,
@@ -127,7 +129,11 @@ pub async fn connect(
 
 async fn dial(cluster: Option<&str>) -> Result<TcpStream> {
     let addr = discover::head_addr(cluster)?;
-    let sock = match TcpStream::connect(&addr).await {
+    dial_addr(cluster, &addr).await
+}
+
+async fn dial_addr(cluster: Option<&str>, addr: &str) -> Result<TcpStream> {
+    let sock = match TcpStream::connect(addr).await {
         Ok(s) => s,
         Err(e) if cluster.is_none() && std::env::var_os("STARLING_CLUSTER").is_none() => {
             return Err(anyhow!("{} (the cluster recorded at {addr} does not answer: {e})", discover::no_cluster_message()))
@@ -143,15 +149,22 @@ const LOST_HEAD: &str = "lost connection to the cluster head";
 impl Session {
     pub async fn connect(opts: SessionOptions) -> Result<Session> {
         let files = Arc::new(FileServer::new(
-            starling_store::RecipeCache::open(&cache_dir().join("recipes")).context("opening the recipe cache")?,
+            // Recipes made with chunking switched off must not mix with the normal ones.
+            starling_store::RecipeCache::open(&cache_dir().join(if starling_store::chunker::content_defined() {
+                "recipes"
+            } else {
+                "recipes-fixed"
+            }))
+            .context("opening the recipe cache")?,
             opts.compress,
         ));
         // Pipelined: the launch can follow our hello in the same flight.
-        let sock = dial(opts.cluster.as_deref()).await?;
+        let head_addr = discover::head_addr(opts.cluster.as_deref())?;
+        let sock = dial_addr(opts.cluster.as_deref(), &head_addr).await?;
         let (r, w) = sock.into_split();
         let (incoming, tx) =
             open_pipelined(r, w, Role::Client, "client", opts.compress).await.context("connecting to the cluster head")?;
-        let session = Session { tx, files, state: Arc::new(Mutex::new(State::default())) };
+        let session = Session { head_addr, tx, files, state: Arc::new(Mutex::new(State::default())) };
         let s = session.clone();
         tokio::spawn(async move { s.read_loop(incoming).await });
         Ok(session)
@@ -203,9 +216,24 @@ impl Session {
         let _ = self.tx.send(Msg::Signal { task, signo }).await;
     }
 
-    /// Send content ahead of a launch, in the same flight.
-    pub async fn push(&self, recipes: Vec<starling_proto::Recipe>, chunks: Vec<starling_proto::ChunkData>) -> Result<()> {
-        self.tx.send(Msg::Push { recipes, chunks }).await.map_err(|_| anyhow!(LOST_HEAD))
+    /// Send content ahead of a launch, in the same flight (in frames of at
+    /// most 16 MiB of chunk data).
+    pub async fn push(&self, mut recipes: Vec<starling_proto::Recipe>, chunks: Vec<starling_proto::ChunkData>) -> Result<()> {
+        let mut batch = Vec::new();
+        let mut bytes = 0usize;
+        for c in chunks {
+            bytes += c.data.len();
+            batch.push(c);
+            if bytes >= 16 << 20 || batch.len() >= starling_proto::MAX_BATCH {
+                let m = Msg::Push { recipes: std::mem::take(&mut recipes), chunks: std::mem::take(&mut batch) };
+                self.tx.send(m).await.map_err(|_| anyhow!(LOST_HEAD))?;
+                bytes = 0;
+            }
+        }
+        if !batch.is_empty() || !recipes.is_empty() {
+            self.tx.send(Msg::Push { recipes, chunks: batch }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        }
+        Ok(())
     }
 
     /// Reserve up to `n` clones (the fork API's `sf_request_ticket`).

@@ -119,8 +119,8 @@ impl Instance {
     }
 
     /// Start this instance's cluster.
-    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>) -> Result<ClusterState> {
-        let opts = UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args: vec![], link };
+    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>) -> Result<ClusterState> {
+        let opts = UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, link };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
@@ -405,6 +405,9 @@ fn start(
     ]);
     let mut extra = extra;
     extra.extend(link_facts);
+    if opts.head_args.iter().any(|a| a == "--no-relay-cache") {
+        extra.insert("relay_cache".into(), "off".into());
+    }
     let state = ClusterState {
         head_addr: client_addr,
         head_pid,

@@ -73,6 +73,16 @@ struct State {
 /// waiting for their answers.
 type HeadWaiters = Mutex<HashMap<u64, tokio::sync::oneshot::Sender<FileResp>>>;
 
+struct JobBindings {
+    bindings: HashMap<starling_proto::WirePath, starling_proto::Lookup>,
+    used: std::time::Instant,
+}
+
+/// Jobs idle this long are forgotten (their next launch simply sends more).
+const JOB_IDLE: std::time::Duration = std::time::Duration::from_secs(3600);
+/// Bound on one job's bindings.
+const JOB_MAX_BINDINGS: usize = 100_000;
+
 /// Ids of requests the head originates; agents number theirs from 0.
 const HEAD_ID_BIT: u64 = 1 << 63;
 
@@ -86,6 +96,9 @@ pub struct Head {
     inflight: Mutex<HashMap<Hash, tokio::sync::watch::Receiver<bool>>>,
     waiters: HeadWaiters,
     next_req: AtomicU64,
+    /// Bindings sent for each job (`exec --job NAME`, keyed by uid and name):
+    /// a launch carries only the delta, and its task gets them all.
+    jobs: Mutex<HashMap<String, JobBindings>>,
     next_task: AtomicU64,
     next_conn: AtomicU64,
     listen: String,
@@ -107,6 +120,7 @@ pub async fn run(cfg: HeadConfig) -> Result<()> {
         inflight: Mutex::new(HashMap::new()),
         waiters: Mutex::new(HashMap::new()),
         next_req: AtomicU64::new(0),
+        jobs: Mutex::new(HashMap::new()),
         // Task ids are unique across head restarts too (hosts keep per-task dirs).
         next_task: AtomicU64::new(now_ns() as u64 / 1000),
         next_conn: AtomicU64::new(1),
@@ -305,7 +319,10 @@ impl Head {
 
     /// Place a task on a host with a free core and start it, or queue it
     /// until one frees up. Answers the client `Started` or `LaunchFailed`.
-    async fn launch(&self, conn: u64, tx: &Outgoing, spec: starling_proto::TaskSpec, reference: u64) {
+    async fn launch(&self, conn: u64, tx: &Outgoing, mut spec: starling_proto::TaskSpec, reference: u64) {
+        if let Some(job) = &spec.job {
+            spec.prethrow = self.job_bindings(format!("{}:{job}", spec.uid), std::mem::take(&mut spec.prethrow));
+        }
         let placed = {
             let mut st = self.state.lock().unwrap();
             match Self::check_placeable(&st, spec.host.as_deref()) {
@@ -349,6 +366,24 @@ impl Head {
         if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
             self.lose_task(task, &format!("host {host} went away before the task started")).await;
         }
+    }
+
+    /// Merge a launch's (delta) bindings into its job's; returns all of them.
+    fn job_bindings(
+        &self,
+        key: String,
+        delta: Vec<(starling_proto::WirePath, starling_proto::Lookup)>,
+    ) -> Vec<(starling_proto::WirePath, starling_proto::Lookup)> {
+        let mut jobs = self.jobs.lock().unwrap();
+        jobs.retain(|_, j| j.used.elapsed() < JOB_IDLE);
+        let j = jobs.entry(key).or_insert_with(|| JobBindings { bindings: HashMap::new(), used: std::time::Instant::now() });
+        j.used = std::time::Instant::now();
+        for (p, l) in delta {
+            if j.bindings.len() < JOB_MAX_BINDINGS || j.bindings.contains_key(&p) {
+                j.bindings.insert(p, l);
+            }
+        }
+        j.bindings.iter().map(|(p, l)| (p.clone(), l.clone())).collect()
     }
 
     /// Start queued launches that now fit, oldest first.

@@ -104,10 +104,13 @@ impl Counters {
 /// Upstream silence that separates two flights.
 const FLIGHT_GAP: Duration = Duration::from_millis(2);
 
-/// One direction of the link: a delay line plus a rate limiter.
+/// One direction of the link: a delay line plus a rate limiter. The rate
+/// is the link's, shared by every connection crossing it (`link_free`).
 struct Direction {
     one_way: Duration,
     bytes_per_sec: f64,
+    /// When the link finishes sending what is already queued on it.
+    link_free: Arc<std::sync::Mutex<Instant>>,
 }
 
 impl Direction {
@@ -131,7 +134,6 @@ impl Direction {
             }
             let _ = to.shutdown().await;
         });
-        let mut link_free = Instant::now();
         let mut buf = vec![0u8; 16 << 10];
         // The first segment always starts a flight.
         let mut ready = Instant::now().checked_sub(Duration::from_secs(1)).unwrap_or_else(Instant::now);
@@ -142,10 +144,12 @@ impl Direction {
             };
             // How long the sender kept us waiting (not counting our own back-pressure pauses).
             on_bytes(n, ready.elapsed());
-            let now = Instant::now();
-            let start = link_free.max(now);
             let ser = if self.bytes_per_sec > 0.0 { Duration::from_secs_f64(n as f64 / self.bytes_per_sec) } else { Duration::ZERO };
-            link_free = start + ser;
+            let link_free = {
+                let mut free = self.link_free.lock().unwrap();
+                *free = (*free).max(Instant::now()) + ser;
+                *free
+            };
             if tx.send((link_free + one_way, buf[..n].to_vec())).is_err() {
                 break;
             }
@@ -168,10 +172,13 @@ pub async fn run_relay(listen: &str, target: &str, profile: Profile, counters: A
 }
 
 pub async fn run_relay_on(l: TcpListener, target: String, profile: Profile, counters: Arc<Counters>) -> Result<()> {
+    let up_free = Arc::new(std::sync::Mutex::new(Instant::now()));
+    let down_free = Arc::new(std::sync::Mutex::new(Instant::now()));
     loop {
         let (client, _) = l.accept().await?;
         let target = target.clone();
         let counters = counters.clone();
+        let (up_free, down_free) = (up_free.clone(), down_free.clone());
         tokio::spawn(async move {
             let server = match TcpStream::connect(&target).await {
                 Ok(s) => s,
@@ -186,8 +193,8 @@ pub async fn run_relay_on(l: TcpListener, target: String, profile: Profile, coun
             let (cr, cw) = client.into_split();
             let (sr, sw) = server.into_split();
             let one_way = Duration::from_secs_f64(profile.rtt_ms / 2000.0);
-            let up = Direction { one_way, bytes_per_sec: profile.up_kbit * 1000.0 / 8.0 };
-            let down = Direction { one_way, bytes_per_sec: profile.down_kbit * 1000.0 / 8.0 };
+            let up = Direction { one_way, bytes_per_sec: profile.up_kbit * 1000.0 / 8.0, link_free: up_free };
+            let down = Direction { one_way, bytes_per_sec: profile.down_kbit * 1000.0 / 8.0, link_free: down_free };
             // Flight detection: an upstream segment that follows downstream traffic starts a new flight.
             let heard_back = Arc::new(std::sync::atomic::AtomicBool::new(true));
             let (c1, h1) = (counters.clone(), heard_back.clone());
@@ -296,9 +303,29 @@ mod tests {
         wr.await.unwrap();
         let t = t0.elapsed();
         assert!(t >= Duration::from_millis(500), "50 kB at 100 kB/s took {t:?}");
+        // Two connections share the link's rate: 2 × 25 kB each way takes as long as 50 kB.
+        let mut a = TcpStream::connect(&link_addr).await.unwrap();
+        let mut b = TcpStream::connect(&link_addr).await.unwrap();
+        let t0 = std::time::Instant::now();
+        let half = vec![1u8; 25_000];
+        let (h1, h2) = (half.clone(), half.clone());
+        let ja = tokio::spawn(async move {
+            a.write_all(&h1).await.unwrap();
+            let mut g = vec![0u8; 25_000];
+            a.read_exact(&mut g).await.unwrap();
+        });
+        let jb = tokio::spawn(async move {
+            b.write_all(&h2).await.unwrap();
+            let mut g = vec![0u8; 25_000];
+            b.read_exact(&mut g).await.unwrap();
+        });
+        ja.await.unwrap();
+        jb.await.unwrap();
+        let t = t0.elapsed();
+        assert!(t >= Duration::from_millis(500), "two connections got more than the link's rate: {t:?}");
         let snap = counters.snapshot();
-        assert_eq!(snap.bytes_up, 50_004);
-        assert_eq!(snap.bytes_down, 50_004);
-        assert_eq!(snap.flights_up, 2, "ping, then the bulk send after hearing back");
+        assert_eq!(snap.bytes_up, 100_004);
+        assert_eq!(snap.bytes_down, 100_004);
+        assert_eq!(snap.flights_up, 4, "ping, the bulk send after hearing back, and one flight per new connection");
     }
 }

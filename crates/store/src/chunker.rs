@@ -56,7 +56,41 @@ pub fn chunk_file(path: &Path, meta: &Metadata, f: impl FnMut(ChunkRef, &[u8])) 
 }
 
 /// [`chunk_file`] on an already open file (read from its current position).
+/// Content-defined chunking can be switched off (`STARLING_CHUNKING=off`)
+/// to measure what it saves: files are then cut into fixed blocks of the
+/// largest chunk size, so an edit resends its whole block (or file).
+pub fn content_defined() -> bool {
+    std::env::var("STARLING_CHUNKING").map(|v| v != "off").unwrap_or(true)
+}
+
+fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
+    use std::io::Read;
+    let mut recipe = empty_recipe(meta);
+    let mut reader = BufReader::new(file);
+    let mut buf = vec![0u8; starling_proto::MAX_CHUNK as usize];
+    loop {
+        let mut got = 0;
+        while got < buf.len() {
+            let n = reader.read(&mut buf[got..])?;
+            if n == 0 {
+                break;
+            }
+            got += n;
+        }
+        if got == 0 {
+            return Ok(recipe);
+        }
+        let r = ChunkRef { hash: Hash::of(&buf[..got]), len: got as u32 };
+        f(r, &buf[..got]);
+        recipe.size += got as u64;
+        recipe.chunks.push(r);
+    }
+}
+
 pub fn chunk_reader(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
+    if !content_defined() {
+        return chunk_fixed(file, meta, f);
+    }
     let mut recipe = empty_recipe(meta);
     // StreamCDC fills its own MAX_CHUNK buffer with large reads; the
     // BufReader only smooths out the short reads some file systems return.

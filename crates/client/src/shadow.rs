@@ -1,0 +1,197 @@
+//! The client's shadow of the cluster's caches (UCop's proposed "shadow
+//! index"), so a launch can carry what the head lacks without being asked.
+//!
+//! - [`Shadow`]: recipe and chunk names the head's relay cache is known to
+//!   hold (because we sent them). Append-only file per cluster; a wrong
+//!   entry (the head evicted it) only costs a later fetch, never correctness.
+//! - [`JobBindings`]: for `exec --job NAME`, the bindings the head already
+//!   holds for the job, so each launch sends only the delta.
+
+use starling_proto::{ChunkData, Hash, Lookup, Recipe, WirePath};
+use std::collections::{HashMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Most bytes of content pushed with one launch; the rest is fetched on demand.
+pub const MAX_PUSH_BYTES: u64 = 32 << 20;
+
+fn key_name(parts: &[&str]) -> String {
+    let mut h = blake3::Hasher::new();
+    for p in parts {
+        h.update(p.as_bytes());
+        h.update(&[0]);
+    }
+    h.finalize().to_hex()[..32].to_string()
+}
+
+pub struct Shadow {
+    file: PathBuf,
+    known: HashSet<Hash>,
+    added: Vec<Hash>,
+}
+
+impl Shadow {
+    /// The shadow for the cluster reached at `head_addr`.
+    pub fn load(dir: &Path, head_addr: &str) -> Shadow {
+        let file = dir.join(format!("{}.bin", key_name(&[head_addr])));
+        let bytes = std::fs::read(&file).unwrap_or_default();
+        let known = bytes.chunks_exact(32).map(|c| Hash(c.try_into().expect("32 bytes"))).collect();
+        Shadow { file, known, added: Vec::new() }
+    }
+
+    pub fn has(&self, h: &Hash) -> bool {
+        self.known.contains(h)
+    }
+
+    pub fn note(&mut self, h: Hash) {
+        if self.known.insert(h) {
+            self.added.push(h);
+        }
+    }
+
+    /// Append what this process learned (O_APPEND: concurrent clients interleave whole records).
+    pub fn save(&mut self) {
+        if self.added.is_empty() {
+            return;
+        }
+        if let Some(d) = self.file.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        let mut buf = Vec::with_capacity(self.added.len() * 32);
+        for h in self.added.drain(..) {
+            buf.extend_from_slice(&h.0);
+        }
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&self.file) {
+            let _ = f.write_all(&buf);
+        }
+    }
+
+    /// Content of `bindings` the head lacks, up to [`MAX_PUSH_BYTES`]: the
+    /// recipes and chunks to push in the launch flight. Marks them known.
+    pub fn plan_push(
+        &mut self,
+        files: &crate::files::FileServer,
+        bindings: &[(WirePath, Lookup)],
+        compress: bool,
+    ) -> (Vec<Recipe>, Vec<ChunkData>) {
+        let mut recipes = Vec::new();
+        let mut chunks = Vec::new();
+        let mut budget = MAX_PUSH_BYTES;
+        for (path, l) in bindings {
+            let Lookup::File(_, name) = l else { continue };
+            if self.has(name) {
+                continue;
+            }
+            let Some((local, recipe)) = files.recipe_by_name(name) else { continue };
+            let wanted: Vec<Hash> = recipe.chunks.iter().map(|c| c.hash).filter(|h| !self.has(h)).collect();
+            let size: u64 = recipe.chunks.iter().filter(|c| wanted.contains(&c.hash)).map(|c| c.len as u64).sum();
+            if size > budget {
+                continue;
+            }
+            match starling_store::read_chunks(&local, &recipe, &wanted) {
+                Ok(got) => {
+                    budget -= size;
+                    for (h, bytes) in got {
+                        self.note(h);
+                        chunks.push(ChunkData::seal(&bytes, compress));
+                    }
+                    self.note(*name);
+                    recipes.push(recipe);
+                }
+                Err(e) => log::debug!("not pushing {path}: {e}"),
+            }
+        }
+        (recipes, chunks)
+    }
+}
+
+/// Bindings the head holds for a job, as digests.
+pub struct JobBindings {
+    file: PathBuf,
+    sent: HashMap<WirePath, Hash>,
+}
+
+fn digest(l: &Lookup) -> Hash {
+    Hash::of(&bincode::serialize(l).expect("lookup encodes"))
+}
+
+impl JobBindings {
+    pub fn load(dir: &Path, head_addr: &str, job: &str) -> JobBindings {
+        let file = dir.join(format!("{}.bin", key_name(&[head_addr, job])));
+        let sent = std::fs::read(&file).ok().and_then(|b| bincode::deserialize(&b).ok()).unwrap_or_default();
+        JobBindings { file, sent }
+    }
+
+    /// Paths the head holds bindings for: they must be re-validated at each
+    /// launch so the head's copy never goes stale.
+    pub fn paths(&self) -> Vec<WirePath> {
+        self.sent.keys().cloned().collect()
+    }
+
+    /// Of `current` (bindings made now), those the head doesn't already hold identically.
+    pub fn delta(&mut self, current: Vec<(WirePath, Lookup)>) -> Vec<(WirePath, Lookup)> {
+        let mut out = Vec::new();
+        for (p, l) in current {
+            let d = digest(&l);
+            if self.sent.get(&p) != Some(&d) {
+                self.sent.insert(p.clone(), d);
+                out.push((p, l));
+            }
+        }
+        out
+    }
+
+    pub fn save(&self) {
+        if let Some(d) = self.file.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        let tmp = self.file.with_extension(format!("tmp{}", std::process::id()));
+        if let Ok(b) = bincode::serialize(&self.sent) {
+            if std::fs::write(&tmp, b).is_ok() {
+                let _ = std::fs::rename(&tmp, &self.file);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use starling_proto::{Attr, NodeKind};
+
+    fn attr(size: u64) -> Attr {
+        Attr { kind: NodeKind::File, ino: 1, size, mode: 0o100644, nlink: 1, uid: 0, gid: 0, rdev: 0, atime_ns: 0, mtime_ns: 0, ctime_ns: 0 }
+    }
+
+    #[test]
+    fn job_delta_sends_only_changes_and_persists() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = WirePath::new(b"/a".to_vec()).unwrap();
+        let q = WirePath::new(b"/b".to_vec()).unwrap();
+        let mut j = JobBindings::load(dir.path(), "head:1", "build");
+        let first = vec![(p.clone(), Lookup::File(attr(1), Hash::of(b"1"))), (q.clone(), Lookup::Absent)];
+        assert_eq!(j.delta(first.clone()).len(), 2);
+        j.save();
+        let mut j = JobBindings::load(dir.path(), "head:1", "build");
+        assert_eq!(j.paths().len(), 2);
+        assert!(j.delta(first).is_empty(), "unchanged: nothing to send");
+        let changed = vec![(p.clone(), Lookup::File(attr(2), Hash::of(b"2"))), (q, Lookup::Absent)];
+        assert_eq!(j.delta(changed), vec![(p, Lookup::File(attr(2), Hash::of(b"2")))], "only the changed binding");
+        assert!(JobBindings::load(dir.path(), "head:1", "other").paths().is_empty(), "per job");
+    }
+
+    #[test]
+    fn shadow_persists_appends() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut s = Shadow::load(dir.path(), "h:1");
+        s.note(Hash::of(b"x"));
+        s.save();
+        let mut t = Shadow::load(dir.path(), "h:1");
+        assert!(t.has(&Hash::of(b"x")));
+        t.note(Hash::of(b"y"));
+        t.save();
+        let u = Shadow::load(dir.path(), "h:1");
+        assert!(u.has(&Hash::of(b"x")) && u.has(&Hash::of(b"y")));
+        assert!(!Shadow::load(dir.path(), "h:2").has(&Hash::of(b"x")));
+    }
+}
