@@ -1,0 +1,191 @@
+"""mcdist on a real embedded cluster (instance 3: /run/starling-3, bridge stbr3).
+
+Remote-fork clones get their pages by multicast (STARLING_MCDIST=on|push) from
+the parent's page server. Checked here, with bench/c/mcdist_work.c in `verify`
+mode (every clone checksums each 1 MiB chunk of the 64 MiB dataset it read and
+a global array; the parent prints its own checksums of the same memory):
+
+* no page installed in a clone differs from the parent's image (N = 8 clones,
+  multicast and multicast+push);
+* with 5 % of the multicast packets onto the bridge dropped (nftables `numgen
+  random`), clones still finish with correct memory, the drops really
+  happened (rule counter), and the sender backed off (rate cuts, lowest rate
+  limit below the initial one — sender-side stats via sf_ticket_stat);
+* with multicast blocked on the bridge, every clone detects it and falls back
+  to unicast: reported per clone (sf_clone_stat mode), in `starling status`
+  (page distribution per host) and in the agents' logs; memory still correct.
+
+Needs root, iproute2 and `nft` (nftables; not installed by this test:
+`apt-get install -y nftables`), and target/release built
+(`cargo build --release --workspace`).
+"""
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STARLING = str(ROOT / "target/release/starling")
+INSTANCE = "3"
+BRIDGE = f"stbr{INSTANCE}"
+RUN_DIR = pathlib.Path(f"/run/starling-{INSTANCE}")
+BIN = pathlib.Path(f"/var/tmp/starling-tests/mcdist-{INSTANCE}")
+NFT_TABLE = f"sfmcd{INSTANCE}"
+CLONES = 8
+DATA_MIB = 64
+# Mode numbers of sf_clone_stat(t, id, 6) (include/starling.h SF_DIST_*).
+MULTICAST, MULTICAST_PUSH, UNICAST_FALLBACK = 1, 2, 4
+# The multicast sender's initial rate limit (crates/mcdist SenderConfig::new: 1.25e9 / 25).
+INITIAL_RATE = 1.25e9 / 25
+
+
+def env(**extra):
+    e = dict(os.environ)
+    e.pop("STARLING_FORK_BACKEND", None)
+    e.pop("STARLING_CLUSTER", None)
+    e["STARLING_INSTANCE"] = INSTANCE
+    e.update(extra)
+    return e
+
+
+def starling(*args, timeout=180):
+    return subprocess.run([STARLING, *args], capture_output=True, text=True, timeout=timeout, env=env())
+
+
+def nft(script):
+    r = subprocess.run(["nft", script], capture_output=True, text=True)
+    assert r.returncode == 0, f"nft {script!r}: {r.stderr}"
+
+
+def nft_clear():
+    subprocess.run(["nft", f"delete table ip {NFT_TABLE}"], capture_output=True)
+
+
+def nft_multicast_rule(rule):
+    """One rule on every multicast packet the parent's side sends onto the
+    cluster bridge (the page server and its multicast sender run in this
+    namespace; a dropped packet is lost for every host)."""
+    nft_clear()
+    nft(f"add table ip {NFT_TABLE}")
+    nft(f"add chain ip {NFT_TABLE} out {{ type filter hook output priority 0 ; }}")
+    nft(f'add rule ip {NFT_TABLE} out oifname "{BRIDGE}" ip daddr 224.0.0.0/4 {rule}')
+
+
+def nft_dropped():
+    out = subprocess.run(["nft", "list", "table", "ip", NFT_TABLE], capture_output=True, text=True).stdout
+    return sum(int(p) for p in re.findall(r"counter packets (\d+)", out))
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if not shutil.which("nft"):
+        pytest.fail("nft not found: install nftables (apt-get install -y nftables)")
+    assert pathlib.Path(STARLING).exists(), "build it: cargo build --release --workspace"
+    starling("down")
+    r = starling("up", "--hosts", str(CLONES // 2), timeout=300)
+    assert r.returncode == 0, f"starling up failed:\n{r.stdout}\n{r.stderr}"
+    yield
+    nft_clear()
+    starling("down")
+
+
+@pytest.fixture(scope="module")
+def work(cluster):
+    BIN.mkdir(parents=True, exist_ok=True)
+    # A private copy of the library: a rebuild of target/release during the
+    # tests must not replace the file the clones map.
+    shutil.copy2(ROOT / "target/release/libstarling.so", BIN / "libstarling.so")
+    exe = BIN / "mcdist_work"
+    r = subprocess.run(["cc", "-O2", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "bench/c/mcdist_work.c"),
+                        "-L", str(BIN), "-lstarling", f"-Wl,-rpath,{BIN}", "-o", str(exe)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(exe)
+
+
+def kv(line):
+    return dict(re.findall(r"(\w+)=(\S+)", line))
+
+
+def run_verify(exe, mcdist, n=CLONES, timeout=600):
+    r = subprocess.run([exe, "verify", str(n), str(DATA_MIB), "4"], capture_output=True, text=True, timeout=timeout,
+                       env=env(STARLING_MCDIST=mcdist), cwd="/var/tmp")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    out = r.stdout
+    parent = {m["chunk"]: m["sum"] for m in map(kv, re.findall(r"^PSUM .*$", out, re.M))}
+    clones = {}
+    for m in map(kv, re.findall(r"^CSUM .*$", out, re.M)):
+        clones.setdefault(m["id"], {})[m["chunk"]] = m["sum"]
+    stats = {m["id"]: m for m in map(kv, re.findall(r"^STAT .*$", out, re.M))}
+    wire = {k: int(v) for k, v in kv(re.search(r"^WIRE .*$", out, re.M).group(0)).items()}
+    return parent, clones, stats, wire, r
+
+
+def assert_memory_identical(parent, clones, n):
+    assert len(parent) == DATA_MIB + 1, "parent checksums: every 1 MiB chunk + globals"
+    assert sorted(clones, key=int) == [str(i) for i in range(1, n + 1)], "every clone reported"
+    for cid, sums in clones.items():
+        assert sums.keys() == parent.keys(), f"clone {cid} read every chunk"
+        bad = [c for c in sums if sums[c] != parent[c]]
+        assert not bad, f"clone {cid}: chunks {bad[:10]} differ from the parent's image"
+
+
+@pytest.mark.parametrize("mcdist,mode", [("on", MULTICAST), ("push", MULTICAST_PUSH)])
+def test_clone_memory_equals_parent_image(work, mcdist, mode):
+    nft_clear()
+    parent, clones, stats, wire, _ = run_verify(work, mcdist)
+    assert_memory_identical(parent, clones, CLONES)
+    assert all(s["status"] == "0" for s in stats.values()), stats
+    assert {int(s["mode"]) for s in stats.values()} == {mode}, "every clone used multicast"
+    # Clones installed pages other clones asked for: the multicast really was shared.
+    assert sum(int(s["unsolicited"]) for s in stats.values()) > 0
+    # 8 clones read 64 MiB each; the wire carried far less than 8 unicast copies.
+    assert wire["bytes_multicast"] > 0 and wire["bytes_wire"] < 3 * (DATA_MIB << 20), wire
+
+
+def test_loss_on_the_bridge_clones_correct_sender_backs_off(work):
+    nft_multicast_rule("numgen random mod 1000 < 50 counter drop")  # 5 % of multicast packets
+    try:
+        parent, clones, stats, wire, _ = run_verify(work, "on")
+        dropped = nft_dropped()
+    finally:
+        nft_clear()
+    assert dropped > 100, f"the loss rule dropped only {dropped} frames"
+    assert_memory_identical(parent, clones, CLONES)
+    assert {int(s["mode"]) for s in stats.values()} == {MULTICAST}, "loss must not push clones off multicast"
+    assert wire["implicit_losses"] > 0 and wire["rate_cuts"] > 0, wire
+    assert 0 < wire["rate_min"] < INITIAL_RATE, f"rate never backed off below the initial limit: {wire}"
+
+
+def test_multicast_blocked_falls_back_to_unicast_and_says_so(work):
+    logs = RUN_DIR / "logs"
+    marks = {p: p.stat().st_size for p in logs.glob("h*.log")}
+    nft_multicast_rule("counter drop")
+    try:
+        parent, clones, stats, wire, r = run_verify(work, "on", n=4)
+        dropped = nft_dropped()
+    finally:
+        nft_clear()
+    assert dropped > 0, "multicast never reached the block"
+    assert_memory_identical(parent, clones, 4)
+    assert {int(s["mode"]) for s in stats.values()} == {UNICAST_FALLBACK}, stats
+    assert wire["bytes_tcp"] > (DATA_MIB << 20) * 4, "pages came over TCP"
+    # starling status: the hosts that ran clones say so (agents report every 2 s).
+    import time
+    deadline = time.time() + 10
+    while True:
+        st = json.loads(starling("status", "--json").stdout)
+        fallen = [h["name"] for h in st["hosts"] if h.get("page_distribution") == "unicast (multicast unavailable)"]
+        if len(fallen) >= 2 or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(fallen) >= 2, st["hosts"]
+    text = starling("status").stdout
+    assert "page distribution" in text and "unicast (multicast unavailable)" in text, text
+    # ... and the agents' logs.
+    new = "".join(p.read_text(errors="replace")[marks.get(p, 0):] for p in logs.glob("h*.log"))
+    assert "falls back to unicast" in new or "falling back to unicast" in new, new[-2000:]
