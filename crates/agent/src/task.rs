@@ -82,6 +82,7 @@ fn run_blocking(
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
     let view = starling_view::mount(source, &view_dir).context("mounting the file view")?;
     view.preload(spec.prethrow.clone());
+    view.preload_listings(spec.listings.clone());
     let overlay = starling_view::Overlay::mount(&view_dir, dir).context("mounting the task's copy-on-write layer")?;
 
     let (stdin_r, stdin_w) = pipe()?;

@@ -69,6 +69,7 @@ pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec, head_addr:
     paths.sort();
     paths.dedup();
     let bindings = prethrow::bind(files, &paths);
+    spec.listings = prethrow::list(files, &prethrow::listing_dirs(spec));
     let mut shadow = push_enabled().then(|| crate::shadow::Shadow::load(&cache_dir().join("shadow"), head_addr));
     let push = match shadow.as_mut() {
         Some(s) => s.plan_push(files, &bindings, compress),
@@ -193,6 +194,14 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
         }
     };
     log::info!("task {} started on {}", handle.task, handle.host);
+    if handle.job_fresh {
+        if let Some(j) = prediction.as_mut().and_then(|p| p.job.as_mut()) {
+            if j.had_record {
+                // We sent a delta the head could not apply; next time, everything.
+                j.forget();
+            }
+        }
+    }
     stdin_pump(&handle);
 
     let mut stdout = std::io::stdout();

@@ -169,7 +169,7 @@ pub async fn run(mut base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: Job
             }
         };
         match ev {
-            TaskEvent::Started { task, host } => {
+            TaskEvent::Started { task, host, .. } => {
                 if let Some(no) = interrupted {
                     session.signal(task, no).await;
                 }

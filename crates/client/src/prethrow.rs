@@ -166,6 +166,39 @@ pub fn argv_paths(spec: &TaskSpec) -> Vec<WirePath> {
     out
 }
 
+/// Directories worth binding whole at launch: the temp directory, the
+/// working directory, and the directories of paths named on the command
+/// line (outputs). Their new names (temp files, outputs) are then known
+/// absent without asking back across the link.
+pub fn listing_dirs(spec: &TaskSpec) -> Vec<WirePath> {
+    let cwd = spec.cwd.as_path();
+    let tmp = spec.env.iter().find(|(k, _)| k == b"TMPDIR").map(|(_, v)| v.clone()).unwrap_or_else(|| b"/tmp".to_vec());
+    let mut dirs = vec![cwd.join(std::ffi::OsStr::from_bytes(&tmp)), cwd.to_path_buf()];
+    for a in spec.argv.iter().skip(1) {
+        let a = a.strip_prefix(b"-o").filter(|r| !r.is_empty()).unwrap_or(a);
+        if a.starts_with(b"-") || !a.contains(&b'/') {
+            continue;
+        }
+        if let Some(parent) = cwd.join(std::ffi::OsStr::from_bytes(a)).parent() {
+            dirs.push(parent.to_path_buf());
+        }
+    }
+    let mut out: Vec<WirePath> = dirs.iter().filter(|d| d.is_dir()).filter_map(|d| normalise(d)).collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Most entries in a directory listing sent at launch.
+pub const MAX_LISTING: usize = 4096;
+
+/// The listings of `dirs`, as the task will see them (small directories only).
+pub fn list(files: &FileServer, dirs: &[WirePath]) -> Vec<(WirePath, Vec<starling_proto::DirEntry>)> {
+    dirs.iter()
+        .filter_map(|d| files.readdir(d).ok().filter(|e| e.len() <= MAX_LISTING).map(|e| (d.clone(), e)))
+        .collect()
+}
+
 /// Lexically normalise an absolute path (no symlink resolution: the task
 /// resolves symlinks itself, through bindings).
 pub fn normalise(p: &Path) -> Option<WirePath> {

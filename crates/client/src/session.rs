@@ -24,8 +24,9 @@ use tokio::sync::{mpsc, oneshot};
 /// then exactly one of `Finished` or `Lost`.
 #[derive(Debug)]
 pub enum TaskEvent {
-    /// A host has a core for it and it is starting.
-    Started { task: TaskId, host: String },
+    /// A host has a core for it and it is starting. `job_fresh`: the head
+    /// held no bindings for the launch's job (see [`Msg::Started`]).
+    Started { task: TaskId, host: String, job_fresh: bool },
     /// The head could not place it (no such host, no hosts).
     Refused(String),
     Output(Stream, Vec<u8>),
@@ -46,6 +47,8 @@ impl TaskEvent {
 pub struct TaskHandle {
     pub task: TaskId,
     pub host: String,
+    /// The head held no bindings for this launch's job.
+    pub job_fresh: bool,
     pub events: mpsc::UnboundedReceiver<TaskEvent>,
     tx: Outgoing,
 }
@@ -197,7 +200,9 @@ impl Session {
         let mut events = rxs.pop().expect("one receiver");
         self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
         match events.recv().await {
-            Some(TaskEvent::Started { task, host }) => Ok(TaskHandle { task, host, events, tx: self.tx.clone() }),
+            Some(TaskEvent::Started { task, host, job_fresh }) => {
+                Ok(TaskHandle { task, host, job_fresh, events, tx: self.tx.clone() })
+            }
             Some(TaskEvent::Refused(why)) | Some(TaskEvent::Lost(why)) => Err(anyhow!("{why}")),
             _ => Err(anyhow!(LOST_HEAD)),
         }
@@ -278,9 +283,9 @@ impl Session {
                 Err(e) => break format!("protocol error from the cluster head: {e}"),
             };
             match msg {
-                Msg::Started { task, host, reference } => {
+                Msg::Started { task, host, reference, job_fresh } => {
                     self.state.lock().unwrap().by_task.insert(task, reference);
-                    self.emit_ref(reference, TaskEvent::Started { task, host });
+                    self.emit_ref(reference, TaskEvent::Started { task, host, job_fresh });
                 }
                 Msg::LaunchFailed { reference, message } => self.emit_ref(reference, TaskEvent::Refused(message)),
                 Msg::TicketGrant { ticket, granted } => {

@@ -109,6 +109,8 @@ impl Shadow {
 pub struct JobBindings {
     file: PathBuf,
     sent: HashMap<WirePath, Hash>,
+    /// We believed the head already held some of the job's bindings.
+    pub had_record: bool,
 }
 
 fn digest(l: &Lookup) -> Hash {
@@ -118,8 +120,8 @@ fn digest(l: &Lookup) -> Hash {
 impl JobBindings {
     pub fn load(dir: &Path, head_addr: &str, job: &str) -> JobBindings {
         let file = dir.join(format!("{}.bin", key_name(&[head_addr, job])));
-        let sent = std::fs::read(&file).ok().and_then(|b| bincode::deserialize(&b).ok()).unwrap_or_default();
-        JobBindings { file, sent }
+        let sent: HashMap<WirePath, Hash> = std::fs::read(&file).ok().and_then(|b| bincode::deserialize(&b).ok()).unwrap_or_default();
+        JobBindings { file, had_record: !sent.is_empty(), sent }
     }
 
     /// Paths the head holds bindings for: they must be re-validated at each
@@ -139,6 +141,13 @@ impl JobBindings {
             }
         }
         out
+    }
+
+    /// The head no longer holds the job (it restarted, or forgot it): the
+    /// next launch must send every binding.
+    pub fn forget(&mut self) {
+        self.sent.clear();
+        let _ = std::fs::remove_file(&self.file);
     }
 
     pub fn save(&self) {

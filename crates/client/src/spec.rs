@@ -48,6 +48,7 @@ pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec> {
         host: None,
         job: None,
         prethrow: Vec::new(),
+        listings: Vec::new(),
         launch_ns: now_ns(),
         clone: None,
     })

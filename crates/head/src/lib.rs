@@ -59,6 +59,7 @@ struct Queued {
     client: Outgoing,
     spec: starling_proto::TaskSpec,
     reference: u64,
+    job_fresh: bool,
 }
 
 #[derive(Default)]
@@ -320,8 +321,11 @@ impl Head {
     /// Place a task on a host with a free core and start it, or queue it
     /// until one frees up. Answers the client `Started` or `LaunchFailed`.
     async fn launch(&self, conn: u64, tx: &Outgoing, mut spec: starling_proto::TaskSpec, reference: u64) {
+        let mut job_fresh = false;
         if let Some(job) = &spec.job {
-            spec.prethrow = self.job_bindings(format!("{}:{job}", spec.uid), std::mem::take(&mut spec.prethrow));
+            let (all, fresh) = self.job_bindings(format!("{}:{job}", spec.uid), std::mem::take(&mut spec.prethrow));
+            spec.prethrow = all;
+            job_fresh = fresh;
         }
         let placed = {
             let mut st = self.state.lock().unwrap();
@@ -330,7 +334,7 @@ impl Head {
                 Ok(()) => match Self::pick(&mut st, spec.host.as_deref()) {
                     Some(p) => Ok(Some((spec, p))),
                     None => {
-                        st.queue.push_back(Queued { conn, client: tx.clone(), spec, reference });
+                        st.queue.push_back(Queued { conn, client: tx.clone(), spec, reference, job_fresh });
                         Ok(None)
                     }
                 },
@@ -340,7 +344,9 @@ impl Head {
             Err(message) => {
                 let _ = tx.send(Msg::LaunchFailed { reference, message }).await;
             }
-            Ok(Some((spec, (host, host_tx, host_conn)))) => self.start(conn, tx, spec, reference, host, host_tx, host_conn).await,
+            Ok(Some((spec, (host, host_tx, host_conn)))) => {
+                self.start(conn, tx, spec, reference, job_fresh, host, host_tx, host_conn).await
+            }
             Ok(None) => {}
         }
     }
@@ -352,6 +358,7 @@ impl Head {
         tx: &Outgoing,
         spec: starling_proto::TaskSpec,
         reference: u64,
+        job_fresh: bool,
         host: String,
         host_tx: Outgoing,
         host_conn: u64,
@@ -362,20 +369,22 @@ impl Head {
             .unwrap()
             .routes
             .insert(task, Route { client: Some(tx.clone()), client_conn: conn, host: host.clone(), host_conn });
-        let _ = tx.send(Msg::Started { task, host: host.clone(), reference }).await;
+        let _ = tx.send(Msg::Started { task, host: host.clone(), reference, job_fresh }).await;
         if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
             self.lose_task(task, &format!("host {host} went away before the task started")).await;
         }
     }
 
-    /// Merge a launch's (delta) bindings into its job's; returns all of them.
+    /// Merge a launch's (delta) bindings into its job's; returns all of them,
+    /// and whether the job was unknown until now.
     fn job_bindings(
         &self,
         key: String,
         delta: Vec<(starling_proto::WirePath, starling_proto::Lookup)>,
-    ) -> Vec<(starling_proto::WirePath, starling_proto::Lookup)> {
+    ) -> (Vec<(starling_proto::WirePath, starling_proto::Lookup)>, bool) {
         let mut jobs = self.jobs.lock().unwrap();
         jobs.retain(|_, j| j.used.elapsed() < JOB_IDLE);
+        let fresh = !jobs.contains_key(&key);
         let j = jobs.entry(key).or_insert_with(|| JobBindings { bindings: HashMap::new(), used: std::time::Instant::now() });
         j.used = std::time::Instant::now();
         for (p, l) in delta {
@@ -383,7 +392,7 @@ impl Head {
                 j.bindings.insert(p, l);
             }
         }
-        j.bindings.iter().map(|(p, l)| (p.clone(), l.clone())).collect()
+        (j.bindings.iter().map(|(p, l)| (p.clone(), l.clone())).collect(), fresh)
     }
 
     /// Start queued launches that now fit, oldest first.
@@ -405,7 +414,7 @@ impl Head {
             out
         };
         for (q, (host, host_tx, host_conn)) in ready {
-            self.start(q.conn, &q.client, q.spec, q.reference, host, host_tx, host_conn).await;
+            self.start(q.conn, &q.client, q.spec, q.reference, q.job_fresh, host, host_tx, host_conn).await;
         }
     }
 

@@ -174,6 +174,7 @@ mod tests {
             host: None,
             job: None,
             prethrow: vec![],
+            listings: vec![],
             launch_ns: 0,
             clone: None,
         }

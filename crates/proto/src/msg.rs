@@ -80,7 +80,10 @@ pub enum Msg {
     /// launch; the head answers `Started` (once a host has a free core: the
     /// head queues tasks rather than oversubscribe hosts) or `LaunchFailed`.
     Launch { spec: TaskSpec, reference: u64 },
-    Started { task: TaskId, host: String, reference: u64 },
+    /// `job_fresh`: the launch named a job the head held no bindings for
+    /// (new, expired, or the head restarted): a client that sent only a delta
+    /// must send everything next time.
+    Started { task: TaskId, host: String, reference: u64, job_fresh: bool },
     LaunchFailed { reference: u64, message: String },
     StatusRequest,
     StatusReply(ClusterStatus),

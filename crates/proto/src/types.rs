@@ -306,6 +306,9 @@ pub struct TaskSpec {
     pub job: Option<String>,
     /// Bindings the client sends ahead of execution (prethrow).
     pub prethrow: Vec<(WirePath, Lookup)>,
+    /// Complete directory listings bound at launch (output and temp
+    /// directories): names missing from them are absent, without asking.
+    pub listings: Vec<(WirePath, Vec<DirEntry>)>,
     /// Client wall clock at launch (ns since the epoch): the consistency point.
     pub launch_ns: i64,
     /// Set when the task is a clone of a running process (the fork API):
@@ -354,6 +357,12 @@ impl TaskSpec {
         }
         if self.umask > 0o777 {
             return Err(ProtoError::invalid("umask out of range"));
+        }
+        for (p, entries) in &self.listings {
+            p.validate()?;
+            if entries.iter().any(|e| e.name.is_empty() || e.name.contains(&b'/') || e.name.contains(&0)) {
+                return Err(ProtoError::invalid("bad name in a prethrown listing"));
+            }
         }
         for (p, l) in &self.prethrow {
             p.validate()?;

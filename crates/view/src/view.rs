@@ -161,6 +161,16 @@ impl Shared {
             bump(&self.counters.lookups_local);
             return Ok(b.clone());
         }
+        // A directory whose listing the task already has is complete: a name
+        // not in it is absent, without asking (temp and output files are new
+        // names every run, so no profile can predict them).
+        if let Some(parent) = path.parent() {
+            let listed = lock(&self.listings).get(&parent).map(|l| l.iter().any(|e| e.name == path.file_name()));
+            if listed == Some(false) {
+                bump(&self.counters.lookups_local);
+                return Ok(lock(&self.bindings).entry(path.clone()).or_insert(Lookup::Absent).clone());
+            }
+        }
         bump(&self.counters.lookups_sent);
         let answer = self.source.lookup(path).map_err(|e| {
             log::debug!("view: source lookup {path} failed: {e}");
@@ -649,6 +659,22 @@ impl ViewMount {
             if path.validate().is_ok() {
                 map.entry(path).or_insert_with(|| sanitize(lookup));
             }
+        }
+    }
+
+    /// Seed complete directory listings (prethrow): readdir is answered
+    /// locally and names missing from a listing are absent. A directory
+    /// already listed keeps its listing.
+    pub fn preload_listings(&self, listings: Vec<(WirePath, Vec<DirEntry>)>) {
+        let mut map = lock(&self.shared.listings);
+        for (path, mut entries) in listings {
+            if path.validate().is_err() {
+                continue;
+            }
+            entries.retain(|e| {
+                !e.name.is_empty() && e.name != b"." && e.name != b".." && !e.name.contains(&b'/') && !e.name.contains(&0)
+            });
+            map.entry(path).or_insert_with(|| Arc::new(entries));
         }
     }
 
