@@ -116,11 +116,22 @@ impl starling_view::Source for RemoteSource {
                 r
             }
         };
-        let missing = self.cache.missing(&recipe);
-        if !missing.is_empty() {
-            self.fetch_chunks(&missing)?;
+        // Content can be evicted (or lost) between the check and the copy:
+        // then fetch what is missing again.
+        let mut attempt = 0;
+        loop {
+            let missing = self.cache.missing(&recipe);
+            if !missing.is_empty() {
+                self.fetch_chunks(&missing)?;
+            }
+            match self.cache.assemble(&recipe).and_then(std::fs::File::open) {
+                Ok(f) => return Ok(f),
+                Err(e) if e.kind() == io::ErrorKind::NotFound && attempt < 3 => {
+                    attempt += 1;
+                    log::info!("{path}: cached content vanished while assembling; fetching again");
+                }
+                Err(e) => return Err(e),
+            }
         }
-        let file = self.cache.assemble(&recipe)?;
-        std::fs::File::open(file)
     }
 }

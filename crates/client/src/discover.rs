@@ -20,6 +20,21 @@ struct StateFile {
     extra: std::collections::BTreeMap<String, String>,
 }
 
+/// A stable name for the cluster's caches, for client-side records of what
+/// the cluster holds: the embedded cluster's persistent state dir (its
+/// caches survive `down`/`up` and link changes), else the head address.
+pub fn cluster_id(flag: Option<&str>, head_addr: &str) -> String {
+    if flag.is_some() || std::env::var_os("STARLING_CLUSTER").is_some() {
+        return head_addr.to_string();
+    }
+    std::fs::read(run_dir().join("cluster.json"))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
+        .and_then(|s| s.extra.get("state_dir").cloned())
+        .map(|d| format!("embedded:{d}"))
+        .unwrap_or_else(|| head_addr.to_string())
+}
+
 /// Whether the embedded cluster's head keeps a relay cache (pushing content
 /// to a head without one would only waste the link).
 pub fn relay_cache_on(flag: Option<&str>) -> bool {

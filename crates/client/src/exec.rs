@@ -27,6 +27,9 @@ pub struct Prediction {
     pub push: (Vec<starling_proto::Recipe>, Vec<starling_proto::ChunkData>),
     pub shadow: Option<crate::shadow::Shadow>,
     pub job: Option<crate::shadow::JobBindings>,
+    /// For reports: bindings sent, and (recipes, chunks, bytes) pushed.
+    pub sent_bindings: usize,
+    pub pushed: (usize, usize, u64),
 }
 
 impl Prediction {
@@ -43,6 +46,27 @@ impl Prediction {
     }
 }
 
+/// With `STARLING_STATS_FILE=PATH`, append one JSON line per launch: what
+/// the client had to answer while the task ran (each request is a round trip
+/// on the critical path), what it pushed, and how long it took. For benchmarks.
+pub fn write_stats(files: &crate::files::FileServer, prediction: Option<&Prediction>, tasks: usize, wall: std::time::Duration) {
+    let Some(path) = std::env::var_os("STARLING_STATS_FILE") else { return };
+    let st = files.stats();
+    let line = serde_json::json!({
+        "tasks": tasks,
+        "wall_s": wall.as_secs_f64(),
+        "file_requests": st.requests,
+        "serve": st,
+        "prethrow_bindings": prediction.map(|p| p.sent_bindings).unwrap_or(0),
+        "pushed_recipes": prediction.map(|p| p.pushed.0).unwrap_or(0),
+        "pushed_chunks": prediction.map(|p| p.pushed.1).unwrap_or(0),
+        "pushed_bytes": prediction.map(|p| p.pushed.2).unwrap_or(0),
+    });
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = writeln!(f, "{line}");
+    }
+}
+
 /// Pushing can be switched off (`STARLING_PUSH=off`) to measure what it
 /// saves; it is pointless when the head keeps no relay cache.
 fn push_enabled() -> bool {
@@ -54,11 +78,11 @@ fn push_enabled() -> bool {
 /// head already holds the job's earlier bindings: only changed ones are
 /// sent, and every binding the head holds is re-validated here first, so
 /// none can go stale.
-pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec, head_addr: &str, compress: bool) -> Prediction {
+pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec, cluster_id: &str, compress: bool) -> Prediction {
     use crate::prethrow;
     let key = prethrow::profile_key(spec);
     let profile = prethrow::Profile::load(&cache_dir().join("profiles"), &key);
-    let mut job = spec.job.as_deref().map(|j| crate::shadow::JobBindings::load(&cache_dir().join("jobs"), head_addr, j));
+    let mut job = spec.job.as_deref().map(|j| crate::shadow::JobBindings::load(&cache_dir().join("jobs"), cluster_id, j));
     let mut paths = profile.predicted();
     // The root is looked up when the view mounts, before the task runs.
     paths.push(starling_proto::WirePath::root());
@@ -70,7 +94,7 @@ pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec, head_addr:
     paths.dedup();
     let bindings = prethrow::bind(files, &paths);
     spec.listings = prethrow::list(files, &prethrow::listing_dirs(spec));
-    let mut shadow = push_enabled().then(|| crate::shadow::Shadow::load(&cache_dir().join("shadow"), head_addr));
+    let mut shadow = push_enabled().then(|| crate::shadow::Shadow::load(&cache_dir().join("shadow"), cluster_id));
     let push = match shadow.as_mut() {
         Some(s) => s.plan_push(files, &bindings, compress),
         None => (Vec::new(), Vec::new()),
@@ -90,7 +114,8 @@ pub fn predict(files: &crate::files::FileServer, spec: &mut TaskSpec, head_addr:
         push.0.len(),
         push.1.len()
     );
-    Prediction { profile, sent: paths, push, shadow, job }
+    let pushed = (push.0.len(), push.1.len(), push.1.iter().map(|c| c.data.len() as u64).sum());
+    Prediction { profile, sent: paths, push, shadow, job, sent_bindings: spec.prethrow.len(), pushed }
 }
 
 /// Copy our stdin to the task from a plain thread (stdin may be a terminal
@@ -164,10 +189,11 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
     // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety implications.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let mut sigs = forwarded_signals()?;
+    let t0 = std::time::Instant::now();
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
     let mut prediction = if opts.prethrow {
         let files = session.files().clone();
-        let head = session.head_addr.clone();
+        let head = session.cluster_id.clone();
         let compress = opts.compress;
         let (mut p, spec2) = tokio::task::spawn_blocking(move || {
             let mut spec = spec;
@@ -229,6 +255,7 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
                 if let Some(p) = prediction.as_mut() {
                     p.finish(session.files(), &accessed);
                 }
+                write_stats(session.files(), prediction.as_ref(), 1, t0.elapsed());
                 if !report_commit(&commit) {
                     return Ok(EXIT_STARLING_FAILURE);
                 }

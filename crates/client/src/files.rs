@@ -76,8 +76,10 @@ fn errno_of(e: &std::io::Error) -> i32 {
 }
 
 /// Counters for reports and benchmarks.
-#[derive(Default, Debug, Clone, Copy)]
+#[derive(Default, Debug, Clone, Copy, serde::Serialize)]
 pub struct ServeStats {
+    /// Every request answered: each is a round trip the task waited for.
+    pub requests: u64,
     pub lookups: u64,
     pub readdirs: u64,
     pub recipes: u64,
@@ -124,6 +126,7 @@ impl FileServer {
     }
 
     pub fn answer(&self, req: &FileReq) -> FileResp {
+        self.stats.lock().unwrap().requests += 1;
         match req {
             FileReq::Lookup { path } => {
                 self.stats.lock().unwrap().lookups += 1;

@@ -88,7 +88,7 @@ pub async fn run(mut base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: Job
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
     let mut prediction = if opts.prethrow {
         let files = session.files().clone();
-        let head = session.head_addr.clone();
+        let head = session.cluster_id.clone();
         let compress = opts.compress;
         let (mut p, b) = tokio::task::spawn_blocking(move || {
             let mut b = base;
@@ -248,6 +248,7 @@ pub async fn run(mut base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: Job
         let acc: Vec<WirePath> = accessed.into_iter().collect();
         p.finish(session.files(), &acc);
     }
+    crate::exec::write_stats(session.files(), prediction.as_ref(), n, t0.elapsed());
     let failed = ends.iter().filter(|e| !matches!(e, Some(End::Exit(starling_proto::ExitStatus::Code(0))))).count();
     if opts.report == Report::Json {
         json_line(serde_json::json!({"event": "summary", "tasks": n, "failed": failed,

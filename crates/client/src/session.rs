@@ -96,8 +96,10 @@ struct State {
 
 #[derive(Clone)]
 pub struct Session {
-    /// Where the head was reached (names this cluster in client-side caches).
+    /// Where the head was reached.
     pub head_addr: String,
+    /// Names this cluster in client-side records of what it holds.
+    pub cluster_id: String,
     tx: Outgoing,
     files: Arc<FileServer>,
     state: Arc<Mutex<State>>,
@@ -167,7 +169,8 @@ impl Session {
         let (r, w) = sock.into_split();
         let (incoming, tx) =
             open_pipelined(r, w, Role::Client, "client", opts.compress).await.context("connecting to the cluster head")?;
-        let session = Session { head_addr, tx, files, state: Arc::new(Mutex::new(State::default())) };
+        let cluster_id = discover::cluster_id(opts.cluster.as_deref(), &head_addr);
+        let session = Session { head_addr, cluster_id, tx, files, state: Arc::new(Mutex::new(State::default())) };
         let s = session.clone();
         tokio::spawn(async move { s.read_loop(incoming).await });
         Ok(session)

@@ -474,10 +474,16 @@ impl Head {
                 }
                 let mut out = Vec::with_capacity(hashes.len());
                 for h in &hashes {
-                    match cache.get_chunk(h) {
+                    let mut bytes = cache.get_chunk(h).ok().flatten();
+                    if bytes.is_none() {
+                        // Evicted (or lost) since it was checked: ask the client again.
+                        self.fetch_into_cache(task, std::slice::from_ref(h)).await;
+                        bytes = cache.get_chunk(h).ok().flatten();
+                    }
+                    match bytes {
                         // Head → host is the cluster network: no need to spend CPU compressing.
-                        Ok(Some(bytes)) => out.push(ChunkData::seal(&bytes, false)),
-                        _ => return FileResp::Errno(libc_eio()),
+                        Some(bytes) => out.push(ChunkData::seal(&bytes, false)),
+                        None => return FileResp::Errno(libc_eio()),
                     }
                 }
                 FileResp::Chunks(out)
