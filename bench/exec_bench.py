@@ -1,0 +1,305 @@
+#!/usr/bin/env python3
+"""Remote-exec benchmark (issue 2) on the embedded cluster.
+
+Measures, on cluster instance 4 (STARLING_INSTANCE=4, so it can run beside
+other clusters on this machine):
+
+* `starling exec -- true`, cold (host, relay and client caches empty) and
+  warm (median of --repeat runs), over
+  - lan: no link emulation at all (wall time only: nothing counts bytes), and
+  - coffee-shop (160 ms RTT, 1400/1500 Kib/s): wall time, bytes up/down
+    crossing the emulated link (its counters in /run/starling-4/link.json),
+    and round trips on the critical path = 1 + the file requests the
+    client had to answer while the task ran (STARLING_STATS_FILE), with the
+    link's upstream flights as a cross-check (an upper bound: it also counts
+    the connection's own hello and the final commit acknowledgements);
+* a parallel build of Lua 5.4 (tests/fixtures/fetch-lua.sh, 33 files)
+  with `make -jN CC="starling exec --job NAME gcc"` on lan with 4 hosts,
+  cold and warm, against the same `make -jN` done locally; the outputs are
+  checked byte-identical.
+
+The emulated hosts share this machine's cores, so a cluster build can't be
+faster than a local one here: the numbers show starling's overhead.
+
+Table on stdout, JSON in bench/out/exec.json, bar chart bench/out/exec.png
+(if matplotlib is importable). Leaves instance 4 down unless --keep.
+
+The helpers here (cluster up/down, link counters, measuring one command)
+are shared with bench/ucop_bench.py.
+"""
+import argparse
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+STARLING = str(ROOT / "target/release/starling")
+OUT = ROOT / "bench/out"
+INSTANCE = "4"
+RUN_DIR = pathlib.Path(f"/run/starling-{INSTANCE}")
+STATE_DIR = pathlib.Path(f"/var/lib/starling-{INSTANCE}")
+LUA_MAKEFILE = ROOT / "tests/fixtures/lua/Makefile"
+# Link profiles by name. `lan` is the real thing (no relay in the path, no
+# counters); `lan+counters` passes through the link relay with no shaping, so
+# that bytes and flights can be counted at (almost) lan speed.
+LINKS = {"lan": "lan", "lan+counters": "0,0,0", "cable-modem": "cable-modem", "coffee-shop": "coffee-shop"}
+
+
+def sh(*a, **kw):
+    return subprocess.run(list(a), capture_output=True, text=True, **kw)
+
+
+def starling_env(cache, **extra):
+    """The environment of every starling command of the benchmarks: our own
+    cluster instance and a private client cache (recipes, prethrow profiles,
+    shadow index, job records)."""
+    env = dict(os.environ)
+    env.pop("STARLING_CLUSTER", None)
+    env.pop("STARLING_STATS_FILE", None)
+    env["STARLING_INSTANCE"] = INSTANCE
+    env["STARLING_CACHE"] = str(cache)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def cluster_down():
+    sh(STARLING, "down", env=starling_env("/nonexistent"), timeout=120)
+
+
+def cluster_up(link="lan", hosts=4, relay_cache=True, cold=False):
+    """(Re)start instance 4 with this link profile. cold: also empty the host
+    and relay caches, which otherwise persist in /var/lib/starling-4."""
+    cluster_down()
+    if cold:
+        shutil.rmtree(STATE_DIR, ignore_errors=True)
+    args = [STARLING, "up", "--hosts", str(hosts), "--link", LINKS.get(link, link)]
+    if not relay_cache:
+        args.append("--no-relay-cache")
+    r = sh(*args, env=starling_env("/nonexistent"), timeout=300)
+    if r.returncode:
+        sys.exit(f"{' '.join(args)} failed:\n{r.stdout}\n{r.stderr}")
+
+
+def link_counters():
+    try:
+        return json.loads((RUN_DIR / "link.json").read_text())["counters"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def settled_counters():
+    """The link publishes its counters every 100 ms: wait until they stop moving."""
+    if not (RUN_DIR / "link.json").exists() and link_counters() is None:
+        time.sleep(0.3)
+        return link_counters()
+    time.sleep(0.25)
+    last = link_counters()
+    for _ in range(30):
+        time.sleep(0.15)
+        now = link_counters()
+        if now == last:
+            return now
+        last = now
+    return last
+
+
+def measure(cmd, env, cwd, timeout=1800, check=True):
+    """Run `cmd` once; return wall time, the link bytes/flights it caused and
+    the client's per-launch stats (STARLING_STATS_FILE lines it appended)."""
+    stats = pathlib.Path(tempfile.mktemp(prefix="starling-stats-", dir="/tmp"))
+    env = dict(env, STARLING_STATS_FILE=str(stats))
+    before = settled_counters()
+    t0 = time.monotonic()
+    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                       shell=isinstance(cmd, str))
+    wall = time.monotonic() - t0
+    after = settled_counters()
+    if check and r.returncode:
+        raise RuntimeError(f"{cmd} failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+    lines = []
+    if stats.exists():
+        lines = [json.loads(l) for l in stats.read_text().splitlines() if l.strip()]
+        stats.unlink()
+    res = {"wall_s": wall, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+    if before is not None and after is not None:
+        for k in ("bytes_up", "bytes_down", "flights_up", "connections"):
+            res[k] = after[k] - before[k]
+    res["launches"] = len(lines)
+    res["tasks"] = sum(l.get("tasks", 1) for l in lines)
+    if lines:
+        res["file_requests"] = sum(l["file_requests"] for l in lines)
+        # Every launch pays its own round trip; each file request is one more
+        # on that launch's critical path (the worst launch is what a user waits for
+        # in a single exec; for a build we report the mean per launch).
+        per = [1 + l["file_requests"] for l in lines]
+        res["rt_per_launch_max"] = max(per)
+        res["rt_per_launch_mean"] = statistics.mean(per)
+        res["prethrow_bindings"] = sum(l.get("prethrow_bindings", 0) for l in lines)
+        res["pushed_bytes"] = sum(l.get("pushed_bytes", 0) for l in lines)
+    return res
+
+
+def median_run(runs, key="wall_s"):
+    runs = sorted(runs, key=lambda x: x[key])
+    return runs[len(runs) // 2]
+
+
+def args_env_bytes(argv, env):
+    """Raw size of what a launch must carry whatever the caching: argv and environment."""
+    return sum(len(a.encode()) + 1 for a in argv) + sum(len(k.encode()) + len(v.encode()) + 2 for k, v in env.items())
+
+
+def lua_sources():
+    r = sh("bash", str(ROOT / "tests/fixtures/fetch-lua.sh"))
+    if r.returncode:
+        sys.exit(f"tests/fixtures/fetch-lua.sh failed:\n{r.stderr}")
+    return pathlib.Path(r.stdout.strip())
+
+
+def lua_make_cmd(src, jobs, cc):
+    return f"make -s -f {LUA_MAKEFILE} LUA_SRC={src} -j{jobs} CC='{cc}'"
+
+
+def tree_digest(d):
+    """sha256 of every regular file under d (relative path → digest)."""
+    d = pathlib.Path(d)
+    return {str(p.relative_to(d)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(d.rglob("*")) if p.is_file() and ".starling-conflict" not in p.name}
+
+
+def clean_build_dir(d):
+    d = pathlib.Path(d)
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir(parents=True)
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "-"
+    if n < 10 * 1024:
+        return f"{n} B"
+    if n < 10 * 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1048576:.1f} MiB"
+
+
+# ---------------------------------------------------------------- the bench
+
+def exec_true(link, repeat, work):
+    """Cold then warm `starling exec -- true` over `link`."""
+    cache = work / f"cache-true-{link}"
+    shutil.rmtree(cache, ignore_errors=True)
+    cluster_up(link, cold=True)
+    env = starling_env(cache)
+    cmd = [STARLING, "exec", "--", "true"]
+    cold = measure(cmd, env, "/tmp")
+    warm = [measure(cmd, env, "/tmp") for _ in range(repeat)]
+    out = {}
+    for name, r in (("cold", cold), ("warm", median_run(warm))):
+        out[name] = {k: r.get(k) for k in ("wall_s", "bytes_up", "bytes_down", "flights_up", "file_requests",
+                                            "rt_per_launch_max", "prethrow_bindings", "pushed_bytes")}
+    out["warm"]["wall_s_all"] = [round(r["wall_s"], 4) for r in warm]
+    return out
+
+
+def lua_build(jobs, hosts, work):
+    src = lua_sources()
+    lua = work / "lua"
+    shutil.rmtree(lua, ignore_errors=True)
+    shutil.copytree(src, lua)
+    cache = work / "cache-lua"
+    shutil.rmtree(cache, ignore_errors=True)
+    cluster_up("lan", hosts=hosts, cold=True)
+    env = starling_env(cache)
+    res = {}
+    local = work / "build-local"
+    clean_build_dir(local)
+    res["local"] = measure(lua_make_cmd(lua, jobs, "gcc"), env, local)
+    want = tree_digest(local)
+    for i, name in enumerate(("cold", "warm")):
+        d = work / f"build-{name}"
+        clean_build_dir(d)
+        res[name] = measure(lua_make_cmd(lua, jobs, f"{STARLING} exec --job lua-{name}-{os.getpid()} gcc"), env, d)
+        got = tree_digest(d)
+        if got != want:
+            diff = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+            raise RuntimeError(f"cluster build ({name}) differs from the local build: {diff}")
+    return {k: {kk: v.get(kk) for kk in ("wall_s", "launches", "file_requests", "rt_per_launch_mean")}
+            for k, v in res.items()} | {"files": len(want), "identical": True}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=5, help="warm `exec -- true` runs (median reported)")
+    ap.add_argument("--jobs", type=int, default=8, help="make -jN for the Lua build")
+    ap.add_argument("--hosts", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="leave instance 4 up")
+    a = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("exec_bench: the embedded cluster needs root")
+    if not os.path.exists(STARLING):
+        sys.exit("exec_bench: build first: cargo build --release --workspace")
+    OUT.mkdir(parents=True, exist_ok=True)
+    work = pathlib.Path(tempfile.mkdtemp(prefix="starling-exec-bench-", dir="/var/tmp"))
+    try:
+        true_rows = {link: exec_true(link, a.repeat, work) for link in ("lan", "coffee-shop")}
+        build = lua_build(a.jobs, a.hosts, work)
+    finally:
+        if not a.keep:
+            cluster_down()
+        shutil.rmtree(work, ignore_errors=True)
+
+    print("starling exec -- true")
+    print(f"{'link':<12} {'cache':<5} {'wall ms':>8} {'up':>10} {'down':>10} {'crit RTs':>8} {'flights up':>10}")
+    for link, r in true_rows.items():
+        for c in ("cold", "warm"):
+            x = r[c]
+            print(f"{link:<12} {c:<5} {x['wall_s'] * 1000:>8.0f} {fmt_bytes(x['bytes_up']):>10} "
+                  f"{fmt_bytes(x['bytes_down']):>10} {x['rt_per_launch_max'] or '-':>8} {x['flights_up'] if x['flights_up'] is not None else '-':>10}")
+    print()
+    print(f"Lua 5.4 build, make -j{a.jobs}, {a.hosts} hosts, lan ({build['files']} output files, cluster builds byte-identical to local)")
+    print(f"{'build':<8} {'wall s':>7} {'launches':>8} {'RTs/launch':>10}")
+    for k in ("local", "cold", "warm"):
+        x = build[k]
+        rts = f"{x['rt_per_launch_mean']:.2f}" if x.get("rt_per_launch_mean") else "-"
+        print(f"{k:<8} {x['wall_s']:>7.2f} {x['launches'] or '-':>8} {rts:>10}")
+    doc = {"instance": INSTANCE, "hosts": a.hosts, "repeat": a.repeat, "jobs": a.jobs, "exec_true": true_rows,
+           "lua_build": build, "note": "emulated hosts share this machine's cores; lan = no link relay (no byte counters)"}
+    (OUT / "exec.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {OUT / 'exec.json'}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not available: skipping bench/out/exec.png (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    labels, vals = [], []
+    for link, r in true_rows.items():
+        for c in ("cold", "warm"):
+            labels.append(f"{link}\n{c}")
+            vals.append(r[c]["wall_s"] * 1000)
+    ax[0].bar(labels, vals, color=["#c66", "#6a6", "#c66", "#6a6"])
+    ax[0].axhline(240, ls="--", color="gray", label="1.5 × coffee-shop RTT")
+    ax[0].set_ylabel("ms")
+    ax[0].set_title("starling exec -- true")
+    ax[0].legend()
+    ks = ("local", "cold", "warm")
+    ax[1].bar(ks, [build[k]["wall_s"] for k in ks], color=["#888", "#c66", "#6a6"])
+    ax[1].set_ylabel("s")
+    ax[1].set_title(f"Lua build, make -j{a.jobs}, {a.hosts} hosts (lan)")
+    fig.tight_layout()
+    fig.savefig(OUT / "exec.png", dpi=100)
+    print(f"wrote {OUT / 'exec.png'}")
+
+
+if __name__ == "__main__":
+    main()
