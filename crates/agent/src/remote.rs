@@ -129,6 +129,7 @@ impl starling_view::Source for RemoteSource {
                 Err(e) if e.kind() == io::ErrorKind::NotFound && attempt < 3 => {
                     attempt += 1;
                     log::info!("{path}: cached content vanished while assembling; fetching again");
+                    self.cache.recheck(&recipe);
                 }
                 Err(e) => return Err(e),
             }

@@ -277,6 +277,24 @@ impl HostCache {
     }
 
     /// Chunks of `r` not in the cache, each once, in order of first use.
+    /// Re-check on disk that `r`'s chunks are really there (someone may have
+    /// removed cache files behind the index's back) and forget those that are
+    /// not, so [`HostCache::missing`] reports them.
+    pub fn recheck(&self, r: &Recipe) {
+        let gone: Vec<Key> = r
+            .chunks
+            .iter()
+            .map(|c| (Kind::Chunk, c.hash))
+            .filter(|k| fs::metadata(self.path(*k)).is_err())
+            .collect();
+        if !gone.is_empty() {
+            let mut index = self.lock();
+            for k in gone {
+                index.forget(k);
+            }
+        }
+    }
+
     pub fn missing(&self, r: &Recipe) -> Vec<Hash> {
         let mut seen = HashSet::new();
         r.chunks.iter().map(|c| c.hash).filter(|h| seen.insert(*h) && !self.has_chunk(h)).collect()
