@@ -1,30 +1,41 @@
 # starling — top-level commands. See README.md.
 CARGO ?= cargo
-PYTEST ?= python3 -m pytest
+PYTHON ?= python3
+PYTEST ?= $(PYTHON) -m pytest
 BIN := target/release/starling
 
-.PHONY: all build demo test unit-test integration-test bench clean
+.PHONY: all build python demo test unit-test integration-test bench clean
 
 all: build
 
+# The CLI, libstarling (.so/.a) and the restorer.
 build:
 	$(CARGO) build --release --workspace
+
+# The Python package (`import starling`), built with maturin and installed into $(PYTHON).
+python: build
+	PYTHON=$(PYTHON) bash scripts/build-python.sh
 
 # Build, start the embedded cluster, build a real C project through it, compare with a local build.
 demo: build
 	bash scripts/demo.sh
 
-# Everything CI runs: unit tests, then integration tests against a real embedded cluster.
-test: build unit-test integration-test
+# Everything CI runs: unit tests, then end-to-end tests against real embedded clusters
+# (exec, faults, WAN links, remote fork, multicast, Python).
+test: build python unit-test integration-test
 
 unit-test:
 	$(CARGO) test --release --workspace
 
-integration-test: build
-	$(PYTEST) -v tests/
+integration-test: build python
+	$(PYTEST) -v tests/ crates/python/tests
 
+# Benchmarks (not part of `test`): tables on stdout, JSON and PNG in bench/out/.
 bench: build
-	python3 bench/exec_bench.py
+	$(PYTHON) bench/exec_bench.py
+	$(PYTHON) bench/ucop_bench.py
+	$(PYTHON) bench/fork_bench.py
+	$(PYTHON) bench/mcdist_bench.py
 
 clean:
 	-$(BIN) down

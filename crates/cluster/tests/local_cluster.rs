@@ -50,7 +50,7 @@ fn options(d: &Dirs, hosts: usize) -> UpOptions {
 }
 
 fn sleeping_hosts() -> UpOverrides {
-    UpOverrides { net: test_net(), host_command: Some(vec!["sleep".into(), "infinity".into()]) }
+    UpOverrides { net: test_net(), host_command: Some(vec!["sleep".into(), "infinity".into()]), ..Default::default() }
 }
 
 /// `up` of the tests' cluster, whose hosts run `sleep infinity`.
