@@ -33,6 +33,7 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -45,6 +46,7 @@ OUT = ROOT / "bench/out"
 INSTANCE = "4"
 RUN_DIR = pathlib.Path(f"/run/starling-{INSTANCE}")
 STATE_DIR = pathlib.Path(f"/var/lib/starling-{INSTANCE}")
+MEASURE_TIMEOUT_S = 600
 LUA_MAKEFILE = ROOT / "tests/fixtures/lua/Makefile"
 # Link profiles by name. `lan` is the real thing (no relay in the path, no
 # counters); `lan+counters` passes through the link relay with no shaping, so
@@ -110,15 +112,25 @@ def settled_counters():
     return last
 
 
-def measure(cmd, env, cwd, timeout=1800, check=True):
+def measure(cmd, env, cwd, timeout=None, check=True):
     """Run `cmd` once; return wall time, the link bytes/flights it caused and
     the client's per-launch stats (STARLING_STATS_FILE lines it appended)."""
+    timeout = timeout or MEASURE_TIMEOUT_S
     stats = pathlib.Path(tempfile.mktemp(prefix="starling-stats-", dir="/tmp"))
     env = dict(env, STARLING_STATS_FILE=str(stats))
     before = settled_counters()
     t0 = time.monotonic()
-    r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                       shell=isinstance(cmd, str))
+    # Own session, so that on a timeout the whole tree we started (make, its
+    # starling clients) can be stopped by its process group id.
+    p = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         shell=isinstance(cmd, str), start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.communicate()
+        raise RuntimeError(f"{cmd} timed out after {timeout} s")
+    r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     wall = time.monotonic() - t0
     after = settled_counters()
     if check and r.returncode:
