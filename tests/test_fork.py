@@ -9,6 +9,8 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import sys
 import signal
 import subprocess
 import time
@@ -197,3 +199,24 @@ def test_lost_host_is_reported_by_join(progs):
                 assert states[i] == ("1", "7"), (placed, out)
     finally:
         up(4)
+
+
+def test_python_monte_carlo_clones_on_other_hosts(cluster):
+    """The QuantLib pattern from Python: numpy arrays built before the fork, 4 clones on other
+    hosts price slices, the parent collates; equal to a local run and within 1% of Black-Scholes."""
+    pytest.importorskip("numpy")
+    pytest.importorskip("starling")
+    out = pathlib.Path("/var/tmp/starling-tests/mc")
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    env = dict(os.environ)
+    env.pop("STARLING_FORK_BACKEND", None)
+    script = pathlib.Path(__file__).parent / "fork" / "mc_options.py"
+    r = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["identical"], res
+    assert res["remote"] == res["local"]
+    assert abs(res["remote"] - res["bs"]) / res["bs"] < 0.01, res
+    assert all(h != res["parent"] for h in res["hosts"]), res
+    shutil.rmtree(out, ignore_errors=True)

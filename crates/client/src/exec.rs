@@ -181,6 +181,33 @@ pub fn report_commit(commit: &Result<crate::commit::CommitReport, String>) -> bo
     }
 }
 
+/// Before a launch: bind the predicted paths into `spec` and push what the
+/// head lacks (the same flight as the launch that follows). `None` when
+/// prethrow is off.
+pub async fn prepare_launch(
+    session: &Session,
+    spec: TaskSpec,
+    prethrow: bool,
+    compress: bool,
+) -> Result<(TaskSpec, Option<Prediction>)> {
+    if !prethrow {
+        return Ok((spec, None));
+    }
+    let files = session.files().clone();
+    let cluster = session.cluster_id.clone();
+    let (mut p, spec) = tokio::task::spawn_blocking(move || {
+        let mut spec = spec;
+        let p = predict(&files, &mut spec, &cluster, compress);
+        (p, spec)
+    })
+    .await?;
+    let (recipes, chunks) = std::mem::take(&mut p.push);
+    if !recipes.is_empty() || !chunks.is_empty() {
+        session.push(recipes, chunks).await?;
+    }
+    Ok((spec, Some(p)))
+}
+
 /// Run `spec` on the cluster; returns the exit status `starling exec` should use.
 pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
     spec.host = opts.host.clone();
@@ -191,25 +218,7 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
     let mut sigs = forwarded_signals()?;
     let t0 = std::time::Instant::now();
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
-    let mut prediction = if opts.prethrow {
-        let files = session.files().clone();
-        let head = session.cluster_id.clone();
-        let compress = opts.compress;
-        let (mut p, spec2) = tokio::task::spawn_blocking(move || {
-            let mut spec = spec;
-            let p = predict(&files, &mut spec, &head, compress);
-            (p, spec)
-        })
-        .await?;
-        spec = spec2;
-        let (recipes, chunks) = std::mem::take(&mut p.push);
-        if !recipes.is_empty() || !chunks.is_empty() {
-            session.push(recipes, chunks).await?;
-        }
-        Some(p)
-    } else {
-        None
-    };
+    let (spec, mut prediction) = prepare_launch(&session, spec, opts.prethrow, opts.compress).await?;
     let launch = session.launch(spec);
     tokio::pin!(launch);
     let mut handle = loop {

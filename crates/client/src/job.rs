@@ -4,7 +4,7 @@
 //! share one prethrow and one consistency point (UCop's job-end-to-start
 //! consistency), and the head starts each as soon as a core is free.
 
-use crate::exec::{predict, report_commit};
+use crate::exec::report_commit;
 use crate::session::{Session, SessionOptions, TaskEvent};
 use crate::EXIT_STARLING_FAILURE;
 use anyhow::Result;
@@ -80,31 +80,13 @@ enum End {
 }
 
 /// Run a job: `argvs[i]` is task i's argv, or `None` for `base.argv`.
-pub async fn run(mut base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOptions) -> Result<i32> {
+pub async fn run(base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOptions) -> Result<i32> {
     let n = argvs.len();
     // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety implications.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let mut sigs = crate::exec::forwarded_signals()?;
     let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
-    let mut prediction = if opts.prethrow {
-        let files = session.files().clone();
-        let head = session.cluster_id.clone();
-        let compress = opts.compress;
-        let (mut p, b) = tokio::task::spawn_blocking(move || {
-            let mut b = base;
-            let p = predict(&files, &mut b, &head, compress);
-            (p, b)
-        })
-        .await?;
-        base = b;
-        let (recipes, chunks) = std::mem::take(&mut p.push);
-        if !recipes.is_empty() || !chunks.is_empty() {
-            session.push(recipes, chunks).await?;
-        }
-        Some(p)
-    } else {
-        None
-    };
+    let (base, mut prediction) = crate::exec::prepare_launch(&session, base, opts.prethrow, opts.compress).await?;
 
     // Launch: one message for the whole job, or (for measurements) one per task.
     let mut pendings = Vec::with_capacity(n);
