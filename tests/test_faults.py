@@ -34,7 +34,9 @@ def leftovers():
             cmd = (p / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ours = any(b"10.213.0." in a or a.startswith(b"/var/lib/starling/") for a in cmd)
+        # Agents of every instance use /var/lib/starling/state inside their own root, so
+        # tell the default instance's processes by its subnet or its head's state dir.
+        ours = any(b"10.213.0." in a or a.startswith(b"/var/lib/starling/head") for a in cmd)
         if cmd and cmd[0].endswith(b"starling") and len(cmd) > 1 and cmd[1] in (b"agent", b"head", b"__host-boot", b"__sandbox-init", b"__link") and ours:
             procs.append((p.name, cmd[:2]))
     if procs:
