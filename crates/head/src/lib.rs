@@ -542,7 +542,8 @@ impl Head {
     fn status(&self) -> ClusterStatus {
         let st = self.state.lock().unwrap();
         let mut hosts: Vec<HostInfo> =
-            st.hosts.values().map(|h| HostInfo { running: h.info.running.max(h.tasks), ..h.info.clone() }).collect();
+            // The head's own count is exact; the agent's report lags by up to its heartbeat.
+            st.hosts.values().map(|h| HostInfo { running: h.tasks, ..h.info.clone() }).collect();
         hosts.sort_by(|a, b| natural_key(&a.name).cmp(&natural_key(&b.name)));
         let mut facts = self.facts.clone();
         facts.push(("queued".into(), st.queue.len().to_string()));
