@@ -16,8 +16,8 @@
 //!   receives the clone's userfaultfd over the socket, fetches `Fetch` pages
 //!   from the client's page server over TCP and reads `File` pages from the
 //!   same files the clone sees (the task's overlay root + the path);
-//! * when the clone has ended, the handler's counters go to the client as one
-//!   in-band stats frame (`starling_fork::cluster::encode_stats`).
+//! * when the clone has ended, the handler's counters go to the client in a
+//!   `CloneStats` message.
 
 use anyhow::{anyhow, Context, Result};
 use starling_fork::descriptor::{Descriptor, RegionKind};
@@ -139,8 +139,8 @@ impl CloneRun {
         }
         // A fetch that timed out mid-run may have switched it to unicast.
         report_mode(&self.distribution, self.id, &self.stats);
-        let data = starling_fork::cluster::encode_stats(&self.stats.snapshot());
-        let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data });
+        let counters = self.stats.snapshot().to_vec();
+        let _ = tx.blocking_send(Msg::CloneStats { task, counters });
     }
 }
 

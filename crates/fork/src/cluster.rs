@@ -24,10 +24,8 @@
 //! would have to materialise the whole address space first; k lazy restores
 //! on one host share that host's file cache and fetch only what each touches.
 //!
-//! The fault handler's counters travel back in-band: after the clone ended
-//! the agent sends one `Output` frame on stderr holding [`STATS_MAGIC`] and
-//! the counters (see [`encode_stats`]); the parent recognises the frame and
-//! never prints it.
+//! The fault handler's counters come back in a `CloneStats` message after
+//! the clone ended.
 
 use crate::{ForkError, Result};
 use starling_client::session::{Session, SessionOptions, TaskEvent};
@@ -36,33 +34,8 @@ use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-/// Starts a stats frame (an `Output` frame of a clone task on stderr). NUL
-/// bytes make a collision with a program's own output chunk implausible.
-pub const STATS_MAGIC: &[u8; 24] = b"\0\0STARLING-CLONE-STATS\0\0";
-/// Counters in a stats frame (as `FaultStats::snapshot`).
+/// Counters reported per clone (as `FaultStats::snapshot`).
 pub const STATS_COUNTERS: usize = crate::fault::COUNTERS;
-
-/// The frame the agent sends with a clone's fault-handler counters.
-pub fn encode_stats(counters: &[u64; STATS_COUNTERS]) -> Vec<u8> {
-    let mut v = STATS_MAGIC.to_vec();
-    for c in counters {
-        v.extend_from_slice(&c.to_le_bytes());
-    }
-    v
-}
-
-/// The counters if `data` is exactly one stats frame.
-pub fn decode_stats(data: &[u8]) -> Option<[u64; STATS_COUNTERS]> {
-    let rest = data.strip_prefix(STATS_MAGIC.as_slice())?;
-    if rest.len() != 8 * STATS_COUNTERS {
-        return None;
-    }
-    let mut out = [0u64; STATS_COUNTERS];
-    for (o, b) in out.iter_mut().zip(rest.chunks_exact(8)) {
-        *o = u64::from_le_bytes(b.try_into().expect("8-byte chunk"));
-    }
-    Some(out)
-}
 
 /// Where a clone is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -276,14 +249,15 @@ impl ClusterClones {
                 let mut end = CloneState::Lost("the session ended without news of the clone".into());
                 while let Some(ev) = events.recv().await {
                     match ev {
-                        TaskEvent::Output(stream, data) => {
-                            if let Some(st) = decode_stats(&data) {
-                                if let Some(s) = shared2.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
-                                    s.stats = Some(st);
-                                }
-                                continue;
+                        TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
+                        TaskEvent::CloneStats(counters) => {
+                            let mut st = [0u64; STATS_COUNTERS];
+                            for (o, c) in st.iter_mut().zip(counters) {
+                                *o = c;
                             }
-                            write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data);
+                            if let Some(s) = shared2.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+                                s.stats = Some(st);
+                            }
                         }
                         TaskEvent::Finished { status, commit, .. } => {
                             if let Err(e) = commit {
@@ -352,20 +326,5 @@ impl ClusterClones {
 
     pub fn host(&self, id: u32) -> Option<String> {
         self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).map(|s| s.host.clone())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn stats_frame_round_trips_and_rejects_other_output() {
-        let c = [1, 2, 3, 4, 5, 6, 7, u64::MAX];
-        assert_eq!(decode_stats(&encode_stats(&c)), Some(c));
-        assert_eq!(decode_stats(b"hello"), None);
-        let mut long = encode_stats(&c);
-        long.push(0);
-        assert_eq!(decode_stats(&long), None);
     }
 }

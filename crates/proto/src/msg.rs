@@ -100,6 +100,9 @@ pub enum Msg {
     /// Agent → client: the task ended; these are its file-system changes,
     /// and the paths it looked at (for the client's prethrow profile).
     Finished { task: TaskId, status: ExitStatus, changes: Vec<Change>, accessed: Vec<WirePath> },
+    /// Agent → client: a clone's fault-handler counters (`starling_fork::fault::FaultStats`
+    /// order), sent once after the clone ended, before `Finished`.
+    CloneStats { task: TaskId, counters: Vec<u64> },
     /// Client → agent: changes committed (paths that conflicted were saved beside).
     Committed { task: TaskId, conflicts: Vec<WirePath> },
 
@@ -157,6 +160,7 @@ impl Msg {
             | Msg::FileResponse { task, .. }
             | Msg::ChangeChunks { task, .. }
             | Msg::Finished { task, .. }
+            | Msg::CloneStats { task, .. }
             | Msg::Committed { task, .. } => Some(*task),
             _ => None,
         }
@@ -204,6 +208,7 @@ impl Msg {
                 changes.iter().try_for_each(|c| c.validate())?;
                 accessed.iter().try_for_each(|p| p.validate())
             }
+            Msg::CloneStats { counters, .. } => check_bytes("clone counters", counters.len(), 64),
             Msg::Push { recipes, chunks } => {
                 check_bytes("pushed chunks", chunks.len(), MAX_BATCH)?;
                 recipes.iter().try_for_each(|r| r.validate())
