@@ -186,15 +186,18 @@ fn build_root(host_dir: &Path, exe: &Path) -> Result<PathBuf> {
     Ok(root)
 }
 
-/// The overlay's lower layer is only the root file system, not what is mounted on it: if the starling binary
-/// lives on another file system, bind it at the same path inside the host.
+/// The starling binary must be at the same path inside the host, but the host root hides some of the
+/// machine: the overlay's lower layer is only the root file system (not what is mounted on it), and the host
+/// gets private `/tmp` and `/run` (a checkout under /tmp). If the path inside is not the very same file, bind
+/// the binary there.
 fn keep_reachable(exe: &Path, root: &Path) -> Result<()> {
-    let exe_dev = std::fs::metadata(exe).with_context(|| format!("stat {}", exe.display()))?.dev();
-    let root_dev = std::fs::metadata("/").context("stat /")?.dev();
-    if exe_dev == root_dev {
-        return Ok(());
-    }
+    let outside = std::fs::metadata(exe).with_context(|| format!("stat {}", exe.display()))?;
     let inside = root.join(exe.strip_prefix("/").unwrap_or(exe));
+    if let Ok(m) = std::fs::metadata(&inside) {
+        if (m.dev(), m.ino()) == (outside.dev(), outside.ino()) {
+            return Ok(());
+        }
+    }
     if let Some(parent) = inside.parent() {
         mkdirs(parent)?;
     }
