@@ -62,8 +62,12 @@ pub fn write_stats(files: &crate::files::FileServer, prediction: Option<&Predict
         "pushed_chunks": prediction.map(|p| p.pushed.1).unwrap_or(0),
         "pushed_bytes": prediction.map(|p| p.pushed.2).unwrap_or(0),
     });
+    // One write(2) per line: concurrent clients (make -j) append to the same
+    // file, and O_APPEND keeps whole writes apart but not the many small
+    // writes `writeln!` makes while formatting a JSON value.
+    let record = format!("{line}\n");
     if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
-        let _ = writeln!(f, "{line}");
+        let _ = f.write_all(record.as_bytes());
     }
 }
 
