@@ -141,15 +141,21 @@ def test_local_backend_still_available(progs):
 
 
 def sandboxes():
-    """PIDs of live `starling __sandbox-init` processes (one per running task)."""
+    """PIDs of live `starling __sandbox-init` processes (one per running task) on the default
+    cluster's hosts (other instances, STARLING_INSTANCE=N, may be running their own)."""
+    ours = set()
+    for n in os.listdir("/run/netns") if os.path.isdir("/run/netns") else []:
+        if n.startswith("starling-"):
+            ours.add(os.stat(f"/run/netns/{n}").st_ino)
     out = []
     for p in pathlib.Path("/proc").iterdir():
         if p.name.isdigit():
             try:
                 cmd = (p / "cmdline").read_bytes().split(b"\0")
+                net = os.stat(p / "ns" / "net").st_ino
             except OSError:
                 continue
-            if len(cmd) > 1 and cmd[1] == b"__sandbox-init":
+            if len(cmd) > 1 and cmd[1] == b"__sandbox-init" and net in ours:
                 out.append(int(p.name))
     return out
 
