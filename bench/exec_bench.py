@@ -54,6 +54,16 @@ LUA_MAKEFILE = ROOT / "tests/fixtures/lua/Makefile"
 LINKS = {"lan": "lan", "lan+counters": "0,0,0", "cable-modem": "cable-modem", "coffee-shop": "coffee-shop"}
 
 
+def snapshot_binary(into):
+    """Run the whole bench on a private copy of the starling binary: the
+    shared target dir may be rebuilt meanwhile, and a head started from the
+    old binary can't talk to a client from a new one."""
+    global STARLING
+    dst = pathlib.Path(into) / "starling"
+    shutil.copy2(STARLING, dst)
+    STARLING = str(dst)
+
+
 def sh(*a, **kw):
     return subprocess.run(list(a), capture_output=True, text=True, **kw)
 
@@ -137,7 +147,14 @@ def measure(cmd, env, cwd, timeout=None, check=True):
         raise RuntimeError(f"{cmd} failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
     lines = []
     if stats.exists():
-        lines = [json.loads(l) for l in stats.read_text().splitlines() if l.strip()]
+        bad = 0
+        for l in stats.read_text().splitlines():
+            try:
+                lines.append(json.loads(l))
+            except ValueError:
+                bad += 1  # interleaved lines from an older client (fixed in client/exec.rs)
+        if bad:
+            print(f"  warning: {bad} unreadable STARLING_STATS_FILE lines", flush=True)
         stats.unlink()
     res = {"wall_s": wall, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
     if before is not None and after is not None:
@@ -260,6 +277,7 @@ def main():
         sys.exit("exec_bench: build first: cargo build --release --workspace")
     OUT.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="starling-exec-bench-", dir="/var/tmp"))
+    snapshot_binary(work)
     try:
         true_rows = {link: exec_true(link, a.repeat, work) for link in ("lan", "coffee-shop")}
         build = lua_build(a.jobs, a.hosts, work)

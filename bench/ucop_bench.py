@@ -56,7 +56,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import exec_bench  # noqa: E402
-from exec_bench import (OUT, ROOT, STARLING, args_env_bytes, clean_build_dir, cluster_down, cluster_up,  # noqa: E402
+from exec_bench import (OUT, ROOT, args_env_bytes, clean_build_dir, cluster_down, cluster_up,  # noqa: E402
                         fmt_bytes, lua_make_cmd, lua_sources, measure, median_run, starling_env)
 
 SCENE = ROOT / "bench/ucop_scene.pov"
@@ -113,10 +113,10 @@ class Bench:
             # this configuration names each tile's rows explicitly through `batch`.
             lines = [f"{base} +SR{i * h // n + 1} +ER{(i + 1) * h // n} +Otile_{i}.png" for i in range(n)]
             (self.pov / "tiles.batch").write_text("\n".join(lines) + "\n")
-            return [STARLING, "batch", "--quiet", *flags, "tiles.batch"]
+            return [exec_bench.STARLING, "batch", "--quiet", *flags, "tiles.batch"]
         render = (f"{base} +SR$((STARLING_TASK*{h}/STARLING_TASKS+1)) +ER$(((STARLING_TASK+1)*{h}/STARLING_TASKS)) "
                   f"+Otile_$STARLING_TASK.png")
-        return [STARLING, "run", "-n", str(n), "--quiet", *flags, "--", "sh", "-c", render]
+        return [exec_bench.STARLING, "run", "-n", str(n), "--quiet", *flags, "--", "sh", "-c", render]
 
     def pov_clean(self):
         for p in self.pov.glob("tile_*.png*"):
@@ -149,7 +149,7 @@ class Bench:
 
     # ---- make
     def make_cmd(self, config, flags, job):
-        cc = f"{STARLING} exec {' '.join(flags)}"
+        cc = f"{exec_bench.STARLING} exec {' '.join(flags)}"
         if config != "per-task-prethrow":
             cc += f" --job {job}"
         return lua_make_cmd(self.lua, self.a.jobs, cc + " gcc")
@@ -220,19 +220,20 @@ class Bench:
         env = starling_env(self.work / "cache-bigfile")
         out = {}
         for h in ("h1", "h2"):
-            r = measure([STARLING, "exec", "--host", h, "--", "md5sum", str(big)], env, self.work)
+            r = measure([exec_bench.STARLING, "exec", "--host", h, "--", "md5sum", str(big)], env, self.work)
             out[h] = slim(r)
         return out
 
     def warm_launch(self, link):
         """exec -- true and the POV-Ray job, warm and unchanged: RTs, bytes up vs args/env size, wall vs 1.5 RTT."""
         env = starling_env(self.work / "cache-full")
-        cmd = [STARLING, "exec", "--", "true"]
+        cmd = [exec_bench.STARLING, "exec", "--", "true"]
         measure(cmd, env, "/tmp")
         true_runs = [measure(cmd, env, "/tmp") for _ in range(5)]
         t = median_run(true_runs)
         launch_env = {k: v for k, v in env.items()}
-        self.pov_run([], env)  # the mesh was edited since cache-full's last run
+        for _ in range(1 if "full" in self.warmed else 3):  # profiles, shadow; the mesh was edited since
+            self.pov_run([], env)
         pov = self.pov_run([], env)
         return {
             "exec_true": slim(t) | {"wall_s_all": [round(x["wall_s"], 4) for x in true_runs],
@@ -291,6 +292,8 @@ def main():
     ap.add_argument("--jobs", type=int, default=8, help="make -jN")
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--keep", action="store_true", help="leave instance 4 up")
+    ap.add_argument("--from", dest="from_json", help="resume: take the local baseline and the configurations that "
+                    "succeeded from this JSON (e.g. bench/out/ucop.partial.json of an interrupted run); run the rest")
     ap.add_argument("--timeout", type=int, default=420, help="seconds before one measured command is abandoned")
     a = ap.parse_args()
     exec_bench.MEASURE_TIMEOUT_S = a.timeout
@@ -298,30 +301,37 @@ def main():
         sys.exit("ucop_bench: the embedded cluster needs root")
     if shutil.which("povray") is None:
         sys.exit("ucop_bench: POV-Ray is not installed; install it with: apt-get install -y povray")
-    if not os.path.exists(STARLING):
+    if not os.path.exists(exec_bench.STARLING):
         sys.exit("ucop_bench: build first: cargo build --release --workspace")
     links = a.links.split(",")
     configs = a.configs.split(",")
     OUT.mkdir(parents=True, exist_ok=True)
     work = pathlib.Path(tempfile.mkdtemp(prefix="starling-ucop-bench-", dir="/var/tmp"))
-    results, checks = {}, {}
+    exec_bench.snapshot_binary(work)
+    results, checks, local = {}, {}, None
+    if a.from_json:
+        prev = json.loads(pathlib.Path(a.from_json).read_text())
+        local = prev["local"]
+        results = {l: {c: v for c, v in r.items() if "error" not in v} for l, r in prev["results"].items()}
     try:
         b = Bench(a, work)
-        print("local baseline ...", flush=True)
-        local = b.local()
+        if local is None:
+            print("local baseline ...", flush=True)
+            local = b.local()
         for link in links:
-            results[link] = {}
+            results.setdefault(link, {})
             cluster_up(link, hosts=a.hosts)
             if link == "lan+counters":
-                checks["second_host"] = b.second_host()
+                checks["second_host"] = guarded(b.second_host)
             for c in configs:
-                if c == "relay-cache-off":
+                if c == "relay-cache-off" or c in results[link]:
                     continue
                 print(f"{link}: {c} ...", flush=True)
                 results[link][c] = guarded(b.config, link, c)
+                (OUT / "ucop.partial.json").write_text(json.dumps({"local": local, "results": results}, indent=1))
             if link == "coffee-shop" or link == links[-1]:
-                checks["warm_launch"] = b.warm_launch(link) | {"link": link, "rtt_ms": RTT_MS.get(link)}
-            if "relay-cache-off" in configs:
+                checks["warm_launch"] = guarded(b.warm_launch, link) | {"link": link, "rtt_ms": RTT_MS.get(link)}
+            if "relay-cache-off" in configs and "relay-cache-off" not in results[link]:
                 cluster_up(link, hosts=a.hosts, relay_cache=False)
                 print(f"{link}: relay-cache-off ...", flush=True)
                 results[link]["relay-cache-off"] = guarded(b.config, link, "relay-cache-off")
@@ -332,11 +342,12 @@ def main():
 
     print()
     print(f"POV-Ray {a.width}x{a.height}, {a.tiles} tiles; Lua make -j{a.jobs}; {a.hosts} hosts; repeat {a.repeat}")
+    links = [l for l in LINKS if l in results] + [l for l in results if l not in LINKS]
     print(table(results, local, links))
     # Target checks.
     verdicts = {}
     print("== target checks")
-    if "warm_launch" in checks:
+    if "warm_launch" in checks and "exec_true" in checks["warm_launch"]:
         w = checks["warm_launch"]
         for name in ("exec_true", "pov"):
             x = w[name]
@@ -353,7 +364,7 @@ def main():
             verdicts["exec_true_under_1_5_rtt"] = t < 1.5 * w["rtt_ms"]
             print(f"exec -- true, warm, {w['link']}: median {t:.0f} ms vs 1.5 × RTT = {1.5 * w['rtt_ms']:.0f} ms: "
                   f"{'met' if verdicts['exec_true_under_1_5_rtt'] else 'NOT met'} (runs: {w['exec_true']['wall_s_all']})")
-    if "second_host" in checks:
+    if "second_host" in checks and "h2" in checks["second_host"]:
         s = checks["second_host"]
         verdicts["second_host_zero_wan_bytes_up"] = s["h2"]["bytes_up"] is not None and s["h2"]["bytes_up"] < 16 * 1024
         print(f"16 MiB file read on h1 then h2: WAN up h1 {fmt_bytes(s['h1']['bytes_up'])}, h2 {fmt_bytes(s['h2']['bytes_up'])} "
@@ -367,7 +378,7 @@ def main():
                      "hosts": "emulated hosts share this machine's cores"}}
     (OUT / "ucop.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {OUT / 'ucop.json'}")
-    plot(results, local, links, configs)
+    plot(results, local, links, [c for c in CONFIGS if any(c in results[l] for l in links)])
 
 
 def plot(results, local, links, configs):
