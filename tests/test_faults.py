@@ -125,7 +125,7 @@ def test_head_survives_garbage_and_wrong_version(fresh_cluster):
     assert b"v99" in reply, reply
     # Truncated frame then close.
     s = socket.create_connection((host, int(port)), timeout=5)
-    s.sendall(b"STRL" + struct.pack("<HHI", 1, 0, 1000) + b"abc")
+    s.sendall(b"STRL" + struct.pack("<HHI", 2, 0, 1000) + b"abc")  # current version, truncated body
     s.close()
     # The head is unharmed.
     assert len(status()["hosts"]) == 3

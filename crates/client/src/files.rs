@@ -97,6 +97,8 @@ pub struct FileServer {
     stats: Mutex<ServeStats>,
     /// Recipe and chunk names handed to the cluster (its relay cache now holds them).
     served: Mutex<Vec<Hash>>,
+    /// Recipes this process had to (re)compute: files new or changed since the client last looked.
+    fresh: Mutex<std::collections::HashSet<Hash>>,
 }
 
 impl FileServer {
@@ -108,7 +110,13 @@ impl FileServer {
             by_chunk: Mutex::new(HashMap::new()),
             stats: Mutex::new(ServeStats::default()),
             served: Mutex::new(Vec::new()),
+            fresh: Mutex::new(std::collections::HashSet::new()),
         }
+    }
+
+    /// Whether this recipe was computed afresh here (its file is new or changed).
+    pub fn is_fresh(&self, name: &Hash) -> bool {
+        self.fresh.lock().unwrap().contains(name)
     }
 
     /// A recipe this server has handed out, with the file that holds it.
@@ -195,6 +203,9 @@ impl FileServer {
                 continue;
             }
             let name = recipe.name();
+            if hashed {
+                self.fresh.lock().unwrap().insert(name);
+            }
             self.remember(path.as_path(), recipe);
             return Ok(Lookup::File(attr, name));
         }

@@ -98,10 +98,7 @@ pub async fn run(base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOpti
             }
             s.env.push((b"STARLING_TASK".to_vec(), i.to_string().into_bytes()));
             s.env.push((b"STARLING_TASKS".to_vec(), n.to_string().into_bytes()));
-            let mut p = session.launch_job(s, vec![JobTask { argv: None }]).await?;
-            let mut one = p.pop().expect("one task");
-            one.index = i;
-            pendings.push(one);
+            pendings.push(session.launch_pending(s, i).await?);
         }
     } else {
         pendings = session.launch_job(base, argvs.into_iter().map(|argv| JobTask { argv }).collect()).await?;

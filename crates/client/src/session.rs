@@ -213,6 +213,14 @@ impl Session {
         }
     }
 
+    /// Start a task without waiting for it to start: its events begin with
+    /// `Started` (or `Refused`).
+    pub async fn launch_pending(&self, spec: TaskSpec, index: usize) -> Result<Pending> {
+        let (reference, mut rxs) = self.register(1)?;
+        self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        Ok(Pending { index, events: rxs.pop().expect("one receiver") })
+    }
+
     /// Start a job: one message and one prethrow for all its tasks. Each
     /// task's events begin with `Started` once a host has a core for it.
     pub async fn launch_job(&self, spec: TaskSpec, tasks: Vec<JobTask>) -> Result<Vec<Pending>> {

@@ -67,7 +67,8 @@ impl Shadow {
     }
 
     /// Content of `bindings` the head lacks, up to [`MAX_PUSH_BYTES`]: the
-    /// recipes and chunks to push in the launch flight. Marks them known.
+    /// recipes and chunks to push in the launch flight. Marks them known and
+    /// saves at once, so concurrent launches (make -j) don't push them again.
     pub fn plan_push(
         &mut self,
         files: &crate::files::FileServer,
@@ -79,7 +80,10 @@ impl Shadow {
         let mut budget = MAX_PUSH_BYTES;
         for (path, l) in bindings {
             let Lookup::File(_, name) = l else { continue };
-            if self.has(name) {
+            // Only content that changed since this client last looked: what it
+            // has seen before, the cluster most likely fetched already (a
+            // wrong guess costs a fetch, not a redundant upload).
+            if self.has(name) || !files.is_fresh(name) {
                 continue;
             }
             let Some((local, recipe)) = files.recipe_by_name(name) else { continue };
@@ -101,6 +105,7 @@ impl Shadow {
                 Err(e) => log::debug!("not pushing {path}: {e}"),
             }
         }
+        self.save();
         (recipes, chunks)
     }
 }
