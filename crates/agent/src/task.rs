@@ -4,7 +4,7 @@ use crate::remote::RemoteSource;
 use crate::Agent;
 use anyhow::{Context, Result};
 use starling_proto::conn::Outgoing;
-use starling_proto::{Base, Change, ChunkData, ExitStatus, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
+use starling_proto::{Base, Change, ChunkData, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
 use starling_view::UpperEntry;
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
@@ -148,7 +148,6 @@ fn run_blocking(
     drop(view);
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
     tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| anyhow::anyhow!("head connection lost"))?;
-    let _: ExitStatus = status;
     Ok(())
 }
 

@@ -625,7 +625,7 @@ impl Head {
                 .min_by(|a, b| {
                     let fa = a.tasks as f32 / a.info.cores.max(1) as f32;
                     let fb = b.tasks as f32 / b.info.cores.max(1) as f32;
-                    fa.partial_cmp(&fb).unwrap().then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
+                    fa.total_cmp(&fb).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
                 })
                 .map(|h| h.info.name.clone())?,
         };
