@@ -21,11 +21,16 @@ Quick start (an embedded cluster of emulated hosts on this machine, needs root):
   starling up --hosts 4          # start 4 emulated hosts + the head
   starling status                # see them
   starling exec -- uname -n      # run something on one of them
-  make -j8 CC='starling exec gcc'
+  make -j8 CC='starling exec --job build gcc'
+  starling run -n 8 -- CMD       # a job of 8 tasks (each gets STARLING_TASK=0..7)
   starling down                  # remove everything
 
-Environment: STARLING_CLUSTER=IP:PORT selects a cluster (like --cluster); STARLING_LOG=info|debug
-turns on logging.";
+  starling up --link coffee-shop # the same, behind an emulated slow link (160 ms RTT, ~1.4 Mbit/s)
+
+Programs can also fork themselves onto the cluster: see include/starling.h (C) and `import starling`.
+
+Environment: STARLING_CLUSTER=IP:PORT selects a cluster (like --cluster); STARLING_INSTANCE=1..9
+selects another embedded cluster on this machine; STARLING_LOG=info|debug turns on logging.";
 
 #[derive(Parser)]
 #[command(name = "starling", version, about = ABOUT, long_about = LONG_ABOUT)]
