@@ -1,23 +1,37 @@
 #!/usr/bin/env python3
-"""Remote-fork benchmark on the embedded cluster.
+"""Remote-fork benchmark on the embedded cluster (issue 4).
 
-For 1, 2, 4, 8, 16, 32 clones (spread one per free core over --hosts hosts;
-each emulated host has 2 cores, so 32 clones need 16 hosts — the default)
-it runs bench/fork_bench.c and reports:
+For 1, 2, 4, 8, 16, 32 clones (one per free core over --hosts hosts; each
+emulated host has 2 cores, so 32 clones need 16 hosts — the default), in each
+placement mode (spread: sf_request_ticket(n, false); hierarchical:
+sf_request_ticket(n, true)), it runs bench/fork_bench.c and reports:
 
 * clone time: from just before sf_clone in the parent until the LAST clone
-  runs (clone clocks are this machine's: the hosts are namespaces), and the
-  time sf_clone itself takes in the parent (template, dump, page server,
-  one launch per clone over one session);
-* descriptor bytes;
-* pages fetched per clone vs the parent's resident footprint;
+  runs (clone clocks are this machine's: the hosts are namespaces), the first
+  clone, and the time sf_clone itself takes in the parent;
+* the CPU the machine spent creating the clones: busy jiffies of /proc/stat
+  from just before sf_clone until the last clone started (machine-wide, so
+  other programs on this machine count too: their load, measured just before
+  each run, is reported next to it), per clone, and the CPU-bound floor
+  cpu_ms / cores: how long that creation takes on this machine's cores even
+  with perfect parallelism (every emulated host shares them);
+* descriptor bytes; pages fetched per clone vs the parent's resident footprint;
 * page-fault service time (median, p99): first touches of heap pages 64
   pages apart, timed inside the clone — each is a userfault the agent's
-  handler serves from the page server over TCP (the handler's own counters
-  carry no timings, so this is measured where the fault is felt).
+  handler serves from the page server over TCP.
+
+Creation and work are kept apart: every clone sleeps until t0 + --settle-ms
+before probing, so the probes of early clones don't steal the CPU that later
+clones' creation needs (SnowFlock's clone time measures creation, not work).
+A clone that starts after that deadline is counted as late (raise --settle-ms).
+
+Runs on cluster instance 6 (STARLING_INSTANCE=6 unless already set) so it can
+run beside other clusters; starts its own cluster (`starling up --hosts`) and
+stops it at the end unless --keep. The starling binary and libstarling.a are
+taken from --starling-dir (default $STARLING_BUILD_DIR or target/release).
 
 Writes a table to stdout, JSON to bench/out/fork.json and, if matplotlib is
-importable, bench/out/fork.png. Leaves the cluster down unless --keep.
+importable, bench/out/fork.png.
 """
 import argparse
 import json
@@ -29,93 +43,200 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STARLING = str(ROOT / "target/release/starling")
 OUT = ROOT / "bench/out"
+INSTANCE = "6"
+MODES = {"spread": 0, "hierarchical": 1}
 
 
 def sh(*a, **kw):
     return subprocess.run(list(a), capture_output=True, text=True, **kw)
 
 
-def build():
+def fields(line):
+    return {k: int(v) for k, v in re.findall(r"(\w+)=(-?\d+)", line)}
+
+
+def build(build_dir):
     exe = OUT / "fork_bench"
-    r = sh("cc", "-O2", "-I", str(ROOT / "include"), str(ROOT / "bench/fork_bench.c"),
-           str(ROOT / "target/release/libstarling.a"), "-lpthread", "-ldl", "-lm", "-o", str(exe))
+    lib = build_dir / "libstarling.a"
+    r = sh("cc", "-O2", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "bench/fork_bench.c"), str(lib),
+           "-lpthread", "-ldl", "-lm", "-o", str(exe))
     if r.returncode:
-        sys.exit(f"build failed (cargo build --release -p starling-capi first?):\n{r.stderr}")
+        sys.exit(f"build failed against {lib} (cargo build --release -p starling-capi first?):\n{r.stderr}")
     return str(exe)
 
 
-def run_once(exe, n, heap_mib, probes):
+def run_once(exe, n, mode, heap_mib, probes, settle_ms):
     env = dict(os.environ)
     env.pop("STARLING_FORK_BACKEND", None)
-    r = sh(exe, str(n), str(heap_mib), str(probes), env=env, timeout=300, cwd="/var/tmp")
-    if r.returncode:
-        raise RuntimeError(f"{n} clones: rc={r.returncode}\n{r.stdout}\n{r.stderr}")
-    p = dict(re.findall(r"(\w+)=(-?\d+)", re.search(r"^PARENT .*$", r.stdout, re.M).group(0)))
-    clones = [dict(re.findall(r"(\w+)=(-?\d+)", l)) for l in re.findall(r"^CLONE .*$", r.stdout, re.M)]
-    stats = [dict(re.findall(r"(\w+)=(-?\d+)", l)) for l in re.findall(r"^STAT .*$", r.stdout, re.M)]
-    m = int(p["clones"])
-    if m != n or len(clones) != m or any(s["status"] != "0" for s in stats):
-        raise RuntimeError(f"{n} clones: granted {m}, {len(clones)} reported\n{r.stdout}\n{r.stderr}")
-    start = [int(c["start_ns"]) for c in clones]
-    med = [int(c["median_ns"]) for c in clones]
-    p99 = [int(c["p99_ns"]) for c in clones]
-    fetched = [int(s["fetched"]) for s in stats]
+    r = sh(exe, str(n), str(heap_mib), str(probes), str(settle_ms), str(MODES[mode]), env=env,
+           timeout=300 + settle_ms / 1000, cwd="/var/tmp")
+    parent = re.search(r"^PARENT .*$", r.stdout, re.M)
+    if r.returncode or not parent:
+        raise RuntimeError(f"{mode} {n} clones: rc={r.returncode}\n{r.stdout}\n{r.stderr}")
+    p = fields(parent.group(0))
+    clones = [fields(l) for l in re.findall(r"^CLONE .*$", r.stdout, re.M)]
+    stats = [fields(l) for l in re.findall(r"^STAT .*$", r.stdout, re.M)]
+    cpu = [fields(l) for l in re.findall(r"^CPU .*$", r.stdout, re.M)]
+    m = p["clones"]
+    if m != n or len(clones) != m or any(s["status"] != 0 for s in stats) or not cpu:
+        raise RuntimeError(f"{mode} {n} clones: granted {m}, {len(clones)} reported\n{r.stdout}\n{r.stderr}")
+    start = [c["start_ns"] for c in clones]
+    last = max(start)
+    # CPU over the creation window: t0 .. first sample at/after the last clone
+    # started (samples run every 5 ms until the settle deadline).
+    after = [s for s in cpu if s["t_ns"] >= last]
+    end = after[0] if after else cpu[-1]
+    tick_ms = 1000 / p["clk_tck"]
+    cpu_ms = (end["busy"] - p["busy0"]) * tick_ms
+    window_ms = end["t_ns"] / 1e6
+    bg_cores = p["bg_ticks"] * tick_ms / (p["bg_ns"] / 1e6)  # cores busy before the run
+    cores = p["cores"]
+    fetched = [s["fetched"] for s in stats]
     return {
+        "mode": mode,
         "clones": m,
-        "clone_time_ms": max(start) / 1e6,
+        "settle_ms": settle_ms,
+        "clone_time_ms": last / 1e6,
         "first_clone_ms": min(start) / 1e6,
-        "sf_clone_call_ms": int(p["clone_call_ns"]) / 1e6,
-        "join_ms": int(p["join_ns"]) / 1e6,
-        "descriptor_bytes": int(p["descriptor_bytes"]),
-        "parent_rss_kib": int(p["rss_kib"]),
+        "sf_clone_call_ms": p["clone_call_ns"] / 1e6,
+        "join_ms": p["join_ns"] / 1e6,
+        "descriptor_bytes": p["descriptor_bytes"],
+        "parent_rss_kib": p["rss_kib"],
         "pages_fetched_mean": statistics.mean(fetched),
         "pages_fetched_max": max(fetched),
-        "fault_median_us": statistics.median(med) / 1e3,
-        "fault_p99_us": max(p99) / 1e3,
+        "fault_median_us": statistics.median(c["median_ns"] for c in clones) / 1e3,
+        "fault_p99_us": max(c["p99_ns"] for c in clones) / 1e3,
+        "late_clones": sum(c["late"] for c in clones),
+        "cpu_window_ms": window_ms,
+        "cpu_window_complete": bool(after),
+        "cpu_ms": cpu_ms,
+        "cpu_ms_per_clone": cpu_ms / m,
+        "cores": cores,
+        "cpu_floor_ms": cpu_ms / cores,
+        "background_cores": bg_cores,
+        "cpu_background_ms": bg_cores * window_ms,
+        "cpu_settle_ms": (cpu[-1]["busy"] - p["busy0"]) * tick_ms,
     }
 
 
+def median_run(runs):
+    runs = sorted(runs, key=lambda x: x["clone_time_ms"])
+    row = dict(runs[len(runs) // 2])
+    row["runs_clone_time_ms"] = [x["clone_time_ms"] for x in runs]
+    row["runs_late_clones"] = sum(x["late_clones"] for x in runs)
+    return row
+
+
 def main():
-    ap = argparse.ArgumentParser()
+    os.environ.setdefault("STARLING_INSTANCE", INSTANCE)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--hosts", type=int, default=16)
     ap.add_argument("--counts", default="1,2,4,8,16,32")
     ap.add_argument("--heap-mib", type=int, default=256)
     ap.add_argument("--probes", type=int, default=200)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per count (the median clone time is reported)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs per (mode, count): the median clone time is reported")
+    ap.add_argument("--settle-ms", type=int, default=3000,
+                    help="clones wait until t0 + this before probing, so creation and work don't overlap")
+    ap.add_argument("--modes", default="spread,hierarchical",
+                    help="comma-separated placement modes: spread (hierarchical=false), hierarchical (=true)")
+    ap.add_argument("--hierarchical", action="store_true", help="shorthand for --modes hierarchical")
+    ap.add_argument("--starling-dir", default=os.environ.get("STARLING_BUILD_DIR", str(ROOT / "target/release")),
+                    help="directory holding the starling binary and libstarling.a (env STARLING_BUILD_DIR)")
+    ap.add_argument("--warmup", type=int, default=1,
+                    help="discarded runs per mode, of one clone per core of every host, before measuring "
+                         "(a host's first clone after `starling up` pays one-off costs)")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     a = ap.parse_args()
+    modes = ["hierarchical"] if a.hierarchical else [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in MODES for m in modes):
+        sys.exit(f"--modes: expected a list of {', '.join(MODES)}, got {a.modes!r}")
+    counts = [int(x) for x in a.counts.split(",")]
+    build_dir = pathlib.Path(a.starling_dir).resolve()
+    starling = str(build_dir / "starling")
     OUT.mkdir(parents=True, exist_ok=True)
-    exe = build()
-    sh(STARLING, "down", timeout=120)
-    r = sh(STARLING, "up", "--hosts", str(a.hosts), timeout=300)
+    exe = build(build_dir)
+    print(f"instance {os.environ['STARLING_INSTANCE']}, {a.hosts} hosts, binaries from {build_dir}", flush=True)
+    sh(starling, "down", timeout=120)
+    r = sh(starling, "up", "--hosts", str(a.hosts), timeout=300)
     if r.returncode:
         sys.exit(f"starling up failed:\n{r.stdout}\n{r.stderr}")
-    rows = []
+    rows, warmups = [], []
     try:
-        for n in [int(x) for x in a.counts.split(",")]:
-            runs = [run_once(exe, n, a.heap_mib, a.probes) for _ in range(a.repeat)]
-            runs.sort(key=lambda x: x["clone_time_ms"])
-            rows.append(runs[len(runs) // 2])
+        for mode in modes:
+            for _ in range(a.warmup):
+                for n in dict.fromkeys([2 * a.hosts, max(counts)]):  # all cores; else the largest count
+                    try:
+                        w = run_once(exe, n, mode, a.heap_mib, a.probes, a.settle_ms)
+                    except RuntimeError as e:
+                        print(f"  warm-up {mode} {n} failed ({str(e).strip().splitlines()[-1]}), trying fewer", flush=True)
+                        continue
+                    warmups.append(w)
+                    print(f"  warm-up {mode} {n}: clone {w['clone_time_ms']:.1f} ms (discarded)", flush=True)
+                    break
+        for n in counts:
+            for mode in modes:  # modes interleaved per count: drift hits both alike
+                runs = [run_once(exe, n, mode, a.heap_mib, a.probes, a.settle_ms) for _ in range(a.repeat)]
+                row = median_run(runs)
+                rows.append(row)
+                print(f"  {mode} {n}: clone {row['clone_time_ms']:.1f} ms (runs "
+                      f"{', '.join(f'{x:.1f}' for x in row['runs_clone_time_ms'])})", flush=True)
     finally:
         if not a.keep:
-            sh(STARLING, "down", timeout=120)
-    hdr = f"{'clones':>6} {'clone ms':>9} {'first ms':>9} {'sf_clone ms':>11} {'desc B':>7} {'fetched/clone':>13} {'resident pg':>11} {'fault med us':>12} {'fault p99 us':>12}"
+            sh(starling, "down", timeout=120)
+
+    print(f"\nheap {a.heap_mib} MiB, {a.probes} probes per clone, settle {a.settle_ms} ms, "
+          f"median of {a.repeat} per row, {rows[0]['cores']} cores on this machine")
+    hdr = (f"{'mode':<12} {'clones':>6} {'clone ms':>9} {'first ms':>9} {'sf_clone ms':>11} {'cpu ms':>7} "
+           f"{'cpu/clone':>9} {'floor ms':>8} {'bg cores':>8} {'late':>4} {'desc B':>7} {'fetched/clone':>13} "
+           f"{'resident pg':>11} {'fault med us':>12} {'fault p99 us':>12}")
     print(hdr)
     for x in rows:
-        print(f"{x['clones']:>6} {x['clone_time_ms']:>9.1f} {x['first_clone_ms']:>9.1f} {x['sf_clone_call_ms']:>11.1f} "
+        print(f"{x['mode']:<12} {x['clones']:>6} {x['clone_time_ms']:>9.1f} {x['first_clone_ms']:>9.1f} "
+              f"{x['sf_clone_call_ms']:>11.1f} {x['cpu_ms']:>7.0f} {x['cpu_ms_per_clone']:>9.1f} "
+              f"{x['cpu_floor_ms']:>8.1f} {x['background_cores']:>8.2f} {x['runs_late_clones']:>4} "
               f"{x['descriptor_bytes']:>7} {x['pages_fetched_mean']:>13.0f} {x['parent_rss_kib'] // 4:>11} "
               f"{x['fault_median_us']:>12.0f} {x['fault_p99_us']:>12.0f}")
-    ratio = None
-    by = {x["clones"]: x for x in rows}
-    if 1 in by and 32 in by:
-        ratio = by[32]["clone_time_ms"] / by[1]["clone_time_ms"]
-        print(f"clone-time(32)/clone-time(1) = {ratio:.2f}")
-    doc = {"hosts": a.hosts, "heap_mib": a.heap_mib, "probes": a.probes, "repeat": a.repeat, "rows": rows,
-           "ratio_32_over_1": ratio}
+
+    late = sum(x["runs_late_clones"] for x in rows)
+    if late:
+        print(f"WARNING: {late} clone(s) started after the settle deadline: creation and probing overlapped; "
+              f"raise --settle-ms (now {a.settle_ms})")
+    if any(not x["cpu_window_complete"] for x in rows):
+        print("WARNING: a creation window outlasted the settle window: its cpu ms is cut at the deadline")
+
+    ratios = {}
+    for mode in modes:
+        by = {x["clones"]: x for x in rows if x["mode"] == mode}
+        lo, hi = min(by), max(by)
+        if lo == hi:
+            continue
+        one, big = by[lo], by[hi]
+        ratio = big["clone_time_ms"] / one["clone_time_ms"]
+        if (lo, hi) == (1, 32):
+            ratios[mode] = ratio
+        print(f"{mode}: clone-time({hi})/clone-time({lo}) = {ratio:.2f} (measured: "
+              f"{big['clone_time_ms']:.1f} / {one['clone_time_ms']:.1f} ms)")
+        net = max(big["cpu_ms"] - big["cpu_background_ms"], 0.0)
+        print(f"  explained: creating {hi} clones used {big['cpu_ms']:.0f} ms of machine CPU "
+              f"({big['cpu_ms_per_clone']:.1f} ms/clone; ~{big['cpu_background_ms']:.0f} ms of it is the "
+              f"background load measured before the run); on this machine's {big['cores']} cores that needs "
+              f">= {big['cpu_floor_ms']:.0f} ms ({net / big['cores']:.0f} ms without the background) even with "
+              f"perfect parallelism, i.e. a CPU-bound ratio floor of "
+              f"{big['cpu_floor_ms'] / one['clone_time_ms']:.2f} ({net / big['cores'] / one['clone_time_ms']:.2f} "
+              f"without the background) against clone-time({lo})")
+
+    doc = {"instance": os.environ["STARLING_INSTANCE"], "hosts": a.hosts, "heap_mib": a.heap_mib, "probes": a.probes,
+           "repeat": a.repeat, "warmup": a.warmup, "settle_ms": a.settle_ms, "modes": modes, "cores": rows[0]["cores"], "rows": rows,
+           "warmup_runs": warmups,
+           "ratio_32_over_1": ratios.get("spread", next(iter(ratios.values()), None)),
+           "ratio_32_over_1_by_mode": ratios}
     (OUT / "fork.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {OUT / 'fork.json'}")
+    plot(rows, modes, a)
+
+
+def plot(rows, modes, a):
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -123,22 +244,26 @@ def main():
     except ImportError:
         print("matplotlib not available: skipping bench/out/fork.png (pip install matplotlib)")
         return
-    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [x["clones"] for x in rows]
-    ax[0].plot(xs, [x["clone_time_ms"] for x in rows], "o-", label="last clone running")
-    ax[0].plot(xs, [x["sf_clone_call_ms"] for x in rows], "s--", label="sf_clone returns (parent)")
-    ax[0].set_xscale("log", base=2)
-    ax[0].set_xlabel("clones")
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, mode in enumerate(modes):
+        rs = [x for x in rows if x["mode"] == mode]
+        xs = [x["clones"] for x in rs]
+        c = f"C{i}"
+        ax[0].plot(xs, [x["clone_time_ms"] for x in rs], "o-", color=c, label=f"{mode}: last clone running")
+        ax[0].plot(xs, [x["sf_clone_call_ms"] for x in rs], "s--", color=c, alpha=0.6,
+                   label=f"{mode}: sf_clone returns (parent)")
+        ax[0].plot(xs, [x["cpu_floor_ms"] for x in rs], ":", color=c, marker="^",
+                   label=f"{mode}: CPU floor (cpu ms / {rs[0]['cores']} cores)")
+        ax[1].plot(xs, [x["fault_median_us"] for x in rs], "o-", color=c, label=f"{mode}: median")
+        ax[1].plot(xs, [x["fault_p99_us"] for x in rs], "s--", color=c, alpha=0.6, label=f"{mode}: p99")
+    for x in ax:
+        x.set_xscale("log", base=2)
+        x.set_xlabel("clones")
+        x.legend(fontsize=7)
     ax[0].set_ylabel("ms")
-    ax[0].set_title("clone time")
-    ax[0].legend()
-    ax[1].plot(xs, [x["fault_median_us"] for x in rows], "o-", label="median")
-    ax[1].plot(xs, [x["fault_p99_us"] for x in rows], "s--", label="p99")
-    ax[1].set_xscale("log", base=2)
-    ax[1].set_xlabel("clones")
+    ax[0].set_title(f"clone time ({a.hosts} emulated hosts, settle {a.settle_ms} ms)")
     ax[1].set_ylabel("µs")
-    ax[1].set_title("page-fault service time (in the clone)")
-    ax[1].legend()
+    ax[1].set_title("page-fault service time (in the clone, after settle)")
     fig.tight_layout()
     fig.savefig(OUT / "fork.png", dpi=100)
     print(f"wrote {OUT / 'fork.png'}")
