@@ -41,6 +41,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench/out"
@@ -66,7 +67,30 @@ def build(build_dir):
     return str(exe)
 
 
-def run_once(exe, n, mode, heap_mib, probes, settle_ms):
+def busy_ticks():
+    """Machine-wide busy clock ticks, as fork_bench.c counts them."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:8]]
+    return v[0] + v[1] + v[2] + v[5] + v[6]  # user nice system (idle iowait) irq softirq
+
+
+def wait_quiet(max_cores, timeout_s):
+    """Wait (up to timeout_s) until the machine's load over 0.5 s is below
+    max_cores: the previous run's teardown (agents unmapping 32 clones) or
+    other programs would otherwise count in this run's machine-wide cpu ms.
+    Returns the last load seen."""
+    tick_s = 1 / os.sysconf("SC_CLK_TCK")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        b0, t0 = busy_ticks(), time.monotonic()
+        time.sleep(0.5)
+        load = (busy_ticks() - b0) * tick_s / (time.monotonic() - t0)
+        if load <= max_cores or time.monotonic() >= deadline:
+            return load
+
+
+def run_once(exe, n, mode, heap_mib, probes, settle_ms, quiet=(0.3, 10.0)):
+    wait_quiet(*quiet)
     env = dict(os.environ)
     env.pop("STARLING_FORK_BACKEND", None)
     r = sh(exe, str(n), str(heap_mib), str(probes), str(settle_ms), str(MODES[mode]), env=env,
@@ -146,8 +170,12 @@ def main():
     ap.add_argument("--warmup", type=int, default=1,
                     help="discarded runs per mode, of one clone per core of every host, before measuring "
                          "(a host's first clone after `starling up` pays one-off costs)")
+    ap.add_argument("--quiet-cores", type=float, default=0.3,
+                    help="before each run wait (up to --quiet-timeout s) until the machine's load is below this")
+    ap.add_argument("--quiet-timeout", type=float, default=10.0)
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     a = ap.parse_args()
+    quiet = (a.quiet_cores, a.quiet_timeout)
     modes = ["hierarchical"] if a.hierarchical else [m.strip() for m in a.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         sys.exit(f"--modes: expected a list of {', '.join(MODES)}, got {a.modes!r}")
@@ -167,7 +195,7 @@ def main():
             for _ in range(a.warmup):
                 for n in dict.fromkeys([2 * a.hosts, max(counts)]):  # all cores; else the largest count
                     try:
-                        w = run_once(exe, n, mode, a.heap_mib, a.probes, a.settle_ms)
+                        w = run_once(exe, n, mode, a.heap_mib, a.probes, a.settle_ms, quiet)
                     except RuntimeError as e:
                         print(f"  warm-up {mode} {n} failed ({str(e).strip().splitlines()[-1]}), trying fewer", flush=True)
                         continue
@@ -176,7 +204,7 @@ def main():
                     break
         for n in counts:
             for mode in modes:  # modes interleaved per count: drift hits both alike
-                runs = [run_once(exe, n, mode, a.heap_mib, a.probes, a.settle_ms) for _ in range(a.repeat)]
+                runs = [run_once(exe, n, mode, a.heap_mib, a.probes, a.settle_ms, quiet) for _ in range(a.repeat)]
                 row = median_run(runs)
                 rows.append(row)
                 print(f"  {mode} {n}: clone {row['clone_time_ms']:.1f} ms (runs "
@@ -202,6 +230,10 @@ def main():
     if late:
         print(f"WARNING: {late} clone(s) started after the settle deadline: creation and probing overlapped; "
               f"raise --settle-ms (now {a.settle_ms})")
+    busy = [f"{x['mode']} {x['clones']}" for x in rows if x["background_cores"] > a.quiet_cores]
+    if busy:
+        print(f"WARNING: the machine was busy (> {a.quiet_cores} cores) just before: {', '.join(busy)}; "
+              f"their cpu ms include other programs' load")
     if any(not x["cpu_window_complete"] for x in rows):
         print("WARNING: a creation window outlasted the settle window: its cpu ms is cut at the deadline")
 
