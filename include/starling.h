@@ -32,7 +32,13 @@ extern "C" {
 
 typedef struct sf_ticket sf_ticket_t;
 
-/* Reserve n >= 1 clones. NULL on failure (see sf_last_error). */
+/* Reserve n >= 1 clones. NULL on failure (see sf_last_error).
+ * hierarchical = false: clones spread over as many hosts as possible, each
+ * restored on its own. hierarchical = true: each host's free cores are filled
+ * first; a host restores the process once and forks its further clones from
+ * that restore (before any memory is fetched: each still fetches lazily).
+ * Either way every clone is a fork of the caller: its own PID (the first
+ * clone on a host keeps the frozen template's), its own exit status. */
 sf_ticket_t *sf_request_ticket(int n, bool hierarchical);
 /* Number of clones granted (m <= n), -1 for a NULL ticket. */
 int sf_ticket_allocation(const sf_ticket_t *t);

@@ -40,7 +40,7 @@ def progs():
     for name in ["heap", "stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen"]:
         p["suite/" + name] = cc(SUITE / f"{name}.c", BIN / f"suite-{name}", "-include", str(FORK / "on_other_host.h"))
     sh("cc", "-shared", "-fPIC", str(SUITE / "plugin.c"), "-o", str(BIN / "libsfplugin.so"))
-    for name in ["lazy_heap", "pairscores", "linger", "files_home", "unclonable"]:
+    for name in ["lazy_heap", "pairscores", "linger", "files_home", "unclonable", "statuses"]:
         p[name] = cc(FORK / f"{name}.c", BIN / name, "-Wall")
     return p
 
@@ -64,13 +64,19 @@ def wait_idle(limit=10.0):
     return running_tasks()
 
 
+@pytest.mark.parametrize("mode", ["spread", "hierarchical"])
 @pytest.mark.parametrize("name", ["stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen", "heap"])
-def test_restore_suite_on_other_hosts(cluster, progs, name):
+def test_restore_suite_on_other_hosts(cluster, progs, name, mode):
+    """Each program checks its kind of state inside 2 clones. spread: two
+    restores on two hosts; hierarchical: both clones on one host, one
+    restore, the second clone forked from the first at the restore point."""
     args = [BIN / "libsfplugin.so"] if name == "dlopen" else []
-    r = run(progs["suite/" + name], *args)
+    r = run(progs["suite/" + name], *args, env={"SFT_HIERARCHICAL": "1" if mode == "hierarchical" else "0"})
     out = r.stdout + r.stderr
     hosts = re.findall(r"clone (\d+) on host (h\d+)", out)
     assert len(hosts) == 2, out
+    distinct = {h for _, h in hosts}
+    assert len(distinct) == (1 if mode == "hierarchical" else 2), out
     assert "runs on the parent's host" not in out
     if name == "heap":
         # Every check inside the clones passed; the parent's bound on pages
@@ -101,6 +107,34 @@ def test_clones_send_pair_scores_back_over_tcp(cluster, progs):
     assert m and m.group(2) == m.group(3), r.stdout
     assert m.group(4) == "10.213.0.1" or m.group(4).startswith("10."), "the bridge address the hosts reach"
     assert len(re.findall(r"clone \d+ scored", r.stdout)) == int(m.group(1)), "clone stdout reaches the parent"
+
+
+@pytest.mark.parametrize("hierarchical", [0, 1])
+def test_every_clone_reports_its_own_status(cluster, progs, hierarchical):
+    """sf_clone_status per clone: exit codes 10+id, clone 3 killed (128+9).
+    Hierarchical: 2 clones per host (2 cores each), one task per host whose
+    restorer forks the second clone: its own PID, glibc's TID right."""
+    assert wait_idle() == 0
+    r = run(progs["statuses"], 6, hierarchical)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "GRANTED 6" in r.stdout, r.stdout
+    statuses = dict(re.findall(r"STATUS (\d+) (-?\d+)", r.stdout))
+    assert statuses == {str(i): str(137 if i == 3 else 10 + i) for i in range(1, 7)}, r.stdout
+    clones = re.findall(r"CLONE (\d+) host (h\d+) pid (\d+) tid (\d+)", r.stdout)
+    assert len(clones) == 6, r.stdout
+    assert all(pid == tid for _, _, pid, tid in clones), r.stdout
+    by_host = {}
+    for cid, host, pid, _ in clones:
+        by_host.setdefault(host, []).append((int(cid), pid))
+    if hierarchical:
+        assert sorted(len(v) for v in by_host.values()) == [2, 2, 2], by_host
+        for v in by_host.values():
+            ids = sorted(c for c, _ in v)
+            assert ids[1] == ids[0] + 1, "a host holds consecutive clone ids"
+            assert v[0][1] != v[1][1], "the forked clone has its own PID"
+    else:
+        assert len(by_host) == 4, "spread over all 4 hosts first"
+    assert wait_idle() == 0, "every core is released"
 
 
 def test_files_clones_write_come_home(cluster, progs, workdir):
@@ -141,11 +175,13 @@ def test_local_backend_still_available(progs):
 
 
 def sandboxes():
-    """PIDs of live `starling __sandbox-init` processes (one per running task) on the default
-    cluster's hosts (other instances, STARLING_INSTANCE=N, may be running their own)."""
+    """PIDs of live `starling __sandbox-init` processes (one per running task) on this
+    cluster's hosts (other instances, STARLING_INSTANCE=N, may be running their own; host
+    namespaces are named starling-hN, or starlingN-hN for instance N)."""
+    prefix = "starling%s-" % os.environ.get("STARLING_INSTANCE", "")
     ours = set()
     for n in os.listdir("/run/netns") if os.path.isdir("/run/netns") else []:
-        if n.startswith("starling-"):
+        if n.startswith(prefix):
             ours.add(os.stat(f"/run/netns/{n}").st_ino)
     out = []
     for p in pathlib.Path("/proc").iterdir():
@@ -200,6 +236,7 @@ def test_lost_host_is_reported_by_join(progs):
         assert p.returncode == 0, err
         states = {i: (s, code) for i, s, code in re.findall(r"STATE (\d+) (\d+) (-?\d+)", out)}
         assert states[victim_id][0] == "3", (placed, out)  # lost
+        assert re.search(rf"JOIN -1 .*clone {victim_id} was lost", out), out
         for i, h in placed.items():
             if h != victim:
                 assert states[i] == ("1", "7"), (placed, out)

@@ -12,19 +12,24 @@
 //!   needs root for its nested PID namespace (clone3 `set_tid` = template
 //!   PID) and for a userfaultfd that handles kernel-mode faults, and drops to
 //!   the template's uid/gid itself before jumping into the clone;
-//! * the fault handler runs here, in the agent (outside the sandbox): it
-//!   receives the clone's userfaultfd over the socket, fetches `Fetch` pages
-//!   from the client's page server over TCP and reads `File` pages from the
-//!   same files the clone sees (the task's overlay root + the path);
-//! * when the clone has ended, the handler's counters go to the client in a
-//!   `CloneStats` message.
+//! * the fault handlers run here, in the agent (outside the sandbox): a
+//!   control thread reads the restorer's records from the socket, and for
+//!   each clone's userfaultfd starts a handler that fetches `Fetch` pages
+//!   from the client's page server (TCP / mcdist) and reads `File` pages from
+//!   the same files the clone sees (the task's overlay root + the path);
+//! * a hierarchical task (`CloneSpec::local_forks` > 0) restores once and
+//!   holds several clones: the restorer forks them at the restore point and
+//!   its PID 1 reports each one's exit status over the same socket;
+//! * when the clones have ended, each one's status and handler counters go
+//!   to the client in a `CloneStats` message.
 
 use anyhow::{anyhow, Context, Result};
 use starling_fork::descriptor::{Descriptor, RegionKind};
 use starling_fork::fault::{FaultHandler, FaultStats};
 use starling_fork::page_server::PageClient;
 use starling_proto::conn::Outgoing;
-use starling_proto::{CloneSpec, Msg, Stream, TaskId};
+use starling_fork::local::RestorerRecord;
+use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId};
 use starling_sandbox::TaskProgram;
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, OwnedFd};
@@ -35,14 +40,26 @@ use std::sync::Arc;
 const PLAN_FD: i32 = 3;
 const HANDLER_FD: i32 = 4;
 
-/// A clone's fault handler, running while the sandbox runs.
+/// The fault handlers of a clone task's clones, running while the sandbox runs.
 pub(crate) struct CloneRun {
-    id: u32,
-    stats: Arc<FaultStats>,
+    /// The task's clones: IDs `first .. first + count`.
+    first: u32,
+    count: u32,
+    /// Closing it (the write end of a pipe every handler polls) stops them.
     stop: Option<OwnedFd>,
-    handler: Option<std::thread::JoinHandle<starling_fork::Result<()>>>,
+    /// Reads the restorer's records and starts a handler per clone.
+    control: Option<std::thread::JoinHandle<Control>>,
     /// The agent's "last clone's page distribution" (shown by `starling status`).
     distribution: DistributionReport,
+}
+
+/// What the control thread saw: a handler per clone that registered memory,
+/// each clone's exit status (raw wait status), and a protocol error if any.
+#[derive(Default)]
+struct Control {
+    handlers: Vec<(u32, Arc<FaultStats>, std::thread::JoinHandle<starling_fork::Result<()>>)>,
+    statuses: std::collections::HashMap<u32, i32>,
+    error: Option<String>,
 }
 
 /// Where the agent keeps the last clone's page distribution mode.
@@ -83,71 +100,124 @@ fn root_file_paths(regions: &mut [starling_fork::descriptor::Region], root: &Pat
     }
 }
 
-/// Decode and check the clone spec, start the fault handler, and return the
+/// Decode and check the clone spec, start the control thread (which starts
+/// a fault handler per clone as its userfaultfd arrives), and return the
 /// program (restorer + plan + handler socket) the sandbox must run.
 pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionReport) -> Result<(TaskProgram, CloneRun)> {
     let desc = Descriptor::decode(&spec.descriptor).context("the clone's process descriptor")?;
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
-    if spec.local_forks != 0 {
-        // The client never asks for them (see starling_fork::cluster); refuse
-        // rather than silently run fewer clones than were asked for.
-        return Err(anyhow!("local forks inside a clone are not supported"));
-    }
-    let plan = starling_fork::local::plan_memfd(&desc, spec.clone_id)?;
+    let (first, count) = (spec.clone_id, 1 + spec.local_forks);
+    let plan = starling_fork::local::plan_memfd(&desc, first, count)?;
     let (ours, theirs) = starling_fork::local::handler_socketpair()?;
     let program = starling_fork::local::restorer_program()?;
     let (stop_r, stop_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-    let stats = Arc::new(FaultStats::default());
-    let handler_desc = rooted(&desc, root);
-    let stats2 = stats.clone();
-    let id = spec.clone_id;
+    let stop_r = Arc::new(stop_r);
+    let handler_desc = Arc::new(rooted(&desc, root));
     let report = distribution.clone();
-    let handler = std::thread::Builder::new()
-        .name(format!("clone-fault-{id}"))
-        .spawn(move || -> starling_fork::Result<()> {
-            // None: the restorer ended before registering anything.
-            let Some(uffd) = starling_fork::local::recv_fd(&ours)? else { return Ok(()) };
-            let client = PageClient::connect(server)?;
-            let mut h = FaultHandler::new(uffd, &handler_desc, client, stats2.clone());
-            report_mode(&report, id, &stats2);
-            if let Some(n) = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()) {
-                h.set_prefetch(n);
+    let control = std::thread::Builder::new()
+        .name(format!("clone-ctl-{first}"))
+        .spawn(move || {
+            let mut seen = Control::default();
+            loop {
+                match starling_fork::local::recv_record(&ours) {
+                    // Every restorer process has ended (or closed the socket).
+                    Ok(None) => break,
+                    Ok(Some(RestorerRecord::Userfaultfd { clone_id, fd })) => {
+                        if !(first..first + count).contains(&clone_id) || seen.handlers.iter().any(|h| h.0 == clone_id) {
+                            seen.error = Some(format!("restorer sent a userfaultfd for clone {clone_id}"));
+                            continue;
+                        }
+                        let stats = Arc::new(FaultStats::default());
+                        let (desc, stop, stats2, report) = (handler_desc.clone(), stop_r.clone(), stats.clone(), report.clone());
+                        let handler = std::thread::Builder::new().name(format!("clone-fault-{clone_id}")).spawn(
+                            move || -> starling_fork::Result<()> {
+                                let client = PageClient::connect(server)?;
+                                let mut h = FaultHandler::new(fd, &desc, client, stats2.clone());
+                                report_mode(&report, clone_id, &stats2);
+                                if let Some(n) = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()) {
+                                    h.set_prefetch(n);
+                                }
+                                h.run(stop.as_fd())
+                            },
+                        );
+                        match handler {
+                            Ok(h) => seen.handlers.push((clone_id, stats, h)),
+                            Err(e) => seen.error = Some(format!("starting the fault handler of clone {clone_id}: {e}")),
+                        }
+                    }
+                    Ok(Some(RestorerRecord::Exited { clone_id, status })) => {
+                        seen.statuses.insert(clone_id, status);
+                    }
+                    Err(e) => {
+                        seen.error = Some(e.to_string());
+                        break;
+                    }
+                }
             }
-            h.run(stop_r.as_fd())
+            seen
         })
-        .context("starting the fault handler")?;
+        .context("starting the clone's control thread")?;
     Ok((
         TaskProgram { program, fds: vec![(PLAN_FD, plan), (HANDLER_FD, theirs)] },
-        CloneRun { id, stats, stop: Some(stop_w), handler: Some(handler), distribution },
+        CloneRun { first, count, stop: Some(stop_w), control: Some(control), distribution },
     ))
 }
 
+/// A raw wait status as the wire's exit status.
+fn exit_status(raw: i32) -> ExitStatus {
+    if libc::WIFEXITED(raw) {
+        ExitStatus::Code(libc::WEXITSTATUS(raw))
+    } else {
+        ExitStatus::Signal(libc::WTERMSIG(raw))
+    }
+}
+
 impl CloneRun {
-    /// After the sandbox ended: stop the handler and send its counters.
+    /// After the sandbox ended: stop the handlers, then send each clone's
+    /// status and counters.
     pub(crate) fn finish(mut self, task: TaskId, tx: &Outgoing) {
         self.stop.take();
-        if let Some(h) = self.handler.take() {
-            match h.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => {
-                    let msg = format!("starling: clone {}: fault handler: {e}\n", self.id);
-                    let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data: msg.into_bytes() });
-                }
-                Err(_) => log::warn!("task {task}: fault handler panicked"),
+        let seen = match self.control.take().map(|c| c.join()) {
+            Some(Ok(seen)) => seen,
+            _ => {
+                log::warn!("task {task}: clone control thread panicked");
+                Control::default()
             }
+        };
+        let say = |msg: String| {
+            let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data: msg.into_bytes() });
+        };
+        if let Some(e) = &seen.error {
+            say(format!("starling: clones {}..{}: restorer channel: {e}\n", self.first, self.first + self.count - 1));
         }
-        // A fetch that timed out mid-run may have switched it to unicast.
-        report_mode(&self.distribution, self.id, &self.stats);
-        let counters = self.stats.snapshot().to_vec();
-        let _ = tx.blocking_send(Msg::CloneStats { task, counters });
+        let mut counters = std::collections::HashMap::new();
+        for (id, stats, handler) in seen.handlers {
+            match handler.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => say(format!("starling: clone {id}: fault handler: {e}\n")),
+                Err(_) => log::warn!("task {task}: fault handler of clone {id} panicked"),
+            }
+            // A fetch that timed out mid-run may have switched it to unicast.
+            report_mode(&self.distribution, id, &stats);
+            counters.insert(id, stats.snapshot().to_vec());
+        }
+        for id in self.first..self.first + self.count {
+            let _ = tx.blocking_send(Msg::CloneStats {
+                task,
+                clone_id: id,
+                status: seen.statuses.get(&id).map(|&raw| exit_status(raw)),
+                counters: counters.remove(&id).unwrap_or_else(|| vec![0; starling_fork::fault::COUNTERS]),
+            });
+        }
     }
 }
 
 impl Drop for CloneRun {
     fn drop(&mut self) {
-        // Not finished (the sandbox failed to start): stopping the handler is
-        // enough; it ends once the restorer's end of the socket is gone.
+        // Not finished (the sandbox failed to start): stopping the handlers is
+        // enough; the control thread ends once the restorer's end of the
+        // socket is gone.
         self.stop.take();
     }
 }

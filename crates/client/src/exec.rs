@@ -275,7 +275,7 @@ pub async fn run(mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
                 log::info!("task {} ended {status:?}; {:?}", handle.task, session.files().stats());
                 return Ok(status.shell_code());
             }
-            Some(TaskEvent::Started { .. }) | Some(TaskEvent::CloneStats(_)) => {}
+            Some(TaskEvent::Started { .. }) | Some(TaskEvent::CloneStats { .. }) => {}
             Some(TaskEvent::Refused(why)) | Some(TaskEvent::Lost(why)) => {
                 eprintln!("starling: {why}");
                 return Ok(EXIT_STARLING_FAILURE);

@@ -189,7 +189,7 @@ pub async fn run(base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOpti
                 }
                 ends[idx] = Some(if ok { End::Exit(status) } else { End::Failed });
             }
-            TaskEvent::CloneStats(_) => {}
+            TaskEvent::CloneStats { .. } => {}
             TaskEvent::Refused(why) | TaskEvent::Lost(why) => {
                 for (s, b) in lines.flush(idx) {
                     say(&bar, s, &b);

@@ -35,8 +35,9 @@ pub enum TaskEvent {
     Finished { status: ExitStatus, commit: Result<CommitReport, String>, accessed: Vec<WirePath> },
     /// The task is gone without a result (host lost, head lost); nothing was committed.
     Lost(String),
-    /// A clone's fault-handler counters (clone tasks only, before `Finished`).
-    CloneStats(Vec<u64>),
+    /// One clone of a clone task ended (clone tasks only, before `Finished`):
+    /// its status if its restorer reported one, and its fault-handler counters.
+    CloneStats { clone_id: u32, status: Option<ExitStatus>, counters: Vec<u64> },
 }
 
 impl TaskEvent {
@@ -309,7 +310,9 @@ impl Session {
                 Msg::Error { task: None, message } => log::warn!("head: {message}"),
                 Msg::Error { task: Some(task), message } => self.emit(task, TaskEvent::Lost(message)),
                 Msg::Output { task, stream, data } => self.emit(task, TaskEvent::Output(stream, data)),
-                Msg::CloneStats { task, counters } => self.emit(task, TaskEvent::CloneStats(counters)),
+                Msg::CloneStats { task, clone_id, status, counters } => {
+                    self.emit(task, TaskEvent::CloneStats { clone_id, status, counters })
+                }
                 Msg::FileRequest { task, id, req } => {
                     let files = self.files.clone();
                     let tx = self.tx.clone();

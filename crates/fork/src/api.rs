@@ -159,7 +159,8 @@ impl Ticket {
                 link.clone(),
                 *ticket,
                 placement,
-                descriptor.encode(),
+                self.hierarchical,
+                &descriptor,
                 server.addr(),
             )?),
         };
@@ -213,6 +214,25 @@ impl Ticket {
         a.template.release();
         a.server.stop();
         Ok(())
+    }
+
+    /// After `join`: one line saying which clones did not exit 0 (None if
+    /// all did), for `sf_join`'s "0 if every clone exited 0, else -1".
+    pub fn unsuccessful(&self) -> Option<String> {
+        let bad: Vec<String> = (1..=self.allocation as i32)
+            .filter_map(|id| match self.clone_state(id) {
+                Some(CloneState::Exited(0)) => None,
+                Some(CloneState::Exited(c)) => Some(format!("clone {id} exited {c}")),
+                Some(CloneState::Killed(s)) => Some(format!("clone {id} was killed by signal {s}")),
+                Some(CloneState::Lost(why)) => Some(format!("clone {id} was lost ({why})")),
+                Some(CloneState::Running) | None => Some(format!("clone {id} has no status")),
+            })
+            .collect();
+        match bad.len() {
+            0 => None,
+            1..=3 => Some(bad.join("; ")),
+            n => Some(format!("{}; and {} more", bad[..3].join("; "), n - 3)),
+        }
     }
 
     /// Exit status of clone `id` once ended: exit code, or 128+signal.

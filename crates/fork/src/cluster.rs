@@ -17,20 +17,25 @@
 //! `sf_join` never hangs: a lost host or head ends every affected clone as
 //! `Lost`.
 //!
-//! Hierarchical tickets: the head fills each host's cores before moving on;
-//! every granted clone is then its own restore on that host (`local_forks` =
-//! 0). A `fork()` inside a restored clone would see zeros for pages not yet
-//! fetched (no `UFFD_FEATURE_EVENT_FORK` across an SCM_RIGHTS'ed uffd), so it
-//! would have to materialise the whole address space first; k lazy restores
-//! on one host share that host's file cache and fetch only what each touches.
+//! Hierarchical tickets: the head fills each host's cores before moving on,
+//! and each host gets ONE clone task holding all its k clones
+//! (`local_forks` = k - 1): one file view, one sandbox, one restorer, whose
+//! PID 1 forks the k clones at the restore point — before any memory is
+//! registered or fetched, so each clone still gets its own userfaultfd and
+//! fetches lazily (a fork of an already-running lazy clone would see zeros
+//! for pages not yet fetched: `UFFD_FEATURE_EVENT_FORK` does not survive
+//! handing the uffd to the agent). The first clone has the template's PID;
+//! the others, like fork() children, their own. Without `hierarchical`,
+//! every clone is its own task (spread over hosts).
 //!
-//! The fault handler's counters come back in a `CloneStats` message after
-//! the clone ended.
+//! Each clone's exit status and fault-handler counters come back in a
+//! `CloneStats` message when its task ended.
 
 use crate::{ForkError, Result};
 use starling_client::session::{Session, SessionOptions, TaskEvent};
 use starling_proto::conn::Outgoing;
-use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId};
+use crate::descriptor::{Descriptor, FdKind, RegionKind};
+use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId, WirePath};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
@@ -46,6 +51,15 @@ pub enum CloneState {
     Killed(i32),
     /// Gone without a result (host or head lost, restore could not start).
     Lost(String),
+}
+
+impl From<ExitStatus> for CloneState {
+    fn from(s: ExitStatus) -> Self {
+        match s {
+            ExitStatus::Code(c) => CloneState::Exited(c),
+            ExitStatus::Signal(s) => CloneState::Killed(s),
+        }
+    }
 }
 
 impl CloneState {
@@ -154,6 +168,29 @@ pub struct ClusterClones {
     tx: Option<Outgoing>,
 }
 
+/// The paths a restore looks up, with every ancestor (the file view resolves
+/// one component at a time): the root, the sandbox's /proc and /dev mount
+/// points, the cwd, every mapped file and every file reopened by path.
+fn restore_paths(desc: &Descriptor) -> Vec<WirePath> {
+    let mut paths = vec![desc.process.cwd.as_str(), "/proc", "/dev"];
+    paths.extend(desc.regions.iter().filter_map(|r| match &r.kind {
+        RegionKind::File { path, .. } => Some(path.as_str()),
+        _ => None,
+    }));
+    paths.extend(desc.fds.iter().filter_map(|f| match &f.kind {
+        FdKind::Reopen { path, .. } => Some(path.as_str()),
+        _ => None,
+    }));
+    let mut out = vec![WirePath::root()];
+    for p in paths {
+        let Some(w) = starling_client::prethrow::normalise(std::path::Path::new(p)) else { continue };
+        out.extend(w.as_path().ancestors().filter_map(starling_client::prethrow::normalise));
+    }
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Write all of `data` to raw fd `fd` (the parent's own stdout/stderr).
 fn write_fd(fd: i32, mut data: &[u8]) {
     while !data.is_empty() {
@@ -177,21 +214,29 @@ impl ClusterClones {
         link: Arc<ClusterLink>,
         ticket: u64,
         placement: &[(String, u32)],
-        descriptor: Vec<u8>,
+        hierarchical: bool,
+        desc: &Descriptor,
         page_server: SocketAddr,
     ) -> Result<ClusterClones> {
         let shared = Arc::new(Shared::default());
-        let base = starling_client::spec::capture(vec!["starling-clone".into()])
+        let mut base = starling_client::spec::capture(vec!["starling-clone".into()])
             .map_err(|e| ForkError::Other(format!("capturing the caller's configuration: {e:#}")))?;
+        // Every path the restorer opens, bound now: no clone asks back for them.
+        base.prethrow = starling_client::prethrow::bind(link.session.files(), &restore_paths(desc));
+        let descriptor = desc.encode();
         let mut clones = ClusterClones { link: link.clone(), shared: shared.clone(), tx: None };
-        // Build every clone's spec, then launch them all at once: the head
-        // starts each as soon as its host has the core, so clone time does
-        // not grow with the number of clones.
+        // Build every task's spec (a clone, or a host's clones when
+        // hierarchical), then launch them all at once: the head starts each
+        // as soon as its host has the cores, so clone time does not grow
+        // with the number of clones.
         let mut specs = Vec::new();
-        let mut id = 0u32;
+        let mut next = 1u32;
         for (host, k) in placement {
-            for _ in 0..*k {
-                id += 1;
+            let groups: Vec<u32> = if hierarchical { vec![*k] } else { vec![1; *k as usize] };
+            for count in groups {
+                let id = next;
+                next += count;
+                let ids = id..id + count;
                 let mut spec = base.clone();
                 spec.argv = vec![b"starling-clone".to_vec(), format!("ticket={ticket}").into_bytes(), format!("clone={id}").into_bytes()];
                 spec.env.retain(|(k, _)| k != b"STARLING_PARENT_HOST");
@@ -203,23 +248,24 @@ impl ClusterClones {
                     clone_id: id,
                     descriptor: descriptor.clone(),
                     page_server: page_server.to_string(),
-                    local_forks: 0,
+                    local_forks: count - 1,
                 });
-                shared.slots.lock().unwrap().push(CloneSlot {
+                shared.slots.lock().unwrap().extend(ids.clone().map(|id| CloneSlot {
                     id,
                     host: host.clone(),
                     task: None,
                     state: CloneState::Running,
                     stats: None,
-                });
-                specs.push((id, host.clone(), spec));
+                }));
+                specs.push((ids, host.clone(), spec));
             }
         }
-        let launched: Vec<(u32, String, anyhow::Result<starling_client::session::TaskHandle>)> = link.rt.block_on(async {
+        type Launched = (std::ops::Range<u32>, String, anyhow::Result<starling_client::session::TaskHandle>);
+        let launched: Vec<Launched> = link.rt.block_on(async {
             let mut set = tokio::task::JoinSet::new();
-            for (id, host, spec) in specs {
+            for (ids, host, spec) in specs {
                 let session = link.session.clone();
-                set.spawn(async move { (id, host, session.launch(spec).await) });
+                set.spawn(async move { (ids, host, session.launch(spec).await) });
             }
             let mut out = Vec::new();
             while let Some(r) = set.join_next().await {
@@ -230,17 +276,18 @@ impl ClusterClones {
             out
         });
         let mut failure = None;
-        for (id, host, launched) in launched {
+        for (ids, host, launched) in launched {
+            let names = if ids.len() == 1 { format!("clone {}", ids.start) } else { format!("clones {}..{}", ids.start, ids.end - 1) };
             let handle = match launched {
                 Ok(h) => h,
                 Err(e) => {
-                    shared.slots.lock().unwrap().retain(|s| s.id != id);
-                    failure.get_or_insert(format!("launching clone {id} on {host}: {e:#}"));
+                    shared.slots.lock().unwrap().retain(|s| !ids.contains(&s.id));
+                    failure.get_or_insert(format!("launching {names} on {host}: {e:#}"));
                     continue;
                 }
             };
             clones.tx.get_or_insert_with(|| handle.sender());
-            if let Some(s) = shared.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+            for s in shared.slots.lock().unwrap().iter_mut().filter(|s| ids.contains(&s.id)) {
                 s.task = Some(handle.task);
             }
             let shared2 = shared.clone();
@@ -250,23 +297,25 @@ impl ClusterClones {
                 while let Some(ev) = events.recv().await {
                     match ev {
                         TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
-                        TaskEvent::CloneStats(counters) => {
+                        TaskEvent::CloneStats { clone_id, status, counters } => {
                             let mut st = [0u64; STATS_COUNTERS];
                             for (o, c) in st.iter_mut().zip(counters) {
                                 *o = c;
                             }
-                            if let Some(s) = shared2.slots.lock().unwrap().iter_mut().find(|s| s.id == id) {
+                            let mut slots = shared2.slots.lock().unwrap();
+                            if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
                                 s.stats = Some(st);
+                                if let Some(status) = status {
+                                    s.state = CloneState::from(status);
+                                }
                             }
                         }
                         TaskEvent::Finished { status, commit, .. } => {
                             if let Err(e) = commit {
-                                write_fd(2, format!("starling: clone {id}: its files were not committed: {e}\n").as_bytes());
+                                write_fd(2, format!("starling: {names}: files were not committed: {e}\n").as_bytes());
                             }
-                            end = match status {
-                                ExitStatus::Code(c) => CloneState::Exited(c),
-                                ExitStatus::Signal(s) => CloneState::Killed(s),
-                            };
+                            // The first clone's status, for clones whose restorer reported none.
+                            end = CloneState::from(status);
                             break;
                         }
                         TaskEvent::Lost(why) | TaskEvent::Refused(why) => {
@@ -277,8 +326,8 @@ impl ClusterClones {
                     }
                 }
                 let mut slots = shared2.slots.lock().unwrap();
-                if let Some(s) = slots.iter_mut().find(|s| s.id == id) {
-                    s.state = end;
+                for s in slots.iter_mut().filter(|s| ids.contains(&s.id) && !s.state.is_final()) {
+                    s.state = end.clone();
                 }
                 shared2.changed.notify_all();
             });
@@ -302,7 +351,7 @@ impl ClusterClones {
     /// SIGKILL every clone that is still running (the agent kills its sandbox).
     pub fn kill(&self) {
         let Some(tx) = &self.tx else { return };
-        let tasks: Vec<TaskId> = self
+        let mut tasks: Vec<TaskId> = self
             .shared
             .slots
             .lock()
@@ -311,6 +360,8 @@ impl ClusterClones {
             .filter(|s| !s.state.is_final())
             .filter_map(|s| s.task)
             .collect();
+        tasks.sort_by_key(|t| t.0);
+        tasks.dedup();
         for task in tasks {
             let _ = self.link.rt.block_on(tx.send(Msg::Signal { task, signo: libc::SIGKILL }));
         }

@@ -5,6 +5,7 @@
 //! panics.
 
 use crate::api::Ticket;
+use crate::ForkError;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_longlong, CString};
 
@@ -81,7 +82,13 @@ pub unsafe extern "C" fn sf_join(t: *mut SfTicket) -> c_int {
         set_error("NULL ticket".into());
         return -1;
     };
-    guard(-1, || t.join().map(|_| 0))
+    guard(-1, || {
+        t.join()?;
+        match t.unsuccessful() {
+            None => Ok(0),
+            Some(why) => Err(ForkError::Other(why)),
+        }
+    })
 }
 
 /// # Safety

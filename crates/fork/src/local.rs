@@ -35,9 +35,10 @@ pub fn restorer_program() -> Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(dup) })
 }
 
-/// The plan for clone `id` of `desc` in a memfd, positioned at its start.
-pub fn plan_memfd(desc: &Descriptor, id: u32) -> Result<OwnedFd> {
-    let plan = build_plan(desc, PlanOptions { clone_id: id, new_pid_namespace: true });
+/// The plan for clones `id .. id + count` of `desc` (one restore; see
+/// `PlanHeader::clone_count`) in a memfd, positioned at its start.
+pub fn plan_memfd(desc: &Descriptor, id: u32, count: u32) -> Result<OwnedFd> {
+    let plan = build_plan(desc, PlanOptions { clone_id: id, clone_count: count, new_pid_namespace: true });
     let plan_fd = memfd("starling-plan")?;
     {
         let mut f = std::fs::File::from(plan_fd.try_clone().map_err(|e| ForkError::io("dup plan fd", e))?);
@@ -48,11 +49,13 @@ pub fn plan_memfd(desc: &Descriptor, id: u32) -> Result<OwnedFd> {
     Ok(plan_fd)
 }
 
-/// A close-on-exec AF_UNIX stream socketpair: (handler end, restorer end).
+/// A close-on-exec AF_UNIX seqpacket socketpair: (handler end, restorer
+/// end). Seqpacket keeps the restorer's records apart (one per message),
+/// and its clones and their PID-1 reaper all write to the same end.
 pub fn handler_socketpair() -> Result<(OwnedFd, OwnedFd)> {
     let mut sv = [0; 2];
     // SAFETY: socketpair writes two fds into sv.
-    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0, sv.as_mut_ptr()) } != 0 {
+    if unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0, sv.as_mut_ptr()) } != 0 {
         return Err(ForkError::errno("socketpair"));
     }
     // SAFETY: fresh fds owned by nobody else.
@@ -113,7 +116,7 @@ impl LocalClone {
     /// are served at `server`.
     pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr) -> Result<LocalClone> {
         let exe = restorer_memfd()?;
-        let plan_fd = plan_memfd(desc, id)?;
+        let plan_fd = plan_memfd(desc, id, 1)?;
         let (ours, theirs) = handler_socketpair()?;
         let (plan_raw, sock_raw) = (plan_fd.as_raw_fd(), theirs.as_raw_fd());
         let mut cmd = Command::new(format!("/proc/self/fd/{exe}"));
@@ -142,7 +145,14 @@ impl LocalClone {
         let handler = std::thread::Builder::new()
             .name(format!("sf-fault-{id}"))
             .spawn(move || -> Result<()> {
-                let Some(uffd) = recv_fd(&ours)? else { return Ok(()) };
+                let uffd = loop {
+                    match recv_record(&ours)? {
+                        None => return Ok(()),
+                        Some(RestorerRecord::Userfaultfd { fd, .. }) => break fd,
+                        // Its status also comes from waitpid (see `wait`).
+                        Some(RestorerRecord::Exited { .. }) => {}
+                    }
+                };
                 let client = PageClient::connect(server)?;
                 let mut h = FaultHandler::new(uffd, &desc, client, stats2);
                 if let Some(n) = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()) {
@@ -208,30 +218,57 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
-/// Receive one fd (SCM_RIGHTS) from the restorer; None if it hung up first.
-pub fn recv_fd(sock: &OwnedFd) -> Result<Option<OwnedFd>> {
+/// What a restorer tells its fault handler (`starling_restorer::plan::RECORD_*`).
+#[derive(Debug)]
+pub enum RestorerRecord {
+    /// Clone `clone_id` registered its memory: serve this userfaultfd.
+    Userfaultfd { clone_id: u32, fd: OwnedFd },
+    /// Clone `clone_id` ended with this raw wait status.
+    Exited { clone_id: u32, status: i32 },
+}
+
+/// Receive the next record from a restorer; None once every restorer
+/// process has closed its end (they all ended).
+pub fn recv_record(sock: &OwnedFd) -> Result<Option<RestorerRecord>> {
     use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
-    let mut payload = [0u8; 8];
+    use starling_restorer::plan::{RECORD_EXIT, RECORD_SIZE, RECORD_UFFD};
+    let mut payload = [0u8; RECORD_SIZE];
     let mut iov = [IoSliceMut::new(&mut payload)];
     let mut space = nix::cmsg_space!([RawFd; 1]);
-    loop {
+    let (bytes, fd) = loop {
         match recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC) {
             Ok(msg) => {
-                if msg.bytes == 0 {
-                    return Ok(None);
-                }
+                let mut fd = None;
                 for c in msg.cmsgs().map_err(|e| ForkError::Other(format!("cmsgs: {e}")))? {
                     if let ControlMessageOwned::ScmRights(fds) = c {
-                        if let Some(&fd) = fds.first() {
-                            // SAFETY: the kernel just installed this fd for us.
-                            return Ok(Some(unsafe { OwnedFd::from_raw_fd(fd) }));
+                        for (i, &raw) in fds.iter().enumerate() {
+                            // SAFETY: the kernel just installed these fds for us;
+                            // the first is kept, any extra is closed by its OwnedFd.
+                            let owned = unsafe { OwnedFd::from_raw_fd(raw) };
+                            if i == 0 {
+                                fd = Some(owned);
+                            }
                         }
                     }
                 }
-                return Err(ForkError::Protocol("restorer message without an fd".into()));
+                break (msg.bytes, fd);
             }
             Err(nix::errno::Errno::EINTR) => continue,
             Err(e) => return Err(ForkError::Other(format!("recvmsg from restorer: {e}"))),
         }
+    };
+    if bytes == 0 {
+        return Ok(None);
+    }
+    if bytes != RECORD_SIZE {
+        return Err(ForkError::Protocol(format!("restorer record of {bytes} bytes")));
+    }
+    let word = |i: usize| u64::from_le_bytes(payload[i * 8..i * 8 + 8].try_into().expect("8 bytes"));
+    let clone_id = u32::try_from(word(1)).map_err(|_| ForkError::Protocol("restorer record: clone id".into()))?;
+    match (word(0), fd) {
+        (RECORD_UFFD, Some(fd)) => Ok(Some(RestorerRecord::Userfaultfd { clone_id, fd })),
+        (RECORD_UFFD, None) => Err(ForkError::Protocol("restorer message without an fd".into())),
+        (RECORD_EXIT, _) => Ok(Some(RestorerRecord::Exited { clone_id, status: word(2) as u32 as i32 })),
+        (tag, _) => Err(ForkError::Protocol(format!("unknown restorer record {tag}"))),
     }
 }

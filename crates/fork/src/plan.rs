@@ -20,6 +20,8 @@ use starling_restorer::plan::*;
 #[derive(Debug, Clone, Copy)]
 pub struct PlanOptions {
     pub clone_id: u32,
+    /// Clones this restore starts (IDs `clone_id ..`, see `PlanHeader::clone_count`).
+    pub clone_count: u32,
     /// Create a PID namespace and give the clone the template's PID.
     pub new_pid_namespace: bool,
 }
@@ -114,6 +116,7 @@ pub fn build_plan(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
         total_len: strings_off + strings.len() as u64,
         flags: if opts.new_pid_namespace { PLAN_FLAG_NEW_PIDNS } else { 0 },
         clone_id: opts.clone_id as u64,
+        clone_count: opts.clone_count.max(1) as u64,
         template_pid: d.template_pid as u64,
         n_regions: regions.len() as u64,
         regions_off,

@@ -40,7 +40,8 @@ pub struct HeadConfig {
 struct Host {
     info: HostInfo,
     tx: Outgoing,
-    /// Tasks the head has placed here and not yet seen finish.
+    /// Cores held by tasks the head has placed here and not yet seen
+    /// finish (a task holds one, a hierarchical clone task one per clone).
     tasks: u32,
     conn_id: u64,
 }
@@ -51,6 +52,8 @@ struct Route {
     client_conn: u64,
     host: String,
     host_conn: u64,
+    /// Cores the task holds on its host (`TaskSpec::cores`).
+    cores: u32,
 }
 
 /// A launch waiting for a free core.
@@ -232,7 +235,7 @@ impl Head {
                         if ended {
                             if let Some(r) = st.routes.remove(&task) {
                                 if let Some(h) = st.hosts.get_mut(&r.host) {
-                                    h.tasks = h.tasks.saturating_sub(1);
+                                    h.tasks = h.tasks.saturating_sub(r.cores);
                                 }
                             }
                         }
@@ -329,9 +332,9 @@ impl Head {
         }
         let placed = {
             let mut st = self.state.lock().unwrap();
-            match Self::check_placeable(&st, spec.host.as_deref()) {
+            match Self::check_placeable(&st, spec.host.as_deref(), spec.cores()) {
                 Err(message) => Err(message),
-                Ok(()) => match Self::pick(&mut st, spec.host.as_deref()) {
+                Ok(()) => match Self::pick(&mut st, spec.host.as_deref(), spec.cores()) {
                     Some(p) => Ok(Some((spec, p))),
                     None => {
                         st.queue.push_back(Queued { conn, client: tx.clone(), spec, reference, job_fresh });
@@ -368,7 +371,7 @@ impl Head {
             .lock()
             .unwrap()
             .routes
-            .insert(task, Route { client: Some(tx.clone()), client_conn: conn, host: host.clone(), host_conn });
+            .insert(task, Route { client: Some(tx.clone()), client_conn: conn, host: host.clone(), host_conn, cores: spec.cores() });
         let _ = tx.send(Msg::Started { task, host: host.clone(), reference, job_fresh }).await;
         if host_tx.send(Msg::RunTask { task, spec }).await.is_err() {
             self.lose_task(task, &format!("host {host} went away before the task started")).await;
@@ -403,7 +406,8 @@ impl Head {
             let mut i = 0;
             while i < st.queue.len() {
                 let want = st.queue[i].spec.host.clone();
-                match Self::pick(&mut st, want.as_deref()) {
+                let cores = st.queue[i].spec.cores();
+                match Self::pick(&mut st, want.as_deref(), cores) {
                     Some(p) => {
                         let q = st.queue.remove(i).expect("index in range");
                         out.push((q, p));
@@ -597,25 +601,30 @@ impl Head {
         Ok(out)
     }
 
-    /// Can this launch ever be placed?
-    fn check_placeable(st: &State, want: Option<&str>) -> Result<(), String> {
+    /// Can this launch (needing `cores` on one host) ever be placed?
+    fn check_placeable(st: &State, want: Option<&str>, cores: u32) -> Result<(), String> {
         if st.hosts.is_empty() {
             return Err("the cluster has no hosts (are the agents running? see `starling status`)".into());
         }
         if let Some(w) = want {
-            if !st.hosts.contains_key(w) {
+            let Some(h) = st.hosts.get(w) else {
                 let mut names: Vec<_> = st.hosts.keys().cloned().collect();
                 names.sort_by(|a, b| natural_key(a).cmp(&natural_key(b)));
                 return Err(format!("no host named {w:?} (hosts: {})", names.join(", ")));
+            };
+            if h.info.cores.max(1) < cores {
+                return Err(format!("host {w} has {} cores; the task needs {cores}", h.info.cores));
             }
+        } else if st.hosts.values().all(|h| h.info.cores.max(1) < cores) {
+            return Err(format!("no host has the {cores} cores the task needs"));
         }
         Ok(())
     }
 
     /// A host with a free core (the named one, else the least loaded), now
     /// holding one more task; `None` if every eligible host is busy.
-    fn pick(st: &mut State, want: Option<&str>) -> Option<(String, Outgoing, u64)> {
-        let free = |h: &Host| h.tasks < h.info.cores.max(1);
+    fn pick(st: &mut State, want: Option<&str>, cores: u32) -> Option<(String, Outgoing, u64)> {
+        let free = |h: &Host| h.tasks + cores <= h.info.cores.max(1);
         let name = match want {
             Some(w) => st.hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
             None => st
@@ -630,7 +639,7 @@ impl Head {
                 .map(|h| h.info.name.clone())?,
         };
         let h = st.hosts.get_mut(&name).expect("host exists");
-        h.tasks += 1;
+        h.tasks += cores;
         Some((name, h.tx.clone(), h.conn_id))
     }
 
@@ -640,7 +649,7 @@ impl Head {
             let r = st.routes.remove(&task);
             if let Some(r) = &r {
                 if let Some(h) = st.hosts.get_mut(&r.host) {
-                    h.tasks = h.tasks.saturating_sub(1);
+                    h.tasks = h.tasks.saturating_sub(r.cores);
                 }
             }
             r
@@ -674,7 +683,7 @@ impl Head {
             let mut st = self.state.lock().unwrap();
             let queue: Vec<Queued> = st.queue.drain(..).collect();
             let (bad, keep): (Vec<Queued>, Vec<Queued>) =
-                queue.into_iter().partition(|q| Self::check_placeable(&st, q.spec.host.as_deref()).is_err());
+                queue.into_iter().partition(|q| Self::check_placeable(&st, q.spec.host.as_deref(), q.spec.cores()).is_err());
             st.queue = keep.into();
             bad
         };

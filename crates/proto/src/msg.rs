@@ -100,9 +100,12 @@ pub enum Msg {
     /// Agent → client: the task ended; these are its file-system changes,
     /// and the paths it looked at (for the client's prethrow profile).
     Finished { task: TaskId, status: ExitStatus, changes: Vec<Change>, accessed: Vec<WirePath> },
-    /// Agent → client: a clone's fault-handler counters (`starling_fork::fault::FaultStats`
-    /// order), sent once after the clone ended, before `Finished`.
-    CloneStats { task: TaskId, counters: Vec<u64> },
+    /// Agent → client: one clone of a clone task ended: its exit status when
+    /// the restorer reported one (a hierarchical task holds several clones;
+    /// `Finished` carries only the first one's), and its fault-handler
+    /// counters (`starling_fork::fault::FaultStats` order). Sent once per
+    /// clone after the task's processes ended, before `Finished`.
+    CloneStats { task: TaskId, clone_id: u32, status: Option<ExitStatus>, counters: Vec<u64> },
     /// Client → agent: changes committed (paths that conflicted were saved beside).
     Committed { task: TaskId, conflicts: Vec<WirePath> },
 

@@ -330,12 +330,19 @@ pub struct CloneSpec {
     pub descriptor: Vec<u8>,
     /// Where the template's page server listens (`IP:PORT`, reachable from hosts).
     pub page_server: String,
-    /// Hierarchical mode: further process-level clones to fork() on this host
-    /// after the restore (ids clone_id+1 ..= clone_id+local_forks).
+    /// Hierarchical mode: further clones on this host, forked from the
+    /// first by its restorer (ids clone_id+1 ..= clone_id+local_forks); the
+    /// task then occupies 1 + local_forks cores.
     pub local_forks: u32,
 }
 
 impl TaskSpec {
+    /// Cores the task occupies on its host: one per process-level clone it
+    /// starts (hierarchical clone tasks), else one.
+    pub fn cores(&self) -> u32 {
+        self.clone.as_ref().map_or(1, |c| 1 + c.local_forks)
+    }
+
     pub fn validate(&self) -> Result<(), ProtoError> {
         if self.argv.is_empty() {
             return Err(ProtoError::invalid("empty argv"));
@@ -351,7 +358,8 @@ impl TaskSpec {
             if c.descriptor.is_empty() || c.descriptor.len() > MAX_DESCRIPTOR {
                 return Err(ProtoError::invalid("clone descriptor empty or too large"));
             }
-            if c.clone_id == 0 || c.page_server.len() > 256 {
+            // 255 further clones at most: the restorer's MAX_CLONES_PER_RESTORE.
+            if c.clone_id == 0 || c.page_server.len() > 256 || c.local_forks > 255 || c.clone_id.checked_add(c.local_forks).is_none() {
                 return Err(ProtoError::invalid("bad clone spec"));
             }
         }

@@ -14,12 +14,23 @@
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 1;
+pub const PLAN_VERSION: u64 = 2;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 
 /// Plan flag: create a new PID namespace and give the clone the template's PID.
 pub const PLAN_FLAG_NEW_PIDNS: u64 = 1;
+
+/// Most clones one restorer starts (`clone_count`): a host's cores, bounded.
+pub const MAX_CLONES_PER_RESTORE: u64 = 256;
+
+/// Records the restorer sends over the handler socket (fd 4, SOCK_SEQPACKET):
+/// `[tag, clone id, value]` as three little-endian u64s.
+pub const RECORD_SIZE: usize = 24;
+/// A clone's userfaultfd (attached with SCM_RIGHTS); value unused.
+pub const RECORD_UFFD: u64 = 1;
+/// A clone ended; value = its raw wait status (as from wait4).
+pub const RECORD_EXIT: u64 = 2;
 
 /// Region kinds.
 pub const REGION_FILE_PRIVATE: u64 = 1; // mmap the file MAP_PRIVATE, no userfaultfd
@@ -106,7 +117,13 @@ pub struct PlanHeader {
     pub version: u64,
     pub total_len: u64,
     pub flags: u64,
+    /// ID of the first clone this plan restores.
     pub clone_id: u64,
+    /// How many clones (IDs `clone_id ..`): the first gets the template's
+    /// PID; each further one is a fork of it made at the restore point, so a
+    /// host restores once per ticket (hierarchical tickets). Needs
+    /// `PLAN_FLAG_NEW_PIDNS` when > 1.
+    pub clone_count: u64,
     pub template_pid: u64,
     pub n_regions: u64,
     pub regions_off: u64,

@@ -55,6 +55,7 @@ mod nr {
     pub const FCNTL: usize = 72;
     pub const CHDIR: usize = 80;
     pub const UMASK: usize = 95;
+    pub const GETTID: usize = 186;
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
     pub const SETRESGID: usize = 119;
@@ -344,6 +345,10 @@ fn validate_plan(len: usize) {
     {
         die(EXIT_BAD_PLAN, "plan tables out of bounds", len as u64, 0);
     }
+    let several = h.clone_count > 1;
+    if h.clone_count == 0 || h.clone_count > MAX_CLONES_PER_RESTORE || (several && h.flags & PLAN_FLAG_NEW_PIDNS == 0) {
+        die(EXIT_BAD_PLAN, "clone count", h.clone_count, 0);
+    }
 }
 
 fn regions() -> &'static [PlanRegion] {
@@ -395,12 +400,16 @@ struct CloneArgs {
     cgroup: u64,
 }
 
-/// fork() via clone3 with one `set_tid` entry (PID in the innermost namespace).
-fn fork_with_pid(pid: u64) -> isize {
-    let tid = [pid as i32];
+/// fork() via clone3, with one `set_tid` entry (the PID in the innermost
+/// namespace) or, for `None`, the next free PID.
+fn fork_process(pid: Option<u64>) -> isize {
+    let tid = [pid.unwrap_or(0) as i32];
     let args = CloneArgs {
         flags: 0, pidfd: 0, child_tid: 0, parent_tid: 0, exit_signal: 17, /* SIGCHLD */
-        stack: 0, stack_size: 0, tls: 0, set_tid: tid.as_ptr() as u64, set_tid_size: 1, cgroup: 0,
+        stack: 0, stack_size: 0, tls: 0,
+        set_tid: if pid.is_some() { tid.as_ptr() as u64 } else { 0 },
+        set_tid_size: if pid.is_some() { 1 } else { 0 },
+        cgroup: 0,
     };
     // SAFETY: clone3 without CLONE_VM is a fork: the child gets a copy of our
     // memory and continues here with the same (copied) stack; `args` and
@@ -408,9 +417,9 @@ fn fork_with_pid(pid: u64) -> isize {
     unsafe { sys!(nr::CLONE3, &args as *const CloneArgs, core::mem::size_of::<CloneArgs>()) }
 }
 
-/// Wait for `child`, reaping any other children (we may be a PID-ns init),
-/// and return its exit status as an exit code (128+sig for a signal).
-fn wait_for(child: isize) -> i32 {
+/// Reap one child (any: we may be a PID-ns init and inherit orphans):
+/// (pid, raw wait status), or None when there is no child left.
+fn reap_one() -> Option<(isize, i32)> {
     loop {
         let mut status: i32 = 0;
         // SAFETY: status is a live i32; wait4(-1, ...) reaps any child.
@@ -418,24 +427,62 @@ fn wait_for(child: isize) -> i32 {
         if r == -4 {
             continue;
         }
-        if r < 0 {
-            return EXIT_PIDNS;
-        }
-        if r == child {
-            let sig = status & 0x7f;
-            return if sig == 0 { (status >> 8) & 0xff } else { 128 + sig };
+        return if r < 0 { None } else { Some((r, status)) };
+    }
+}
+
+/// A raw wait status as an exit code (128+sig for a signal).
+fn exit_code(status: i32) -> i32 {
+    let sig = status & 0x7f;
+    if sig == 0 { (status >> 8) & 0xff } else { 128 + sig }
+}
+
+/// Wait for `child` and return its exit code.
+fn wait_for(child: isize) -> i32 {
+    loop {
+        match reap_one() {
+            None => return EXIT_PIDNS,
+            Some((pid, status)) if pid == child => return exit_code(status),
+            Some(_) => {}
         }
     }
 }
 
-fn enter_pid_namespace(template_pid: u64) {
+/// Which of the plan's clones this process is (0: the first, with the
+/// template's PID). Set in each clone right after the fork that made it.
+static CLONE_INDEX: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
+
+fn clone_index() -> u64 {
+    CLONE_INDEX.load(core::sync::atomic::Ordering::Relaxed)
+}
+
+/// The ID of the clone this process becomes.
+fn my_clone_id() -> u64 {
+    header().clone_id + clone_index()
+}
+
+/// Tell the handler that a clone ended (one record; best effort: the
+/// handler may already be gone when the whole task is being killed).
+fn send_exit(sock: i32, clone_id: u64, status: i32) {
+    send_record(sock, [RECORD_EXIT, clone_id, status as u32 as u64], None);
+}
+
+/// Become PID 1 of a new PID namespace and start the plan's clones in it:
+/// the first with the template's PID (so glibc's cached TID is right), the
+/// others with the next free PIDs — each a fork of this process, which has
+/// done nothing clone-specific yet, so every clone then restores itself from
+/// the same plan (a host restores once per ticket; no page is fetched twice
+/// for the forks because nothing has been fetched yet). PID 1 reaps them,
+/// reports each one's status on the handler socket, and exits with the first
+/// clone's code once all have ended.
+fn enter_pid_namespace(template_pid: u64, count: u64) {
     const CLONE_NEWPID: usize = 0x2000_0000;
     // SAFETY: unshare takes flags only; it affects our future children.
     let r = unsafe { sys!(nr::UNSHARE, CLONE_NEWPID) };
     if r < 0 {
         die(EXIT_PIDNS, "unshare(CLONE_NEWPID)", 0, r);
     }
-    let init = fork_with_pid(1);
+    let init = fork_process(Some(1));
     if init < 0 {
         die(EXIT_PIDNS, "clone3 init set_tid", 1, init);
     }
@@ -446,15 +493,41 @@ fn enter_pid_namespace(template_pid: u64) {
     // PID 1 of the new namespace. Die with our parent (the launcher).
     // SAFETY: prctl with integer arguments.
     unsafe { sys!(nr::PRCTL, 1 /* PR_SET_PDEATHSIG */, 9) };
-    let clone = fork_with_pid(template_pid);
-    if clone < 0 {
-        die(EXIT_PIDNS, "clone3 set_tid template pid", template_pid, clone);
+    let first = header().clone_id;
+    let mut pids = [0isize; MAX_CLONES_PER_RESTORE as usize];
+    let mut running = 0u64;
+    for i in 0..count {
+        let pid = fork_process(if i == 0 { Some(template_pid) } else { None });
+        if pid == 0 {
+            CLONE_INDEX.store(i, core::sync::atomic::Ordering::Relaxed);
+            // SAFETY: prctl with integer arguments.
+            unsafe { sys!(nr::PRCTL, 1, 9) };
+            return;
+        }
+        if pid < 0 {
+            if i == 0 {
+                die(EXIT_PIDNS, "clone3 set_tid template pid", template_pid, pid);
+            }
+            // This clone never ran: report it as having exited with the
+            // restorer's PID-namespace failure code.
+            send_exit(4, first + i, EXIT_PIDNS << 8);
+            continue;
+        }
+        pids[i as usize] = pid;
+        running += 1;
     }
-    if clone > 0 {
-        exit_group(wait_for(clone));
+    let mut first_code = EXIT_PIDNS;
+    while running > 0 {
+        let Some((pid, status)) = reap_one() else { break };
+        if let Some(i) = pids[..count as usize].iter().position(|&p| p == pid) {
+            send_exit(4, first + i as u64, status);
+            if i == 0 {
+                first_code = exit_code(status);
+            }
+            running -= 1;
+        }
     }
-    // SAFETY: prctl with integer arguments.
-    unsafe { sys!(nr::PRCTL, 1, 9) };
+    exit_group(first_code)
 }
 
 // ---------------------------------------------------------------------------
@@ -731,29 +804,33 @@ struct Msghdr {
     _pad2: u32,
 }
 
-/// Send `fd` (and the clone id as payload) over the handler socket.
-fn send_fd(sock: i32, fd: i32, id: u64) {
-    let payload = id.to_le_bytes();
-    let iov = Iovec { base: payload.as_ptr() as u64, len: 8 };
+/// Send one record `[tag, clone id, value]` over the handler socket, with
+/// `fd` attached (SCM_RIGHTS) when given. Returns sendmsg's result.
+fn send_record(sock: i32, rec: [u64; 3], fd: Option<i32>) -> isize {
+    let iov = Iovec { base: rec.as_ptr() as u64, len: RECORD_SIZE as u64 };
     // cmsghdr: len(u64)=20, level(i32)=SOL_SOCKET, type(i32)=SCM_RIGHTS, fd, pad
-    let mut control = [0u64; 3];
-    control[0] = 20;
-    control[1] = 1 | (1 << 32);
-    control[2] = fd as u32 as u64;
+    let control = [20u64, 1 | (1 << 32), fd.unwrap_or(0) as u32 as u64];
     let msg = Msghdr {
         name: 0, namelen: 0, _pad: 0, iov: &iov as *const Iovec as u64, iovlen: 1,
-        control: control.as_ptr() as u64, controllen: 24, flags: 0, _pad2: 0,
+        control: if fd.is_some() { control.as_ptr() as u64 } else { 0 },
+        controllen: if fd.is_some() { 24 } else { 0 },
+        flags: 0, _pad2: 0,
     };
     loop {
-        // SAFETY: msg and everything it points to are live locals.
-        let r = unsafe { sys!(nr::SENDMSG, sock, &msg as *const Msghdr, 0x4000 /* MSG_NOSIGNAL */) };
-        if r == -4 {
-            continue;
+        // SAFETY: msg and everything it points to are live locals;
+        // MSG_NOSIGNAL: a gone handler is an error, not a SIGPIPE.
+        let r = unsafe { sys!(nr::SENDMSG, sock, &msg as *const Msghdr, 0x4000) };
+        if r != -4 {
+            return r;
         }
-        if r < 0 {
-            die(EXIT_UFFD, "send userfaultfd to handler", sock as u64, r);
-        }
-        return;
+    }
+}
+
+/// Send the clone's userfaultfd (and its ID) to the handler.
+fn send_fd(sock: i32, fd: i32, id: u64) {
+    let r = send_record(sock, [RECORD_UFFD, id, 0], Some(fd));
+    if r < 0 {
+        die(EXIT_UFFD, "send userfaultfd to handler", sock as u64, r);
     }
 }
 
@@ -894,6 +971,19 @@ fn restore_thread_state() {
             die(EXIT_THREAD_STATE, "set_robust_list", h.robust_head, r);
         }
     }
+    if h.tid_address != 0 && clone_index() != 0 {
+        // A further clone is a fork of the first and has its own TID. The
+        // TID address is glibc's cached TID in the thread control block
+        // (`set_tid_address(&pd->tid)`): fork() has the kernel write the new
+        // TID there (CLONE_CHILD_SETTID), so do the same. The page is in
+        // restored memory: this write faults it in through the handler.
+        // SAFETY: gettid takes no arguments; tid_address is the template's
+        // 4-byte pd->tid, mapped by `map_regions`.
+        unsafe {
+            let tid = sys!(nr::GETTID);
+            core::ptr::write_volatile(h.tid_address as *mut i32, tid as i32);
+        }
+    }
     if h.tid_address != 0 {
         // SAFETY: the kernel clears/wakes this address at exit, as in the template.
         unsafe { sys!(nr::SET_TID_ADDRESS, h.tid_address) };
@@ -938,7 +1028,7 @@ extern "C" fn restorer_main() -> ! {
     validate_plan(len);
     let h = header();
     if h.flags & PLAN_FLAG_NEW_PIDNS != 0 {
-        enter_pid_namespace(h.template_pid);
+        enter_pid_namespace(h.template_pid, h.clone_count);
     }
     // From here on we are the process that becomes the clone.
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
@@ -948,7 +1038,7 @@ extern "C" fn restorer_main() -> ! {
     map_regions();
     let uffd = register_regions();
     if uffd >= 0 {
-        send_fd(handler_sock, uffd as i32, h.clone_id);
+        send_fd(handler_sock, uffd as i32, my_clone_id());
         // SAFETY: the handler holds its own reference to the userfaultfd.
         unsafe { sys!(nr::CLOSE, uffd) };
     }
@@ -964,5 +1054,5 @@ extern "C" fn restorer_main() -> ! {
     unsafe { sys!(nr::RT_SIGPROCMASK, 2 /* SIG_SETMASK */, &h.sigmask as *const u64, 0, 8) };
     // SAFETY: the context comes from the template's resume point; all memory
     // it refers to has been mapped (and is fetched on demand).
-    unsafe { starling_restorer_jump(&h.resume, h.clone_id as u32) }
+    unsafe { starling_restorer_jump(&h.resume, my_clone_id() as u32) }
 }

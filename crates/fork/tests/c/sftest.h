@@ -17,9 +17,12 @@ static int sft_id;
     fprintf(stderr, "[%s parent] CHECK failed at line %d: %s\n", __FILE__, __LINE__, #c); \
     exit(1); } } while (0)
 
-/* Clone n times; returns the clone id (0 in the parent). */
+/* Clone n times; returns the clone id (0 in the parent). SFT_HIERARCHICAL=1
+ * asks for a hierarchical ticket (on a cluster: one restore per host, the
+ * host's further clones forked from it). */
 static int sft_clone(sf_ticket_t **t, int n) {
-    *t = sf_request_ticket(n, false);
+    const char *h = getenv("SFT_HIERARCHICAL");
+    *t = sf_request_ticket(n, h && h[0] == '1');
     PCHECK(*t != NULL);
     PCHECK(sf_ticket_allocation(*t) == n);
     int id = sf_clone(*t);
