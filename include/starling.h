@@ -83,6 +83,7 @@ long long sf_ticket_stat(const sf_ticket_t *t, int which);
 #define SF_STAT_PAGES_PUSHED 8
 #define SF_STAT_RATE_MIN 9        /* lowest multicast rate limit, bytes/s */
 #define SF_STAT_RATE_NOW 10
+#define SF_STAT_DESCRIPTOR_PAGES_SENT 11 /* descriptor pages sent: hosts fetch it like a page */
 /* Size in bytes of the encoded process descriptor of the ticket's clone. */
 long long sf_descriptor_bytes(const sf_ticket_t *t);
 /* Free a ticket (kills its clones if they were not joined). */

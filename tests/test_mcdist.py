@@ -125,6 +125,11 @@ def run_verify(exe, mcdist, n=CLONES, timeout=600):
     return parent, clones, stats, wire, r
 
 
+def descriptor_pages(r):
+    """Pages of the encoded descriptor (hosts fetch it from the page server like pages)."""
+    return -(-int(kv(re.search(r"^PARENT .*$", r.stdout, re.M).group(0))["descriptor_bytes"]) // 4096)
+
+
 def assert_memory_identical(parent, clones, n):
     assert len(parent) == DATA_MIB + 1, "parent checksums: every 1 MiB chunk + globals"
     assert sorted(clones, key=int) == [str(i) for i in range(1, n + 1)], "every clone reported"
@@ -137,8 +142,11 @@ def assert_memory_identical(parent, clones, n):
 @pytest.mark.parametrize("mcdist,mode", [("on", MULTICAST), ("push", MULTICAST_PUSH)])
 def test_clone_memory_equals_parent_image(work, mcdist, mode):
     nft_clear()
-    parent, clones, stats, wire, _ = run_verify(work, mcdist)
+    parent, clones, stats, wire, r = run_verify(work, mcdist)
     assert_memory_identical(parent, clones, CLONES)
+    # The descriptor went to the group too: the hosts' requests for it were
+    # answered by fewer transmissions than one per clone (unicast needs one each).
+    assert 0 < wire["descriptor_pages_sent"] < CLONES * descriptor_pages(r), wire
     assert all(s["status"] == "0" for s in stats.values()), stats
     assert {int(s["mode"]) for s in stats.values()} == {mode}, "every clone used multicast"
     # Clones installed pages other clones asked for: the multicast really was shared.
@@ -174,6 +182,7 @@ def test_multicast_blocked_falls_back_to_unicast_and_says_so(work):
     assert_memory_identical(parent, clones, 4)
     assert {int(s["mode"]) for s in stats.values()} == {UNICAST_FALLBACK}, stats
     assert wire["bytes_tcp"] > (DATA_MIB << 20) * 4, "pages came over TCP"
+    assert wire["descriptor_pages_sent"] == 4 * descriptor_pages(r), "each host fetched the descriptor over TCP"
     # starling status: the hosts that ran clones say so (agents report every 2 s).
     import time
     deadline = time.time() + 10

@@ -104,9 +104,13 @@ fn root_file_paths(regions: &mut [starling_fork::descriptor::Region], root: &Pat
 /// a fault handler per clone as its userfaultfd arrives), and return the
 /// program (restorer + plan + handler socket) the sandbox must run.
 pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionReport) -> Result<(TaskProgram, CloneRun)> {
-    let desc = Descriptor::decode(&spec.descriptor).context("the clone's process descriptor")?;
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
+    let options = starling_fork::fault::FaultOptions::from_env();
+    let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
+        .context("fetching the clone's process descriptor from its page server")?;
+    log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
+    let desc = Descriptor::decode(&encoded).context("the clone's process descriptor")?;
     let (first, count) = (spec.clone_id, 1 + spec.local_forks);
     let plan = starling_fork::local::plan_memfd(&desc, first, count)?;
     let (ours, theirs) = starling_fork::local::handler_socketpair()?;

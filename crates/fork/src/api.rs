@@ -15,7 +15,7 @@
 use crate::descriptor::{dump, Descriptor};
 use crate::cluster::{CloneState, ClusterClones, ClusterLink};
 use crate::local::LocalClone;
-use crate::page_server::PageServer;
+use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
 use crate::descriptor::PageClass;
 use crate::{ForkError, Result};
@@ -124,7 +124,9 @@ impl Ticket {
             ForkOutcome::Parent(t) => t,
         };
         let descriptor = dump(template.pid, &template.record)?;
-        let descriptor_bytes = descriptor.encode().len();
+        // Served by the page server (cluster hosts fetch it like a page).
+        let encoded = descriptor.encode();
+        let descriptor_bytes = encoded.len();
         let served: Vec<(u64, u64)> = descriptor
             .regions
             .iter()
@@ -137,7 +139,8 @@ impl Ticket {
             Backend::Cluster { link, .. } => std::net::SocketAddr::new(link.parent_ip, 0),
         };
         let bind = std::env::var("STARLING_PAGE_SERVER_BIND").ok().and_then(|v| v.parse().ok()).unwrap_or(default_bind);
-        let server = PageServer::start(template.pid, served, bind)?;
+        let opts = PageServerOptions { descriptor: encoded.clone(), ..PageServerOptions::from_env() };
+        let server = PageServer::start_with(template.pid, served, bind, opts)?;
         let clones = match &self.backend {
             Backend::Local => {
                 let mut clones = Vec::new();
@@ -161,6 +164,7 @@ impl Ticket {
                 placement,
                 self.hierarchical,
                 &descriptor,
+                &encoded,
                 server.addr(),
             )?),
         };

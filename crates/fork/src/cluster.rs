@@ -216,6 +216,7 @@ impl ClusterClones {
         placement: &[(String, u32)],
         hierarchical: bool,
         desc: &Descriptor,
+        encoded: &[u8],
         page_server: SocketAddr,
     ) -> Result<ClusterClones> {
         let shared = Arc::new(Shared::default());
@@ -223,7 +224,7 @@ impl ClusterClones {
             .map_err(|e| ForkError::Other(format!("capturing the caller's configuration: {e:#}")))?;
         // Every path the restorer opens, bound now: no clone asks back for them.
         base.prethrow = starling_client::prethrow::bind(link.session.files(), &restore_paths(desc));
-        let descriptor = desc.encode();
+        let descriptor_hash = starling_proto::Hash::of(encoded);
         let mut clones = ClusterClones { link: link.clone(), shared: shared.clone(), tx: None };
         // Build every task's spec (a clone, or a host's clones when
         // hierarchical), then launch them all at once: the head starts each
@@ -246,7 +247,8 @@ impl ClusterClones {
                 spec.clone = Some(CloneSpec {
                     ticket,
                     clone_id: id,
-                    descriptor: descriptor.clone(),
+                    descriptor_hash,
+                    descriptor_len: encoded.len() as u32,
                     page_server: page_server.to_string(),
                     local_forks: count - 1,
                 });

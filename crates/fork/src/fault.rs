@@ -510,21 +510,25 @@ impl FaultHandler {
 /// Join the ticket's multicast group if the page server offers one and it
 /// works here; record the outcome in `stats.mode`.
 fn start_receiver(shared: &Arc<Shared>, client: &mut PageClient, stats: &Arc<FaultStats>, opts: &FaultOptions) -> Option<Receiver> {
-    let set = |m: Mode| stats.mode.store(m as u8, Ordering::Relaxed);
+    let sink = Arc::new(CloneSink { shared: shared.clone(), stats: stats.clone() });
+    let (rx, mode) = join_group(client, opts, sink);
+    stats.mode.store(mode as u8, Ordering::Relaxed);
+    rx
+}
+
+/// Join the multicast group the page server behind `client` offers, with
+/// `sink` for pages nobody here waits for. Returns the receiver (None:
+/// unicast) and the resulting distribution mode.
+fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSink>) -> (Option<Receiver>, Mode) {
     if opts.mcdist == Switch::Off {
-        set(Mode::Unicast);
-        return None;
+        return (None, Mode::Unicast);
     }
     let info = match client.mcdist_info() {
         Ok(Some(info)) => info,
-        Ok(None) => {
-            set(Mode::Unicast);
-            return None;
-        }
+        Ok(None) => return (None, Mode::Unicast),
         Err(e) => {
             log::warn!("mcdist: page server did not answer ({e}); unicast");
-            set(Mode::UnicastFallback);
-            return None;
+            return (None, Mode::UnicastFallback);
         }
     };
     let iface = match client.local_addr() {
@@ -534,18 +538,76 @@ fn start_receiver(shared: &Arc<Shared>, client: &mut PageClient, stats: &Arc<Fau
     let id = (std::process::id() << 12) ^ RECEIVER_SEQ.fetch_add(1, Ordering::Relaxed) as u32;
     let mut cfg = ReceiverConfig::new(info.ticket, info.group, iface, info.sender, id);
     cfg.probe_timeout = opts.probe_timeout;
-    let sink = Arc::new(CloneSink { shared: shared.clone(), stats: stats.clone() });
     match Receiver::start(cfg, sink) {
-        Ok(rx) => {
-            set(if info.push { Mode::MulticastPush } else { Mode::Multicast });
-            Some(rx)
-        }
+        Ok(rx) => (Some(rx), if info.push { Mode::MulticastPush } else { Mode::Multicast }),
         Err(e) => {
             log::warn!("mcdist: {e} (group {}); falling back to unicast", info.group);
-            set(Mode::UnicastFallback);
-            None
+            (None, Mode::UnicastFallback)
         }
     }
+}
+
+/// A sink that takes nothing: for a receiver that only serves `fetch`.
+struct NoSink;
+
+impl PageSink for NoSink {
+    fn offer(&self, pages: &[(u64, Fetched)]) -> Vec<bool> {
+        vec![false; pages.len()]
+    }
+}
+
+/// Fetch the encoded descriptor (`len` bytes, BLAKE3 `hash`) from the page
+/// server at `server`, as its pseudo-pages (`page_server::DESCRIPTOR_BASE`):
+/// from the ticket's multicast group when that works here — every host of
+/// the ticket asks at about the same moment and one transmission answers
+/// them all — else over TCP. Returns the bytes and how they came.
+pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
+    const MAX_DESCRIPTOR: usize = 64 << 20;
+    if len == 0 || len > MAX_DESCRIPTOR {
+        return Err(ForkError::Protocol(format!("descriptor of {len} bytes")));
+    }
+    let addrs = crate::page_server::descriptor_pages(len);
+    let mut client = PageClient::connect(server)?;
+    let (rx, mut mode) = join_group(&mut client, opts, Arc::new(NoSink));
+    let mut pages: Option<Vec<Fetched>> = None;
+    if let Some(mut rx) = rx {
+        match rx.fetch(&addrs) {
+            Ok(p) if p.iter().all(|f| matches!(f, Fetched::Data(_) | Fetched::Zero)) => pages = Some(p),
+            Ok(_) => log::warn!("mcdist: descriptor pages unreadable over multicast; fetching over TCP"),
+            Err(e) => log::warn!("mcdist: descriptor not received ({e}); fetching over TCP"),
+        }
+        rx.stop();
+    }
+    let pages = match pages {
+        Some(p) => p,
+        None => {
+            if matches!(mode, Mode::Multicast | Mode::MulticastPush) {
+                mode = Mode::UnicastFallback;
+            }
+            let mut out = Vec::with_capacity(addrs.len());
+            for batch in addrs.chunks(crate::page_server::MAX_BATCH as usize) {
+                out.extend(client.fetch(batch)?.into_iter().map(|r| match r {
+                    PageReply::Data(d) => Fetched::Data(d.into_vec()),
+                    PageReply::Zero => Fetched::Zero,
+                    PageReply::Unreadable => Fetched::Unreadable,
+                }));
+            }
+            out
+        }
+    };
+    let mut bytes = Vec::with_capacity(addrs.len() * PAGE_SIZE as usize);
+    for p in pages {
+        match p {
+            Fetched::Data(d) if d.len() == PAGE_SIZE as usize => bytes.extend_from_slice(&d),
+            Fetched::Zero => bytes.resize(bytes.len() + PAGE_SIZE as usize, 0),
+            _ => return Err(ForkError::Protocol("descriptor page unreadable".into())),
+        }
+    }
+    bytes.truncate(len);
+    if starling_proto::Hash::of(&bytes).0 != *hash {
+        return Err(ForkError::Protocol("descriptor does not match its hash".into()));
+    }
+    Ok((bytes, mode))
 }
 
 /// Errors that mean "nothing to do": page already present (EEXIST), range

@@ -18,8 +18,15 @@
 //!                  | request ip [4] | request port u16
 //! ```
 //!
+//! The encoded process descriptor is served the same way, as pseudo-pages
+//! at [`DESCRIPTOR_BASE`] (an address in the kernel half, which no mapping
+//! of the template can have): a clone host fetches it like any page — from
+//! the ticket's multicast group when mcdist works, so one transmission
+//! serves every host (lockstep suppression merges their requests), else
+//! over TCP — and checks it against the hash in its launch message.
+//!
 //! Addresses must be page-aligned and inside a region the server was told
-//! to serve; anything else closes the connection. Page data is read with
+//! to serve (or the descriptor's pages); anything else closes the connection. Page data is read with
 //! `process_vm_readv` from the template (its copy-on-write image stays
 //! frozen while the parent goes on). All-zero pages are answered with the
 //! one-byte ZERO tag.
@@ -53,6 +60,8 @@ pub struct ServerStats {
     /// the TCP/IP headers (one [`TCP_SEGMENT_OVERHEAD`] per started
     /// [`TCP_MSS`] of a flushed reply; ACK-only segments are not counted).
     pub bytes_wire: AtomicU64,
+    /// Descriptor pseudo-pages sent, over TCP or multicast.
+    pub descriptor_pages_sent: AtomicU64,
 }
 
 /// Payload of one TCP segment at MTU 1500 with timestamps (1500 − 20 − 32).
@@ -82,11 +91,14 @@ pub struct WireStats {
     /// (0 without multicast).
     pub rate_min: u64,
     pub rate_now: u64,
+    /// Descriptor pages sent (TCP + multicast): its page count once per
+    /// transmission, however many hosts it served.
+    pub descriptor_pages_sent: u64,
 }
 
 impl WireStats {
     /// As a fixed array (the order of `sf_ticket_stat`'s `which`).
-    pub fn to_array(&self) -> [u64; 11] {
+    pub fn to_array(&self) -> [u64; 12] {
         [
             self.bytes_wire,
             self.bytes_tcp,
@@ -99,6 +111,7 @@ impl WireStats {
             self.pages_pushed,
             self.rate_min,
             self.rate_now,
+            self.descriptor_pages_sent,
         ]
     }
 }
@@ -120,30 +133,84 @@ pub struct PageServerOptions {
     pub mcdist: Switch,
     /// Ticket id (selects the multicast group); default: from PID and port.
     pub ticket: Option<u64>,
+    /// The encoded descriptor, served at [`DESCRIPTOR_BASE`] (may be empty).
+    pub descriptor: Vec<u8>,
+}
+
+/// Where the descriptor's pseudo-pages start (see the module doc).
+pub const DESCRIPTOR_BASE: u64 = 0xffff_f000_0000_0000;
+
+/// The pseudo-page addresses of a descriptor of `len` bytes.
+pub fn descriptor_pages(len: usize) -> Vec<u64> {
+    (0..len.div_ceil(PAGE) as u64).map(|i| DESCRIPTOR_BASE + i * PAGE_SIZE).collect()
+}
+
+/// What a page server serves: the template's pages within `regions`, and
+/// the descriptor's pseudo-pages.
+#[derive(Clone)]
+struct Image {
+    pid: i32,
+    /// Template regions, then the descriptor's range (sorted: it is above
+    /// every user address).
+    regions: Arc<Vec<(u64, u64)>>,
+    descriptor: Arc<Vec<u8>>,
+    stats: Arc<ServerStats>,
+}
+
+impl Image {
+    fn new(pid: i32, mut regions: Vec<(u64, u64)>, descriptor: Vec<u8>, stats: Arc<ServerStats>) -> Image {
+        if let Some(&last) = descriptor_pages(descriptor.len()).last() {
+            regions.push((DESCRIPTOR_BASE, last + PAGE_SIZE));
+        }
+        Image { pid, regions: Arc::new(regions), descriptor: Arc::new(descriptor), stats }
+    }
+
+    fn serves(&self, addr: u64) -> bool {
+        addr % PAGE_SIZE == 0 && in_regions(&self.regions, addr)
+    }
+
+    /// Read `addrs` into `out` (one page each); per-page success.
+    fn read(&self, addrs: &[u64], out: &mut [u8]) -> Vec<bool> {
+        if addrs.iter().all(|&a| a < DESCRIPTOR_BASE) {
+            return read_pages(self.pid, addrs, out);
+        }
+        addrs
+            .iter()
+            .zip(out.chunks_exact_mut(PAGE))
+            .map(|(&a, page)| {
+                if a < DESCRIPTOR_BASE {
+                    return read_pages(self.pid, &[a], page)[0];
+                }
+                self.stats.descriptor_pages_sent.fetch_add(1, Ordering::Relaxed);
+                let from = ((a - DESCRIPTOR_BASE) as usize).min(self.descriptor.len());
+                let bytes = &self.descriptor[from..(from + PAGE).min(self.descriptor.len())];
+                page[..bytes.len()].copy_from_slice(bytes);
+                page[bytes.len()..].fill(0);
+                true
+            })
+            .collect()
+    }
 }
 
 impl PageServerOptions {
     /// From the environment (`STARLING_MCDIST`).
     pub fn from_env() -> PageServerOptions {
-        PageServerOptions { mcdist: Switch::from_env(), ticket: None }
+        PageServerOptions { mcdist: Switch::from_env(), ticket: None, descriptor: Vec::new() }
     }
 }
 
-/// Reads pages of the frozen template for the multicast sender.
-struct TemplateSource {
-    pid: i32,
-    regions: Vec<(u64, u64)>,
-}
+/// Reads pages of the frozen template (and the descriptor) for the multicast sender.
+struct TemplateSource(Image);
 
 impl starling_mcdist::PageSource for TemplateSource {
     fn regions(&self) -> &[(u64, u64)] {
-        &self.regions
+        &self.0.regions
     }
 
     fn read(&mut self, addrs: &[u64]) -> Vec<starling_mcdist::SourcePage> {
         use starling_mcdist::SourcePage;
         let mut data = vec![0u8; addrs.len() * PAGE];
-        let ok = read_pages(self.pid, addrs, &mut data);
+        let ok = self.0.read(addrs, &mut data);
         data.chunks_exact(PAGE)
             .zip(ok)
             .map(|(p, ok)| match ok {
@@ -177,6 +244,7 @@ impl PageServer {
         let addr = listener.local_addr().map_err(|e| ForkError::io("page server address", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(ServerStats::default());
+        let image = Image::new(pid, regions, opts.descriptor, stats.clone());
         let mcdist = match (opts.mcdist, addr) {
             (Switch::Off, _) => None,
             (switch, SocketAddr::V4(a)) => {
@@ -187,7 +255,7 @@ impl PageServer {
                 cfg.push = switch == Switch::Push;
                 // Loopback (the local backend) has a 64 KiB MTU: one datagram per page.
                 cfg.mtu = if iface.is_loopback() { 65_535 } else { 1500 };
-                let source = TemplateSource { pid, regions: regions.clone() };
+                let source = TemplateSource(image.clone());
                 match Sender::start(cfg, Box::new(source)) {
                     Ok(sender) => {
                         let info = McdistInfo { push: switch == Switch::Push, ticket, group, sender: sender.request_addr() };
@@ -202,7 +270,6 @@ impl PageServer {
             (_, SocketAddr::V6(_)) => None,
         };
         let info = mcdist.as_ref().map(|(i, _)| *i);
-        let regions = Arc::new(regions);
         let (stop2, stats2) = (stop.clone(), stats.clone());
         let accept_thread = std::thread::Builder::new()
             .name("sf-page-server".into())
@@ -212,10 +279,10 @@ impl PageServer {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
-                    let (regions, stats) = (regions.clone(), stats2.clone());
+                    let (image, stats) = (image.clone(), stats2.clone());
                     let _ = std::thread::Builder::new().name("sf-page-conn".into()).spawn(move || {
                         // A protocol error only ends this connection.
-                        let _ = serve_connection(pid, &regions, &stats, info, conn);
+                        let _ = serve_connection(&image, &stats, info, conn);
                     });
                 }
             })
@@ -250,6 +317,7 @@ impl PageServer {
             bytes_tcp: g(&st.bytes_wire),
             pages_requested: g(&st.pages_requested),
             pages_served: g(&st.pages_data) + g(&st.pages_zero),
+            descriptor_pages_sent: g(&st.descriptor_pages_sent),
             ..WireStats::default()
         };
         if let Some(s) = self.mcdist_sender() {
@@ -308,7 +376,7 @@ fn encode_mcdist(info: Option<McdistInfo>) -> Vec<u8> {
     out
 }
 
-fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, info: Option<McdistInfo>, conn: TcpStream) -> Result<()> {
+fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, conn: TcpStream) -> Result<()> {
     let _ = conn.set_nodelay(true);
     let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
     let mut wr = BufWriter::with_capacity(256 * 1024, conn);
@@ -337,13 +405,13 @@ fn serve_connection(pid: i32, regions: &[(u64, u64)], stats: &ServerStats, info:
         let mut raw = vec![0u8; count as usize * 8];
         rd.read_exact(&mut raw).map_err(|e| ForkError::io("read page addresses", e))?;
         let addrs: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
-        if let Some(bad) = addrs.iter().find(|&&a| a % PAGE_SIZE != 0 || !in_regions(regions, a)) {
+        if let Some(bad) = addrs.iter().find(|&&a| !image.serves(a)) {
             return Err(ForkError::Protocol(format!("page {bad:#x} not served")));
         }
         stats.requests.fetch_add(1, Ordering::Relaxed);
         stats.pages_requested.fetch_add(addrs.len() as u64, Ordering::Relaxed);
         let mut reply_bytes = 8u64;
-        let ok = read_pages(pid, &addrs, &mut data[..addrs.len() * PAGE]);
+        let ok = image.read(&addrs, &mut data[..addrs.len() * PAGE]);
         wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
             .map_err(|e| ForkError::io("write reply", e))?;
         for (i, page) in data[..addrs.len() * PAGE].chunks_exact(PAGE).enumerate() {

@@ -326,8 +326,12 @@ pub struct CloneSpec {
     pub ticket: u64,
     /// 1..m; the value `sf_clone` returns in this clone.
     pub clone_id: u32,
-    /// The encoded process descriptor (`starling_fork::descriptor`); opaque here.
-    pub descriptor: Vec<u8>,
+    /// The encoded process descriptor (`starling_fork::descriptor`, opaque
+    /// here) is not in the launch: the host fetches it from the page server
+    /// like a page (multicast to the ticket's group when that works) and
+    /// checks it against this hash (BLAKE3) and length.
+    pub descriptor_hash: Hash,
+    pub descriptor_len: u32,
     /// Where the template's page server listens (`IP:PORT`, reachable from hosts).
     pub page_server: String,
     /// Hierarchical mode: further clones on this host, forked from the
@@ -355,7 +359,7 @@ impl TaskSpec {
         }
         self.cwd.validate()?;
         if let Some(c) = &self.clone {
-            if c.descriptor.is_empty() || c.descriptor.len() > MAX_DESCRIPTOR {
+            if c.descriptor_len == 0 || c.descriptor_len as usize > MAX_DESCRIPTOR {
                 return Err(ProtoError::invalid("clone descriptor empty or too large"));
             }
             // 255 further clones at most: the restorer's MAX_CLONES_PER_RESTORE.
