@@ -106,9 +106,32 @@ struct Shared {
     /// after the fact. Holds the template ranges that moved (REMAP): the
     /// receive thread leaves those to the faulting path.
     events: Mutex<Vec<(u64, u64)>>,
+    /// Fetched pages the clone could not take yet, by template address: the
+    /// kernel refuses every install with EAGAIN while one of the clone's
+    /// memory-map changes (a REMOVE/UNMAP/REMAP event) is unread, e.g. while
+    /// a thread ending on a stack glibc cached in the template discards it.
+    /// The refault installs these bytes instead of asking again: with mcdist
+    /// a repeated request within the lockstep window is not answered, so it
+    /// would wait for a re-request timeout (and cut the sender's rate).
+    /// Dropped when the range is discarded (it then reads as zero). Filled
+    /// by both threads; taken while holding `events` or alone, never the
+    /// other way round.
+    held: Mutex<HashMap<u64, Fetched>>,
 }
 
 impl Shared {
+    fn held(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Fetched>> {
+        self.held.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Keep a page the kernel refused (EAGAIN) for its next fault.
+    fn hold(&self, tmpl_addr: u64, page: Fetched) {
+        let mut held = self.held();
+        if held.len() < MAX_HELD_PAGES {
+            held.insert(tmpl_addr, page);
+        }
+    }
+
     fn locate(&self, tmpl_addr: u64) -> Option<(usize, usize)> {
         let i = self.regions.partition_point(|r| r.end <= tmpl_addr);
         let r = self.regions.get(i).filter(|r| r.start <= tmpl_addr)?;
@@ -149,7 +172,22 @@ pub struct FaultHandler {
     prefetch: usize,
     /// (new start, len, template start) after REMAP events.
     remaps: Vec<(u64, u64, u64)>,
+    /// Faulting addresses (in the clone) whose page the kernel refused with
+    /// EAGAIN. Their threads are left asleep and served again once the
+    /// pending map change has been read (see [`FaultHandler::run`]): woken
+    /// now, they would fault again at once, and faults are read before
+    /// events, so the handler would spin on refusals.
+    parked: Vec<u64>,
 }
+
+/// How long the handler waits before serving parked faults again when no
+/// message arrives meanwhile (the kernel accepts installs again once the
+/// thread that changed the map has run on after its event was read).
+const PARKED_RETRY_MS: i32 = 1;
+
+/// Most pages [`Shared::held`] keeps (16 MiB); past it a refused page
+/// is fetched again on its next fault.
+const MAX_HELD_PAGES: usize = 4096;
 
 /// Installs pages other clones asked for (runs on the receive thread).
 struct CloneSink {
@@ -186,6 +224,10 @@ impl PageSink for CloneSink {
                     out[i] = install_result(r);
                     if out[i] {
                         self.shared.set_state(ri, pi, ST_DONE);
+                    } else if r == Err(libc::EAGAIN) {
+                        // Refused for now: the lockstep sender will not send
+                        // it again soon, so keep it for this clone's fault.
+                        self.shared.hold(addr, Fetched::Zero);
                     }
                     i += 1;
                 }
@@ -209,8 +251,13 @@ impl PageSink for CloneSink {
                         let a = pages[k].0;
                         // A run that failed part-way is retried page by page.
                         out[k] = whole || {
-                            let r = self.shared.uffd.copy(a, &run[(k - i) * PAGE..(k - i + 1) * PAGE]);
+                            let page = &run[(k - i) * PAGE..(k - i + 1) * PAGE];
+                            let r = self.shared.uffd.copy(a, page);
                             new_installs += r.is_ok() as u64;
+                            if r == Err(libc::EAGAIN) {
+                                // As for a zero page above.
+                                self.shared.hold(a, Fetched::Data(page.to_vec()));
+                            }
                             install_result(r)
                         };
                         if out[k] {
@@ -242,7 +289,8 @@ enum Install {
     New,
     /// Was there already (EEXIST), or the range is gone (ENOENT/ESRCH).
     Present,
-    /// Nothing installed (EAGAIN while the clone's map changed): fault again.
+    /// Nothing installed (EAGAIN: a change of the clone's map is unread): serve
+    /// the fault again once it has been read.
     Retry,
 }
 
@@ -280,9 +328,9 @@ impl FaultHandler {
                 },
             })
             .collect();
-        let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()) });
+        let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
         let mc = start_receiver(&shared, &mut client, &stats, &opts);
-        FaultHandler { shared, files: HashMap::new(), client, mc, stats, prefetch: DEFAULT_PREFETCH, remaps: vec![] }
+        FaultHandler { shared, files: HashMap::new(), client, mc, stats, prefetch: DEFAULT_PREFETCH, remaps: vec![], parked: vec![] }
     }
 
     /// How this handler gets its pages.
@@ -301,8 +349,9 @@ impl FaultHandler {
                 libc::pollfd { fd: self.shared.uffd.raw(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
             ];
+            let timeout = if self.parked.is_empty() { -1 } else { PARKED_RETRY_MS };
             // SAFETY: polls two fds we hold for the duration of the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, -1) };
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
             if n < 0 {
                 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                     continue;
@@ -328,9 +377,19 @@ impl FaultHandler {
                 if let Event::Pagefault { addr } = ev {
                     drop(moved);
                     self.stats.faults.fetch_add(1, Ordering::Relaxed);
-                    self.serve_fault(addr & !(PAGE_SIZE - 1))?;
+                    let page = addr & !(PAGE_SIZE - 1);
+                    if self.serve_fault(page)? == Install::Retry {
+                        self.parked.push(page);
+                    }
                 } else {
                     self.handle_event(ev, &mut moved);
+                }
+            }
+            // Every message pending was read (map changes included): serve
+            // the parked faults again.
+            for page in std::mem::take(&mut self.parked) {
+                if self.serve_fault(page)? == Install::Retry {
+                    self.parked.push(page);
                 }
             }
         }
@@ -350,11 +409,15 @@ impl FaultHandler {
     }
 
     fn mark_range(&self, start: u64, end: u64, state: u8) {
+        let mut held = self.shared.held();
         let mut a = start & !(PAGE_SIZE - 1);
         while a < end {
             let t = self.translate(a);
             if let Some((ri, pi)) = self.locate(t) {
                 self.shared.set_state(ri, pi, state);
+            }
+            if !held.is_empty() {
+                held.remove(&t);
             }
             a += PAGE_SIZE;
         }
@@ -390,27 +453,31 @@ impl FaultHandler {
     fn installed(&self, addr: u64, r: std::result::Result<(), i32>, what: &str) -> Result<Install> {
         match r {
             Ok(()) => Ok(Install::New),
+            // EAGAIN: a change of the clone's memory map is unread; nothing
+            // was installed. The faulting thread stays asleep (parked).
+            Err(libc::EAGAIN) => Ok(Install::Retry),
             Err(e) if benign(e) => {
                 self.shared.uffd.wake(addr, PAGE_SIZE);
-                // EAGAIN: the clone's memory map was changing; nothing was installed.
-                Ok(if e == libc::EAGAIN { Install::Retry } else { Install::Present })
+                Ok(Install::Present)
             }
             Err(e) => Err(ForkError::Other(format!("{what} {addr:#x}: errno {e}"))),
         }
     }
 
-    fn serve_fault(&mut self, addr: u64) -> Result<()> {
+    /// Serve a fault at `addr` (page aligned, in the clone); returns how its
+    /// page went in (`Retry`: not yet, park the fault).
+    fn serve_fault(&mut self, addr: u64) -> Result<Install> {
         let t = self.translate(addr);
         let Some((ri, pi)) = self.locate(t) else {
             // Registered memory outside the descriptor (grown stack): zero.
             self.stats.pages_zero.fetch_add(1, Ordering::Relaxed);
-            return self.zero(addr).map(drop);
+            return self.zero(addr);
         };
         match self.shared.state(ri, pi) {
             ST_ZERO | ST_DONE => {
                 self.stats.pages_zero.fetch_add(1, Ordering::Relaxed);
                 self.shared.set_state(ri, pi, ST_DONE);
-                self.zero(addr).map(drop)
+                self.zero(addr)
             }
             ST_FILE => {
                 let region = &self.shared.regions[ri];
@@ -433,23 +500,36 @@ impl FaultHandler {
                     }
                 }
                 self.stats.pages_file.fetch_add(1, Ordering::Relaxed);
-                if self.copy(addr, &page)? != Install::Retry {
+                let done = self.copy(addr, &page)?;
+                if done != Install::Retry {
                     self.shared.set_state(ri, pi, ST_DONE);
                 }
-                Ok(())
+                Ok(done)
             }
             _ => self.fetch_batch(addr, ri, pi),
         }
     }
 
     /// Fetch the faulting page plus following not-yet-served Fetch pages of
-    /// the same region (in clone addresses, contiguous with `addr`).
-    fn fetch_batch(&mut self, addr: u64, ri: usize, pi: usize) -> Result<()> {
+    /// the same region (in clone addresses, contiguous with `addr`). Returns
+    /// how the faulting page went in.
+    fn fetch_batch(&mut self, addr: u64, ri: usize, pi: usize) -> Result<Install> {
         let region = &self.shared.regions[ri];
         let tmpl_base = region.start + pi as u64 * PAGE_SIZE;
+        let held = self.shared.held().remove(&tmpl_base);
+        if let Some(page) = held {
+            // Fetched before, refused then (EAGAIN): install it now.
+            let done = self.install_fetched(addr, tmpl_base, ri, pi, page)?;
+            self.stats.pages_fetched.fetch_add((done == Install::New) as u64, Ordering::Relaxed);
+            return Ok(done);
+        }
         let mut pages = vec![pi];
         let mut j = pi + 1;
-        while pages.len() < self.prefetch && j < region.state.len() && region.state[j].load(Ordering::Acquire) == ST_FETCH {
+        while pages.len() < self.prefetch
+            && j < region.state.len()
+            && region.state[j].load(Ordering::Acquire) == ST_FETCH
+            && !self.shared.held().contains_key(&(region.start + j as u64 * PAGE_SIZE))
+        {
             pages.push(j);
             j += 1;
         }
@@ -457,29 +537,43 @@ impl FaultHandler {
         let replies = self.fetch(&tmpl_addrs)?;
         self.stats.fetch_requests.fetch_add(1, Ordering::Relaxed);
         let mut fetched = 0;
+        let mut faulting = Install::Retry;
         for (k, (p, reply)) in pages.iter().zip(replies).enumerate() {
             let dst = addr + (tmpl_addrs[k] - tmpl_base);
-            let done = match reply {
-                Fetched::Data(d) => self.copy(dst, &d)?,
-                Fetched::Zero => self.zero(dst)?,
-                // The receive thread installed it (and woke the clone).
-                Fetched::Installed => {
-                    self.shared.uffd.wake(dst, PAGE_SIZE);
-                    Install::Present
-                }
-                Fetched::Unreadable => {
-                    return Err(ForkError::Other(format!("template page {:#x} unreadable", tmpl_addrs[k])))
-                }
-            };
+            let done = self.install_fetched(dst, tmpl_addrs[k], ri, *p, reply)?;
+            if k == 0 {
+                faulting = done;
+            }
             // Counted where a page becomes present, so that pages the
             // receive thread installed are not counted twice.
             fetched += (done == Install::New) as u64;
-            if done != Install::Retry {
-                self.shared.set_state(ri, *p, ST_DONE);
-            }
         }
         self.stats.pages_fetched.fetch_add(fetched, Ordering::Relaxed);
-        Ok(())
+        Ok(faulting)
+    }
+
+    /// Install one fetched page at `dst` (template page `tmpl`, page `pi` of
+    /// region `ri`). A page the kernel refuses for now (EAGAIN: a change of
+    /// the clone's map is unread) stays `Fetch` — marking it served would
+    /// have its next fault filled with zeros — and its bytes are held for
+    /// that fault.
+    fn install_fetched(&mut self, dst: u64, tmpl: u64, ri: usize, pi: usize, page: Fetched) -> Result<Install> {
+        let done = match &page {
+            Fetched::Data(d) => self.copy(dst, d)?,
+            Fetched::Zero => self.zero(dst)?,
+            // The receive thread installed it (and woke the clone).
+            Fetched::Installed => {
+                self.shared.uffd.wake(dst, PAGE_SIZE);
+                Install::Present
+            }
+            Fetched::Unreadable => return Err(ForkError::Other(format!("template page {tmpl:#x} unreadable"))),
+        };
+        if done == Install::Retry {
+            self.shared.hold(tmpl, page);
+        } else {
+            self.shared.set_state(ri, pi, ST_DONE);
+        }
+        Ok(done)
     }
 
     /// Pages from the multicast group, or by unicast if multicast fails.

@@ -106,3 +106,11 @@ fn dlopen_library() {
     cc(&["-shared", "-fPIC", manifest().join("tests/c/plugin.c").to_str().unwrap(), "-o", plugin.to_str().unwrap()]);
     run("dlopen", &[plugin.to_str().unwrap()]);
 }
+
+/// Threads started in a clone on stacks glibc cached from threads that ended
+/// in the parent: their discards (REMOVE events) race with another thread's
+/// faults, and no page may arrive as zeros (see tests/c/cached_stack_threads.c).
+#[test]
+fn threads_on_cached_stacks_while_faulting() {
+    run("cached_stack_threads", &[]);
+}
