@@ -380,7 +380,11 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
     let _ = conn.set_nodelay(true);
     let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
     let mut wr = BufWriter::with_capacity(256 * 1024, conn);
-    let mut data = vec![0u8; MAX_BATCH as usize * PAGE];
+    // Grown to the largest batch seen, not allocated at MAX_BATCH up front:
+    // this runs in the user's process, where a 4 MiB calloc per connection
+    // is often served from a malloc arena and memset in full (glibc's
+    // dynamic mmap threshold), for connections that mostly ask for little.
+    let mut data: Vec<u8> = Vec::new();
     loop {
         let mut hdr = [0u8; 8];
         match rd.read_exact(&mut hdr) {
@@ -410,6 +414,9 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
         }
         stats.requests.fetch_add(1, Ordering::Relaxed);
         stats.pages_requested.fetch_add(addrs.len() as u64, Ordering::Relaxed);
+        if data.len() < addrs.len() * PAGE {
+            data.resize(addrs.len() * PAGE, 0);
+        }
         let mut reply_bytes = 8u64;
         let ok = image.read(&addrs, &mut data[..addrs.len() * PAGE]);
         wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
