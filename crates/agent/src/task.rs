@@ -80,7 +80,11 @@ fn run_blocking(
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).with_context(|| format!("cannot create {}", view_dir.display()))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
-    let view = starling_view::mount(source, &view_dir).context("mounting the file view")?;
+    // A clone's own files are prethrown (its restorer finds them without a
+    // round trip), so fewer request loops do: starting each costs a thread
+    // and its 16 MiB buffer, which adds up when a ticket starts many clones.
+    let options = starling_view::ViewOptions { threads: if spec.clone.is_some() { 2 } else { 4 }, ..Default::default() };
+    let view = starling_view::mount_with(source, &view_dir, options).context("mounting the file view")?;
     view.preload(spec.prethrow.clone());
     view.preload_listings(spec.listings.clone());
     let overlay = starling_view::Overlay::mount(&view_dir, dir).context("mounting the task's copy-on-write layer")?;
