@@ -16,6 +16,7 @@
 use crate::sender::{force_buffer, wait_readable};
 use crate::wire::{self, DataHeader, Request};
 use crate::{McdistError, Result};
+use std::os::fd::AsRawFd;
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -140,6 +141,8 @@ pub struct Receiver {
     cfg: ReceiverConfig,
     shared: Arc<Shared>,
     requests: UdpSocket,
+    /// The receive thread's data socket (a duplicate), to wake its poll on stop.
+    wake: UdpSocket,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -149,6 +152,7 @@ impl Receiver {
     /// [`McdistError::NoMulticast`] if it does not.
     pub fn start(cfg: ReceiverConfig, sink: Arc<dyn PageSink>) -> Result<Receiver> {
         let data = group_socket(&cfg)?;
+        let wake = data.try_clone().map_err(|e| McdistError::io("dup data socket", e))?;
         let requests = UdpSocket::bind(SocketAddrV4::new(cfg.interface, 0)).map_err(|e| McdistError::io("bind request socket", e))?;
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner::default()),
@@ -164,7 +168,7 @@ impl Receiver {
             .name(format!("mcdist-rx-{}", cfg.receiver_id))
             .spawn(move || RxLoop::new(cfg2, shared2, sink).run(&data))
             .map_err(|e| McdistError::io("spawn receive thread", e))?;
-        let mut r = Receiver { cfg, shared, requests, thread: Some(thread) };
+        let mut r = Receiver { cfg, shared, requests, wake, thread: Some(thread) };
         r.probe()?;
         Ok(r)
     }
@@ -175,6 +179,12 @@ impl Receiver {
         while Instant::now() < deadline {
             let _ = self.requests.send_to(&hello.encode(), self.cfg.sender);
             let g = self.shared.lock();
+            // The probe may have come back already: its notification only
+            // reaches a waiter, so look before waiting (under the lock the
+            // receive thread takes to notify).
+            if self.shared.probe_heard.load(Ordering::Acquire) {
+                return Ok(());
+            }
             let wait = (deadline - Instant::now().min(deadline)).min(Duration::from_millis(50));
             let _g = self.shared.arrived.wait_timeout(g, wait);
             if self.shared.probe_heard.load(Ordering::Acquire) {
@@ -294,6 +304,12 @@ impl Receiver {
         if let Some(t) = self.thread.take() {
             self.shared.stop.store(true, Ordering::Release);
             self.shared.arrived.notify_all();
+            // Wake the receive thread's poll now rather than at its timeout
+            // (20 ms, which every clone's setup and end used to wait out):
+            // on Linux, shutdown of even an unconnected UDP socket wakes its
+            // pollers (and reports ENOTCONN, which is expected here).
+            // SAFETY: shutdown on a socket we own; no memory is involved.
+            unsafe { libc::shutdown(self.wake.as_raw_fd(), libc::SHUT_RD) };
             let _ = t.join();
         }
     }
