@@ -8,7 +8,8 @@
 //!           tag: 0 = ZERO (all-zero page), 1 = DATA, 2 = UNREADABLE
 //! ```
 //!
-//! mcdist (`STARLING_MCDIST=off|on|push`, default on): the server also
+//! mcdist (`STARLING_MCDIST=off|on|push`, default on, but off for a one-clone
+//! ticket unless set: nothing to share): the server also
 //! starts a multicast [`starling_mcdist::Sender`] for the same template on
 //! the same address, and answers one more request so clones can find it:
 //!

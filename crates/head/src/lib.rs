@@ -205,7 +205,7 @@ impl Head {
                 Msg::HostInfo(info) => {
                     let mut st = self.state.lock().unwrap();
                     let tasks = st.hosts.get(&info.name).map(|h| h.tasks).unwrap_or(0);
-                    log::info!("host {} ({}) reports load {:.2}, {} running", info.name, info.addr, info.load, info.running);
+                    log::debug!("host {} ({}) reports load {:.2}, {} running", info.name, info.addr, info.load, info.running);
                     st.hosts.insert(info.name.clone(), Host { info, tx: tx.clone(), tasks, conn_id: conn });
                 }
                 Msg::Ping { nonce } => {

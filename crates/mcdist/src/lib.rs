@@ -88,7 +88,8 @@ impl Mode {
     }
 }
 
-/// The switch `STARLING_MCDIST=off|on|push` (default on).
+/// The switch `STARLING_MCDIST=off|on|push` (default on; `sf_clone` leaves a
+/// one-clone ticket on TCP unless the variable is set).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Switch {
     Off,
