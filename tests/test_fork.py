@@ -152,9 +152,11 @@ def test_unclonable_state_fails_and_launches_nothing(cluster, progs):
     assert wait_idle() == 0
 
 
-def test_sf_kill_kills_every_clone(cluster, progs):
+@pytest.mark.parametrize("mode", ["spread", "hier"])
+def test_sf_kill_kills_every_clone(cluster, progs, mode):
+    """Hierarchical: 3 clones are 2 tasks (2 + 1); killing a task kills the clone its restorer forked too."""
     t0 = time.time()
-    r = run(progs["linger"], 3, 60, "kill")
+    r = run(progs["linger"], 3, 60, "kill", mode)
     assert r.returncode == 0, r.stdout + r.stderr
     assert time.time() - t0 < 20
     states = re.findall(r"STATE (\d+) (\d+) (-?\d+)", r.stdout)

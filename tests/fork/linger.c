@@ -1,5 +1,5 @@
 /* Clones that sleep: for the lost-host, kill -9 and sf_kill tests.
- * Usage: linger CLONES SECONDS MODE   (MODE: join | kill)
+ * Usage: linger CLONES SECONDS MODE [hier]   (MODE: join | kill; hier: hierarchical ticket)
  * Prints "CLONE id host pid" lines (flushed) as clones start, then
  * "JOIN rc why" after sf_join, and "STATE id state status" per clone after
  * sf_join/sf_kill. */
@@ -15,7 +15,7 @@ int main(int argc, char **argv) {
     int secs = argc > 2 ? atoi(argv[2]) : 30;
     const char *mode = argc > 3 ? argv[3] : "join";
     setvbuf(stdout, NULL, _IOLBF, 0);
-    sf_ticket_t *t = sf_request_ticket(n, false);
+    sf_ticket_t *t = sf_request_ticket(n, argc > 4 && strcmp(argv[4], "hier") == 0);
     if (!t) { fprintf(stderr, "ticket: %s\n", sf_last_error()); return 2; }
     int m = sf_ticket_allocation(t);
     printf("PARENT pid=%d allocation=%d\n", getpid(), m);
