@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the embedded cluster: a real parallel C build (Lua 5.4, 33 files)
-# through `starling exec`, timed against the same build done locally, outputs compared.
+# through `starling exec`, timed against the same build done locally, outputs compared;
+# then a remote fork: a running C program cloned onto every core of the cluster.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=$PWD/target/release/starling
@@ -46,6 +47,15 @@ else
 fi
 echo "== running the cluster-built interpreter on the cluster"
 $S exec -- "$W/warm/luarun" -e 'print("hello from " .. io.popen("uname -n"):read("*l") .. ", 2^10 = " .. 2^10)'
+echo
+echo "== remote fork (C API): a ClustalW-style pairwise alignment; sf_clone puts $((HOSTS * 2)) clones of the"
+echo "   running process on the hosts (hierarchical: one restore per host), they send scores back over TCP"
+cc -O2 -Iinclude tests/fork/pairscores.c target/release/libstarling.a -lpthread -ldl -lm -o "$W/pairscores"
+t0=$EPOCHREALTIME; out=$(cd "$W" && "$W/pairscores" $((HOSTS * 2)) 48 400 hier); t1=$EPOCHREALTIME
+echo "$out" | grep -E "^clone [0-9]+ scored" | sort -V | head -3; echo "   ..."
+echo "$out" | tail -1
+awk -v a="$t0" -v b="$t1" 'BEGIN{printf "   %.1f s (matrix checked against a local computation)\n", b-a}'
+echo "$out" | grep -q "wrong=0" || { echo "   PAIR SCORES WRONG"; exit 1; }
 echo
 $S status
 echo

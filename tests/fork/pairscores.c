@@ -2,7 +2,8 @@
  * the pairs (i, j), i < j, with (i*len+j) % m == ID-1, and sends
  * "i j score" lines back over TCP to the parent (which listens on the
  * address sf_parent_host() names), which collates them and checks the full
- * matrix against a local computation. Usage: pairscores CLONES NSEQ SEQLEN */
+ * matrix against a local computation.
+ * Usage: pairscores CLONES NSEQ SEQLEN [hier]   (hier: hierarchical ticket) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,7 +47,7 @@ int main(int argc, char **argv) {
         for (int k = 0; k < seqlen; k++) seqs[i][k] = "ACGT"[rand() % 4];
         seqs[i][seqlen] = 0;
     }
-    sf_ticket_t *t = sf_request_ticket(n, false);
+    sf_ticket_t *t = sf_request_ticket(n, argc > 4 && strcmp(argv[4], "hier") == 0);
     if (!t) { fprintf(stderr, "ticket: %s\n", sf_last_error()); return 2; }
     int m = sf_ticket_allocation(t);
     const char *host = sf_parent_host();

@@ -27,6 +27,8 @@ pub(crate) struct BootArgs {
     /// `STATE/hosts/NAME`: holds `layer` (tmpfs for the overlay's upper/work), `root` (the merged root) and
     /// `state` (persistent).
     pub host_dir: PathBuf,
+    /// The agent's content-cache bound (`agent --cache-mib`).
+    pub cache_mib: u64,
     /// Program to exec instead of `exe agent ...` (tests run `sleep infinity`); given after `--`.
     pub exec: Vec<String>,
 }
@@ -40,6 +42,8 @@ impl BootArgs {
             self.head.clone(),
             "--state-dir".to_string(),
             self.host_dir.display().to_string(),
+            "--cache-mib".to_string(),
+            self.cache_mib.to_string(),
         ];
         if !self.exec.is_empty() {
             v.push("--".to_string());
@@ -50,6 +54,7 @@ impl BootArgs {
 
     pub fn parse(args: &[String]) -> Result<BootArgs> {
         let (mut name, mut head, mut host_dir, mut exec) = (None, None, None, Vec::new());
+        let mut cache_mib = None;
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
@@ -57,6 +62,7 @@ impl BootArgs {
                 "--name" => name = it.next().cloned(),
                 "--head" => head = it.next().cloned(),
                 "--state-dir" => host_dir = it.next().map(PathBuf::from),
+                "--cache-mib" => cache_mib = it.next().and_then(|v| v.parse::<u64>().ok()),
                 "--" => {
                     exec = it.by_ref().cloned().collect();
                 }
@@ -71,7 +77,8 @@ impl BootArgs {
         if !host_dir.is_absolute() {
             bail!("--state-dir {} must be absolute", host_dir.display());
         }
-        Ok(BootArgs { name, head: head.context("missing --head")?, host_dir, exec })
+        let cache_mib = cache_mib.context("missing or bad --cache-mib")?;
+        Ok(BootArgs { name, head: head.context("missing --head")?, host_dir, cache_mib, exec })
     }
 }
 
@@ -109,6 +116,8 @@ fn boot(args: &BootArgs) -> Result<Infallible> {
             args.name.clone(),
             "--state".into(),
             HOST_STATE_MOUNT.into(),
+            "--cache-mib".into(),
+            args.cache_mib.to_string(),
         ]
     } else {
         args.exec.clone()
@@ -232,6 +241,7 @@ mod tests {
             name: "h3".into(),
             head: "10.213.0.1:7077".into(),
             host_dir: "/var/lib/starling/hosts/h3".into(),
+            cache_mib: 2048,
             exec: s(&["sleep", "infinity"]),
         };
         assert_eq!(BootArgs::parse(&a.to_args()).unwrap(), a);
@@ -242,9 +252,11 @@ mod tests {
 
     #[test]
     fn boot_args_rejects_bad_input() {
-        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x"])).is_err(), "missing --state-dir");
-        assert!(BootArgs::parse(&s(&["--name", "h 1", "--head", "x", "--state-dir", "/s"])).is_err());
-        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "rel"])).is_err());
+        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--cache-mib", "1"])).is_err(), "missing --state-dir");
+        assert!(BootArgs::parse(&s(&["--name", "h 1", "--head", "x", "--state-dir", "/s", "--cache-mib", "1"])).is_err());
+        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "rel", "--cache-mib", "1"])).is_err());
+        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s"])).is_err(), "missing --cache-mib");
+        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s", "--cache-mib", "lots"])).is_err());
         assert!(BootArgs::parse(&s(&["--bogus"])).is_err());
     }
 }

@@ -333,9 +333,13 @@ fn start(
         net::create_host_netns(cfg, i)?;
     }
 
+    let cache_mib = cache_mib_per_host(state_dir, opts.hosts);
     let head_addr = SocketAddr::from((cfg.bridge_ip(), HEAD_PORT));
     let mut head = Command::new(exe);
     head.arg("head").arg("--listen").arg(head_addr.to_string()).arg("--state").arg(state_dir.join("head"));
+    if !opts.head_args.iter().any(|a| a.starts_with("--cache-mib")) {
+        head.arg("--cache-mib").arg(cache_mib.to_string());
+    }
     head.args(&opts.head_args);
     let head_pid = spawn_detached(head, &log_path(run_dir, "head"), None)?;
     wait_listening(head_addr, head_pid, &log_path(run_dir, "head"))?;
@@ -350,6 +354,7 @@ fn start(
             name: name.clone(),
             head: head_addr.to_string(),
             host_dir: hdir,
+            cache_mib,
             exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);
@@ -402,6 +407,7 @@ fn start(
         ("exe".to_string(), exe.display().to_string()),
         ("state_dir".to_string(), state_dir.display().to_string()),
         ("netns_ids".to_string(), netns_ids.join(",")),
+        ("cache_mib_per_host".to_string(), cache_mib.to_string()),
     ]);
     let mut extra = extra;
     extra.extend(link_facts);
@@ -645,4 +651,23 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
     } else {
         bail!("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))
     }
+}
+
+/// Largest content cache an agent keeps by default (`agent --cache-mib`).
+const DEFAULT_CACHE_MIB: u64 = 8192;
+/// Smallest bound worth running with.
+const MIN_CACHE_MIB: u64 = 256;
+
+/// The content-cache bound of each emulated host (and of the head's relay
+/// cache): they all share this machine's disk, so together they may fill at
+/// most half of what is free under `state_dir` now, and each at most an
+/// agent's default. A benchmark on 16 hosts with 8 GiB each would otherwise
+/// fill the disk, and a full disk shows up much later as I/O errors inside
+/// tasks.
+fn cache_mib_per_host(state_dir: &Path, hosts: usize) -> u64 {
+    let free_mib = match nix::sys::statvfs::statvfs(state_dir) {
+        Ok(s) => (s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64) >> 20,
+        Err(_) => return DEFAULT_CACHE_MIB,
+    };
+    (free_mib / (2 * (hosts as u64 + 1))).clamp(MIN_CACHE_MIB, DEFAULT_CACHE_MIB)
 }

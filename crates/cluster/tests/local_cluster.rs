@@ -324,7 +324,8 @@ fn test_failed_up_cleans_up(f: &mut Vec<String>) {
     let _ = std::fs::remove_dir_all(&d.base);
 }
 
-/// Without an override a host execs `exe agent --head ADDR --name NAME --state HOST_STATE_MOUNT` in its own root.
+/// Without an override a host execs `exe agent --head ADDR --name NAME --state HOST_STATE_MOUNT --cache-mib N`
+/// in its own root.
 fn test_default_agent_command(f: &mut Vec<String>) {
     let d = dirs("agent");
     let overrides = UpOverrides { host_command: None, ..sleeping_hosts() };
@@ -335,7 +336,11 @@ fn test_default_agent_command(f: &mut Vec<String>) {
             let expected =
                 [exe.as_str(), "agent", "--head", "10.219.0.1:7077", "--name", "h1", "--state", HOST_STATE_MOUNT];
             let argv = procs::cmdline(pid);
-            check(argv == expected, &format!("agent command line {argv:?}"), f);
+            // Then the cache bound `up` chose for the machine's free disk (256..=8192 MiB).
+            let cache_ok = argv.len() == expected.len() + 2
+                && argv[expected.len()] == "--cache-mib"
+                && argv[expected.len() + 1].parse::<u64>().is_ok_and(|m| (256..=8192).contains(&m));
+            check(argv[..expected.len().min(argv.len())] == expected && cache_ok, &format!("agent command line {argv:?}"), f);
             let (_, hostname) = in_host(pid, &["hostname"]);
             check(hostname == "h1", "the agent runs in host h1", f);
         }
