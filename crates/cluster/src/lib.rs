@@ -665,9 +665,29 @@ const MIN_CACHE_MIB: u64 = 256;
 /// fill the disk, and a full disk shows up much later as I/O errors inside
 /// tasks.
 fn cache_mib_per_host(state_dir: &Path, hosts: usize) -> u64 {
-    let free_mib = match nix::sys::statvfs::statvfs(state_dir) {
-        Ok(s) => (s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64) >> 20,
-        Err(_) => return DEFAULT_CACHE_MIB,
-    };
+    match nix::sys::statvfs::statvfs(state_dir) {
+        Ok(s) => cache_share((s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64) >> 20, hosts),
+        Err(_) => DEFAULT_CACHE_MIB,
+    }
+}
+
+/// Half of `free_mib` split over `hosts` agents and the head, within bounds.
+fn cache_share(free_mib: u64, hosts: usize) -> u64 {
     (free_mib / (2 * (hosts as u64 + 1))).clamp(MIN_CACHE_MIB, DEFAULT_CACHE_MIB)
+}
+
+#[cfg(test)]
+mod cache_bound_tests {
+    use super::*;
+
+    #[test]
+    fn caches_share_half_the_free_disk_within_bounds() {
+        // 49 GiB free, 16 hosts + head: 1475 MiB each, 25 GiB in all.
+        assert_eq!(cache_share(49 << 10, 16), (49 << 10) / 34);
+        assert!(cache_share(49 << 10, 16) * 17 <= (49 << 10) / 2);
+        // A big disk: never more than an agent's default.
+        assert_eq!(cache_share(10 << 20, 4), DEFAULT_CACHE_MIB);
+        // A nearly full disk: the minimum (the agent's LRU keeps it there).
+        assert_eq!(cache_share(100, 4), MIN_CACHE_MIB);
+    }
 }
