@@ -92,7 +92,11 @@ impl Ticket {
     }
 }
 
-/// Reserve `n >= 1` clones. Raises `starling.Error` on failure.
+/// Reserve `n >= 1` clones (`ticket.allocation` of them are granted, by
+/// free cores). `hierarchical=True` fills each host's cores first and
+/// restores the process once per host, forking that host's further clones
+/// from the restore; otherwise clones spread over as many hosts as possible,
+/// each restored on its own. Raises `starling.Error` on failure.
 #[pyfunction]
 #[pyo3(signature = (n, hierarchical = false))]
 fn request_ticket(n: i32, hierarchical: bool) -> PyResult<Ticket> {
