@@ -293,6 +293,8 @@ pub struct Outcome {
     pub lockstep_suppressed: u64,
     pub queued_duplicates: u64,
     pub implicit_losses: u64,
+    /// Pages the sender pushed (neighbours nobody had asked for yet).
+    pub pages_pushed: u64,
     pub trace: Vec<RateSample>,
 }
 
@@ -394,6 +396,7 @@ pub fn run_scenario(
         lockstep_suppressed: 0,
         queued_duplicates: 0,
         implicit_losses: 0,
+        pages_pushed: 0,
         trace: vec![],
     };
     for h in handles {
@@ -412,6 +415,7 @@ pub fn run_scenario(
             outcome.lockstep_suppressed = st.lockstep_suppressed.load(Ordering::Relaxed);
             outcome.queued_duplicates = st.queued_duplicates.load(Ordering::Relaxed);
             outcome.implicit_losses = st.implicit_losses.load(Ordering::Relaxed);
+            outcome.pages_pushed = st.pages_pushed.load(Ordering::Relaxed);
             outcome.trace = s.rate_trace();
             s.stop();
         }
