@@ -137,11 +137,8 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionR
                         let handler = std::thread::Builder::new().name(format!("clone-fault-{clone_id}")).spawn(
                             move || -> starling_fork::Result<()> {
                                 let client = PageClient::connect(server)?;
-                                let mut h = FaultHandler::new(fd, &desc, client, stats2.clone());
+                                let h = FaultHandler::new(fd, &desc, client, stats2.clone());
                                 report_mode(&report, clone_id, &stats2);
-                                if let Some(n) = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()) {
-                                    h.set_prefetch(n);
-                                }
                                 h.run(stop.as_fd())
                             },
                         );

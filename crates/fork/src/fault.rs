@@ -154,11 +154,20 @@ pub struct FaultOptions {
     pub mcdist: Switch,
     /// How long to listen for the sender's probe before falling back.
     pub probe_timeout: std::time::Duration,
+    /// Pages fetched per fault: the faulting page and following unserved
+    /// `Fetch` pages of its region (`STARLING_FORK_PREFETCH`, default
+    /// [`DEFAULT_PREFETCH`]; 1..=`MAX_BATCH`).
+    pub prefetch: usize,
 }
 
 impl FaultOptions {
     pub fn from_env() -> FaultOptions {
-        FaultOptions { mcdist: Switch::from_env(), probe_timeout: std::time::Duration::from_millis(300) }
+        let prefetch = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_PREFETCH);
+        FaultOptions {
+            mcdist: Switch::from_env(),
+            probe_timeout: std::time::Duration::from_millis(300),
+            prefetch,
+        }
     }
 }
 
@@ -330,16 +339,13 @@ impl FaultHandler {
             .collect();
         let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
         let mc = start_receiver(&shared, &mut client, &stats, &opts);
-        FaultHandler { shared, files: HashMap::new(), client, mc, stats, prefetch: DEFAULT_PREFETCH, remaps: vec![], parked: vec![] }
+        let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
+        FaultHandler { shared, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![] }
     }
 
     /// How this handler gets its pages.
     pub fn mode(&self) -> Mode {
         self.stats.mode()
-    }
-
-    pub fn set_prefetch(&mut self, pages: usize) {
-        self.prefetch = pages.clamp(1, crate::page_server::MAX_BATCH as usize);
     }
 
     /// Serve faults until `stop` becomes readable (or hangs up).

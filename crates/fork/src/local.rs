@@ -154,11 +154,7 @@ impl LocalClone {
                     }
                 };
                 let client = PageClient::connect(server)?;
-                let mut h = FaultHandler::new(uffd, &desc, client, stats2);
-                if let Some(n) = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()) {
-                    h.set_prefetch(n);
-                }
-                h.run(stop_r.as_fd())
+                FaultHandler::new(uffd, &desc, client, stats2).run(stop_r.as_fd())
             })
             .map_err(|e| ForkError::io("spawn fault handler", e))?;
         drop(child); // reaped by `wait` with waitpid
