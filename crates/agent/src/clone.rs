@@ -54,11 +54,11 @@ pub(crate) struct CloneRun {
 }
 
 /// What the control thread saw: a handler per clone that registered memory,
-/// each clone's exit status (raw wait status), and a protocol error if any.
+/// each clone's exit status, and a protocol error if any.
 #[derive(Default)]
 struct Control {
     handlers: Vec<(u32, Arc<FaultStats>, std::thread::JoinHandle<starling_fork::Result<()>>)>,
-    statuses: std::collections::HashMap<u32, i32>,
+    statuses: std::collections::HashMap<u32, ExitStatus>,
     error: Option<String>,
 }
 
@@ -165,15 +165,6 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionR
     ))
 }
 
-/// A raw wait status as the wire's exit status.
-fn exit_status(raw: i32) -> ExitStatus {
-    if libc::WIFEXITED(raw) {
-        ExitStatus::Code(libc::WEXITSTATUS(raw))
-    } else {
-        ExitStatus::Signal(libc::WTERMSIG(raw))
-    }
-}
-
 impl CloneRun {
     /// After the sandbox ended: stop the handlers, then send each clone's
     /// status and counters.
@@ -207,7 +198,7 @@ impl CloneRun {
             let _ = tx.blocking_send(Msg::CloneStats {
                 task,
                 clone_id: id,
-                status: seen.statuses.get(&id).map(|&raw| exit_status(raw)),
+                status: seen.statuses.get(&id).copied(),
                 counters: counters.remove(&id).unwrap_or_else(|| vec![0; starling_fork::fault::COUNTERS]),
             });
         }

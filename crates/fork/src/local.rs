@@ -15,6 +15,7 @@ use crate::fault::{FaultHandler, FaultStats};
 use crate::page_server::PageClient;
 use crate::plan::{build_plan, PlanOptions};
 use crate::{ForkError, Result};
+use starling_proto::ExitStatus;
 use std::io::{IoSliceMut, Write};
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -182,7 +183,7 @@ impl LocalClone {
                 return Err(ForkError::errno(format!("waitpid restorer {}", self.restorer_pid)));
             }
         }
-        let status = if libc::WIFEXITED(st) { libc::WEXITSTATUS(st) } else { 128 + libc::WTERMSIG(st) };
+        let status = exit_status(st).shell_code();
         self.status = Some(status);
         self.stop_handler.take();
         if let Some(h) = self.handler.take() {
@@ -219,8 +220,17 @@ fn pipe() -> Result<(OwnedFd, OwnedFd)> {
 pub enum RestorerRecord {
     /// Clone `clone_id` registered its memory: serve this userfaultfd.
     Userfaultfd { clone_id: u32, fd: OwnedFd },
-    /// Clone `clone_id` ended with this raw wait status.
-    Exited { clone_id: u32, status: i32 },
+    /// Clone `clone_id` ended so.
+    Exited { clone_id: u32, status: ExitStatus },
+}
+
+/// A raw wait(2) status of a process that ended.
+pub fn exit_status(raw: i32) -> ExitStatus {
+    if libc::WIFEXITED(raw) {
+        ExitStatus::Code(libc::WEXITSTATUS(raw))
+    } else {
+        ExitStatus::Signal(libc::WTERMSIG(raw))
+    }
 }
 
 /// Receive the next record from a restorer; None once every restorer
@@ -264,7 +274,7 @@ pub fn recv_record(sock: &OwnedFd) -> Result<Option<RestorerRecord>> {
     match (word(0), fd) {
         (RECORD_UFFD, Some(fd)) => Ok(Some(RestorerRecord::Userfaultfd { clone_id, fd })),
         (RECORD_UFFD, None) => Err(ForkError::Protocol("restorer message without an fd".into())),
-        (RECORD_EXIT, _) => Ok(Some(RestorerRecord::Exited { clone_id, status: word(2) as u32 as i32 })),
+        (RECORD_EXIT, _) => Ok(Some(RestorerRecord::Exited { clone_id, status: exit_status(word(2) as u32 as i32) })),
         (tag, _) => Err(ForkError::Protocol(format!("unknown restorer record {tag}"))),
     }
 }
