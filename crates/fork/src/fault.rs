@@ -26,7 +26,7 @@
 //! the new addresses back to the template's.
 
 use crate::descriptor::{Descriptor, PageClass, RegionKind};
-use crate::page_server::{PageClient, PageReply};
+use crate::page_server::PageClient;
 use crate::{ForkError, Result, PAGE_SIZE};
 use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
 use std::collections::HashMap;
@@ -594,16 +594,7 @@ impl FaultHandler {
                 }
             }
         }
-        Ok(self
-            .client
-            .fetch(tmpl_addrs)?
-            .into_iter()
-            .map(|r| match r {
-                PageReply::Data(d) => Fetched::Data(d.into_vec()),
-                PageReply::Zero => Fetched::Zero,
-                PageReply::Unreadable => Fetched::Unreadable,
-            })
-            .collect())
+        Ok(self.client.fetch(tmpl_addrs)?.into_iter().map(Fetched::from).collect())
     }
 }
 
@@ -662,8 +653,7 @@ impl PageSink for NoSink {
 /// the ticket asks at about the same moment and one transmission answers
 /// them all — else over TCP. Returns the bytes and how they came.
 pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
-    const MAX_DESCRIPTOR: usize = 64 << 20;
-    if len == 0 || len > MAX_DESCRIPTOR {
+    if len == 0 || len as u64 > crate::descriptor::MAX_DESCRIPTOR_BYTES {
         return Err(ForkError::Protocol(format!("descriptor of {len} bytes")));
     }
     let addrs = crate::page_server::descriptor_pages(len);
@@ -686,11 +676,7 @@ pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &
             }
             let mut out = Vec::with_capacity(addrs.len());
             for batch in addrs.chunks(crate::page_server::MAX_BATCH as usize) {
-                out.extend(client.fetch(batch)?.into_iter().map(|r| match r {
-                    PageReply::Data(d) => Fetched::Data(d.into_vec()),
-                    PageReply::Zero => Fetched::Zero,
-                    PageReply::Unreadable => Fetched::Unreadable,
-                }));
+                out.extend(client.fetch(batch)?.into_iter().map(Fetched::from));
             }
             out
         }

@@ -478,6 +478,17 @@ pub enum PageReply {
     Unreadable,
 }
 
+/// A page from the TCP server as the fault handler takes it from either path.
+impl From<PageReply> for starling_mcdist::Fetched {
+    fn from(r: PageReply) -> Self {
+        match r {
+            PageReply::Data(d) => starling_mcdist::Fetched::Data(d.into_vec()),
+            PageReply::Zero => starling_mcdist::Fetched::Zero,
+            PageReply::Unreadable => starling_mcdist::Fetched::Unreadable,
+        }
+    }
+}
+
 /// Client side of the protocol.
 pub struct PageClient {
     rd: BufReader<TcpStream>,
