@@ -42,7 +42,7 @@ struct Host {
     tx: Outgoing,
     /// Cores held by tasks the head has placed here and not yet seen
     /// finish (a task holds one, a hierarchical clone task one per clone).
-    tasks: u32,
+    cores_busy: u32,
     conn_id: u64,
 }
 
@@ -204,9 +204,9 @@ impl Head {
             match msg {
                 Msg::HostInfo(info) => {
                     let mut st = self.state.lock().unwrap();
-                    let tasks = st.hosts.get(&info.name).map(|h| h.tasks).unwrap_or(0);
+                    let cores_busy = st.hosts.get(&info.name).map(|h| h.cores_busy).unwrap_or(0);
                     log::debug!("host {} ({}) reports load {:.2}, {} running", info.name, info.addr, info.load, info.running);
-                    st.hosts.insert(info.name.clone(), Host { info, tx: tx.clone(), tasks, conn_id: conn });
+                    st.hosts.insert(info.name.clone(), Host { info, tx: tx.clone(), cores_busy, conn_id: conn });
                 }
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
@@ -235,7 +235,7 @@ impl Head {
                         if ended {
                             if let Some(r) = st.routes.remove(&task) {
                                 if let Some(h) = st.hosts.get_mut(&r.host) {
-                                    h.tasks = h.tasks.saturating_sub(r.cores);
+                                    h.cores_busy = h.cores_busy.saturating_sub(r.cores);
                                 }
                             }
                         }
@@ -547,7 +547,7 @@ impl Head {
         let st = self.state.lock().unwrap();
         let mut hosts: Vec<HostInfo> =
             // The head's own count is exact; the agent's report lags by up to its heartbeat.
-            st.hosts.values().map(|h| HostInfo { running: h.tasks, ..h.info.clone() }).collect();
+            st.hosts.values().map(|h| HostInfo { running: h.cores_busy, ..h.info.clone() }).collect();
         hosts.sort_by(|a, b| natural_key(&a.name).cmp(&natural_key(&b.name)));
         let mut facts = self.facts.clone();
         facts.push(("queued".into(), st.queue.len().to_string()));
@@ -562,7 +562,7 @@ impl Head {
         let mut free: Vec<(String, u32)> = st
             .hosts
             .values()
-            .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.tasks)))
+            .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.cores_busy)))
             .filter(|(_, f)| *f > 0)
             .collect();
         if free.is_empty() {
@@ -624,7 +624,7 @@ impl Head {
     /// A host with a free core (the named one, else the least loaded), now
     /// holding one more task; `None` if every eligible host is busy.
     fn pick(st: &mut State, want: Option<&str>, cores: u32) -> Option<(String, Outgoing, u64)> {
-        let free = |h: &Host| h.tasks + cores <= h.info.cores.max(1);
+        let free = |h: &Host| h.cores_busy + cores <= h.info.cores.max(1);
         let name = match want {
             Some(w) => st.hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
             None => st
@@ -632,14 +632,14 @@ impl Head {
                 .values()
                 .filter(|h| free(h))
                 .min_by(|a, b| {
-                    let fa = a.tasks as f32 / a.info.cores.max(1) as f32;
-                    let fb = b.tasks as f32 / b.info.cores.max(1) as f32;
+                    let fa = a.cores_busy as f32 / a.info.cores.max(1) as f32;
+                    let fb = b.cores_busy as f32 / b.info.cores.max(1) as f32;
                     fa.total_cmp(&fb).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
                 })
                 .map(|h| h.info.name.clone())?,
         };
         let h = st.hosts.get_mut(&name).expect("host exists");
-        h.tasks += cores;
+        h.cores_busy += cores;
         Some((name, h.tx.clone(), h.conn_id))
     }
 
@@ -649,7 +649,7 @@ impl Head {
             let r = st.routes.remove(&task);
             if let Some(r) = &r {
                 if let Some(h) = st.hosts.get_mut(&r.host) {
-                    h.tasks = h.tasks.saturating_sub(r.cores);
+                    h.cores_busy = h.cores_busy.saturating_sub(r.cores);
                 }
             }
             r
