@@ -448,6 +448,10 @@ fn wait_for(child: isize) -> i32 {
     }
 }
 
+/// The handler socket's descriptor as the restorer is started with it
+/// (the clones move their copy out of the way of the template's fds).
+const HANDLER_SOCK: i32 = 4;
+
 /// Which of the plan's clones this process is (0: the first, with the
 /// template's PID). Set in each clone right after the fork that made it.
 static CLONE_INDEX: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
@@ -510,7 +514,7 @@ fn enter_pid_namespace(template_pid: u64, count: u64) {
             }
             // This clone never ran: report it as having exited with the
             // restorer's PID-namespace failure code.
-            send_exit(4, first + i, EXIT_PIDNS << 8);
+            send_exit(HANDLER_SOCK, first + i, EXIT_PIDNS << 8);
             continue;
         }
         pids[i as usize] = pid;
@@ -520,7 +524,7 @@ fn enter_pid_namespace(template_pid: u64, count: u64) {
     while running > 0 {
         let Some((pid, status)) = reap_one() else { break };
         if let Some(i) = pids[..count as usize].iter().position(|&p| p == pid) {
-            send_exit(4, first + i as u64, status);
+            send_exit(HANDLER_SOCK, first + i as u64, status);
             if i == 0 {
                 first_code = exit_code(status);
             }
@@ -1033,7 +1037,7 @@ extern "C" fn restorer_main() -> ! {
     // From here on we are the process that becomes the clone.
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
-    let handler_sock = move_fd_above(4, keep_above);
+    let handler_sock = move_fd_above(HANDLER_SOCK, keep_above);
     fix_own_mappings();
     map_regions();
     let uffd = register_regions();
