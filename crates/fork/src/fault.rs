@@ -25,7 +25,10 @@
 //! (mremap of registered memory, e.g. realloc) are followed by translating
 //! the new addresses back to the template's.
 
-use crate::descriptor::{Descriptor, PageClass, RegionKind};
+use crate::{Descriptor, PageClass, PageProtocolError};
+use starling_image::abi::counters::CloneCounters;
+use starling_image::abi::plan::MapKind;
+use starling_image::RegionKind;
 use crate::page_server::PageClient;
 use crate::{ForkError, Result, PAGE_SIZE};
 use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
@@ -44,9 +47,6 @@ const ST_ZERO: u8 = 0;
 const ST_FILE: u8 = 1;
 const ST_FETCH: u8 = 2;
 const ST_DONE: u8 = 3;
-
-/// Number of values in [`FaultStats::snapshot`].
-pub const COUNTERS: usize = 8;
 
 /// Counters of one handler (shared with whoever wants to report them).
 #[derive(Default, Debug)]
@@ -70,20 +70,19 @@ impl FaultStats {
         Mode::from_u8(self.mode.load(Ordering::Relaxed))
     }
 
-    /// [faults, pages fetched, zero, file, fetch requests, remove events,
-    /// mode (a [`Mode`] as a number), pages multicast without asking].
-    pub fn snapshot(&self) -> [u64; COUNTERS] {
+    /// The counters now, by name.
+    pub fn snapshot(&self) -> CloneCounters {
         let c = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            c(&self.faults),
-            c(&self.pages_fetched),
-            c(&self.pages_zero),
-            c(&self.pages_file),
-            c(&self.fetch_requests),
-            c(&self.events_remove),
-            self.mode.load(Ordering::Relaxed) as u64,
-            c(&self.pages_multicast_unsolicited),
-        ]
+        CloneCounters {
+            faults: c(&self.faults),
+            pages_fetched: c(&self.pages_fetched),
+            pages_zero: c(&self.pages_zero),
+            pages_file: c(&self.pages_file),
+            fetch_requests: c(&self.fetch_requests),
+            events_remove: c(&self.events_remove),
+            mode: u64::from(self.mode.load(Ordering::Relaxed)),
+            pages_multicast_unsolicited: c(&self.pages_multicast_unsolicited),
+        }
     }
 }
 
@@ -322,7 +321,7 @@ impl FaultHandler {
         let regions: Vec<HandlerRegion> = desc
             .regions
             .iter()
-            .filter(|r| crate::plan::region_plan_kind(r) == starling_restorer::plan::REGION_ANON_REGISTER)
+            .filter(|r| starling_image::map_kind(r) == MapKind::AnonRegister)
             .map(|r| HandlerRegion {
                 start: r.start,
                 end: r.end,
@@ -456,7 +455,7 @@ impl FaultHandler {
         self.installed(addr, self.shared.uffd.copy(addr, page), "UFFDIO_COPY")
     }
 
-    fn installed(&self, addr: u64, r: std::result::Result<(), i32>, what: &str) -> Result<Install> {
+    fn installed(&self, addr: u64, r: std::result::Result<(), i32>, what: &'static str) -> Result<Install> {
         match r {
             Ok(()) => Ok(Install::New),
             // EAGAIN: a change of the clone's memory map is unread; nothing
@@ -466,7 +465,7 @@ impl FaultHandler {
                 self.shared.uffd.wake(addr, PAGE_SIZE);
                 Ok(Install::Present)
             }
-            Err(e) => Err(ForkError::Other(format!("{what} {addr:#x}: errno {e}"))),
+            Err(errno) => Err(ForkError::Uffd { what, addr, errno }),
         }
     }
 
@@ -487,7 +486,9 @@ impl FaultHandler {
             }
             ST_FILE => {
                 let region = &self.shared.regions[ri];
-                let (path, off) = region.file.clone().ok_or_else(|| ForkError::Other("file page without file".into()))?;
+                let (path, off) = region.file.clone().ok_or_else(|| {
+                    starling_image::DescriptorError::Invalid(format!("file page at {t:#x} of a region without a file"))
+                })?;
                 let file_off = off + (t - region.start);
                 let mut page = vec![0u8; PAGE_SIZE as usize];
                 if !self.files.contains_key(&path) {
@@ -572,7 +573,7 @@ impl FaultHandler {
                 self.shared.uffd.wake(dst, PAGE_SIZE);
                 Install::Present
             }
-            Fetched::Unreadable => return Err(ForkError::Other(format!("template page {tmpl:#x} unreadable"))),
+            Fetched::Unreadable => return Err(ForkError::PageUnreadable(tmpl)),
         };
         if done == Install::Retry {
             self.shared.hold(tmpl, page);
@@ -653,8 +654,8 @@ impl PageSink for NoSink {
 /// the ticket asks at about the same moment and one transmission answers
 /// them all — else over TCP. Returns the bytes and how they came.
 pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
-    if len == 0 || len as u64 > crate::descriptor::MAX_DESCRIPTOR_BYTES {
-        return Err(ForkError::Protocol(format!("descriptor of {len} bytes")));
+    if len == 0 || len as u64 > starling_image::MAX_DESCRIPTOR_BYTES {
+        return Err(PageProtocolError::DescriptorLength(len).into());
     }
     let addrs = crate::page_server::descriptor_pages(len);
     let mut client = PageClient::connect(server)?;
@@ -686,12 +687,12 @@ pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &
         match p {
             Fetched::Data(d) if d.len() == PAGE_SIZE as usize => bytes.extend_from_slice(&d),
             Fetched::Zero => bytes.resize(bytes.len() + PAGE_SIZE as usize, 0),
-            _ => return Err(ForkError::Protocol("descriptor page unreadable".into())),
+            _ => return Err(PageProtocolError::DescriptorUnreadable.into()),
         }
     }
     bytes.truncate(len);
     if starling_proto::Hash::of(&bytes).0 != *hash {
-        return Err(ForkError::Protocol("descriptor does not match its hash".into()));
+        return Err(PageProtocolError::DescriptorHash.into());
     }
     Ok((bytes, mode))
 }
