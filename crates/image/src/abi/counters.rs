@@ -52,6 +52,34 @@ impl CloneCounter {
     }
 }
 
+impl CloneCounter {
+    /// Every counter, in index order.
+    pub const ALL: [CloneCounter; 8] = [
+        CloneCounter::Faults,
+        CloneCounter::PagesFetched,
+        CloneCounter::PagesZero,
+        CloneCounter::PagesFile,
+        CloneCounter::FetchRequests,
+        CloneCounter::EventsRemove,
+        CloneCounter::Mode,
+        CloneCounter::PagesMulticastUnsolicited,
+    ];
+
+    /// Its name (as the Python API reports it: the field's name).
+    pub const fn name(self) -> &'static str {
+        match self {
+            CloneCounter::Faults => "faults",
+            CloneCounter::PagesFetched => "pages_fetched",
+            CloneCounter::PagesZero => "pages_zero",
+            CloneCounter::PagesFile => "pages_file",
+            CloneCounter::FetchRequests => "fetch_requests",
+            CloneCounter::EventsRemove => "events_remove",
+            CloneCounter::Mode => "mode",
+            CloneCounter::PagesMulticastUnsolicited => "pages_multicast_unsolicited",
+        }
+    }
+}
+
 impl CloneCounters {
     pub const fn get(&self, c: CloneCounter) -> u64 {
         match c {
