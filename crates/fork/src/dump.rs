@@ -73,6 +73,8 @@ fn parse_smaps(text: &str) -> Result<Vec<MapsEntry>> {
 const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;
 const PM_FILE: u64 = 1 << 61;
+/// A write-protect marker (or a write-protected page) of a userfaultfd.
+const PM_UFFD_WP: u64 = 1 << 57;
 
 /// Whether the fetch-avoidance heuristics are on (default). With
 /// `STARLING_FORK_HEURISTICS=off` every readable page of a private
@@ -88,17 +90,19 @@ pub fn heuristics_enabled() -> bool {
 pub struct RegionOptions {
     /// Fetch-avoidance heuristics (see [`heuristics_enabled`]).
     pub heuristics: bool,
-    /// Pages of `[stack]` wholly below this address are dead (zero): the
-    /// stack pointer of the thread that runs on it, minus the red zone.
-    pub dead_stack_below: u64,
+    /// The stack pointer of the thread that runs on `[stack]`: its pages
+    /// wholly below it (and the red zone) are dead, so zero. Ignored when it
+    /// points elsewhere (a thread on a signal stack).
+    pub stack_pointer: u64,
+    /// The process is write-tracked by a userfaultfd of ours (migration):
+    /// `uw` regions are allowed, and the write-protect markers of pages never
+    /// populated (which `pagemap` reports as swap entries) are not pages.
+    pub own_write_tracking: bool,
 }
 
 /// Dump a frozen template into a descriptor.
 pub fn dump(pid: i32, record: &TemplateRecord) -> Result<Descriptor> {
-    let opts = RegionOptions {
-        heuristics: heuristics_enabled(),
-        dead_stack_below: record.thread.regs.rsp.saturating_sub(128) & !(PAGE_SIZE - 1),
-    };
+    let opts = RegionOptions { heuristics: heuristics_enabled(), stack_pointer: record.thread.regs.rsp, own_write_tracking: false };
     let mut thread = record.thread;
     thread.tid = u64::try_from(pid).map_err(|_| ForkError::Malformed { what: "template pid", detail: pid.to_string() })?;
     let (core, cwd, groups) = dump_process(pid, record.brk)?;
@@ -136,7 +140,9 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
             "[vdso]" => RegionKind::Vdso,
             _ if has("io") || has("pf") => return refuse("device/IO memory (VM_IO/VM_PFNMAP)"),
             _ if has("ht") => return refuse("hugetlbfs memory"),
-            _ if has("um") || has("uw") || has("ui") => return refuse("already registered with a userfaultfd"),
+            _ if has("um") || has("ui") || (has("uw") && !opts.own_write_tracking) => {
+                return refuse("already registered with a userfaultfd")
+            }
             "/dev/zero (deleted)" | "[anon_shmem]" => RegionKind::SharedAnonymous { name: m.name.clone() },
             n if n.starts_with("/SYSV") => RegionKind::SharedAnonymous { name: m.name.clone() },
             n if n.starts_with('/') => {
@@ -174,16 +180,25 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
                 .read_exact_at(&mut raw, m.start / PAGE_SIZE * 8)
                 .map_err(|e| ForkError::io(format!("read pagemap of {desc}"), e))?;
             let is_file = matches!(kind, RegionKind::File { .. });
-            let is_stack = m.name == "[stack]";
+            // Pages of the stack wholly below its thread's stack pointer
+            // minus the red zone are dead.
+            let dead_stack_below = if m.name == "[stack]" && (m.start..m.end).contains(&opts.stack_pointer) {
+                opts.stack_pointer.saturating_sub(128) & !(PAGE_SIZE - 1)
+            } else {
+                0
+            };
             for (i, chunk) in raw.chunks_exact(8).enumerate() {
                 let e = u64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
                 let addr = m.start + i as u64 * PAGE_SIZE;
+                // A write-protect marker on a page never populated is no page.
+                let marker = opts.own_write_tracking && e & PM_SWAPPED != 0 && e & PM_UFFD_WP != 0;
+                let swapped = e & PM_SWAPPED != 0 && !marker;
                 let class = if !opts.heuristics && prot & 1 != 0 {
                     // Heuristics off: the page server serves every readable page.
                     PageClass::Fetch
-                } else if is_stack && addr + PAGE_SIZE <= opts.dead_stack_below {
+                } else if addr + PAGE_SIZE <= dead_stack_below {
                     PageClass::Zero
-                } else if e & PM_SWAPPED != 0 || (e & PM_PRESENT != 0 && (e & PM_FILE == 0 || !is_file)) {
+                } else if swapped || (e & PM_PRESENT != 0 && (e & PM_FILE == 0 || !is_file)) {
                     // present anon (incl. COW copies in file mappings), swapped, or shared anon
                     PageClass::Fetch
                 } else if is_file {

@@ -21,7 +21,7 @@ use starling_proto::ExitStatus;
 use std::collections::HashMap;
 use std::io::{IoSliceMut, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 /// Serves one restored process's userfaultfd until `stop` becomes readable:
 /// `(clone_id, uffd, counters to fill, stop)`. Runs on its own thread.
@@ -46,6 +46,14 @@ pub struct Restore {
     control: Option<std::thread::JoinHandle<Control>>,
     /// Each handler's counters, readable while it runs.
     stats: Arc<Mutex<HashMap<u32, Arc<FaultStats>>>>,
+    /// Processes that reported running, and whether the restorer is gone.
+    running: Arc<(Mutex<Progress>, Condvar)>,
+}
+
+#[derive(Default)]
+struct Progress {
+    running: Vec<u32>,
+    ended: bool,
 }
 
 /// How one restored process ended.
@@ -82,15 +90,37 @@ impl Restore {
         let (stop_r, stop_w) = pipe()?;
         let (first, count) = (plan.clone_id, plan.clone_count.max(1));
         let stats: Arc<Mutex<HashMap<u32, Arc<FaultStats>>>> = Arc::default();
-        let registry = stats.clone();
+        let running: Arc<(Mutex<Progress>, Condvar)> = Arc::default();
+        let (registry, progress) = (stats.clone(), running.clone());
         let control = std::thread::Builder::new()
             .name(format!("restore-ctl-{first}"))
-            .spawn(move || control(ours, first..first + count, serve, Arc::new(stop_r), registry))
+            .spawn(move || {
+                let seen = control(ours, first..first + count, serve, Arc::new(stop_r), registry, &progress);
+                progress.0.lock().unwrap_or_else(|p| p.into_inner()).ended = true;
+                progress.1.notify_all();
+                seen
+            })
             .map_err(|e| ForkError::io("start the restore control thread", e))?;
         Ok((
             RestoreProgram { program: restorer_program()?, fds: vec![(PLAN_FD, plan_fd), (HANDLER_FD, theirs)] },
-            Restore { first, count, stop: Some(stop_w), control: Some(control), stats },
+            Restore { first, count, stop: Some(stop_w), control: Some(control), stats, running },
         ))
+    }
+
+    /// Wait until process `clone_id` reports that it resumes (true), or the
+    /// restorer ends without that (false).
+    pub fn wait_running(&self, clone_id: u32) -> bool {
+        let (lock, cv) = &*self.running;
+        let mut p = lock.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if p.running.contains(&clone_id) {
+                return true;
+            }
+            if p.ended {
+                return false;
+            }
+            p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
     }
 
     /// Counters of process `clone_id`'s handler (live), if it has one.
@@ -142,6 +172,7 @@ fn control(
     serve: Serve,
     stop: Arc<OwnedFd>,
     registry: Arc<Mutex<HashMap<u32, Arc<FaultStats>>>>,
+    progress: &(Mutex<Progress>, Condvar),
 ) -> Control {
     let mut seen = Control::default();
     loop {
@@ -166,6 +197,10 @@ fn control(
             }
             Ok(Some(RestorerRecord::Exited { clone_id, status })) => {
                 seen.statuses.insert(clone_id, status);
+            }
+            Ok(Some(RestorerRecord::Running { clone_id })) => {
+                progress.0.lock().unwrap_or_else(|p| p.into_inner()).running.push(clone_id);
+                progress.1.notify_all();
             }
             Err(e) => {
                 seen.error = Some(e);
@@ -252,6 +287,8 @@ enum RestorerRecord {
     Userfaultfd { clone_id: u32, fd: OwnedFd },
     /// Process `clone_id` ended so.
     Exited { clone_id: u32, status: ExitStatus },
+    /// Process `clone_id` is about to resume.
+    Running { clone_id: u32 },
 }
 
 /// A raw wait(2) status of a process that ended.
@@ -305,6 +342,7 @@ fn recv_record(sock: &OwnedFd) -> Result<Option<RestorerRecord>> {
     match (RecordTag::from_u64(rec.tag), fd) {
         (Some(RecordTag::Userfaultfd), Some(fd)) => Ok(Some(RestorerRecord::Userfaultfd { clone_id, fd })),
         (Some(RecordTag::Userfaultfd), None) => Err(RestorerChannelError::MissingFd.into()),
+        (Some(RecordTag::Running), _) => Ok(Some(RestorerRecord::Running { clone_id })),
         (Some(RecordTag::Exited), _) => {
             Ok(Some(RestorerRecord::Exited { clone_id, status: exit_status(rec.value as u32 as i32) }))
         }

@@ -61,6 +61,7 @@ mod nr {
     pub const DUP2: usize = 33;
     pub const SETITIMER: usize = 38;
     pub const GETPID: usize = 39;
+    pub const KILL: usize = 62;
     pub const SENDMSG: usize = 46;
     pub const EXIT: usize = 60;
     pub const WAIT4: usize = 61;
@@ -70,6 +71,7 @@ mod nr {
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
     pub const SETRESGID: usize = 119;
+    pub const RT_SIGTIMEDWAIT: usize = 128;
     pub const RT_SIGQUEUEINFO: usize = 129;
     pub const PRCTL: usize = 157;
     pub const ARCH_PRCTL: usize = 158;
@@ -495,35 +497,65 @@ fn fork_process(pid: Option<u64>) -> isize {
     unsafe { sys!(nr::CLONE3, &args as *const CloneArgs, core::mem::size_of::<CloneArgs>()) }
 }
 
-/// Reap one child (any: we may be a PID-ns init and inherit orphans):
-/// (pid, raw wait status), or None when there is no child left.
-fn reap_one() -> Option<(isize, i32)> {
-    loop {
-        let mut status: i32 = 0;
-        // SAFETY: status is a live i32; wait4(-1, ...) reaps any child.
-        let r = unsafe { sys!(nr::WAIT4, -1isize, &mut status as *mut i32, 0, 0) };
-        if r == -4 {
-            continue;
-        }
-        return if r < 0 { None } else { Some((r, status)) };
-    }
-}
-
 /// A raw wait status as an exit code (128+sig for a signal).
 fn exit_code(status: i32) -> i32 {
     let sig = status & 0x7f;
     if sig == 0 { (status >> 8) & 0xff } else { 128 + sig }
 }
 
-/// Wait for `child` and return its exit code.
-fn wait_for(child: isize) -> i32 {
+/// Signals passed on towards the restored process (the sandbox's own
+/// relayed set: HUP INT QUIT USR1 USR2 ALRM TERM CONT WINCH).
+const RELAYED: u64 = bit(1) | bit(2) | bit(3) | bit(10) | bit(12) | bit(14) | bit(15) | bit(18) | bit(28);
+const SIGCHLD: u64 = 17;
+
+const fn bit(sig: u64) -> u64 {
+    1 << (sig - 1)
+}
+
+/// Wait for the next relayed signal or SIGCHLD (all are blocked):
+/// its number, or 0 if interrupted.
+fn next_signal() -> u64 {
+    let set = RELAYED | bit(SIGCHLD);
+    let mut info = [0u64; 16];
+    // SAFETY: rt_sigtimedwait reads an 8-byte set and writes a 128-byte siginfo.
+    let r = unsafe { sys!(nr::RT_SIGTIMEDWAIT, &set as *const u64, info.as_mut_ptr(), 0, 8) };
+    if r > 0 { r as u64 } else { 0 }
+}
+
+/// Reap one ended child without blocking: (pid, raw status).
+fn reap_nohang() -> Option<(isize, i32)> {
+    let mut status: i32 = 0;
+    // SAFETY: status is a live i32; WNOHANG (1) never blocks.
+    let r = unsafe { sys!(nr::WAIT4, -1isize, &mut status as *mut i32, 1, 0) };
+    (r > 0).then_some((r, status))
+}
+
+/// The original process, once it started the PID namespace's init: pass
+/// the signals it gets on to `child` (the sandbox relays the user's
+/// Ctrl-C and SIGTERM to it), and exit with `child`'s code when it ends.
+fn relay_until_exit(child: isize) -> ! {
     loop {
-        match reap_one() {
-            None => return RestorerExit::PidNamespace as i32,
-            Some((pid, status)) if pid == child => return exit_code(status),
-            Some(_) => {}
+        let sig = next_signal();
+        if sig != SIGCHLD && sig != 0 {
+            // SAFETY: kill with integer arguments, to our own child.
+            unsafe { sys!(nr::KILL, child, sig) };
+            continue;
+        }
+        while let Some((pid, status)) = reap_nohang() {
+            if pid == child {
+                exit_group(exit_code(status));
+            }
+        }
+        if sig == 0 && reap_one_blocking_none() {
+            exit_group(RestorerExit::PidNamespace as i32);
         }
     }
+}
+
+/// True when there is no child left at all.
+fn reap_one_blocking_none() -> bool {
+    // SAFETY: wait4 with WNOHANG on any child; ECHILD (-10) means none.
+    unsafe { sys!(nr::WAIT4, -1isize, 0, 1, 0) == -10 }
 }
 
 /// Which of the plan's processes this one is (0: the first, with the
@@ -587,8 +619,8 @@ fn enter_pid_namespace(pid: u64, count: u64) {
         die(RestorerExit::PidNamespace, "clone3 init set_tid", 1, init);
     }
     if init > 0 {
-        // The original process: relay the namespace's result.
-        exit_group(wait_for(init));
+        // The original process: relay signals in, and the namespace's result out.
+        relay_until_exit(init);
     }
     // PID 1 of the new namespace. Die with our parent (the launcher).
     // SAFETY: prctl with integer arguments.
@@ -618,13 +650,27 @@ fn enter_pid_namespace(pid: u64, count: u64) {
     }
     let mut first_code = RestorerExit::PidNamespace as i32;
     while running > 0 {
-        let Some((child, status)) = reap_one() else { break };
-        if let Some(i) = pids[..count as usize].iter().position(|&p| p == child) {
-            send_exit(HANDLER_FD, first + i as u64, status);
-            if i == 0 {
-                first_code = exit_code(status);
+        let sig = next_signal();
+        if sig != SIGCHLD && sig != 0 {
+            for &p in pids[..count as usize].iter().filter(|&&p| p > 0) {
+                // SAFETY: kill with integer arguments, to our own child.
+                unsafe { sys!(nr::KILL, p, sig) };
             }
-            running -= 1;
+            continue;
+        }
+        // Orphans re-parented to us are reaped too.
+        while let Some((child, status)) = reap_nohang() {
+            if let Some(i) = pids[..count as usize].iter().position(|&p| p == child) {
+                send_exit(HANDLER_FD, first + i as u64, status);
+                if i == 0 {
+                    first_code = exit_code(status);
+                }
+                pids[i] = 0;
+                running -= 1;
+            }
+        }
+        if sig == 0 && reap_one_blocking_none() {
+            break;
         }
     }
     exit_group(first_code)
@@ -1034,6 +1080,8 @@ fn restore_process_state() {
 static READY: AtomicU32 = AtomicU32::new(0);
 /// Set to 1 by the leader once every thread may resume.
 static GO: AtomicU32 = AtomicU32::new(0);
+/// Where the handler socket was moved to (above the image's fds).
+static HANDLER_SOCK: core::sync::atomic::AtomicI32 = core::sync::atomic::AtomicI32::new(-1);
 
 const FUTEX_WAIT_PRIVATE: usize = 128;
 const FUTEX_WAKE_PRIVATE: usize = 129;
@@ -1201,6 +1249,12 @@ fn release_threads() {
         // process, which may carry a kernel si_code.
         unsafe { sys!(nr::RT_SIGQUEUEINFO, pid, s.info.signo(), &s.info as *const SigInfo) };
     }
+    // Tell the handler the process is about to run (a migration's switch
+    // point), then let go of the socket: the program must not inherit it.
+    let sock = HANDLER_SOCK.load(Ordering::Relaxed);
+    send_record(sock, Record { tag: RecordTag::Running as u64, clone_id: my_clone_id(), value: 0 }, None);
+    // SAFETY: closing our own descriptor; no other thread uses it.
+    unsafe { sys!(nr::CLOSE, sock) };
     GO.store(1, Ordering::Release);
     futex_wake_all(&GO);
 }
@@ -1316,6 +1370,7 @@ extern "C" fn restorer_main() -> ! {
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
     let handler_sock = move_fd_above(HANDLER_FD, keep_above);
+    HANDLER_SOCK.store(handler_sock, Ordering::Relaxed);
     fix_own_mappings();
     map_regions();
     let uffd = register_regions();
@@ -1325,9 +1380,12 @@ extern "C" fn restorer_main() -> ! {
         unsafe { sys!(nr::CLOSE, uffd) };
     }
     restore_fds(keep_above);
-    // SAFETY: close_range of everything above the image's fds (including
-    // the handler socket, no longer needed).
-    unsafe { sys!(nr::CLOSE_RANGE, max_fd + 1, u32::MAX, 0) };
+    // SAFETY: close_range of everything above the image's fds but the
+    // handler socket (closed right before the threads resume).
+    unsafe {
+        sys!(nr::CLOSE_RANGE, max_fd + 1, handler_sock - 1, 0);
+        sys!(nr::CLOSE_RANGE, handler_sock + 1, u32::MAX, 0);
+    }
     restore_process_state();
     create_threads();
     restore_own_thread(0);

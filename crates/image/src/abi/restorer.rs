@@ -29,6 +29,9 @@ pub enum RecordTag {
     Userfaultfd = 1,
     /// The process ended (reported by the restorer's PID 1).
     Exited = 2,
+    /// Every thread is restored and about to resume (sent by the process
+    /// itself, right before it closes the socket and resumes).
+    Running = 3,
 }
 
 impl RecordTag {
@@ -36,6 +39,7 @@ impl RecordTag {
         match v {
             1 => Some(RecordTag::Userfaultfd),
             2 => Some(RecordTag::Exited),
+            3 => Some(RecordTag::Running),
             _ => None,
         }
     }
