@@ -279,7 +279,15 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
         inj.call(pid, libc::SYS_getitimer, [which as u64, scratch, 0, 0, 0, 0])?;
         let b = inj.read(scratch, 32)?;
         let w = |k: usize| u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
-        *slot = ITimer { interval: TimeVal { sec: w(0), usec: w(1) }, value: TimeVal { sec: w(2), usec: w(3) } };
+        let interval = TimeVal { sec: w(0), usec: w(1) };
+        let mut value = TimeVal { sec: w(2), usec: w(3) };
+        if value == TimeVal::default() && interval != TimeVal::default() {
+            // It fired and its SIGALRM is still queued: the kernel re-arms
+            // a periodic timer only when that signal is taken, so it reads
+            // as disarmed. It goes on ticking one interval after.
+            value = interval;
+        }
+        *slot = ITimer { interval, value };
     }
     let brk = inj.call(pid, libc::SYS_brk, [0; 6])?;
     inj.finish()?;

@@ -86,6 +86,7 @@ struct PageRegion {
 
 /// Write tracking of one process.
 pub struct DirtyTracker {
+    pid: i32,
     _uffd: OwnedFd,
     pagemap: std::fs::File,
     /// The ranges tracked (registered and protected); a page outside them
@@ -128,7 +129,7 @@ impl DirtyTracker {
         }
         let path = format!("/proc/{pid}/pagemap");
         let pagemap = std::fs::File::open(&path).map_err(|e| MigrateError::Proc { path, source: e })?;
-        Ok(DirtyTracker { _uffd: uffd, pagemap, ranges: tracked })
+        Ok(DirtyTracker { pid, _uffd: uffd, pagemap, ranges: tracked })
     }
 
     /// Whether writes to the page at `addr` are tracked.
@@ -159,6 +160,9 @@ impl DirtyTracker {
                     Ok(n) => usize::try_from(n).unwrap_or(0),
                     // The range went away (munmap): nothing left to scan there.
                     Err(MigrateError::Tracking { source, .. }) if source.raw_os_error() == Some(libc::ENOENT) => break,
+                    Err(MigrateError::Tracking { source, .. }) if source.raw_os_error() == Some(libc::ESRCH) => {
+                        return Err(MigrateError::Gone(self.pid));
+                    }
                     Err(e) => return Err(e),
                 };
                 for r in &out[..n.min(out.len())] {

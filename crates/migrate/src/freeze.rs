@@ -43,12 +43,23 @@ pub fn threads(pid: i32) -> Result<Vec<i32>> {
     Ok(tids)
 }
 
+/// Whether thread `tid` of `pid` is gone or exiting (a zombie, dead).
+fn exiting(pid: i32, tid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => matches!(stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().next()), Some("Z" | "X" | "x")),
+    }
+}
+
 impl Frozen {
     /// Stop every thread of `pid`.
     pub fn freeze(pid: i32) -> Result<Frozen> {
         let mut f = Frozen { pid, tids: Vec::new(), caught: HashMap::new(), released: false };
+        // Threads found exiting: not ours to stop, not new either.
+        let mut gone: Vec<i32> = Vec::new();
         for _ in 0..MAX_PASSES {
-            let fresh: Vec<i32> = threads(pid)?.into_iter().filter(|t| !f.tids.contains(t)).collect();
+            let listed = threads(pid).map_err(|_| MigrateError::Gone(pid))?;
+            let fresh: Vec<i32> = listed.into_iter().filter(|t| !f.tids.contains(t) && !gone.contains(t)).collect();
             if fresh.is_empty() {
                 if f.tids.first() != Some(&pid) {
                     return Err(MigrateError::Gone(pid));
@@ -59,8 +70,16 @@ impl Frozen {
             for tid in fresh {
                 match ptrace::seize(tid).and_then(|_| ptrace::interrupt(tid)) {
                     Ok(()) => seized.push(tid),
-                    // Exited meanwhile.
-                    Err(MigrateError::Ptrace { source, .. }) if source.raw_os_error() == Some(libc::ESRCH) => {}
+                    // Exited meanwhile (EPERM: exiting right now).
+                    Err(MigrateError::Ptrace { source, .. })
+                        if source.raw_os_error() == Some(libc::ESRCH)
+                            || (source.raw_os_error() == Some(libc::EPERM) && exiting(pid, tid)) =>
+                    {
+                        if tid == pid {
+                            return Err(MigrateError::Gone(pid));
+                        }
+                        gone.push(tid);
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -71,7 +90,8 @@ impl Frozen {
                         f.caught.insert(tid, ptrace::get_siginfo(tid)?);
                         f.tids.push(tid);
                     }
-                    Stop::Exited => {}
+                    Stop::Exited if tid == pid => return Err(MigrateError::Gone(pid)),
+                    Stop::Exited => gone.push(tid),
                 }
             }
             f.tids.sort_by_key(|&t| (t != pid, t));

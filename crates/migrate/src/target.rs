@@ -22,7 +22,40 @@ pub struct Incoming {
     /// The source's page server (the frozen process's memory).
     pub page_server: SocketAddr,
     pub staged: Arc<Staging>,
-    replies: Arc<Mutex<TcpStream>>,
+    replies: Arc<Mutex<Replies>>,
+}
+
+/// The connection back to the source. `Complete` never overtakes
+/// `Resumed`: a small process can be drained before it runs.
+struct Replies {
+    stream: TcpStream,
+    resumed: bool,
+    complete: Option<ToSource>,
+}
+
+impl Replies {
+    fn send(&mut self, frame: &ToSource) -> std::result::Result<(), wire::WireError> {
+        wire::send(&mut self.stream, frame)
+    }
+
+    /// The drain's end: sent at once if the process runs, else after `Resumed`.
+    fn complete(&mut self, frame: ToSource) -> std::result::Result<(), wire::WireError> {
+        if self.resumed {
+            self.send(&frame)
+        } else {
+            self.complete = Some(frame);
+            Ok(())
+        }
+    }
+
+    fn resumed(&mut self) -> std::result::Result<(), wire::WireError> {
+        self.send(&ToSource::Resumed)?;
+        self.resumed = true;
+        match self.complete.take() {
+            Some(frame) => self.send(&frame),
+            None => Ok(()),
+        }
+    }
 }
 
 /// Called when the process cannot go on here (its source went away before
@@ -32,11 +65,15 @@ pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
 /// Receive a migration on `stream` until its image: `on_prepare` gets the
 /// source's first payload at once (to prepare while pages arrive).
 pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
-    let replies = Arc::new(Mutex::new(stream.try_clone().map_err(wire::WireError::Io)?));
+    let replies = Arc::new(Mutex::new(Replies {
+        stream: stream.try_clone().map_err(wire::WireError::Io)?,
+        resumed: false,
+        complete: None,
+    }));
     let mut r = BufReader::with_capacity(1 << 20, stream);
     let mut staging = Staging::default();
     let fail = |reason: String| {
-        let _ = wire::send(&mut *replies.lock().unwrap_or_else(|p| p.into_inner()), &ToSource::Failed { reason });
+        let _ = replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Failed { reason });
     };
     loop {
         match wire::recv::<ToTarget>(&mut r)? {
@@ -92,12 +129,12 @@ impl Incoming {
                     match r {
                         Ok(rep) => {
                             let done = ToSource::Complete { local_pages: rep.local_pages, remote_pages: rep.remote_pages };
-                            if let Err(e) = wire::send(&mut *s, &done) {
+                            if let Err(e) = s.complete(done) {
                                 log::warn!("migration: telling the source it is done: {e}");
                             }
                         }
                         Err(e) => {
-                            let _ = wire::send(&mut *s, &ToSource::Failed { reason: e.to_string() });
+                            let _ = s.send(&ToSource::Failed { reason: e.to_string() });
                             lost2(format!("its memory could not be moved from the source host: {e}"));
                         }
                     }
@@ -113,11 +150,11 @@ impl Incoming {
 
     /// Tell the source the process runs here now.
     pub fn resumed(&self) -> Result<()> {
-        Ok(wire::send(&mut *self.replies.lock().unwrap_or_else(|p| p.into_inner()), &ToSource::Resumed)?)
+        Ok(self.replies.lock().unwrap_or_else(|p| p.into_inner()).resumed()?)
     }
 
     /// Tell the source the restore failed (it keeps the process).
     pub fn failed(&self, reason: &str) {
-        let _ = wire::send(&mut *self.replies.lock().unwrap_or_else(|p| p.into_inner()), &ToSource::Failed { reason: reason.to_string() });
+        let _ = self.replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Failed { reason: reason.to_string() });
     }
 }

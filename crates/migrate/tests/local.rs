@@ -77,19 +77,16 @@ fn spawn_restorer(p: &RestoreProgram, stdout: OwnedFd) -> std::process::Child {
     cmd.spawn().expect("spawn restorer")
 }
 
-#[test]
-fn threads_mid_work_move_and_finish_identically() {
-    if !require_root() {
-        return;
-    }
-    let exe = build("workers");
-    let args = ["60", "32", "20000"];
-    let reference = Command::new(&exe).args(args).output().expect("reference run");
-    assert!(reference.status.success());
-    let reference = String::from_utf8(reference.stdout).unwrap();
+/// A program started with its stdout piped to us.
+struct Running {
+    child: std::process::Child,
+    pid: i32,
+    out: BufReader<std::process::ChildStdout>,
+    seen: String,
+}
 
-    let mut cmd = Command::new(&exe);
-    cmd.args(args).stdout(Stdio::piped());
+fn start(mut cmd: Command) -> Running {
+    cmd.stdout(Stdio::piped());
     // SAFETY: close_range between fork and exec: the test harness's own
     // descriptors (cargo's jobserver pipe) are not the program's.
     unsafe {
@@ -100,45 +97,199 @@ fn threads_mid_work_move_and_finish_identically() {
     }
     let mut child = cmd.spawn().expect("start");
     let pid = child.id() as i32;
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut seen = String::new();
-    while !seen.contains("round 5 ") {
-        let mut line = String::new();
-        assert!(out.read_line(&mut line).unwrap() > 0, "program ended early:\n{seen}");
-        seen.push_str(&line);
-    }
-    // The restored copy writes into the same pipe.
-    let stdout_w: OwnedFd = std::fs::OpenOptions::new().write(true).open(format!("/proc/{pid}/fd/1")).unwrap().into();
+    let out = BufReader::new(child.stdout.take().unwrap());
+    Running { child, pid, out, seen: String::new() }
+}
 
+impl Running {
+    fn read_until(&mut self, needle: &str) {
+        while !self.seen.contains(needle) {
+            let mut line = String::new();
+            assert!(self.out.read_line(&mut line).unwrap() > 0, "program ended before {needle:?}:\n{}", self.seen);
+            self.seen.push_str(&line);
+        }
+    }
+
+    fn rest(&mut self) -> String {
+        self.out.read_to_string(&mut self.seen).unwrap();
+        self.seen.clone()
+    }
+}
+
+/// What the target side saw: the restorer's exit and each process's outcome.
+type TargetEnd = Result<(std::process::ExitStatus, Vec<starling_fork::restore::Outcome>), String>;
+
+/// Move `p` to a restored copy on this machine (writing into the same stdout pipe).
+fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starling_migrate::MigrateError>, TargetEnd) {
+    let stdout_w: OwnedFd = std::fs::OpenOptions::new().write(true).open(format!("/proc/{}/fd/1", p.pid)).unwrap().into();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let target = std::thread::spawn(move || {
-        let (s, _) = listener.accept().unwrap();
-        let inc = receive(s, &mut |_| Ok(())).expect("receive the image");
+    let target = std::thread::spawn(move || -> TargetEnd {
+        let (s, _) = listener.accept().map_err(|e| e.to_string())?;
+        let inc = receive(s, &mut |_| Ok(())).map_err(|e| e.to_string())?;
         let desc = inc.descriptor.clone();
-        assert_eq!(desc.threads.len(), 5, "main thread and 4 workers");
         let serve = inc.serve(desc.clone(), 16, Arc::new(|why| panic!("lost: {why}")));
         let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false };
-        let (program, restore) = Restore::start(&desc, plan, serve).expect("restore");
+        let (program, restore) = Restore::start(&desc, plan, serve).map_err(|e| e.to_string())?;
         let mut restorer = spawn_restorer(&program, stdout_w);
         drop(program);
-        assert!(restore.wait_running(0), "the restored process never reported running");
-        inc.resumed().unwrap();
+        if !restore.wait_running(0) {
+            inc.failed("the restorer ended before the process ran");
+            return Err(format!("restorer failed: {:?}", restorer.wait()));
+        }
+        inc.resumed().map_err(|e| e.to_string())?;
         let status = restorer.wait().unwrap();
         let (outcomes, channel) = restore.finish();
-        assert!(channel.is_none(), "{channel:?}");
-        (status, outcomes)
+        if let Some(e) = channel {
+            return Err(e.to_string());
+        }
+        Ok((status, outcomes))
     });
     let opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
-    let report = migrate_out(pid, TcpStream::connect(addr).unwrap(), &opts, &mut NoHooks).expect("migrate");
-    let original = child.wait().unwrap();
+    let report = migrate_out(p.pid, TcpStream::connect(addr).unwrap(), &opts, &mut NoHooks);
+    (report, target.join().unwrap())
+}
+
+/// Run `cmd` undisturbed, then again with a move once `ready` was printed;
+/// the two outputs must be equal. Returns the migration's report.
+fn moved_run_matches(cmd: impl Fn() -> Command, ready: &str) -> starling_migrate::source::SourceReport {
+    let reference = cmd().output().expect("reference run");
+    assert!(reference.status.success(), "reference run failed: {reference:?}");
+    let reference = String::from_utf8(reference.stdout).unwrap();
+    let mut p = start(cmd());
+    p.read_until(ready);
+    let (report, target) = migrate(&p);
+    let report = report.expect("migrate");
+    let original = p.child.wait().unwrap();
     assert_eq!(original.signal(), Some(libc::SIGKILL), "the source copy is killed once the target holds everything");
-    let (status, outcomes) = target.join().unwrap();
-    out.read_to_string(&mut seen).unwrap();
+    let (status, outcomes) = target.expect("target side");
+    let seen = p.rest();
     assert!(status.success(), "restored run: {status:?}\n{seen}");
     assert!(outcomes.iter().all(|o| o.handler_error.is_none()), "{outcomes:?}");
     assert_eq!(seen, reference, "output of the migrated run differs from an undisturbed run");
-    assert_eq!(report.threads, 5);
-    assert!(report.footprint_pages >= 32 * 256, "the 32 MiB heap was copied: {report:?}");
     println!("{report:?}");
+    report
+}
+
+#[test]
+fn threads_mid_work_move_and_finish_identically() {
+    if !require_root() {
+        return;
+    }
+    let exe = build("workers");
+    let report = moved_run_matches(
+        || {
+            let mut c = Command::new(&exe);
+            c.args(["200", "32", "20000"]);
+            c
+        },
+        "round 5 ",
+    );
+    assert_eq!(report.threads, 5, "main thread and 4 workers");
+    assert!(report.footprint_pages >= 32 * 256, "the 32 MiB heap was copied: {report:?}");
+}
+
+#[test]
+fn open_file_timer_handlers_mask_umask_cwd_survive() {
+    if !require_root() {
+        return;
+    }
+    let exe = build("state");
+    let data = std::env::temp_dir().join(format!("migrate-state-{}", std::process::id()));
+    std::fs::write(&data, (0..200u32).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>()).unwrap();
+    let report = moved_run_matches(
+        || {
+            let mut c = Command::new(&exe);
+            c.arg(&data).arg("60").current_dir(std::env::temp_dir());
+            c
+        },
+        "step 20 ok",
+    );
+    assert_eq!(report.threads, 1);
+    let _ = std::fs::remove_file(&data);
+}
+
+#[test]
+fn python_numpy_computation_moves_mid_way() {
+    if !require_root() {
+        return;
+    }
+    if Command::new("python3").args(["-c", "import numpy"]).status().map(|s| !s.success()).unwrap_or(true) {
+        assert!(std::env::var_os("STARLING_TEST_ALLOW_SKIP").is_some(), "python3 with numpy is needed (pip install numpy)");
+        return;
+    }
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/numpy_work.py");
+    moved_run_matches(
+        || {
+            let mut c = Command::new("python3");
+            c.arg(&script).args(["80", "300", "0.02"]);
+            c
+        },
+        "step 5 ",
+    );
+}
+
+#[test]
+fn a_socket_is_refused_before_anything_is_frozen() {
+    if !require_root() {
+        return;
+    }
+    let exe = build("workers");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let mut cmd = Command::new(&exe);
+    cmd.args(["30", "4", "10000"]);
+    let sock = listener.as_raw_fd();
+    // SAFETY: dup2 between fork and exec puts a socket at fd 5.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::dup2(sock, 5);
+            Ok(())
+        });
+    }
+    // `start` closes fds from 3 up after this hook: reorder by doing it here.
+    let mut p = {
+        cmd.stdout(Stdio::piped());
+        let mut child = cmd.spawn().expect("start");
+        let pid = child.id() as i32;
+        let out = BufReader::new(child.stdout.take().unwrap());
+        Running { child, pid, out, seen: String::new() }
+    };
+    p.read_until("round 2 ");
+    let (report, target) = migrate(&p);
+    match report {
+        Err(starling_migrate::MigrateError::UnmovableFd { fd: 5, what, .. }) => assert!(what.contains("socket"), "{what}"),
+        other => panic!("expected a refusal naming fd 5, got {other:?}"),
+    }
+    assert!(target.is_err(), "nothing arrived at the target");
+    let status = p.child.wait().unwrap();
+    let out = p.rest();
+    assert!(status.success() && out.contains("done "), "the program ran on undisturbed: {status:?}\n{out}");
+}
+
+#[test]
+fn target_lost_mid_migration_leaves_the_process_running_here() {
+    if !require_root() {
+        return;
+    }
+    let exe = build("workers");
+    let mut c = Command::new(&exe);
+    c.args(["60", "16", "10000"]);
+    let mut p = start(c);
+    p.read_until("round 3 ");
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    // A target that takes some pages, then dies.
+    let target = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().unwrap();
+        let mut buf = vec![0u8; 4 << 20];
+        let _ = s.read_exact(&mut buf);
+        drop(s);
+    });
+    let opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
+    let r = migrate_out(p.pid, TcpStream::connect(addr).unwrap(), &opts, &mut NoHooks);
+    target.join().unwrap();
+    assert!(r.is_err(), "the migration must fail: {r:?}");
+    let status = p.child.wait().unwrap();
+    let out = p.rest();
+    assert!(status.success() && out.contains("done "), "the program ran on here, nothing lost: {status:?}\n{out}");
 }
