@@ -11,6 +11,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
+use starling_config::roles;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{unshare, CloneFlags};
 use nix::unistd::{chdir, execvp, pivot_root, sethostname};
@@ -58,7 +59,7 @@ impl BootArgs {
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
-                "__host-boot" => {}
+                a if a == roles::HOST_BOOT => {}
                 "--name" => name = it.next().cloned(),
                 "--head" => head = it.next().cloned(),
                 "--state-dir" => host_dir = it.next().map(PathBuf::from),
@@ -109,7 +110,7 @@ fn boot(args: &BootArgs) -> Result<Infallible> {
     let argv: Vec<String> = if args.exec.is_empty() {
         vec![
             exe.display().to_string(),
-            "agent".into(),
+            roles::AGENT.into(),
             "--head".into(),
             args.head.clone(),
             "--name".into(),
