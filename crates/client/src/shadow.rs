@@ -71,7 +71,7 @@ impl Shadow {
     /// saves at once, so concurrent launches (make -j) don't push them again.
     pub fn plan_push(
         &mut self,
-        files: &crate::files::FileServer,
+        files: &starling_session::files::FileServer,
         bindings: &[(WirePath, Lookup)],
         compress: bool,
     ) -> (Vec<Recipe>, Vec<ChunkData>) {

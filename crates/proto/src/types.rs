@@ -340,7 +340,20 @@ pub struct CloneSpec {
     pub local_forks: u32,
 }
 
+/// The variable a job's task finds its index in (0..n).
+pub const TASK_INDEX_ENV: &str = "STARLING_TASK";
+/// The variable a job's task finds the job's number of tasks in.
+pub const TASK_COUNT_ENV: &str = "STARLING_TASKS";
+
 impl TaskSpec {
+    /// Make this the spec of task `index` of a job of `count` tasks
+    /// ([`TASK_INDEX_ENV`], [`TASK_COUNT_ENV`]).
+    pub fn set_task_index(&mut self, index: usize, count: usize) {
+        self.env.retain(|(k, _)| k != TASK_INDEX_ENV.as_bytes() && k != TASK_COUNT_ENV.as_bytes());
+        self.env.push((TASK_INDEX_ENV.as_bytes().to_vec(), index.to_string().into_bytes()));
+        self.env.push((TASK_COUNT_ENV.as_bytes().to_vec(), count.to_string().into_bytes()));
+    }
+
     /// Cores the task occupies on its host: one per process-level clone it
     /// starts (hierarchical clone tasks), else one.
     pub fn cores(&self) -> u32 {

@@ -1,73 +1,60 @@
-//! Finding the cluster: `--cluster ADDR`, then `$STARLING_CLUSTER`, then the
-//! embedded local cluster's state file written by `starling up`.
+//! Finding the cluster's head: `--cluster ADDR` / `STARLING_CLUSTER` /
+//! `client.cluster` (all one setting, resolved by the edge), else the
+//! embedded cluster's record written by `starling up`. Resolved once per
+//! command into a [`Target`], which carries what else the record says.
 
-use anyhow::{bail, Result};
+use starling_config::{ClientSettings, ClusterState, ConfigError, Instance};
 
-pub const RUN_DIR: &str = "/run/starling";
+/// One line telling the user how to get a cluster.
+pub const NO_CLUSTER: &str =
+    "no starling cluster is running: start one with `starling up` (or point to one with --cluster ADDR / STARLING_CLUSTER)";
 
-/// The run dir of the embedded cluster this process means (`STARLING_INSTANCE`).
-pub fn run_dir() -> std::path::PathBuf {
-    match std::env::var("STARLING_INSTANCE") {
-        Ok(n) if !n.is_empty() => format!("{RUN_DIR}-{n}").into(),
-        _ => RUN_DIR.into(),
-    }
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoverError {
+    #[error("{NO_CLUSTER}")]
+    NoCluster,
+    #[error(transparent)]
+    Record(#[from] ConfigError),
 }
 
-#[derive(serde::Deserialize)]
-struct StateFile {
-    head_addr: String,
-    #[serde(default)]
-    extra: std::collections::BTreeMap<String, String>,
+/// The head a command talks to, and what is known about its cluster.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// `IP:PORT` to dial.
+    pub head_addr: String,
+    /// A stable name for the cluster's caches in client-side records of
+    /// what it holds: the embedded cluster's state dir (its caches survive
+    /// `down`/`up` and link changes), else the head's address.
+    pub cluster_id: String,
+    /// Whether the head keeps a relay cache (pushing content to a head
+    /// without one would only waste the link). Assumed for a named head.
+    pub relay_cache: bool,
+    /// The embedded cluster's record, when the head was found through it.
+    pub record: Option<ClusterState>,
 }
 
-/// A stable name for the cluster's caches, for client-side records of what
-/// the cluster holds: the embedded cluster's persistent state dir (its
-/// caches survive `down`/`up` and link changes), else the head address.
-pub fn cluster_id(flag: Option<&str>, head_addr: &str) -> String {
-    if flag.is_some() || std::env::var_os("STARLING_CLUSTER").is_some() {
-        return head_addr.to_string();
+impl Target {
+    /// The head `client.cluster` names, else the one `instance`'s record names.
+    pub fn resolve(client: &ClientSettings, instance: Instance) -> Result<Target, DiscoverError> {
+        if let Some(addr) = client.cluster.as_deref().filter(|a| !a.is_empty()) {
+            return Ok(Target::named(addr));
+        }
+        let record = ClusterState::read(&instance.cluster_file())?.ok_or(DiscoverError::NoCluster)?;
+        Ok(Target::embedded(record))
     }
-    std::fs::read(run_dir().join("cluster.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
-        .and_then(|s| s.extra.get("state_dir").cloned())
-        .map(|d| format!("embedded:{d}"))
-        .unwrap_or_else(|| head_addr.to_string())
-}
 
-/// Whether the embedded cluster's head keeps a relay cache (pushing content
-/// to a head without one would only waste the link).
-pub fn relay_cache_on(flag: Option<&str>) -> bool {
-    if flag.is_some() || std::env::var_os("STARLING_CLUSTER").is_some() {
-        return true;
+    /// A head given by address.
+    pub fn named(addr: &str) -> Target {
+        Target { head_addr: addr.to_string(), cluster_id: addr.to_string(), relay_cache: true, record: None }
     }
-    std::fs::read(run_dir().join("cluster.json"))
-        .ok()
-        .and_then(|b| serde_json::from_slice::<StateFile>(&b).ok())
-        .map(|s| s.extra.get("relay_cache").map(|v| v != "off").unwrap_or(true))
-        .unwrap_or(true)
-}
 
-/// The head address to use, or an error telling the user how to get one.
-pub fn head_addr(flag: Option<&str>) -> Result<String> {
-    if let Some(a) = flag {
-        return Ok(a.to_string());
-    }
-    if let Ok(a) = std::env::var("STARLING_CLUSTER") {
-        if !a.is_empty() {
-            return Ok(a);
+    /// The head of an embedded cluster, from its record.
+    pub fn embedded(record: ClusterState) -> Target {
+        Target {
+            head_addr: record.head_addr.clone(),
+            cluster_id: record.cluster_id(),
+            relay_cache: record.relay_cache,
+            record: Some(record),
         }
     }
-    let path = run_dir().join("cluster.json");
-    match std::fs::read(&path) {
-        Ok(bytes) => match serde_json::from_slice::<StateFile>(&bytes) {
-            Ok(s) => Ok(s.head_addr),
-            Err(e) => bail!("{} is unreadable ({e}); run `starling down` then `starling up`", path.display()),
-        },
-        Err(_) => bail!(no_cluster_message()),
-    }
-}
-
-pub fn no_cluster_message() -> String {
-    "no starling cluster is running: start one with `starling up` (or point to one with --cluster ADDR / STARLING_CLUSTER)".into()
 }

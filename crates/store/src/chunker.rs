@@ -6,6 +6,7 @@
 //! travel as a few new chunks.
 
 use fastcdc::v2020::{FastCDC, StreamCDC};
+pub use starling_config::Chunking;
 use starling_proto::{ChunkRef, Hash, Recipe};
 use std::fs::{File, Metadata};
 use std::io::{self, BufReader};
@@ -50,18 +51,11 @@ fn empty_recipe(meta: &Metadata) -> Recipe {
 /// order. The recipe's metadata comes from `meta`; its size is the number of
 /// bytes actually read (callers that care whether the file changed while
 /// being read compare it with `meta.len()`).
-pub fn chunk_file(path: &Path, meta: &Metadata, f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
+pub fn chunk_file(path: &Path, meta: &Metadata, chunking: Chunking, f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
     let file = File::open(path)?;
-    chunk_reader(&file, meta, f)
+    chunk_reader(&file, meta, chunking, f)
 }
 
-/// [`chunk_file`] on an already open file (read from its current position).
-/// Content-defined chunking can be switched off (`STARLING_CHUNKING=off`)
-/// to measure what it saves: files are then cut into fixed blocks of the
-/// largest chunk size, so an edit resends its whole block (or file).
-pub fn content_defined() -> bool {
-    std::env::var("STARLING_CHUNKING").map(|v| v != "off").unwrap_or(true)
-}
 
 fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
     use std::io::Read;
@@ -87,8 +81,12 @@ fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8]))
     }
 }
 
-pub fn chunk_reader(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
-    if !content_defined() {
+/// [`chunk_file`] on an already open file (read from its current position).
+/// Content-defined chunking can be switched off ([`Chunking::Fixed`]) to
+/// measure what it saves: files are then cut into fixed blocks of the
+/// largest chunk size, so an edit resends its whole block (or file).
+pub fn chunk_reader(file: &File, meta: &Metadata, chunking: Chunking, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
+    if chunking == Chunking::Fixed {
         return chunk_fixed(file, meta, f);
     }
     let mut recipe = empty_recipe(meta);
@@ -142,7 +140,7 @@ pub(crate) mod tests {
         let p = write_file(dir.path(), "f", &data);
         let meta = std::fs::metadata(&p).unwrap();
         let mut seen = Vec::new();
-        let recipe = chunk_file(&p, &meta, |r, bytes| {
+        let recipe = chunk_file(&p, &meta, Chunking::ContentDefined, |r, bytes| {
             assert_eq!(Hash::of(bytes), r.hash);
             assert_eq!(bytes.len(), r.len as usize);
             seen.extend_from_slice(bytes);
@@ -166,7 +164,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = write_file(dir.path(), "empty", b"");
         let meta = std::fs::metadata(&p).unwrap();
-        let r = chunk_file(&p, &meta, |_, _| panic!("no chunk expected")).unwrap();
+        let r = chunk_file(&p, &meta, Chunking::ContentDefined, |_, _| panic!("no chunk expected")).unwrap();
         assert_eq!((r.size, r.chunks.len()), (0, 0));
         assert!(chunk_bytes(b"").is_empty());
     }
@@ -189,7 +187,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = write_file(dir.path(), "f", &random_bytes(4, 200_000));
         let meta1 = std::fs::metadata(&p).unwrap();
-        let r1 = chunk_file(&p, &meta1, |_, _| {}).unwrap();
+        let r1 = chunk_file(&p, &meta1, Chunking::ContentDefined, |_, _| {}).unwrap();
         File::options()
             .write(true)
             .open(&p)
@@ -197,7 +195,7 @@ pub(crate) mod tests {
             .set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(12345))
             .unwrap();
         let meta2 = std::fs::metadata(&p).unwrap();
-        let r2 = chunk_file(&p, &meta2, |_, _| {}).unwrap();
+        let r2 = chunk_file(&p, &meta2, Chunking::ContentDefined, |_, _| {}).unwrap();
         assert_ne!(r1.mtime_ns, r2.mtime_ns);
         assert_ne!(r1.name(), r2.name());
         assert_eq!(r1.content_id(), r2.content_id());
