@@ -103,10 +103,15 @@ fn root_file_paths(regions: &mut [starling_fork::descriptor::Region], root: &Pat
 /// Decode and check the clone spec, start the control thread (which starts
 /// a fault handler per clone as its userfaultfd arrives), and return the
 /// program (restorer + plan + handler socket) the sandbox must run.
-pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionReport) -> Result<(TaskProgram, CloneRun)> {
+pub(crate) fn prepare(
+    spec: &CloneSpec,
+    root: &Path,
+    distribution: DistributionReport,
+    settings: &starling_config::ForkSettings,
+) -> Result<(TaskProgram, CloneRun)> {
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
-    let options = starling_fork::fault::FaultOptions::from_env();
+    let options = starling_fork::fault::FaultOptions::from_settings(settings);
     let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
         .context("fetching the clone's process descriptor from its page server")?;
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
@@ -134,10 +139,11 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionR
                         }
                         let stats = Arc::new(FaultStats::default());
                         let (desc, stop, stats2, report) = (handler_desc.clone(), stop_r.clone(), stats.clone(), report.clone());
+                        let options = options.clone();
                         let handler = std::thread::Builder::new().name(format!("clone-fault-{clone_id}")).spawn(
                             move || -> starling_fork::Result<()> {
                                 let client = PageClient::connect(server)?;
-                                let h = FaultHandler::new(fd, &desc, client, stats2.clone());
+                                let h = FaultHandler::new_with(fd, &desc, client, stats2.clone(), options);
                                 report_mode(&report, clone_id, &stats2);
                                 h.run(stop.as_fd())
                             },

@@ -21,6 +21,7 @@ mod task;
 use anyhow::{Context, Result};
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{HostInfo, Msg, ProtoError, Role, TaskId};
+use starling_config::{AgentSettings, ForkSettings};
 use starling_store::HostCache;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -31,16 +32,16 @@ use tokio::net::{TcpListener, TcpStream};
 pub use remote::Waiters;
 
 pub struct AgentConfig {
-    /// Head to connect to (`IP:PORT`).
-    pub head: Option<String>,
-    /// Or: address to listen on for the head to connect.
-    pub listen: Option<String>,
+    /// The head to connect to (or where to listen for it), the state
+    /// directory, the cache bound and how output files are chunked. The
+    /// state directory must be on a local disk file system (ext4, xfs), not
+    /// on overlayfs: FUSE passthrough backing files and per-task overlay
+    /// upper dirs live there.
+    pub settings: AgentSettings,
+    /// `settings.name`, or the machine's hostname.
     pub name: String,
-    /// Persistent state: content cache and per-task directories. Must be on
-    /// a local disk file system (ext4, xfs), not on overlayfs: FUSE
-    /// passthrough backing files and overlay upper dirs live here.
-    pub state: PathBuf,
-    pub cache_bytes: u64,
+    /// The clones' fault handlers: prefetch, and whether multicast is refused.
+    pub fork: ForkSettings,
     /// The starling binary (re-executed as `__sandbox-init`).
     pub exe: PathBuf,
     pub compress: bool,
@@ -97,7 +98,7 @@ impl Agent {
         let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.cfg.name).await?;
         if peer.role != Role::Head {
             let _ = tx.send(Msg::Error { task: None, message: "agents only accept a head".into() }).await;
-            return Err(ProtoError::invalid("peer is not a head"));
+            return Err(ProtoError::UnexpectedPeer { expected: Role::Head, got: peer.role });
         }
         log::info!("connected to head {}", peer.name);
         let _ = tx.send(Msg::HostInfo(self.host_info(&addr))).await;
@@ -203,9 +204,10 @@ fn clean_stale_tasks(state: &std::path::Path) {
 
 /// Run the agent until killed.
 pub async fn run(cfg: AgentConfig) -> Result<()> {
-    std::fs::create_dir_all(cfg.state.join("tasks")).with_context(|| format!("cannot create {}", cfg.state.display()))?;
-    clean_stale_tasks(&cfg.state);
-    let cache = Arc::new(HostCache::open(&cfg.state.join("cache"), cfg.cache_bytes).context("opening the host cache")?);
+    let state = &cfg.settings.state;
+    std::fs::create_dir_all(state.join("tasks")).with_context(|| format!("cannot create {}", state.display()))?;
+    clean_stale_tasks(state);
+    let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).context("opening the host cache")?);
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -214,7 +216,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         running: AtomicU32::new(0),
         page_distribution: Arc::new(std::sync::Mutex::new(None)),
     });
-    if let Some(listen) = agent.cfg.listen.clone() {
+    if let Some(listen) = agent.cfg.settings.listen.clone() {
         let l = TcpListener::bind(&listen).await.with_context(|| format!("cannot listen on {listen}"))?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);
         loop {
@@ -224,7 +226,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             }
         }
     }
-    let head = agent.cfg.head.clone().context("agent needs --head ADDR or --listen ADDR")?;
+    let head = agent.cfg.settings.head.clone().context("agent needs --head ADDR or --listen ADDR")?;
     loop {
         match TcpStream::connect(&head).await {
             Ok(s) => {

@@ -25,7 +25,7 @@ pub(crate) async fn run(
     pending_signal: Arc<std::sync::atomic::AtomicI32>,
 ) {
     agent.running.fetch_add(1, Ordering::Relaxed);
-    let dir = agent.cfg.state.join("tasks").join(task.to_string());
+    let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
     let res = {
         let agent = agent.clone();
         let tx = tx.clone();
@@ -108,7 +108,7 @@ fn run_blocking(
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
-            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone()).context("preparing the clone's restore")?;
+            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork).context("preparing the clone's restore")?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
@@ -148,7 +148,7 @@ fn run_blocking(
     let stats = view.stats();
     let accessed = view.accessed_paths();
     overlay.unmount().context("unmounting the task's copy-on-write layer")?;
-    let changes = collect_changes(task, &dir.join("upper"), &bindings, agent.cfg.compress, tx)?;
+    let changes = collect_changes(task, &dir.join("upper"), &bindings, &agent.cfg, tx)?;
     drop(view);
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
     tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| anyhow::anyhow!("head connection lost"))?;
@@ -171,9 +171,10 @@ fn collect_changes(
     task: TaskId,
     upper: &std::path::Path,
     bindings: &HashMap<WirePath, Lookup>,
-    compress: bool,
+    cfg: &crate::AgentConfig,
     tx: &Outgoing,
 ) -> Result<Vec<Change>> {
+    let compress = cfg.compress;
     let entries = starling_view::scan_upper(upper).context("reading the task's changes")?;
     let mut changes = Vec::new();
     let mut sent: HashSet<Hash> = HashSet::new();
@@ -192,7 +193,7 @@ fn collect_changes(
             UpperEntry::File { path, host_path, .. } => {
                 let meta = std::fs::symlink_metadata(&host_path)?;
                 let mut err = None;
-                let recipe = starling_store::chunker::chunk_file(&host_path, &meta, |c, bytes| {
+                let recipe = starling_store::chunker::chunk_file(&host_path, &meta, cfg.settings.chunking, |c, bytes| {
                     if err.is_some() || !sent.insert(c.hash) {
                         return;
                     }

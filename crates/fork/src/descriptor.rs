@@ -309,18 +309,12 @@ const PM_PRESENT: u64 = 1 << 63;
 const PM_SWAPPED: u64 = 1 << 62;
 const PM_FILE: u64 = 1 << 61;
 
-/// Whether the fetch-avoidance heuristics are on (default). With
-/// `STARLING_FORK_HEURISTICS=off` every readable page of a private
-/// mapping is classified `Fetch`: nothing is zero-filled locally or read
-/// from the host's file copy, so every page a clone touches comes from the
-/// page server (SnowFlock's "no heuristics" runs, for benchmarks).
-pub fn heuristics_enabled() -> bool {
-    !matches!(std::env::var("STARLING_FORK_HEURISTICS").as_deref().map(str::trim), Ok("off") | Ok("0"))
-}
-
-/// Dump a frozen template into a descriptor.
-pub fn dump(pid: i32, record: &TemplateRecord) -> Result<Descriptor> {
-    let heuristics = heuristics_enabled();
+/// Dump a frozen template into a descriptor. Without `heuristics`
+/// (`fork.heuristics` = off) every readable page of a private mapping is
+/// classified `Fetch`: nothing is zero-filled locally or read from the
+/// host's file copy, so every page a clone touches comes from the page
+/// server (SnowFlock's "no heuristics" runs, for benchmarks).
+pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descriptor> {
     let smaps = parse_smaps(&read_proc(&format!("/proc/{pid}/smaps"))?)?;
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))
         .map_err(|e| ForkError::io(format!("open /proc/{pid}/pagemap"), e))?;

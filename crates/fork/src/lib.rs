@@ -50,6 +50,32 @@ pub enum ForkError {
     Protocol(String),
     #[error("{0}")]
     Other(String),
+    #[error("a ticket is for 1 or more clones, not {0}")]
+    BadCount(i32),
+    /// What a clone tried that only the parent may do.
+    #[error("a clone cannot {0} (no nested clones yet)")]
+    InClone(&'static str),
+    #[error("ticket already used")]
+    TicketUsed,
+    #[error("ticket has no clones")]
+    NoClones,
+    /// `sf_join`: which clones did not exit 0.
+    #[error("{0}")]
+    Unsuccessful(String),
+    #[error(transparent)]
+    Config(#[from] starling_config::ConfigError),
+    #[error(transparent)]
+    Discover(#[from] starling_session::discover::DiscoverError),
+    #[error(transparent)]
+    Session(#[from] starling_session::SessionError),
+    #[error("capturing the caller's configuration: {0}")]
+    Spec(#[from] starling_session::spec::SpecError),
+    #[error("cluster head address {addr:?}: {source}")]
+    HeadAddress { addr: String, #[source] source: std::io::Error },
+    #[error("launching {clones} on {host}: {source}")]
+    Launch { clones: String, host: String, #[source] source: starling_session::SessionError },
+    #[error("the process descriptor is too large ({0} bytes)")]
+    DescriptorTooLarge(usize),
 }
 
 impl ForkError {

@@ -11,7 +11,7 @@
 //! [`crate::fault::FaultHandler`]) do not depend on this module.
 
 use crate::descriptor::Descriptor;
-use crate::fault::{FaultHandler, FaultStats};
+use crate::fault::{FaultHandler, FaultOptions, FaultStats};
 use crate::page_server::PageClient;
 use crate::plan::{build_plan, PlanOptions};
 use crate::{ForkError, Result};
@@ -115,7 +115,7 @@ pub struct LocalClone {
 impl LocalClone {
     /// Start clone `id` of the template described by `desc`, whose pages
     /// are served at `server`.
-    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr) -> Result<LocalClone> {
+    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, options: &FaultOptions) -> Result<LocalClone> {
         let exe = restorer_memfd()?;
         let plan_fd = plan_memfd(desc, id, 1)?;
         let (ours, theirs) = handler_socketpair()?;
@@ -143,6 +143,7 @@ impl LocalClone {
         let (stop_r, stop_w) = pipe()?;
         let desc = desc.clone();
         let stats2 = stats.clone();
+        let options = options.clone();
         let handler = std::thread::Builder::new()
             .name(format!("sf-fault-{id}"))
             .spawn(move || -> Result<()> {
@@ -155,7 +156,7 @@ impl LocalClone {
                     }
                 };
                 let client = PageClient::connect(server)?;
-                FaultHandler::new(uffd, &desc, client, stats2).run(stop_r.as_fd())
+                FaultHandler::new_with(uffd, &desc, client, stats2, options).run(stop_r.as_fd())
             })
             .map_err(|e| ForkError::io("spawn fault handler", e))?;
         drop(child); // reaped by `wait` with waitpid

@@ -37,10 +37,8 @@
 //!
 //! Packets are split to fit the link MTU (see [`wire`] for the reasons).
 
-pub mod netlab;
 pub mod receiver;
 pub mod sender;
-pub mod sim;
 pub mod wire;
 
 pub use receiver::{Fetched, PageSink, Receiver, ReceiverConfig, ReceiverStats};
@@ -88,24 +86,9 @@ impl Mode {
     }
 }
 
-/// The switch `STARLING_MCDIST=off|on|push` (default on; `sf_clone` leaves a
-/// one-clone ticket on TCP unless the variable is set).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Switch {
-    Off,
-    On,
-    Push,
-}
-
-impl Switch {
-    pub fn from_env() -> Switch {
-        match std::env::var("STARLING_MCDIST").as_deref().map(str::trim) {
-            Ok("off") | Ok("0") | Ok("unicast") => Switch::Off,
-            Ok("push") => Switch::Push,
-            _ => Switch::On,
-        }
-    }
-}
+/// Whether pages go by multicast: off, on, or on with push (the setting
+/// `fork.mcdist`, resolved by the caller's edge; see `starling-config`).
+pub use starling_config::Multicast as Switch;
 
 /// The multicast group of a ticket: 239.231.x.y (administratively scoped),
 /// port 17000 + (ticket mod 10000), so concurrent tickets do not share a group.
