@@ -55,6 +55,8 @@ pub enum ProtoError {
     Decode(String),
     #[error("invalid message: {0}")]
     Invalid(String),
+    #[error("expected a {expected:?} peer, got a {got:?}")]
+    UnexpectedPeer { expected: Role, got: Role },
 }
 
 impl ProtoError {

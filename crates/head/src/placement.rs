@@ -1,0 +1,98 @@
+//! Placement: which host runs a launch, and which hosts a fork ticket's
+//! clones go to. Pure functions over the head's view of its hosts.
+
+use crate::Host;
+use std::collections::HashMap;
+
+/// Can a launch (needing `cores` on one host) ever be placed? `Err`: why not.
+pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>, cores: u32) -> Result<(), String> {
+    if hosts.is_empty() {
+        return Err("the cluster has no hosts (are the agents running? see `starling status`)".into());
+    }
+    if let Some(w) = want {
+        let Some(h) = hosts.get(w) else {
+            let mut names: Vec<_> = hosts.keys().cloned().collect();
+            names.sort_by_key(|a| natural_key(a));
+            return Err(format!("no host named {w:?} (hosts: {})", names.join(", ")));
+        };
+        if h.info.cores.max(1) < cores {
+            return Err(format!("host {w} has {} cores; the task needs {cores}", h.info.cores));
+        }
+    } else if hosts.values().all(|h| h.info.cores.max(1) < cores) {
+        return Err(format!("no host has the {cores} cores the task needs"));
+    }
+    Ok(())
+}
+
+/// A host with `cores` free (the named one, else the least loaded), now
+/// holding them; `None` if every eligible host is busy.
+pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>, cores: u32) -> Option<&'a mut Host> {
+    let free = |h: &Host| h.cores_busy + cores <= h.info.cores.max(1);
+    let name = match want {
+        Some(w) => hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
+        None => hosts
+            .values()
+            .filter(|h| free(h))
+            .min_by(|a, b| load(a).total_cmp(&load(b)).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name))))
+            .map(|h| h.info.name.clone())?,
+    };
+    let h = hosts.get_mut(&name)?;
+    h.cores_busy += cores;
+    Some(h)
+}
+
+/// Share of a host's cores held.
+fn load(h: &Host) -> f64 {
+    f64::from(h.cores_busy) / f64::from(h.info.cores.max(1))
+}
+
+/// A fork ticket's grant: up to `n` clones by free cores (cores minus
+/// tasks placed there). Hierarchical tickets fill each host's cores before
+/// moving on (one restore per host, then local forks); others spread
+/// round-robin so clones land on as many hosts as possible. The grant is
+/// advisory: the clones are then launched as tasks.
+pub(crate) fn grant(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, String> {
+    let mut free: Vec<(String, u32)> = hosts
+        .values()
+        .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.cores_busy)))
+        .filter(|(_, f)| *f > 0)
+        .collect();
+    if free.is_empty() {
+        return Err(if hosts.is_empty() { "the cluster has no hosts".into() } else { "no free cores in the cluster".into() });
+    }
+    free.sort_by(|a, b| b.1.cmp(&a.1).then(natural_key(&a.0).cmp(&natural_key(&b.0))));
+    let mut out: Vec<(String, u32)> = Vec::new();
+    let mut left = n;
+    if hierarchical {
+        for (h, f) in free {
+            if left == 0 {
+                break;
+            }
+            let k = f.min(left);
+            out.push((h, k));
+            left -= k;
+        }
+    } else {
+        while left > 0 && free.iter().any(|(_, f)| *f > 0) {
+            for (h, f) in free.iter_mut() {
+                if left == 0 || *f == 0 {
+                    continue;
+                }
+                *f -= 1;
+                left -= 1;
+                match out.iter_mut().find(|(o, _)| o == h) {
+                    Some((_, k)) => *k += 1,
+                    None => out.push((h.clone(), 1)),
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Sort "h2" before "h10".
+pub(crate) fn natural_key(s: &str) -> (String, u64) {
+    let digits: String = s.chars().rev().take_while(char::is_ascii_digit).collect::<Vec<_>>().into_iter().rev().collect();
+    let prefix = s[..s.len() - digits.len()].to_string();
+    (prefix, digits.parse().unwrap_or(0))
+}
