@@ -1,19 +1,19 @@
 //! A simulated template and simulated clones, for the tests and the bench:
 //! a [`SyntheticImage`] (deterministic page contents, some all-zero pages)
-//! served by a [`crate::Sender`], and [`MemoryClone`]s that install pages
+//! served by a [`starling_mcdist::Sender`], and [`MemoryClone`]s that install pages
 //! like a clone's userfaultfd would (first copy wins; later ones are
 //! "EEXIST") and run a page-touch workload like a fault handler with
 //! prefetch would.
 
-use crate::receiver::{Fetched, PageSink, Receiver, ReceiverConfig};
-use crate::sender::{RateSample, Sender, SenderConfig};
-use crate::netlab::{enter, Lab};
+use starling_mcdist::{Fetched, PageSink, Receiver, ReceiverConfig};
+use starling_mcdist::{RateSample, Sender, SenderConfig};
+use super::netlab::{enter, Lab};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use crate::sender::{PageSource, SourcePage};
-use crate::{McdistError, PAGE_SIZE};
+use starling_mcdist::{PageSource, SourcePage};
+use starling_mcdist::{McdistError, PAGE_SIZE};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
@@ -311,7 +311,7 @@ pub fn run_scenario(
 ) -> Result<Outcome, McdistError> {
     let n = workloads.len();
     assert!(n <= lab.receiver_ns.len());
-    let group = crate::group_for_ticket(ticket);
+    let group = starling_mcdist::group_for_ticket(ticket);
     let tx0 = lab.sender_tx_bytes().map_err(|e| McdistError::io("tx bytes", e))?;
     enum Server {
         Mc(Sender),
@@ -373,9 +373,9 @@ pub fn run_scenario(
             let r = run_workload(&mut |a: &[u64]| rx.fetch(a), &mem, &img, &w, 16);
             let st = rx.stats();
             let out = (
-                crate::ReceiverStats::get(&st.pages_requested),
-                crate::ReceiverStats::get(&st.pages_installed_unsolicited),
-                crate::ReceiverStats::get(&st.rerequests),
+                starling_mcdist::ReceiverStats::get(&st.pages_requested),
+                starling_mcdist::ReceiverStats::get(&st.pages_installed_unsolicited),
+                starling_mcdist::ReceiverStats::get(&st.rerequests),
             );
             drop(rx);
             let bad = mem.mismatches(&img).len();
