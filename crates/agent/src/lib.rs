@@ -82,7 +82,7 @@ impl Agent {
             name: self.cfg.name.clone(),
             addr: addr.to_string(),
             pid: std::process::id(),
-            cores: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            cores: std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
             mem_bytes: read_meminfo_total(),
             load: read_load(),
             running: self.running.load(Ordering::Relaxed),
@@ -141,7 +141,8 @@ impl Agent {
                         .insert(task, TaskCtl { stdin: stdin_tx, pid: pid.clone(), pending_signal: pending.clone() });
                     let me = self.clone();
                     let tx = tx.clone();
-                    tokio::spawn(async move { task::run(me, task, spec, tx, stdin_rx, pid, pending).await });
+                    let port = task::TaskPort { stdin: stdin_rx, pid, pending_signal: pending };
+                    tokio::spawn(async move { task::run(me, task, spec, tx, port).await });
                 }
                 Msg::FileResponse { id, resp, .. } => self.waiters.complete(id, resp),
                 Msg::Stdin { task, data } => {
@@ -161,7 +162,7 @@ impl Agent {
                         if pid > 0 {
                             // SAFETY: kill(2) on the sandbox we started and have not reaped yet
                             // (the pid is cleared before the task is reaped).
-                            unsafe { libc::kill(pid as i32, signo) };
+                            unsafe { libc::kill(pid.cast_signed(), signo) };
                         }
                     }
                 }
@@ -181,7 +182,7 @@ impl Agent {
             let pid = t.pid.load(Ordering::SeqCst);
             if pid > 0 {
                 // SAFETY: as above.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                unsafe { libc::kill(pid.cast_signed(), libc::SIGKILL) };
             }
         }
         self.waiters.fail_all();

@@ -20,9 +20,7 @@ pub(crate) async fn run(
     task: TaskId,
     spec: TaskSpec,
     tx: Outgoing,
-    stdin_rx: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
-    pid: Arc<AtomicU32>,
-    pending_signal: Arc<std::sync::atomic::AtomicI32>,
+    port: TaskPort,
 ) {
     agent.running.fetch_add(1, Ordering::Relaxed);
     let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
@@ -30,7 +28,7 @@ pub(crate) async fn run(
         let agent = agent.clone();
         let tx = tx.clone();
         let dir = dir.clone();
-        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir, stdin_rx, pid, &pending_signal)).await
+        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir, port)).await
     };
     let err = match res {
         Ok(Ok(())) => None,
@@ -44,6 +42,14 @@ pub(crate) async fn run(
     agent.tasks.lock().unwrap().remove(&task);
     let _ = std::fs::remove_dir_all(&dir);
     agent.running.fetch_sub(1, Ordering::Relaxed);
+}
+
+/// The running task's end of its `TaskCtl`: stdin from the head, where its
+/// sandbox's pid goes, and a signal that arrived before the sandbox existed.
+pub(crate) struct TaskPort {
+    pub stdin: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
+    pub pid: Arc<AtomicU32>,
+    pub pending_signal: Arc<std::sync::atomic::AtomicI32>,
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
@@ -73,10 +79,9 @@ fn run_blocking(
     spec: TaskSpec,
     tx: &Outgoing,
     dir: &std::path::Path,
-    stdin_rx: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
-    pid: Arc<AtomicU32>,
-    pending_signal: &std::sync::atomic::AtomicI32,
+    port: TaskPort,
 ) -> Result<()> {
+    let TaskPort { stdin: stdin_rx, pid, pending_signal } = port;
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).with_context(|| format!("cannot create {}", view_dir.display()))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });

@@ -90,12 +90,10 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     let (spec, mut prediction) = launch::prepare(ctx, &session, spec).await?;
     let launch = session.launch(spec);
     tokio::pin!(launch);
-    let mut handle = loop {
-        tokio::select! {
-            h = &mut launch => break h?,
-            // Not started yet: nothing remote to stop.
-            Some(no) = sigs.recv() => return Ok(128 + no),
-        }
+    let mut handle = tokio::select! {
+        h = &mut launch => h?,
+        // Not started yet: nothing remote to stop.
+        Some(no) = sigs.recv() => return Ok(128 + no),
     };
     log::info!("task {} started on {}", handle.task, handle.host);
     if handle.job_fresh {

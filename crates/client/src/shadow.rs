@@ -88,7 +88,7 @@ impl Shadow {
             }
             let Some((local, recipe)) = files.recipe_by_name(name) else { continue };
             let wanted: Vec<Hash> = recipe.chunks.iter().map(|c| c.hash).filter(|h| !self.has(h)).collect();
-            let size: u64 = recipe.chunks.iter().filter(|c| wanted.contains(&c.hash)).map(|c| c.len as u64).sum();
+            let size: u64 = recipe.chunks.iter().filter(|c| wanted.contains(&c.hash)).map(|c| u64::from(c.len)).sum();
             if size > budget {
                 continue;
             }

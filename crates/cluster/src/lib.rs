@@ -652,7 +652,7 @@ const MIN_CACHE_MIB: u64 = 256;
 /// tasks.
 fn cache_mib_per_host(state_dir: &Path, hosts: usize) -> u64 {
     match nix::sys::statvfs::statvfs(state_dir) {
-        Ok(s) => cache_share((s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64) >> 20, hosts),
+        Ok(s) => cache_share(s.blocks_available().saturating_mul(s.fragment_size()) >> 20, hosts),
         Err(_) => DEFAULT_CACHE_MIB,
     }
 }

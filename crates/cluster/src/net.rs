@@ -75,7 +75,7 @@ impl NetConfig {
     }
     pub fn host_ip(&self, index: usize) -> Ipv4Addr {
         // Callers check `index <= MAX_HOSTS`, so this stays <= 250.
-        self.addr((HOST_ADDR_OFFSET + index).min(254) as u8)
+        self.addr(u8::try_from((HOST_ADDR_OFFSET + index).min(254)).unwrap_or(254))
     }
     pub fn netns_name(&self, host: &str) -> String {
         format!("{}{host}", self.netns_prefix)

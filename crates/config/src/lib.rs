@@ -400,7 +400,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "warn (head, agent: info)",
         meaning: "log filter (env_logger syntax: `debug`, `starling_head=debug`...)",
-        apply: |c, v| Ok(c.log = Some(v.text()?)),
+        apply: |c, v| {
+            c.log = Some(v.text()?);
+            Ok(())
+        },
     },
     Setting {
         key: "embedded.instance",
@@ -423,7 +426,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--cluster (exec, run, batch, status)",
         default: "the embedded cluster's record",
         meaning: "the head's address `IP:PORT`",
-        apply: |c, v| Ok(c.client.cluster = Some(v.text()?)),
+        apply: |c, v| {
+            c.client.cluster = Some(v.text()?);
+            Ok(())
+        },
     },
     Setting {
         key: "client.cache_dir",
@@ -431,7 +437,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "$XDG_CACHE_HOME/starling, ~/.cache/starling",
         meaning: "client-side caches: recipes, prethrow profiles, job bindings, what the head holds",
-        apply: |c, v| Ok(c.client.cache_dir = v.text()?.into()),
+        apply: |c, v| {
+            c.client.cache_dir = v.text()?.into();
+            Ok(())
+        },
     },
     Setting {
         key: "client.compress",
@@ -439,7 +448,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--no-compress (exec, run, batch)",
         default: "on",
         meaning: "zstd on file contents and on frames over the link",
-        apply: |c, v| Ok(c.client.compress = v.switch()?),
+        apply: |c, v| {
+            c.client.compress = v.switch()?;
+            Ok(())
+        },
     },
     Setting {
         key: "client.prethrow",
@@ -447,7 +459,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--no-prethrow (exec, run, batch)",
         default: "on",
         meaning: "send the program's predicted file bindings with the launch",
-        apply: |c, v| Ok(c.client.prethrow = v.switch()?),
+        apply: |c, v| {
+            c.client.prethrow = v.switch()?;
+            Ok(())
+        },
     },
     Setting {
         key: "client.push",
@@ -455,7 +470,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "on",
         meaning: "push content the head's relay cache lacks in the launch's flight",
-        apply: |c, v| Ok(c.client.push = v.switch()?),
+        apply: |c, v| {
+            c.client.push = v.switch()?;
+            Ok(())
+        },
     },
     Setting {
         key: "client.chunking",
@@ -463,7 +481,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "on",
         meaning: "content-defined chunking (off: fixed 4 MiB blocks, for measurements; its own recipe cache)",
-        apply: |c, v| Ok(c.client.chunking = v.chunking()?),
+        apply: |c, v| {
+            c.client.chunking = v.chunking()?;
+            Ok(())
+        },
     },
     Setting {
         key: "client.stats_file",
@@ -471,7 +492,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "none",
         meaning: "append one JSON line of client-side counters per launch (benchmarks)",
-        apply: |c, v| Ok(c.client.stats_file = Some(v.text()?.into())),
+        apply: |c, v| {
+            c.client.stats_file = Some(v.text()?.into());
+            Ok(())
+        },
     },
     Setting {
         key: "fork.backend",
@@ -511,7 +535,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "on",
         meaning: "fetch-avoidance heuristics (off: every readable private page comes from the page server)",
-        apply: |c, v| Ok(c.fork.heuristics = v.switch()?),
+        apply: |c, v| {
+            c.fork.heuristics = v.switch()?;
+            Ok(())
+        },
     },
     Setting {
         key: "fork.page_server_bind",
@@ -519,7 +546,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "the address the hosts reach this machine at",
         meaning: "where the parent's page server listens (`IP:PORT`)",
-        apply: |c, v| Ok(c.fork.page_server_bind = Some(v.text()?.parse().map_err(|_| "an IP:PORT address")?)),
+        apply: |c, v| {
+            c.fork.page_server_bind = Some(v.text()?.parse().map_err(|_| "an IP:PORT address")?);
+            Ok(())
+        },
     },
     Setting {
         key: "fork.prefetch",
@@ -538,7 +568,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--listen (head)",
         default: "0.0.0.0:7077",
         meaning: "where the head listens for clients and agents",
-        apply: |c, v| Ok(c.head.listen = v.text()?),
+        apply: |c, v| {
+            c.head.listen = v.text()?;
+            Ok(())
+        },
     },
     Setting {
         key: "head.agents",
@@ -546,7 +579,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--agent (head, repeatable)",
         default: "none",
         meaning: "agents to dial (started with `agent --listen`)",
-        apply: |c, v| Ok(c.head.agents = v.list()?),
+        apply: |c, v| {
+            c.head.agents = v.list()?;
+            Ok(())
+        },
     },
     Setting {
         key: "head.facts",
@@ -554,7 +590,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--fact KEY=VALUE (head, repeatable)",
         default: "none",
         meaning: "facts shown by `starling status`",
-        apply: |c, v| Ok(c.head.facts = v.pairs()?),
+        apply: |c, v| {
+            c.head.facts = v.pairs()?;
+            Ok(())
+        },
     },
     Setting {
         key: "head.state",
@@ -562,7 +601,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--state (head)",
         default: "/var/lib/starling/head",
         meaning: "the head's state directory (its relay cache persists there)",
-        apply: |c, v| Ok(c.head.state = v.text()?.into()),
+        apply: |c, v| {
+            c.head.state = v.text()?.into();
+            Ok(())
+        },
     },
     Setting {
         key: "head.cache_mib",
@@ -570,7 +612,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--cache-mib (head)",
         default: "8192",
         meaning: "relay cache bound in MiB",
-        apply: |c, v| Ok(c.head.cache_mib = v.number()?),
+        apply: |c, v| {
+            c.head.cache_mib = v.number()?;
+            Ok(())
+        },
     },
     Setting {
         key: "head.relay_cache",
@@ -578,7 +623,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--no-relay-cache (head, up)",
         default: "on",
         meaning: "serve content-named requests from the head's shared cache (off: every one goes to the client)",
-        apply: |c, v| Ok(c.head.relay_cache = v.switch()?),
+        apply: |c, v| {
+            c.head.relay_cache = v.switch()?;
+            Ok(())
+        },
     },
     Setting {
         key: "agent.head",
@@ -586,7 +634,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--head (agent)",
         default: "none",
         meaning: "the head an agent connects to",
-        apply: |c, v| Ok(c.agent.head = Some(v.text()?)),
+        apply: |c, v| {
+            c.agent.head = Some(v.text()?);
+            Ok(())
+        },
     },
     Setting {
         key: "agent.listen",
@@ -594,7 +645,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--listen (agent)",
         default: "none",
         meaning: "instead, where an agent listens for the head (`head --agent`)",
-        apply: |c, v| Ok(c.agent.listen = Some(v.text()?)),
+        apply: |c, v| {
+            c.agent.listen = Some(v.text()?);
+            Ok(())
+        },
     },
     Setting {
         key: "agent.name",
@@ -602,7 +656,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--name (agent)",
         default: "the hostname",
         meaning: "host name in `starling status`",
-        apply: |c, v| Ok(c.agent.name = Some(v.text()?)),
+        apply: |c, v| {
+            c.agent.name = Some(v.text()?);
+            Ok(())
+        },
     },
     Setting {
         key: "agent.state",
@@ -610,7 +667,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--state (agent)",
         default: "/var/lib/starling/state",
         meaning: "the agent's content cache and task dirs (a local disk, not overlayfs)",
-        apply: |c, v| Ok(c.agent.state = v.text()?.into()),
+        apply: |c, v| {
+            c.agent.state = v.text()?.into();
+            Ok(())
+        },
     },
     Setting {
         key: "agent.cache_mib",
@@ -618,7 +678,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "--cache-mib (agent)",
         default: "8192",
         meaning: "content cache bound in MiB",
-        apply: |c, v| Ok(c.agent.cache_mib = v.number()?),
+        apply: |c, v| {
+            c.agent.cache_mib = v.number()?;
+            Ok(())
+        },
     },
     Setting {
         key: "agent.chunking",
@@ -626,7 +689,10 @@ pub static SETTINGS: &[Setting] = &[
         flag: "",
         default: "on",
         meaning: "content-defined chunking of the tasks' output files",
-        apply: |c, v| Ok(c.agent.chunking = v.chunking()?),
+        apply: |c, v| {
+            c.agent.chunking = v.chunking()?;
+            Ok(())
+        },
     },
 ];
 

@@ -38,14 +38,14 @@ impl Head {
                         let _ = tx.send(Msg::FileResponse { task, id, resp }).await;
                     });
                 }
-                m => self.from_host(m).await,
+                m => self.route_from_host(m).await,
             }
         }
     }
 
     /// A host's task message: to the task's client. A task ends with
     /// `Finished`, or with an `Error` when its host could not run it.
-    async fn from_host(&self, m: Msg) {
+    async fn route_from_host(&self, m: Msg) {
         let Some(task) = m.task() else {
             log::warn!("agent sent an unroutable message");
             return;
@@ -108,13 +108,13 @@ impl Head {
                         relay.answered(id, resp);
                     }
                 }
-                m => self.from_client(conn, m).await,
+                m => self.route_from_client(conn, m).await,
             }
         }
     }
 
     /// A client's task message: to the task's host (only from the task's own client).
-    async fn from_client(&self, conn: u64, m: Msg) {
+    async fn route_from_client(&self, conn: u64, m: Msg) {
         let Some(task) = m.task() else { return };
         let agent = {
             let st = self.state.lock().unwrap();

@@ -159,7 +159,7 @@ impl Recipe {
             if c.len == 0 || c.len > MAX_CHUNK {
                 return Err(ProtoError::invalid(format!("chunk length {} out of range", c.len)));
             }
-            total += c.len as u64;
+            total += u64::from(c.len);
         }
         if total != self.size {
             return Err(ProtoError::invalid(format!(

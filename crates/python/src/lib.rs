@@ -185,7 +185,7 @@ fn describe_status(py: Python<'_>, status: Option<i32>) -> PyResult<Py<PyAny>> {
 }
 
 fn all_statuses(py: Python<'_>, ticket: &Ticket) -> PyResult<Vec<Py<PyAny>>> {
-    (1..=ticket.core.allocation as i32).map(|id| describe_status(py, ticket.core.clone_status(id))).collect()
+    (1..=ticket.core.allocation.cast_signed()).map(|id| describe_status(py, ticket.core.clone_status(id))).collect()
 }
 
 /// Parent only: wait for every clone (the GIL is released meanwhile).

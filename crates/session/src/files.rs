@@ -61,7 +61,7 @@ pub fn attr_of(meta: &std::fs::Metadata) -> Attr {
         ino: meta.ino(),
         size: meta.size(),
         mode: meta.mode(),
-        nlink: meta.nlink() as u32,
+        nlink: u32::try_from(meta.nlink()).unwrap_or(u32::MAX),
         uid: meta.uid(),
         gid: meta.gid(),
         rdev: meta.rdev(),

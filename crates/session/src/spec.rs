@@ -17,7 +17,7 @@ pub enum SpecError {
 const RLIMITS: std::ops::Range<u32> = 0..16;
 
 pub fn now_ns() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }
 
 pub fn current_umask() -> u32 {

@@ -57,6 +57,11 @@ pub fn chunk_file(path: &Path, meta: &Metadata, chunking: Chunking, f: impl FnMu
 }
 
 
+/// A chunk's length as recipes record it (chunks are at most `MAX_CHUNK`).
+fn chunk_len(n: usize) -> u32 {
+    u32::try_from(n).expect("a chunk is at most MAX_CHUNK bytes")
+}
+
 fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
     use std::io::Read;
     let mut recipe = empty_recipe(meta);
@@ -74,7 +79,7 @@ fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8]))
         if got == 0 {
             return Ok(recipe);
         }
-        let r = ChunkRef { hash: Hash::of(&buf[..got]), len: got as u32 };
+        let r = ChunkRef { hash: Hash::of(&buf[..got]), len: chunk_len(got) };
         f(r, &buf[..got]);
         recipe.size += got as u64;
         recipe.chunks.push(r);
@@ -95,7 +100,7 @@ pub fn chunk_reader(file: &File, meta: &Metadata, chunking: Chunking, mut f: imp
     let reader = BufReader::with_capacity(MAX_CHUNK as usize, file);
     for chunk in StreamCDC::new(reader, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
         let chunk = chunk.map_err(io::Error::from)?;
-        let r = ChunkRef { hash: Hash::of(&chunk.data), len: chunk.length as u32 };
+        let r = ChunkRef { hash: Hash::of(&chunk.data), len: chunk_len(chunk.length) };
         f(r, &chunk.data);
         recipe.size += chunk.length as u64;
         recipe.chunks.push(r);
@@ -109,7 +114,7 @@ pub fn chunk_bytes(data: &[u8]) -> Vec<(ChunkRef, Range<usize>)> {
     FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
         .map(|c| {
             let range = c.offset..c.offset + c.length;
-            (ChunkRef { hash: Hash::of(&data[range.clone()]), len: c.length as u32 }, range)
+            (ChunkRef { hash: Hash::of(&data[range.clone()]), len: chunk_len(c.length) }, range)
         })
         .collect()
 }

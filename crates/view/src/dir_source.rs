@@ -96,7 +96,7 @@ fn attr_of(meta: &fs::Metadata, kind: NodeKind) -> Attr {
         ino: meta.ino(),
         size: meta.size(),
         mode: meta.mode(),
-        nlink: meta.nlink().min(u32::MAX as u64) as u32,
+        nlink: u32::try_from(meta.nlink()).unwrap_or(u32::MAX),
         uid: meta.uid(),
         gid: meta.gid(),
         rdev: meta.rdev(),

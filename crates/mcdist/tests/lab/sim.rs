@@ -17,6 +17,9 @@ use starling_mcdist::{McdistError, PAGE_SIZE};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+/// How a simulated clone gets a batch of pages.
+type FetchFn<'a> = dyn FnMut(&[u64]) -> Result<Vec<Fetched>, McdistError> + 'a;
+
 /// Page contents derived from (seed, address); every 7th page is all zero.
 #[derive(Clone)]
 pub struct SyntheticImage {
@@ -30,7 +33,7 @@ impl SyntheticImage {
     }
 
     pub fn page(&self, addr: u64) -> Vec<u8> {
-        let mut out = vec![0u8; PAGE_SIZE as usize];
+        let mut out = vec![0u8; starling_mcdist::wire::PAGE];
         if (addr / PAGE_SIZE) % 7 == 3 {
             return out;
         }
@@ -46,7 +49,7 @@ impl SyntheticImage {
 
     /// All page addresses, region by region.
     pub fn pages(&self) -> Vec<u64> {
-        self.regions.iter().flat_map(|&(s, e)| (s..e).step_by(PAGE_SIZE as usize)).collect()
+        self.regions.iter().flat_map(|&(s, e)| (s..e).step_by(starling_mcdist::wire::PAGE)).collect()
     }
 }
 
@@ -76,7 +79,7 @@ impl MemoryClone {
     fn install(&self, addr: u64, page: &Fetched) -> bool {
         let data = match page {
             Fetched::Data(d) => d.clone(),
-            Fetched::Zero => vec![0u8; PAGE_SIZE as usize],
+            Fetched::Zero => vec![0u8; starling_mcdist::wire::PAGE],
             Fetched::Unreadable | Fetched::Installed => return false,
         };
         let mut m = self.pages.lock().unwrap_or_else(|p| p.into_inner());
@@ -129,7 +132,7 @@ pub struct WorkResult {
 /// fault handler does: the page plus up to `prefetch - 1` following missing
 /// pages of its region in one fetch.
 pub fn run_workload(
-    fetch: &mut dyn FnMut(&[u64]) -> Result<Vec<Fetched>, McdistError>,
+    fetch: &mut FetchFn<'_>,
     mem: &MemoryClone,
     image: &SyntheticImage,
     addrs: &[u64],
@@ -234,7 +237,7 @@ impl UnicastServer {
 /// Fetch from a [`UnicastServer`].
 pub fn unicast_fetch(conn: &mut TcpStream, addrs: &[u64]) -> Result<Vec<Fetched>, McdistError> {
     let io = |e| McdistError::io("unicast fetch", e);
-    let mut req = (addrs.len() as u32).to_le_bytes().to_vec();
+    let mut req = u32::try_from(addrs.len()).expect("a batch fits").to_le_bytes().to_vec();
     for a in addrs {
         req.extend_from_slice(&a.to_le_bytes());
     }
@@ -246,7 +249,7 @@ pub fn unicast_fetch(conn: &mut TcpStream, addrs: &[u64]) -> Result<Vec<Fetched>
         if tag[0] == 0 {
             out.push(Fetched::Zero);
         } else {
-            let mut page = vec![0u8; PAGE_SIZE as usize];
+            let mut page = vec![0u8; starling_mcdist::wire::PAGE];
             conn.read_exact(&mut page).map_err(io)?;
             out.push(Fetched::Data(page));
         }
@@ -339,7 +342,7 @@ pub fn run_scenario(
     let mut handles = Vec::new();
     for (i, w) in workloads.iter().enumerate() {
         let (ns, rip, w, img) = (lab.receiver_ns[i].clone(), lab.receiver_ips[i], w.clone(), image.clone());
-        let mut rcfg = ReceiverConfig::new(ticket, group, rip, target, i as u32);
+        let mut rcfg = ReceiverConfig::new(ticket, group, rip, target, u32::try_from(i).expect("a few receivers"));
         tweak_receiver(&mut rcfg);
         handles.push(std::thread::spawn(move || -> (Result<WorkResult, String>, usize, u64, u64, u64) {
             if let Err(e) = enter(&ns) {
