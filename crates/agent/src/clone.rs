@@ -23,7 +23,7 @@
 //! * when the clones have ended, each one's status and handler counters go
 //!   to the client in a `CloneStats` message.
 
-use anyhow::{anyhow, Context, Result};
+use crate::{fork_step, AgentError, Result, Step};
 use starling_fork::descriptor::{Descriptor, RegionKind};
 use starling_fork::fault::{FaultHandler, FaultStats};
 use starling_fork::page_server::PageClient;
@@ -110,17 +110,18 @@ pub(crate) fn prepare(
     settings: &starling_config::ForkSettings,
 ) -> Result<(TaskProgram, CloneRun)> {
     let server: SocketAddr =
-        spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
+        spec.page_server.parse().map_err(|_| AgentError::PageServerAddress(spec.page_server.clone()))?;
     let options = starling_fork::fault::FaultOptions::from_settings(settings);
     let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
-        .context("fetching the clone's process descriptor from its page server")?;
+        .map_err(fork_step(Step::FetchDescriptor))?;
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
-    let desc = Descriptor::decode(&encoded).context("the clone's process descriptor")?;
+    let desc = Descriptor::decode(&encoded).map_err(fork_step(Step::DecodeDescriptor))?;
     let (first, count) = (spec.clone_id, 1 + spec.local_forks);
-    let plan = starling_fork::local::plan_memfd(&desc, first, count)?;
-    let (ours, theirs) = starling_fork::local::handler_socketpair()?;
-    let program = starling_fork::local::restorer_program()?;
-    let (stop_r, stop_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
+    let plan = starling_fork::local::plan_memfd(&desc, first, count).map_err(fork_step(Step::PrepareRestore))?;
+    let (ours, theirs) = starling_fork::local::handler_socketpair().map_err(fork_step(Step::PrepareRestore))?;
+    let program = starling_fork::local::restorer_program().map_err(fork_step(Step::PrepareRestore))?;
+    let (stop_r, stop_w) =
+        nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::Io { step: Step::Pipe, source: e.into() })?;
     let stop_r = Arc::new(stop_r);
     let handler_desc = Arc::new(rooted(&desc, root));
     let report = distribution.clone();
@@ -164,7 +165,7 @@ pub(crate) fn prepare(
             }
             seen
         })
-        .context("starting the clone's control thread")?;
+        .map_err(crate::io_step(Step::StartControlThread))?;
     Ok((
         TaskProgram { program, fds: vec![(PLAN_FD, plan), (HANDLER_FD, theirs)] },
         CloneRun { first, count, stop: Some(stop_w), control: Some(control), distribution },

@@ -18,7 +18,6 @@ mod clone;
 mod remote;
 mod task;
 
-use anyhow::{Context, Result};
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{HostInfo, Msg, ProtoError, Role, TaskId};
 use starling_config::{AgentSettings, ForkSettings};
@@ -30,6 +29,74 @@ use std::sync::{Arc, Mutex};
 use tokio::net::{TcpListener, TcpStream};
 
 pub use remote::Waiters;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{step}: {source}")]
+    Io { step: Step, #[source] source: std::io::Error },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: String, #[source] source: std::io::Error },
+    #[error("agent needs --head ADDR or --listen ADDR")]
+    NoHead,
+    #[error("head connection lost")]
+    HeadLost,
+    #[error("bad page server address {0:?}")]
+    PageServerAddress(String),
+    #[error("{step}: {source}")]
+    Fork { step: Step, #[source] source: starling_fork::ForkError },
+}
+
+pub type Result<T, E = AgentError> = std::result::Result<T, E>;
+
+/// What the agent was doing when something failed.
+#[derive(Debug)]
+pub enum Step {
+    CreateDir(PathBuf),
+    OpenCache,
+    Accept,
+    Pipe,
+    MountView,
+    MountOverlay,
+    UnmountOverlay,
+    StartSandbox,
+    WaitTask,
+    ReadChanges,
+    FetchDescriptor,
+    DecodeDescriptor,
+    PrepareRestore,
+    StartControlThread,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::CreateDir(p) => write!(f, "cannot create {}", p.display()),
+            Step::OpenCache => f.write_str("opening the host cache"),
+            Step::Accept => f.write_str("accepting a head connection"),
+            Step::Pipe => f.write_str("making a pipe"),
+            Step::MountView => f.write_str("mounting the file view"),
+            Step::MountOverlay => f.write_str("mounting the task's copy-on-write layer"),
+            Step::UnmountOverlay => f.write_str("unmounting the task's copy-on-write layer"),
+            Step::StartSandbox => f.write_str("starting the task sandbox"),
+            Step::WaitTask => f.write_str("waiting for the task"),
+            Step::ReadChanges => f.write_str("reading the task's changes"),
+            Step::FetchDescriptor => f.write_str("fetching the clone's process descriptor from its page server"),
+            Step::DecodeDescriptor => f.write_str("the clone's process descriptor"),
+            Step::PrepareRestore => f.write_str("preparing the clone's restore"),
+            Step::StartControlThread => f.write_str("starting the clone's control thread"),
+        }
+    }
+}
+
+/// `map_err` for an I/O step.
+pub(crate) fn io_step(step: Step) -> impl FnOnce(std::io::Error) -> AgentError {
+    move |source| AgentError::Io { step, source }
+}
+
+/// `map_err` for a step of the remote fork.
+pub(crate) fn fork_step(step: Step) -> impl FnOnce(starling_fork::ForkError) -> AgentError {
+    move |source| AgentError::Fork { step, source }
+}
 
 pub struct AgentConfig {
     /// The head to connect to (or where to listen for it), the state
@@ -206,9 +273,9 @@ fn clean_stale_tasks(state: &std::path::Path) {
 /// Run the agent until killed.
 pub async fn run(cfg: AgentConfig) -> Result<()> {
     let state = &cfg.settings.state;
-    std::fs::create_dir_all(state.join("tasks")).with_context(|| format!("cannot create {}", state.display()))?;
+    std::fs::create_dir_all(state.join("tasks")).map_err(io_step(Step::CreateDir(state.clone())))?;
     clean_stale_tasks(state);
-    let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).context("opening the host cache")?);
+    let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -218,16 +285,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         page_distribution: Arc::new(std::sync::Mutex::new(None)),
     });
     if let Some(listen) = agent.cfg.settings.listen.clone() {
-        let l = TcpListener::bind(&listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+        let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);
         loop {
-            let (s, peer) = l.accept().await?;
+            let (s, peer) = l.accept().await.map_err(io_step(Step::Accept))?;
             if let Err(e) = agent.serve(s).await {
                 log::warn!("head connection from {peer}: {e}");
             }
         }
     }
-    let head = agent.cfg.settings.head.clone().context("agent needs --head ADDR or --listen ADDR")?;
+    let head = agent.cfg.settings.head.clone().ok_or(AgentError::NoHead)?;
     loop {
         match TcpStream::connect(&head).await {
             Ok(s) => {

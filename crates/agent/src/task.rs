@@ -2,7 +2,7 @@
 
 use crate::remote::RemoteSource;
 use crate::Agent;
-use anyhow::{Context, Result};
+use crate::{io_step, AgentError, Result, Step};
 use starling_proto::conn::Outgoing;
 use starling_proto::{Base, Change, ChunkData, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
 use starling_view::UpperEntry;
@@ -53,7 +53,7 @@ pub(crate) struct TaskPort {
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
-    Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::Io { step: Step::Pipe, source: e.into() })
 }
 
 fn pump_output(task: TaskId, stream: Stream, fd: OwnedFd, tx: Outgoing) -> std::thread::JoinHandle<()> {
@@ -83,16 +83,16 @@ fn run_blocking(
 ) -> Result<()> {
     let TaskPort { stdin: stdin_rx, pid, pending_signal } = port;
     let view_dir = dir.join("view");
-    std::fs::create_dir_all(&view_dir).with_context(|| format!("cannot create {}", view_dir.display()))?;
+    std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
     // A clone's own files are prethrown (its restorer finds them without a
     // round trip), so fewer request loops do: starting each costs a thread
     // and its 16 MiB buffer, which adds up when a ticket starts many clones.
     let options = starling_view::ViewOptions { threads: if spec.clone.is_some() { 2 } else { 4 }, ..Default::default() };
-    let view = starling_view::mount_with(source, &view_dir, options).context("mounting the file view")?;
+    let view = starling_view::mount_with(source, &view_dir, options).map_err(io_step(Step::MountView))?;
     view.preload(spec.prethrow.clone());
     view.preload_listings(spec.listings.clone());
-    let overlay = starling_view::Overlay::mount(&view_dir, dir).context("mounting the task's copy-on-write layer")?;
+    let overlay = starling_view::Overlay::mount(&view_dir, dir).map_err(io_step(Step::MountOverlay))?;
 
     let (stdin_r, stdin_w) = pipe()?;
     let (stdout_r, stdout_w) = pipe()?;
@@ -113,14 +113,14 @@ fn run_blocking(
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
-            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork).context("preparing the clone's restore")?;
+            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork)?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
             (starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w), Some(run))
         }
     };
-    let mut child = child.context("starting the task sandbox")?;
+    let mut child = child.map_err(io_step(Step::StartSandbox))?;
     pid.store(child.pid(), Ordering::SeqCst);
     // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.
     let early = pending_signal.load(Ordering::SeqCst);
@@ -141,7 +141,7 @@ fn run_blocking(
     });
     let out = pump_output(task, Stream::Stdout, stdout_r, tx.clone());
     let err = pump_output(task, Stream::Stderr, stderr_r, tx.clone());
-    let status = child.wait().context("waiting for the task")?;
+    let status = child.wait().map_err(io_step(Step::WaitTask))?;
     let _ = out.join();
     let _ = err.join();
     pid.store(0, Ordering::SeqCst);
@@ -152,11 +152,11 @@ fn run_blocking(
     let bindings = view.bindings();
     let stats = view.stats();
     let accessed = view.accessed_paths();
-    overlay.unmount().context("unmounting the task's copy-on-write layer")?;
+    overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
     let changes = collect_changes(task, &dir.join("upper"), &bindings, &agent.cfg, tx)?;
     drop(view);
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
-    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| anyhow::anyhow!("head connection lost"))?;
+    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost)?;
     Ok(())
 }
 
@@ -180,7 +180,7 @@ fn collect_changes(
     tx: &Outgoing,
 ) -> Result<Vec<Change>> {
     let compress = cfg.compress;
-    let entries = starling_view::scan_upper(upper).context("reading the task's changes")?;
+    let entries = starling_view::scan_upper(upper).map_err(io_step(Step::ReadChanges))?;
     let mut changes = Vec::new();
     let mut sent: HashSet<Hash> = HashSet::new();
     let mut batch: Vec<ChunkData> = Vec::new();
@@ -188,7 +188,7 @@ fn collect_changes(
     let flush = |batch: &mut Vec<ChunkData>, batch_bytes: &mut usize| -> Result<()> {
         if !batch.is_empty() {
             tx.blocking_send(Msg::ChangeChunks { task, chunks: std::mem::take(batch) })
-                .map_err(|_| anyhow::anyhow!("head connection lost"))?;
+                .map_err(|_| AgentError::HeadLost)?;
             *batch_bytes = 0;
         }
         Ok(())
@@ -196,7 +196,7 @@ fn collect_changes(
     for e in entries {
         match e {
             UpperEntry::File { path, host_path, .. } => {
-                let meta = std::fs::symlink_metadata(&host_path)?;
+                let meta = std::fs::symlink_metadata(&host_path).map_err(io_step(Step::ReadChanges))?;
                 let mut err = None;
                 let recipe = starling_store::chunker::chunk_file(&host_path, &meta, cfg.settings.chunking, |c, bytes| {
                     if err.is_some() || !sent.insert(c.hash) {
@@ -209,7 +209,8 @@ fn collect_changes(
                             err = Some(e);
                         }
                     }
-                })?;
+                })
+                .map_err(io_step(Step::ReadChanges))?;
                 if let Some(e) = err {
                     return Err(e);
                 }

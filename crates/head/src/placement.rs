@@ -4,22 +4,37 @@
 use crate::Host;
 use std::collections::HashMap;
 
+/// Why a launch or a ticket cannot be placed (told to the client as its message).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Unplaceable {
+    #[error("the cluster has no hosts (are the agents running? see `starling status`)")]
+    NoHosts,
+    #[error("no host named {name:?} (hosts: {})", known.join(", "))]
+    NoSuchHost { name: String, known: Vec<String> },
+    #[error("host {host} has {has} cores; the task needs {needs}")]
+    HostTooSmall { host: String, has: u32, needs: u32 },
+    #[error("no host has the {0} cores the task needs")]
+    NoHostLargeEnough(u32),
+    #[error("no free cores in the cluster")]
+    NoFreeCores,
+}
+
 /// Can a launch (needing `cores` on one host) ever be placed? `Err`: why not.
-pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>, cores: u32) -> Result<(), String> {
+pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>, cores: u32) -> Result<(), Unplaceable> {
     if hosts.is_empty() {
-        return Err("the cluster has no hosts (are the agents running? see `starling status`)".into());
+        return Err(Unplaceable::NoHosts);
     }
     if let Some(w) = want {
         let Some(h) = hosts.get(w) else {
-            let mut names: Vec<_> = hosts.keys().cloned().collect();
-            names.sort_by_key(|a| natural_key(a));
-            return Err(format!("no host named {w:?} (hosts: {})", names.join(", ")));
+            let mut known: Vec<_> = hosts.keys().cloned().collect();
+            known.sort_by_key(|a| natural_key(a));
+            return Err(Unplaceable::NoSuchHost { name: w.to_string(), known });
         };
         if h.info.cores.max(1) < cores {
-            return Err(format!("host {w} has {} cores; the task needs {cores}", h.info.cores));
+            return Err(Unplaceable::HostTooSmall { host: w.to_string(), has: h.info.cores, needs: cores });
         }
     } else if hosts.values().all(|h| h.info.cores.max(1) < cores) {
-        return Err(format!("no host has the {cores} cores the task needs"));
+        return Err(Unplaceable::NoHostLargeEnough(cores));
     }
     Ok(())
 }
@@ -51,14 +66,14 @@ fn load(h: &Host) -> f64 {
 /// moving on (one restore per host, then local forks); others spread
 /// round-robin so clones land on as many hosts as possible. The grant is
 /// advisory: the clones are then launched as tasks.
-pub(crate) fn grant(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, String> {
+pub(crate) fn grant(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, Unplaceable> {
     let mut free: Vec<(String, u32)> = hosts
         .values()
         .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.cores_busy)))
         .filter(|(_, f)| *f > 0)
         .collect();
     if free.is_empty() {
-        return Err(if hosts.is_empty() { "the cluster has no hosts".into() } else { "no free cores in the cluster".into() });
+        return Err(if hosts.is_empty() { Unplaceable::NoHosts } else { Unplaceable::NoFreeCores });
     }
     free.sort_by(|a, b| b.1.cmp(&a.1).then(natural_key(&a.0).cmp(&natural_key(&b.0))));
     let mut out: Vec<(String, u32)> = Vec::new();

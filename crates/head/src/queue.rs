@@ -31,7 +31,7 @@ impl Head {
             job_fresh = fresh;
         }
         let q = Queued { conn, client: tx.clone(), spec, reference, job_fresh };
-        let placed: Result<Option<(Queued, Placed)>, String> = {
+        let placed: Result<Option<(Queued, Placed)>, crate::placement::Unplaceable> = {
             let mut st = self.state.lock().unwrap();
             let (want, cores) = (q.spec.host.clone(), q.spec.cores());
             check_placeable(&st.hosts, want.as_deref(), cores).map(|()| {
@@ -45,8 +45,8 @@ impl Head {
             })
         };
         match placed {
-            Err(message) => {
-                let _ = tx.send(Msg::LaunchFailed { reference, message }).await;
+            Err(why) => {
+                let _ = tx.send(Msg::LaunchFailed { reference, message: why.to_string() }).await;
             }
             Ok(Some((q, host))) => self.start(q, host).await,
             Ok(None) => {}

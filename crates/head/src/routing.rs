@@ -100,7 +100,7 @@ impl Head {
                 }
                 Msg::TicketRequest { n, hierarchical } => {
                     let ticket = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical);
+                    let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
                     let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
                 }
                 Msg::FileResponse { id, resp, .. } if self.relay.as_ref().is_some_and(|r| r.is_ours(id)) => {
