@@ -32,6 +32,7 @@ mod boot;
 pub mod mounts;
 mod net;
 pub mod procs;
+mod sys;
 
 use std::collections::BTreeSet;
 use std::fs::File;
@@ -44,13 +45,14 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use sys::Doing;
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 
-pub use boot::{host_boot_main, HOST_STATE_MOUNT};
+pub use boot::{host_boot_main, BootError, HOST_STATE_MOUNT};
+pub use sys::SysError;
 pub use net::{
-    netns_path, NetConfig, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
+    netns_path, NetConfig, NetError, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
     MAX_HOSTS,
 };
 
@@ -111,6 +113,52 @@ impl LocalCluster {
         load_state(&self.run_dir)
     }
 }
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("--hosts must be between 1 and {MAX_HOSTS}, not {0}")]
+    Hosts(usize),
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Sys(#[from] SysError),
+    #[error("a cluster is already running (head pid {pid} at {addr}, {hosts} hosts); run `starling down` first")]
+    AlreadyRunning { pid: u32, addr: String, hosts: usize },
+    #[error("leftovers of an earlier cluster exist ({}); run `starling down` first", .0.join(", "))]
+    Leftovers(Vec<String>),
+    #[error("another `starling up` or `down` is in progress ({} is locked)", .0.display())]
+    Busy(PathBuf),
+    #[error("the head (pid {pid}) exited before listening on {addr}:\n{log}")]
+    HeadExited { pid: u32, addr: SocketAddr, log: String },
+    #[error("the head (pid {pid}) is not listening on {addr} after {START_TIMEOUT:?}:\n{log}")]
+    HeadNotListening { pid: u32, addr: SocketAddr, log: String },
+    #[error("host {host} (pid {pid}) did not boot: {why}")]
+    HostDidNotBoot { host: String, pid: u32, why: BootFailure },
+    #[error("the head died while the hosts booted:\n{0}")]
+    HeadDied(String),
+    #[error(transparent)]
+    Record(#[from] starling_config::ConfigError),
+    #[error("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))]
+    Teardown { problems: Vec<String>, removed: Vec<String> },
+}
+
+/// Why a host did not boot (with the end of its log).
+#[derive(Debug)]
+pub enum BootFailure {
+    Exited(String),
+    TimedOut(String),
+}
+
+impl std::fmt::Display for BootFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BootFailure::Exited(log) => write!(f, "it exited:\n{log}"),
+            BootFailure::TimedOut(log) => write!(f, "not booted after {START_TIMEOUT:?}:\n{log}"),
+        }
+    }
+}
+
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
 
 /// How long `up` waits for the head to listen and for each host to finish booting.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
@@ -203,27 +251,22 @@ pub fn up(opts: &UpOptions) -> Result<ClusterState> {
 pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState> {
     let net = &overrides.net;
     if opts.hosts == 0 || opts.hosts > MAX_HOSTS {
-        bail!("--hosts must be between 1 and {MAX_HOSTS}, not {}", opts.hosts);
+        return Err(ClusterError::Hosts(opts.hosts));
     }
     net.validate(opts.hosts)?;
-    let exe = std::fs::canonicalize(&opts.exe).with_context(|| format!("starling binary {}", opts.exe.display()))?;
+    let exe = std::fs::canonicalize(&opts.exe).doing(|| format!("starling binary {}", opts.exe.display()))?;
     let state_dir = absolute(&opts.state_dir)?;
     let run_dir = absolute(&opts.run_dir)?;
     let _lock = lock_run_dir(&run_dir, false)?;
     if let Some(running) = load_state(&run_dir) {
-        bail!(
-            "a cluster is already running (head pid {} at {}, {} hosts); run `starling down` first",
-            running.head_pid,
-            running.head_addr,
-            running.hosts.len()
-        );
+        return Err(ClusterError::AlreadyRunning { pid: running.head_pid, addr: running.head_addr, hosts: running.hosts.len() });
     }
     let leftovers: Vec<String> = net::list_netns(&net.netns_prefix)
         .into_iter()
         .chain(net::link_exists(&net.bridge).then(|| net.bridge.clone()))
         .collect();
     if !leftovers.is_empty() {
-        bail!("leftovers of an earlier cluster exist ({}); run `starling down` first", leftovers.join(", "));
+        return Err(ClusterError::Leftovers(leftovers));
     }
 
     match start(opts, overrides, &exe, &state_dir, &run_dir) {
@@ -241,20 +284,18 @@ pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState
 /// tear the first one down while it is still starting. `up` refuses to wait; `down` waits for a running `up`
 /// (which is bounded by its start timeouts).
 fn lock_run_dir(run_dir: &Path, wait: bool) -> Result<Flock<File>> {
-    std::fs::create_dir_all(run_dir).with_context(|| format!("mkdir {}", run_dir.display()))?;
+    std::fs::create_dir_all(run_dir).doing(|| format!("mkdir {}", run_dir.display()))?;
     let path = run_dir.join(".lock");
     let file = File::options()
         .create(true)
         .truncate(false)
         .write(true)
         .open(&path)
-        .with_context(|| format!("open {}", path.display()))?;
+        .doing(|| format!("open {}", path.display()))?;
     let how = if wait { FlockArg::LockExclusive } else { FlockArg::LockExclusiveNonblock };
     Flock::lock(file, how).map_err(|(_, errno)| match errno {
-        Errno::EWOULDBLOCK => {
-            anyhow::anyhow!("another `starling up` or `down` is in progress ({} is locked)", path.display())
-        }
-        other => anyhow::anyhow!("locking {}: {other}", path.display()),
+        Errno::EWOULDBLOCK => ClusterError::Busy(path.clone()),
+        other => SysError { what: format!("locking {}", path.display()), source: other.into() }.into(),
     })
 }
 
@@ -262,7 +303,7 @@ fn absolute(p: &Path) -> Result<PathBuf> {
     if p.is_absolute() {
         Ok(p.to_path_buf())
     } else {
-        Ok(std::env::current_dir()?.join(p))
+        Ok(std::env::current_dir().doing(|| "cannot determine the current directory".into())?.join(p))
     }
 }
 
@@ -274,8 +315,8 @@ fn start(
     run_dir: &Path,
 ) -> Result<ClusterState> {
     let cfg = &overrides.net;
-    std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("mkdir {}", run_dir.display()))?;
-    std::fs::create_dir_all(state_dir.join("head")).with_context(|| format!("mkdir {}", state_dir.display()))?;
+    std::fs::create_dir_all(run_dir.join("logs")).doing(|| format!("mkdir {}", run_dir.display()))?;
+    std::fs::create_dir_all(state_dir.join("head")).doing(|| format!("mkdir {}", state_dir.display()))?;
 
     net::create_bridge(cfg)?;
     for i in 1..=opts.hosts {
@@ -298,7 +339,7 @@ fn start(
         let name = NetConfig::host_name(i);
         let netns = cfg.netns_name(&name);
         let hdir = host_dir(state_dir, &name);
-        std::fs::create_dir_all(hdir.join("state")).with_context(|| format!("mkdir {}", hdir.display()))?;
+        std::fs::create_dir_all(hdir.join("state")).doing(|| format!("mkdir {}", hdir.display()))?;
         let boot_args = boot::BootArgs {
             name: name.clone(),
             head: head_addr.to_string(),
@@ -308,16 +349,16 @@ fn start(
         };
         let mut cmd = Command::new(exe);
         cmd.arg(roles::HOST_BOOT).args(boot_args.to_args());
-        let ns_file = File::open(netns_path(&netns)).with_context(|| format!("open netns {netns}"))?;
+        let ns_file = File::open(netns_path(&netns)).doing(|| format!("open netns {netns}"))?;
         let boot_pid = spawn_detached(cmd, &log_path(run_dir, &name), Some(&ns_file))?;
         hosts.push(HostRecord { name, netns, ip: cfg.host_ip(i).to_string(), boot_pid });
     }
     for h in &hosts {
         wait_booted(h.boot_pid, &log_path(run_dir, &h.name))
-            .with_context(|| format!("host {} (pid {}) did not boot", h.name, h.boot_pid))?;
+            .map_err(|why| ClusterError::HostDidNotBoot { host: h.name.clone(), pid: h.boot_pid, why })?;
     }
     if !procs::is_alive(head_pid) {
-        bail!("the head died while the hosts booted:\n{}", log_tail(&log_path(run_dir, "head")));
+        return Err(ClusterError::HeadDied(log_tail(&log_path(run_dir, "head"))));
     }
 
     // The emulated WAN link: clients reach the head only through it.
@@ -368,8 +409,8 @@ fn start(
 /// Start `cmd` in its own session (so a terminal hang-up or Ctrl-C of `starling up` does not reach it), with
 /// stdin from /dev/null and stdout/stderr to `log`, optionally inside the network namespace `netns`.
 fn spawn_detached(mut cmd: Command, log: &Path, netns: Option<&File>) -> Result<u32> {
-    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
-    cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).current_dir("/");
+    let out = File::create(log).doing(|| format!("create {}", log.display()))?;
+    cmd.stdin(Stdio::null()).stdout(out.try_clone().doing(|| format!("dup {}", log.display()))?).stderr(out).current_dir("/");
     let ns_fd = netns.map(|f| f.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and only makes two raw system calls (setns,
     // setsid), both async-signal-safe; it allocates nothing and touches no lock. `ns_fd` stays open in the
@@ -387,7 +428,7 @@ fn spawn_detached(mut cmd: Command, log: &Path, netns: Option<&File>) -> Result<
             Ok(())
         });
     }
-    let mut child = cmd.spawn().with_context(|| format!("start {:?}", cmd))?;
+    let mut child = cmd.spawn().doing(|| format!("start {cmd:?}"))?;
     let pid = child.id();
     // Reap it whenever it exits, so a long-lived caller (a test, a daemon) does not collect zombies; when the
     // caller exits first, init adopts it.
@@ -414,10 +455,10 @@ fn wait_listening(addr: SocketAddr, pid: u32, log: &Path) -> Result<()> {
             return Ok(());
         }
         if !procs::is_alive(pid) {
-            bail!("the head (pid {pid}) exited before listening on {addr}:\n{}", log_tail(log));
+            return Err(ClusterError::HeadExited { pid, addr, log: log_tail(log) });
         }
         if Instant::now() > deadline {
-            bail!("the head (pid {pid}) is not listening on {addr} after {START_TIMEOUT:?}:\n{}", log_tail(log));
+            return Err(ClusterError::HeadNotListening { pid, addr, log: log_tail(log) });
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -425,21 +466,21 @@ fn wait_listening(addr: SocketAddr, pid: u32, log: &Path) -> Result<()> {
 
 /// A host has booted once its boot process has pivoted into its own root (the root differs from ours) and
 /// exec'd the agent (argv[1] is no longer `__host-boot`).
-fn wait_booted(pid: u32, log: &Path) -> Result<()> {
-    let our_root = std::fs::metadata("/").context("stat /")?;
+fn wait_booted(pid: u32, log: &Path) -> Result<(), BootFailure> {
+    let our_root = std::fs::metadata("/").map_err(|e| BootFailure::Exited(format!("stat /: {e}")))?;
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         let root = std::fs::metadata(format!("/proc/{pid}/root/"));
         let pivoted = root.is_ok_and(|r| (r.dev(), r.ino()) != (our_root.dev(), our_root.ino()));
         let exec_done = procs::cmdline(pid).get(1).map(String::as_str) != Some(roles::HOST_BOOT);
         if !procs::is_alive(pid) {
-            bail!("it exited:\n{}", log_tail(log));
+            return Err(BootFailure::Exited(log_tail(log)));
         }
         if pivoted && exec_done {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("not booted after {START_TIMEOUT:?}:\n{}", log_tail(log));
+            return Err(BootFailure::TimedOut(log_tail(log)));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -566,7 +607,7 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
     if problems.is_empty() {
         Ok(removed)
     } else {
-        bail!("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.iter().collect::<Vec<_>>().join("; "))
+        Err(ClusterError::Teardown { problems, removed: removed.iter().collect() })
     }
 }
 
