@@ -239,6 +239,42 @@ pub struct Attr {
     pub ctime_ns: i64,
 }
 
+impl NodeKind {
+    /// The kind of a local file.
+    pub fn of(ft: std::fs::FileType) -> NodeKind {
+        if ft.is_dir() {
+            NodeKind::Dir
+        } else if ft.is_file() {
+            NodeKind::File
+        } else if ft.is_symlink() {
+            NodeKind::Symlink
+        } else {
+            NodeKind::Special
+        }
+    }
+}
+
+impl Attr {
+    /// The attributes of a local file, as `lstat` gave them.
+    pub fn of(meta: &std::fs::Metadata) -> Attr {
+        use std::os::unix::fs::MetadataExt;
+        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
+        Attr {
+            kind: NodeKind::of(meta.file_type()),
+            ino: meta.ino(),
+            size: meta.size(),
+            mode: meta.mode(),
+            nlink: u32::try_from(meta.nlink()).unwrap_or(u32::MAX),
+            uid: meta.uid(),
+            gid: meta.gid(),
+            rdev: meta.rdev(),
+            atime_ns: ns(meta.atime(), meta.atime_nsec()),
+            mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
+            ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+}
+
 /// The answer to "what is at this path?" — a *binding* in UCop's terms.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Lookup {
