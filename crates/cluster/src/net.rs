@@ -22,7 +22,7 @@ pub const DEFAULT_VETH_PREFIX: &str = "stv-";
 /// The default cluster's /24: the bridge is `.1`, host `hI` is `.(10+I)`.
 pub const DEFAULT_SUBNET: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 0);
 /// Port the head listens on.
-pub const HEAD_PORT: u16 = 7077;
+pub use starling_config::HEAD_PORT;
 /// Where `ip netns add` keeps its named namespaces.
 pub const NETNS_RUN_DIR: &str = "/run/netns";
 /// Host `hI` gets address `.(HOST_ADDR_OFFSET + I)`.

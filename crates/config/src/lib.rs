@@ -46,6 +46,9 @@ use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
+/// The port a head listens on by default (`head.listen`).
+pub const HEAD_PORT: u16 = 7077;
+
 /// The config file read when neither `--config` nor `STARLING_CONFIG` names one (if it exists).
 pub const DEFAULT_FILE: &str = "/etc/starling/config.toml";
 /// The variable naming another config file.
@@ -187,7 +190,7 @@ impl Default for ForkSettings {
 impl Default for HeadSettings {
     fn default() -> Self {
         HeadSettings {
-            listen: "0.0.0.0:7077".into(),
+            listen: format!("0.0.0.0:{HEAD_PORT}"),
             agents: Vec::new(),
             facts: Vec::new(),
             state: "/var/lib/starling/head".into(),
