@@ -257,11 +257,26 @@ fn main() {
     let code = match run(cli) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("starling: {e:#}");
+            eprintln!("starling: {}", one_line(&e));
             starling_client::EXIT_STARLING_FAILURE
         }
     };
     std::process::exit(code);
+}
+
+/// An error and its causes in one line. The crates' typed errors already
+/// name their cause in their message; a cause is added only if it is not
+/// in the line yet (contexts added here with anyhow are).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !line.contains(&c) {
+            line.push_str(": ");
+            line.push_str(&c);
+        }
+    }
+    line
 }
 
 /// The configuration: defaults, the file, then the environment (flags are applied by each command).
@@ -529,7 +544,7 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
                 "the cluster did not come up within 30 s ({}); logs are in {}/logs",
                 match st {
                     Ok(s) => format!("{} of {} hosts registered", s.hosts.len(), state.hosts.len()),
-                    Err(e) => format!("{e:#}"),
+                    Err(e) => one_line(&e),
                 },
                 local.run_dir.display()
             );
