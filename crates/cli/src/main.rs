@@ -525,7 +525,8 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     }
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let local = LocalCluster::new(cfg.instance);
-    let head_args = if a.no_relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
+    // The record must say whether the head keeps a relay cache, whichever way it was switched off.
+    let head_args = if a.no_relay_cache || !cfg.head.relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
     let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
