@@ -111,3 +111,53 @@ pub(crate) fn natural_key(s: &str) -> (String, u64) {
     let prefix = s[..s.len() - digits.len()].to_string();
     (prefix, digits.parse().unwrap_or(0))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use starling_proto::HostInfo;
+
+    fn hosts(spec: &[(&str, u32, u32)]) -> HashMap<String, Host> {
+        spec.iter()
+            .map(|&(name, cores, busy)| {
+                let info = HostInfo {
+                    name: name.into(),
+                    addr: String::new(),
+                    pid: 1,
+                    cores,
+                    mem_bytes: 0,
+                    load: 0.0,
+                    running: 0,
+                    page_distribution: None,
+                };
+                (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn hierarchical_tickets_fill_hosts_and_spread_ones_go_round() {
+        let h = hosts(&[("h1", 4, 0), ("h2", 4, 1), ("h10", 2, 0)]);
+        assert_eq!(grant(&h, 6, true).unwrap(), vec![("h1".to_string(), 4), ("h2".to_string(), 2)]);
+        assert_eq!(grant(&h, 5, false).unwrap(), vec![("h1".to_string(), 2), ("h2".to_string(), 2), ("h10".to_string(), 1)]);
+        // More than there are free cores: what is free.
+        assert_eq!(grant(&h, 100, true).unwrap().iter().map(|(_, k)| k).sum::<u32>(), 9);
+        assert_eq!(grant(&hosts(&[]), 1, false), Err(Unplaceable::NoHosts));
+        assert_eq!(grant(&hosts(&[("h1", 2, 2)]), 1, false), Err(Unplaceable::NoFreeCores));
+    }
+
+    #[test]
+    fn launches_go_to_the_least_loaded_host_and_wait_when_all_are_busy() {
+        let mut h = hosts(&[("h1", 2, 1), ("h2", 2, 0)]);
+        assert_eq!(pick(&mut h, None, 1).map(|h| h.info.name.clone()).as_deref(), Some("h2"));
+        assert_eq!(h["h2"].cores_busy, 1);
+        assert_eq!(pick(&mut h, Some("h1"), 1).map(|h| h.info.name.clone()).as_deref(), Some("h1"));
+        assert!(pick(&mut h, None, 2).is_none(), "no host has 2 free cores");
+        assert_eq!(
+            check_placeable(&h, Some("h3"), 1),
+            Err(Unplaceable::NoSuchHost { name: "h3".into(), known: vec!["h1".into(), "h2".into()] })
+        );
+        assert_eq!(check_placeable(&h, None, 3), Err(Unplaceable::NoHostLargeEnough(3)));
+        assert_eq!(check_placeable(&h, None, 2), Ok(()), "busy now, placeable later");
+    }
+}
