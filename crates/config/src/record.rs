@@ -88,3 +88,44 @@ impl ClusterState {
         format!("embedded:{}", self.state_dir.display())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_record_reads_back_as_written_and_a_missing_one_is_none() {
+        let dir = std::env::temp_dir().join(format!("starling-record-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("cluster.json");
+        assert!(ClusterState::read(&path).unwrap().is_none());
+        let state = ClusterState {
+            head_addr: "127.0.0.1:7079".into(),
+            head_pid: 42,
+            bridge: "stbr0".into(),
+            subnet: "10.213.0.0/24".into(),
+            netns_prefix: "starling-".into(),
+            veth_prefix: "stv-".into(),
+            netns_ids: vec![(4, 4026532000)],
+            exe: "/usr/bin/starling".into(),
+            state_dir: "/var/lib/starling".into(),
+            cache_mib_per_host: 1024,
+            relay_cache: false,
+            link: Some(LinkRecord {
+                profile: "coffee-shop".into(),
+                pid: 43,
+                head_direct: "10.213.0.1:7077".into(),
+                stats_file: "/run/starling/link.json".into(),
+            }),
+            hosts: vec![HostRecord { name: "h1".into(), netns: "starling-h1".into(), ip: "10.213.0.11".into(), boot_pid: 44 }],
+            started_at: 1,
+        };
+        state.write(&path).unwrap();
+        assert_eq!(ClusterState::read(&path).unwrap(), Some(state.clone()));
+        assert_eq!(state.cluster_id(), "embedded:/var/lib/starling");
+        std::fs::write(&path, b"{\"head_addr\": 1}").unwrap();
+        let e = ClusterState::read(&path).unwrap_err().to_string();
+        assert!(e.contains("cluster.json is unreadable") && e.contains("starling down"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
