@@ -12,7 +12,10 @@
  * Backend: STARLING_FORK_BACKEND=cluster (default) runs clones on the hosts
  * of the starling cluster (found as `starling exec` finds it); with no
  * reachable cluster sf_request_ticket fails. STARLING_FORK_BACKEND=local
- * runs them on this machine.
+ * runs them on this machine. sf_request_ticket reads the configuration each
+ * time: the config file ($STARLING_CONFIG, else /etc/starling/config.toml),
+ * then the STARLING_* variables (the README lists every setting); a bad
+ * value makes it fail with the reason in sf_last_error().
  *
  * Only the calling thread follows a clone (as with fork). Clones see the
  * caller's memory (fetched lazily), its TLS, signal handlers, cwd, umask and

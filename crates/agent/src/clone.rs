@@ -23,7 +23,7 @@
 //! * when the clones have ended, each one's status and handler counters go
 //!   to the client in a `CloneStats` message.
 
-use anyhow::{anyhow, Context, Result};
+use crate::{fork_step, AgentError, Result, Step};
 use starling_fork::fault::{FaultHandler, FaultStats};
 use starling_fork::image::{Descriptor, PlanOptions, Region, RegionKind};
 use starling_fork::page_server::PageClient;
@@ -87,14 +87,19 @@ fn root_file_paths(regions: &mut [Region], root: &Path) {
 /// control thread starts a fault handler per clone as its userfaultfd
 /// arrives), and return the program (restorer + plan + handler socket) the
 /// sandbox must run.
-pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionReport) -> Result<(TaskProgram, CloneRun)> {
+pub(crate) fn prepare(
+    spec: &CloneSpec,
+    root: &Path,
+    distribution: DistributionReport,
+    settings: &starling_config::ForkSettings,
+) -> Result<(TaskProgram, CloneRun)> {
     let server: SocketAddr =
-        spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
-    let options = starling_fork::fault::FaultOptions::from_env();
+        spec.page_server.parse().map_err(|_| AgentError::PageServerAddress(spec.page_server.clone()))?;
+    let options = starling_fork::fault::FaultOptions::from_settings(settings);
     let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
-        .context("fetching the clone's process descriptor from its page server")?;
+        .map_err(fork_step(Step::FetchDescriptor))?;
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
-    let desc = Descriptor::decode(&encoded).context("the clone's process descriptor")?;
+    let desc = Descriptor::decode(&encoded).map_err(|e| fork_step(Step::DecodeDescriptor)(e.into()))?;
     let (first, count) = (spec.clone_id, 1 + spec.local_forks);
     let handler_desc = Arc::new(rooted(&desc, root));
     let report = distribution.clone();
@@ -105,7 +110,7 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionR
         h.run(stop)
     });
     let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true };
-    let (program, restore) = Restore::start(&desc, plan, serve)?;
+    let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
     Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution }))
 }
 

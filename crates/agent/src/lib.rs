@@ -18,9 +18,9 @@ mod clone;
 mod remote;
 mod task;
 
-use anyhow::{Context, Result};
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{HostInfo, Msg, ProtoError, Role, TaskId};
+use starling_config::{AgentSettings, ForkSettings};
 use starling_store::HostCache;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -30,17 +30,85 @@ use tokio::net::{TcpListener, TcpStream};
 
 pub use remote::Waiters;
 
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("{step}: {source}")]
+    Io { step: Step, #[source] source: std::io::Error },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: String, #[source] source: std::io::Error },
+    #[error("agent needs --head ADDR or --listen ADDR")]
+    NoHead,
+    #[error("head connection lost")]
+    HeadLost,
+    #[error("bad page server address {0:?}")]
+    PageServerAddress(String),
+    #[error("{step}: {source}")]
+    Fork { step: Step, #[source] source: starling_fork::ForkError },
+}
+
+pub type Result<T, E = AgentError> = std::result::Result<T, E>;
+
+/// What the agent was doing when something failed.
+#[derive(Debug)]
+pub enum Step {
+    CreateDir(PathBuf),
+    OpenCache,
+    Accept,
+    Pipe,
+    MountView,
+    MountOverlay,
+    UnmountOverlay,
+    StartSandbox,
+    WaitTask,
+    ReadChanges,
+    FetchDescriptor,
+    DecodeDescriptor,
+    PrepareRestore,
+    StartControlThread,
+}
+
+impl std::fmt::Display for Step {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Step::CreateDir(p) => write!(f, "cannot create {}", p.display()),
+            Step::OpenCache => f.write_str("opening the host cache"),
+            Step::Accept => f.write_str("accepting a head connection"),
+            Step::Pipe => f.write_str("making a pipe"),
+            Step::MountView => f.write_str("mounting the file view"),
+            Step::MountOverlay => f.write_str("mounting the task's copy-on-write layer"),
+            Step::UnmountOverlay => f.write_str("unmounting the task's copy-on-write layer"),
+            Step::StartSandbox => f.write_str("starting the task sandbox"),
+            Step::WaitTask => f.write_str("waiting for the task"),
+            Step::ReadChanges => f.write_str("reading the task's changes"),
+            Step::FetchDescriptor => f.write_str("fetching the clone's process descriptor from its page server"),
+            Step::DecodeDescriptor => f.write_str("the clone's process descriptor"),
+            Step::PrepareRestore => f.write_str("preparing the clone's restore"),
+            Step::StartControlThread => f.write_str("starting the clone's control thread"),
+        }
+    }
+}
+
+/// `map_err` for an I/O step.
+pub(crate) fn io_step(step: Step) -> impl FnOnce(std::io::Error) -> AgentError {
+    move |source| AgentError::Io { step, source }
+}
+
+/// `map_err` for a step of the remote fork.
+pub(crate) fn fork_step(step: Step) -> impl FnOnce(starling_fork::ForkError) -> AgentError {
+    move |source| AgentError::Fork { step, source }
+}
+
 pub struct AgentConfig {
-    /// Head to connect to (`IP:PORT`).
-    pub head: Option<String>,
-    /// Or: address to listen on for the head to connect.
-    pub listen: Option<String>,
+    /// The head to connect to (or where to listen for it), the state
+    /// directory, the cache bound and how output files are chunked. The
+    /// state directory must be on a local disk file system (ext4, xfs), not
+    /// on overlayfs: FUSE passthrough backing files and per-task overlay
+    /// upper dirs live there.
+    pub settings: AgentSettings,
+    /// `settings.name`, or the machine's hostname.
     pub name: String,
-    /// Persistent state: content cache and per-task directories. Must be on
-    /// a local disk file system (ext4, xfs), not on overlayfs: FUSE
-    /// passthrough backing files and overlay upper dirs live here.
-    pub state: PathBuf,
-    pub cache_bytes: u64,
+    /// The clones' fault handlers: prefetch, and whether multicast is refused.
+    pub fork: ForkSettings,
     /// The starling binary (re-executed as `__sandbox-init`).
     pub exe: PathBuf,
     pub compress: bool,
@@ -81,7 +149,7 @@ impl Agent {
             name: self.cfg.name.clone(),
             addr: addr.to_string(),
             pid: std::process::id(),
-            cores: std::thread::available_parallelism().map(|n| n.get() as u32).unwrap_or(1),
+            cores: std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
             mem_bytes: read_meminfo_total(),
             load: read_load(),
             running: self.running.load(Ordering::Relaxed),
@@ -97,7 +165,7 @@ impl Agent {
         let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.cfg.name).await?;
         if peer.role != Role::Head {
             let _ = tx.send(Msg::Error { task: None, message: "agents only accept a head".into() }).await;
-            return Err(ProtoError::invalid("peer is not a head"));
+            return Err(ProtoError::UnexpectedPeer { expected: Role::Head, got: peer.role });
         }
         log::info!("connected to head {}", peer.name);
         let _ = tx.send(Msg::HostInfo(self.host_info(&addr))).await;
@@ -140,7 +208,8 @@ impl Agent {
                         .insert(task, TaskCtl { stdin: stdin_tx, pid: pid.clone(), pending_signal: pending.clone() });
                     let me = self.clone();
                     let tx = tx.clone();
-                    tokio::spawn(async move { task::run(me, task, spec, tx, stdin_rx, pid, pending).await });
+                    let port = task::TaskPort { stdin: stdin_rx, pid, pending_signal: pending };
+                    tokio::spawn(async move { task::run(me, task, spec, tx, port).await });
                 }
                 Msg::FileResponse { id, resp, .. } => self.waiters.complete(id, resp),
                 Msg::Stdin { task, data } => {
@@ -160,7 +229,7 @@ impl Agent {
                         if pid > 0 {
                             // SAFETY: kill(2) on the sandbox we started and have not reaped yet
                             // (the pid is cleared before the task is reaped).
-                            unsafe { libc::kill(pid as i32, signo) };
+                            unsafe { libc::kill(pid.cast_signed(), signo) };
                         }
                     }
                 }
@@ -180,7 +249,7 @@ impl Agent {
             let pid = t.pid.load(Ordering::SeqCst);
             if pid > 0 {
                 // SAFETY: as above.
-                unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+                unsafe { libc::kill(pid.cast_signed(), libc::SIGKILL) };
             }
         }
         self.waiters.fail_all();
@@ -203,9 +272,10 @@ fn clean_stale_tasks(state: &std::path::Path) {
 
 /// Run the agent until killed.
 pub async fn run(cfg: AgentConfig) -> Result<()> {
-    std::fs::create_dir_all(cfg.state.join("tasks")).with_context(|| format!("cannot create {}", cfg.state.display()))?;
-    clean_stale_tasks(&cfg.state);
-    let cache = Arc::new(HostCache::open(&cfg.state.join("cache"), cfg.cache_bytes).context("opening the host cache")?);
+    let state = &cfg.settings.state;
+    std::fs::create_dir_all(state.join("tasks")).map_err(io_step(Step::CreateDir(state.clone())))?;
+    clean_stale_tasks(state);
+    let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -214,17 +284,17 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         running: AtomicU32::new(0),
         page_distribution: Arc::new(std::sync::Mutex::new(None)),
     });
-    if let Some(listen) = agent.cfg.listen.clone() {
-        let l = TcpListener::bind(&listen).await.with_context(|| format!("cannot listen on {listen}"))?;
+    if let Some(listen) = agent.cfg.settings.listen.clone() {
+        let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);
         loop {
-            let (s, peer) = l.accept().await?;
+            let (s, peer) = l.accept().await.map_err(io_step(Step::Accept))?;
             if let Err(e) = agent.serve(s).await {
                 log::warn!("head connection from {peer}: {e}");
             }
         }
     }
-    let head = agent.cfg.head.clone().context("agent needs --head ADDR or --listen ADDR")?;
+    let head = agent.cfg.settings.head.clone().ok_or(AgentError::NoHead)?;
     loop {
         match TcpStream::connect(&head).await {
             Ok(s) => {

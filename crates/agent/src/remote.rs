@@ -50,7 +50,7 @@ pub struct RemoteSource {
 fn eio(msg: impl Into<String>) -> io::Error {
     let m = msg.into();
     log::warn!("{m}");
-    io::Error::new(io::ErrorKind::Other, m)
+    io::Error::other(m)
 }
 
 impl RemoteSource {

@@ -2,7 +2,7 @@
 
 use crate::remote::RemoteSource;
 use crate::Agent;
-use anyhow::{Context, Result};
+use crate::{io_step, AgentError, Result, Step};
 use starling_proto::conn::Outgoing;
 use starling_proto::{Base, Change, ChunkData, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
 use starling_view::UpperEntry;
@@ -20,17 +20,15 @@ pub(crate) async fn run(
     task: TaskId,
     spec: TaskSpec,
     tx: Outgoing,
-    stdin_rx: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
-    pid: Arc<AtomicU32>,
-    pending_signal: Arc<std::sync::atomic::AtomicI32>,
+    port: TaskPort,
 ) {
     agent.running.fetch_add(1, Ordering::Relaxed);
-    let dir = agent.cfg.state.join("tasks").join(task.to_string());
+    let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
     let res = {
         let agent = agent.clone();
         let tx = tx.clone();
         let dir = dir.clone();
-        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir, stdin_rx, pid, &pending_signal)).await
+        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir, port)).await
     };
     let err = match res {
         Ok(Ok(())) => None,
@@ -46,8 +44,16 @@ pub(crate) async fn run(
     agent.running.fetch_sub(1, Ordering::Relaxed);
 }
 
+/// The running task's end of its `TaskCtl`: stdin from the head, where its
+/// sandbox's pid goes, and a signal that arrived before the sandbox existed.
+pub(crate) struct TaskPort {
+    pub stdin: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
+    pub pid: Arc<AtomicU32>,
+    pub pending_signal: Arc<std::sync::atomic::AtomicI32>,
+}
+
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
-    Ok(nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?)
+    nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::Io { step: Step::Pipe, source: e.into() })
 }
 
 fn pump_output(task: TaskId, stream: Stream, fd: OwnedFd, tx: Outgoing) -> std::thread::JoinHandle<()> {
@@ -73,21 +79,20 @@ fn run_blocking(
     spec: TaskSpec,
     tx: &Outgoing,
     dir: &std::path::Path,
-    stdin_rx: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
-    pid: Arc<AtomicU32>,
-    pending_signal: &std::sync::atomic::AtomicI32,
+    port: TaskPort,
 ) -> Result<()> {
+    let TaskPort { stdin: stdin_rx, pid, pending_signal } = port;
     let view_dir = dir.join("view");
-    std::fs::create_dir_all(&view_dir).with_context(|| format!("cannot create {}", view_dir.display()))?;
+    std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
     // A clone's own files are prethrown (its restorer finds them without a
     // round trip), so fewer request loops do: starting each costs a thread
     // and its 16 MiB buffer, which adds up when a ticket starts many clones.
     let options = starling_view::ViewOptions { threads: if spec.clone.is_some() { 2 } else { 4 }, ..Default::default() };
-    let view = starling_view::mount_with(source, &view_dir, options).context("mounting the file view")?;
+    let view = starling_view::mount_with(source, &view_dir, options).map_err(io_step(Step::MountView))?;
     view.preload(spec.prethrow.clone());
     view.preload_listings(spec.listings.clone());
-    let overlay = starling_view::Overlay::mount(&view_dir, dir).context("mounting the task's copy-on-write layer")?;
+    let overlay = starling_view::Overlay::mount(&view_dir, dir).map_err(io_step(Step::MountOverlay))?;
 
     let (stdin_r, stdin_w) = pipe()?;
     let (stdout_r, stdout_w) = pipe()?;
@@ -108,14 +113,14 @@ fn run_blocking(
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
-            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone()).context("preparing the clone's restore")?;
+            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork)?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
             (starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w), Some(run))
         }
     };
-    let mut child = child.context("starting the task sandbox")?;
+    let mut child = child.map_err(io_step(Step::StartSandbox))?;
     pid.store(child.pid(), Ordering::SeqCst);
     // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.
     let early = pending_signal.load(Ordering::SeqCst);
@@ -136,7 +141,7 @@ fn run_blocking(
     });
     let out = pump_output(task, Stream::Stdout, stdout_r, tx.clone());
     let err = pump_output(task, Stream::Stderr, stderr_r, tx.clone());
-    let status = child.wait().context("waiting for the task")?;
+    let status = child.wait().map_err(io_step(Step::WaitTask))?;
     let _ = out.join();
     let _ = err.join();
     pid.store(0, Ordering::SeqCst);
@@ -147,11 +152,11 @@ fn run_blocking(
     let bindings = view.bindings();
     let stats = view.stats();
     let accessed = view.accessed_paths();
-    overlay.unmount().context("unmounting the task's copy-on-write layer")?;
-    let changes = collect_changes(task, &dir.join("upper"), &bindings, agent.cfg.compress, tx)?;
+    overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
+    let changes = collect_changes(task, &dir.join("upper"), &bindings, &agent.cfg, tx)?;
     drop(view);
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
-    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| anyhow::anyhow!("head connection lost"))?;
+    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost)?;
     Ok(())
 }
 
@@ -171,10 +176,11 @@ fn collect_changes(
     task: TaskId,
     upper: &std::path::Path,
     bindings: &HashMap<WirePath, Lookup>,
-    compress: bool,
+    cfg: &crate::AgentConfig,
     tx: &Outgoing,
 ) -> Result<Vec<Change>> {
-    let entries = starling_view::scan_upper(upper).context("reading the task's changes")?;
+    let compress = cfg.compress;
+    let entries = starling_view::scan_upper(upper).map_err(io_step(Step::ReadChanges))?;
     let mut changes = Vec::new();
     let mut sent: HashSet<Hash> = HashSet::new();
     let mut batch: Vec<ChunkData> = Vec::new();
@@ -182,7 +188,7 @@ fn collect_changes(
     let flush = |batch: &mut Vec<ChunkData>, batch_bytes: &mut usize| -> Result<()> {
         if !batch.is_empty() {
             tx.blocking_send(Msg::ChangeChunks { task, chunks: std::mem::take(batch) })
-                .map_err(|_| anyhow::anyhow!("head connection lost"))?;
+                .map_err(|_| AgentError::HeadLost)?;
             *batch_bytes = 0;
         }
         Ok(())
@@ -190,9 +196,9 @@ fn collect_changes(
     for e in entries {
         match e {
             UpperEntry::File { path, host_path, .. } => {
-                let meta = std::fs::symlink_metadata(&host_path)?;
+                let meta = std::fs::symlink_metadata(&host_path).map_err(io_step(Step::ReadChanges))?;
                 let mut err = None;
-                let recipe = starling_store::chunker::chunk_file(&host_path, &meta, |c, bytes| {
+                let recipe = starling_store::chunker::chunk_file(&host_path, &meta, cfg.settings.chunking, |c, bytes| {
                     if err.is_some() || !sent.insert(c.hash) {
                         return;
                     }
@@ -203,7 +209,8 @@ fn collect_changes(
                             err = Some(e);
                         }
                     }
-                })?;
+                })
+                .map_err(io_step(Step::ReadChanges))?;
                 if let Some(e) = err {
                     return Err(e);
                 }

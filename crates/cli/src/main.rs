@@ -3,9 +3,13 @@
 //! This is a thin layer: argument parsing and output formatting. The work is
 //! done by the library crates (see docs/ARCHITECTURE.md).
 
-use anyhow::{Context, Result};
+use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
+use starling_client::Context;
+use starling_cluster::LocalCluster;
+use starling_config::{roles, Config, Sources};
 use starling_proto::Msg;
+use starling_session::discover::Target;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -29,12 +33,18 @@ Quick start (an embedded cluster of emulated hosts on this machine, needs root):
 
 Programs can also fork themselves onto the cluster: see include/starling.h (C) and `import starling`.
 
-Environment: STARLING_CLUSTER=IP:PORT selects a cluster (like --cluster); STARLING_INSTANCE=1..9
-selects another embedded cluster on this machine; STARLING_LOG=info|debug turns on logging.";
+Configuration: flags, then STARLING_* variables, then the config file (--config FILE, else
+$STARLING_CONFIG, else /etc/starling/config.toml), then defaults. STARLING_CLUSTER=IP:PORT selects
+a cluster (like --cluster); STARLING_INSTANCE=1..9 selects another embedded cluster on this
+machine; STARLING_LOG=info|debug turns on logging. The README lists every setting.";
 
 #[derive(Parser)]
 #[command(name = "starling", version, about = ABOUT, long_about = LONG_ABOUT)]
 struct Cli {
+    /// Read settings from this TOML file (sections [client], [fork], [head], [agent]) instead of
+    /// $STARLING_CONFIG or /etc/starling/config.toml.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -46,13 +56,18 @@ enum Cmd {
     Up(UpArgs),
     /// Stop the embedded cluster and remove everything it made (processes, mounts, namespaces,
     /// bridge). Safe after a crash or a kill -9 of any part. Host caches are kept for next time.
-    Down,
+    Down {
+        /// List every object removed, not just the summary.
+        #[arg(short, long)]
+        verbose: bool,
+    },
     /// List the cluster's hosts (name, address, agent pid, cores, load, running tasks) and network.
     Status {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
-        #[arg(long, env = "STARLING_CLUSTER")]
+        /// Cluster head address (default: the embedded cluster started by `starling up`).
+        #[arg(long)]
         cluster: Option<String>,
     },
     /// Run a command on the cluster as if it ran here.
@@ -117,7 +132,7 @@ struct ExecArgs {
     #[arg(long)]
     job: Option<String>,
     /// Cluster head address (default: the embedded cluster started by `starling up`).
-    #[arg(long, env = "STARLING_CLUSTER")]
+    #[arg(long)]
     cluster: Option<String>,
     /// Send file contents and messages uncompressed (for measurements).
     #[arg(long)]
@@ -133,7 +148,7 @@ struct ExecArgs {
 #[derive(Args)]
 struct JobFlags {
     /// Cluster head address (default: the embedded cluster started by `starling up`).
-    #[arg(long, env = "STARLING_CLUSTER")]
+    #[arg(long)]
     cluster: Option<String>,
     /// No progress bar or summary.
     #[arg(long, conflicts_with = "json")]
@@ -175,8 +190,8 @@ struct BatchArgs {
 
 #[derive(Args)]
 struct AgentArgs {
-    /// Head to connect to.
-    #[arg(long, conflicts_with = "listen", required_unless_present = "listen")]
+    /// Head to connect to (or `agent.head` in the config file).
+    #[arg(long, conflicts_with = "listen")]
     head: Option<String>,
     /// Instead, listen here for the head to connect (`starling head --agent THIS_ADDR`).
     #[arg(long)]
@@ -185,17 +200,19 @@ struct AgentArgs {
     #[arg(long)]
     name: Option<String>,
     /// State directory (content cache, task dirs). Must be on a local disk, not overlayfs.
-    #[arg(long, default_value = "/var/lib/starling/state")]
-    state: PathBuf,
-    /// Content cache size bound in MiB (least recently used content is evicted).
-    #[arg(long, default_value_t = 8192)]
-    cache_mib: u64,
+    /// [default: /var/lib/starling/state]
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Content cache size bound in MiB (least recently used content is evicted). [default: 8192]
+    #[arg(long)]
+    cache_mib: Option<u64>,
 }
 
 #[derive(Args)]
 struct HeadArgs {
-    #[arg(long, default_value = "0.0.0.0:7077")]
-    listen: String,
+    /// Where to listen for clients and agents. [default: 0.0.0.0:7077]
+    #[arg(long)]
+    listen: Option<String>,
     /// Dial an agent started with `starling agent --listen ADDR` (repeatable).
     #[arg(long = "agent")]
     agents: Vec<String>,
@@ -203,20 +220,19 @@ struct HeadArgs {
     #[arg(long = "fact")]
     facts: Vec<String>,
     /// State directory (the relay's shared content cache lives here; it persists across runs).
-    #[arg(long, default_value = "/var/lib/starling/head")]
-    state: PathBuf,
-    /// Relay cache size bound in MiB.
-    #[arg(long, default_value_t = 8192)]
-    cache_mib: u64,
+    /// [default: /var/lib/starling/head]
+    #[arg(long)]
+    state: Option<PathBuf>,
+    /// Relay cache size bound in MiB. [default: 8192]
+    #[arg(long)]
+    cache_mib: Option<u64>,
     /// Forward every content request to the client (for measuring the relay cache's effect).
     #[arg(long)]
     no_relay_cache: bool,
 }
 
-fn init_logging(default: &str) {
-    env_logger::Builder::from_env(env_logger::Env::new().filter_or("STARLING_LOG", default))
-        .format_timestamp_millis()
-        .init();
+fn init_logging(filter: Option<&str>, default: &str) {
+    env_logger::Builder::new().parse_filters(filter.unwrap_or(default)).format_timestamp_millis().init();
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -232,41 +248,77 @@ fn main() {
     // run before anything starts a thread.
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
-        Some("__sandbox-init") => starling_sandbox::init_main(),
-        Some("__host-boot") => starling_cluster::host_boot_main(&args[2..]),
-        Some("__link") => link_main(&args[2..]),
+        Some(starling_sandbox::INIT_SUBCOMMAND) => starling_sandbox::init_main(),
+        Some(roles::HOST_BOOT) => starling_cluster::host_boot_main(&args[2..]),
+        Some(roles::LINK) => link_main(&args[2..]),
         _ => {}
     }
     let cli = Cli::parse();
     let code = match run(cli) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("starling: {e:#}");
+            eprintln!("starling: {}", one_line(&e));
             starling_client::EXIT_STARLING_FAILURE
         }
     };
     std::process::exit(code);
 }
 
+/// An error and its causes in one line. The crates' typed errors already
+/// name their cause in their message; a cause is added only if it is not
+/// in the line yet (contexts added here with anyhow are).
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = e.to_string();
+    for cause in e.chain().skip(1) {
+        let c = cause.to_string();
+        if !line.contains(&c) {
+            line.push_str(": ");
+            line.push_str(&c);
+        }
+    }
+    line
+}
+
+/// The configuration: defaults, the file, then the environment (flags are applied by each command).
+fn load_config(file: Option<&std::path::Path>) -> Result<Config> {
+    let env = |k: &str| std::env::var_os(k);
+    Ok(Config::load(&Sources { file, env: &env })?)
+}
+
+/// The head the client settings (and flags) name, found once.
+fn client_context(cfg: &Config, cluster: Option<String>) -> Result<Context> {
+    let mut settings = cfg.client.clone();
+    if cluster.is_some() {
+        settings.cluster = cluster;
+    }
+    let target = Target::resolve(&settings, cfg.instance)?;
+    Ok(Context { target, settings })
+}
+
 fn run(cli: Cli) -> Result<i32> {
+    let mut cfg = load_config(cli.config.as_deref())?;
     match cli.cmd {
         Cmd::Exec(a) => {
-            init_logging("warn");
-            let spec = starling_client::spec::capture(a.command)?;
-            let opts = starling_client::exec::ExecOptions { cluster: a.cluster, host: a.host, job: a.job, compress: !a.no_compress, prethrow: !a.no_prethrow };
-            runtime().block_on(starling_client::exec::run(spec, opts))
+            init_logging(cfg.log.as_deref(), "warn");
+            cfg.client.compress &= !a.no_compress;
+            cfg.client.prethrow &= !a.no_prethrow;
+            let ctx = client_context(&cfg, a.cluster)?;
+            let spec = starling_session::spec::capture(a.command)?;
+            let opts = starling_client::exec::ExecOptions { host: a.host, job: a.job };
+            Ok(runtime().block_on(starling_client::exec::run(&ctx, spec, opts))?)
         }
         Cmd::Run(a) => {
-            init_logging("warn");
+            init_logging(cfg.log.as_deref(), "warn");
             if a.tasks == 0 || a.tasks > starling_proto::MAX_JOB_TASKS {
                 anyhow::bail!("-n must be between 1 and {}", starling_proto::MAX_JOB_TASKS);
             }
-            let spec = starling_client::spec::capture(a.command)?;
+            let (ctx, opts) = job_context(&mut cfg, a.flags)?;
+            let spec = starling_session::spec::capture(a.command)?;
             let argvs = vec![None; a.tasks];
-            runtime().block_on(starling_client::job::run(spec, argvs, job_options(a.flags)))
+            Ok(runtime().block_on(starling_client::job::run(&ctx, spec, argvs, opts))?)
         }
         Cmd::Batch(a) => {
-            init_logging("warn");
+            init_logging(cfg.log.as_deref(), "warn");
             let text = if a.file.as_os_str() == "-" {
                 std::io::read_to_string(std::io::stdin()).context("reading commands from stdin")?
             } else {
@@ -276,38 +328,52 @@ fn run(cli: Cli) -> Result<i32> {
             if cmds.is_empty() {
                 anyhow::bail!("{}: no commands", a.file.display());
             }
-            let spec = starling_client::spec::capture(vec!["/bin/sh".into()])?;
-            runtime().block_on(starling_client::job::run(spec, cmds.into_iter().map(Some).collect(), job_options(a.flags)))
+            let (ctx, opts) = job_context(&mut cfg, a.flags)?;
+            let spec = starling_session::spec::capture(vec!["/bin/sh".into()])?;
+            Ok(runtime().block_on(starling_client::job::run(&ctx, spec, cmds.into_iter().map(Some).collect(), opts))?)
         }
         Cmd::Status { json, cluster } => {
-            init_logging("warn");
-            runtime().block_on(status(json, cluster))
+            init_logging(cfg.log.as_deref(), "warn");
+            let ctx = client_context(&cfg, cluster)?;
+            runtime().block_on(status(json, &ctx.target))
         }
         Cmd::Up(a) => {
-            init_logging("warn");
-            up(a)
+            init_logging(cfg.log.as_deref(), "warn");
+            up(&cfg, a)
         }
-        Cmd::Down => {
-            init_logging("warn");
-            let removed = starling_cluster::Instance::from_env()?.down()?;
+        Cmd::Down { verbose } => {
+            init_logging(cfg.log.as_deref(), "warn");
+            let removed = LocalCluster::new(cfg.instance).down()?;
             if removed.is_empty() {
                 println!("no starling cluster was running; nothing to remove");
             } else {
-                for r in removed {
-                    println!("removed {r}");
+                println!("{}", removed.summary());
+                if verbose {
+                    for r in removed.iter() {
+                        println!("  {r}");
+                    }
                 }
             }
             Ok(0)
         }
         Cmd::Agent(a) => {
-            init_logging("info");
-            let name = a.name.unwrap_or_else(|| nix_hostname());
+            init_logging(cfg.log.as_deref(), "info");
+            let mut settings = cfg.agent.clone();
+            settings.head = a.head.or(settings.head);
+            settings.listen = a.listen.or(settings.listen);
+            if a.name.is_some() {
+                settings.name = a.name;
+            }
+            settings.state = a.state.unwrap_or(settings.state);
+            settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
+            if settings.head.is_none() && settings.listen.is_none() {
+                anyhow::bail!("agent needs --head ADDR or --listen ADDR (or agent.head / agent.listen in the config file)");
+            }
+            let name = settings.name.clone().unwrap_or_else(nix_hostname);
             let cfg = starling_agent::AgentConfig {
-                head: a.head,
-                listen: a.listen,
+                settings,
                 name,
-                state: a.state,
-                cache_bytes: a.cache_mib << 20,
+                fork: cfg.fork,
                 exe: std::env::current_exe().context("locating the starling binary")?,
                 compress: true,
             };
@@ -315,20 +381,18 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Head(a) => {
-            init_logging("info");
-            let facts = a
-                .facts
-                .iter()
-                .map(|f| f.split_once('=').map(|(k, v)| (k.to_string(), v.to_string())).context("--fact takes KEY=VALUE"))
-                .collect::<Result<Vec<_>>>()?;
-            runtime().block_on(starling_head::run(starling_head::HeadConfig {
-                listen: a.listen,
-                dial_agents: a.agents,
-                facts,
-                state: a.state,
-                relay_cache: !a.no_relay_cache,
-                cache_bytes: a.cache_mib << 20,
-            }))?;
+            init_logging(cfg.log.as_deref(), "info");
+            let mut settings = cfg.head.clone();
+            settings.listen = a.listen.unwrap_or(settings.listen);
+            settings.agents.extend(a.agents);
+            for f in &a.facts {
+                let (k, v) = f.split_once('=').context("--fact takes KEY=VALUE")?;
+                settings.facts.push((k.to_string(), v.to_string()));
+            }
+            settings.state = a.state.unwrap_or(settings.state);
+            settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
+            settings.relay_cache &= !a.no_relay_cache;
+            runtime().block_on(starling_head::run(settings))?;
             Ok(0)
         }
     }
@@ -336,7 +400,7 @@ fn run(cli: Cli) -> Result<i32> {
 
 /// Hidden `__link --listen A --target B --profile P --stats FILE`: the emulated WAN link relay.
 fn link_main(args: &[String]) -> ! {
-    init_logging("info");
+    init_logging(None, "info");
     let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let (Some(listen), Some(target), Some(profile)) = (get("--listen"), get("--target"), get("--profile")) else {
         eprintln!("starling __link: internal: needs --listen, --target and --profile");
@@ -363,29 +427,28 @@ fn link_main(args: &[String]) -> ! {
     std::process::exit(1);
 }
 
-fn job_options(f: JobFlags) -> starling_client::job::JobOptions {
+/// A job's context and options: the client settings with the flags applied.
+fn job_context(cfg: &mut Config, f: JobFlags) -> Result<(Context, starling_client::job::JobOptions)> {
     use starling_client::job::Report;
-    starling_client::job::JobOptions {
-        cluster: f.cluster,
-        compress: !f.no_compress,
-        prethrow: !f.no_prethrow,
-        prethrow_per_task: f.prethrow_per_task,
-        report: if f.json {
-            Report::Json
-        } else if f.quiet {
-            Report::Quiet
-        } else {
-            Report::Auto
-        },
-    }
+    cfg.client.compress &= !f.no_compress;
+    cfg.client.prethrow &= !f.no_prethrow;
+    let ctx = client_context(cfg, f.cluster)?;
+    let report = if f.json {
+        Report::Json
+    } else if f.quiet {
+        Report::Quiet
+    } else {
+        Report::Auto
+    };
+    Ok((ctx, starling_client::job::JobOptions { prethrow_per_task: f.prethrow_per_task, report }))
 }
 
 fn nix_hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "host".into())
 }
 
-async fn fetch_status(cluster: Option<&str>) -> Result<starling_proto::ClusterStatus> {
-    let (mut incoming, tx) = starling_client::exec::connect(cluster).await?;
+async fn fetch_status(target: &Target) -> Result<starling_proto::ClusterStatus> {
+    let (mut incoming, tx) = starling_session::connect(target).await?;
     tx.send(Msg::StatusRequest).await.ok();
     loop {
         match incoming.recv().await.context("reading the head's reply")? {
@@ -396,24 +459,23 @@ async fn fetch_status(cluster: Option<&str>) -> Result<starling_proto::ClusterSt
     }
 }
 
-async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
-    let st = fetch_status(cluster.as_deref()).await?;
-    let instance = starling_cluster::Instance::from_env()?;
-    let local = if cluster.is_none() { instance.load_state() } else { None };
+async fn status(json: bool, target: &Target) -> Result<i32> {
+    let st = fetch_status(target).await?;
+    let local = target.record.as_ref();
     let mut network = serde_json::Map::new();
-    if let Some(l) = &local {
+    if let Some(l) = local {
         network.insert("bridge".into(), l.bridge.clone().into());
         network.insert("subnet".into(), l.subnet.clone().into());
     }
     for (k, v) in &st.facts {
         network.insert(k.clone(), v.clone().into());
     }
-    if let Some(l) = &local {
-        let link = l.extra.get("link").cloned().unwrap_or_else(|| "lan".into());
+    if let Some(l) = local {
+        let link = l.link.as_ref().map_or("lan", |k| k.profile.as_str()).to_string();
         let desc = starling_link::Profile::parse(&link).map(|p| p.describe()).unwrap_or(link.clone());
         network.insert("link".into(), link.into());
         network.insert("link_detail".into(), desc.into());
-        if let Ok(bytes) = std::fs::read(instance.run_dir.join("link.json")) {
+        if let Some(bytes) = l.link.as_ref().and_then(|k| std::fs::read(&k.stats_file).ok()) {
             if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
                 network.insert("link_counters".into(), v["counters"].clone());
             }
@@ -457,38 +519,40 @@ async fn status(json: bool, cluster: Option<String>) -> Result<i32> {
     Ok(0)
 }
 
-fn up(a: UpArgs) -> Result<i32> {
+fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     if a.hosts == 0 || a.hosts > 64 {
         anyhow::bail!("--hosts must be between 1 and 64");
     }
     let exe = std::env::current_exe().context("locating the starling binary")?;
-    let instance = starling_cluster::Instance::from_env()?;
-    let head_args = if a.no_relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
-    let state = instance.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
+    let local = LocalCluster::new(cfg.instance);
+    // The record must say whether the head keeps a relay cache, whichever way it was switched off.
+    let head_args = if a.no_relay_cache || !cfg.head.relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
+    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
+    let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        let st = rt.block_on(fetch_status(None));
+        let st = rt.block_on(fetch_status(&target));
         if let Ok(s) = &st {
             if s.hosts.len() >= state.hosts.len() {
                 break;
             }
         }
         if std::time::Instant::now() > deadline {
-            let _ = instance.down();
+            let _ = local.down();
             anyhow::bail!(
                 "the cluster did not come up within 30 s ({}); logs are in {}/logs",
                 match st {
                     Ok(s) => format!("{} of {} hosts registered", s.hosts.len(), state.hosts.len()),
-                    Err(e) => format!("{e:#}"),
+                    Err(e) => one_line(&e),
                 },
-                instance.run_dir.display()
+                local.run_dir.display()
             );
         }
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     println!("starling cluster up: {} hosts, head at {}", state.hosts.len(), state.head_addr);
-    rt.block_on(status(false, None))?;
+    rt.block_on(status(false, &target))?;
     Ok(0)
 }

@@ -5,10 +5,10 @@
 //! consistency), and the head starts each as soon as a core is free.
 
 use crate::exec::report_commit;
-use crate::session::{Session, SessionOptions, TaskEvent};
-use crate::EXIT_STARLING_FAILURE;
-use anyhow::Result;
-use starling_proto::{JobTask, Stream, TaskId, TaskSpec, WirePath};
+use crate::launch;
+use crate::{Context, Result, EXIT_STARLING_FAILURE};
+use starling_proto::{ExitStatus, JobTask, Stream, TaskId, TaskSpec, WirePath};
+use starling_session::{Session, TaskEvent};
 use std::collections::{BTreeSet, HashMap};
 use std::io::{IsTerminal, Write};
 use tokio::sync::mpsc;
@@ -24,9 +24,6 @@ pub enum Report {
 }
 
 pub struct JobOptions {
-    pub cluster: Option<String>,
-    pub compress: bool,
-    pub prethrow: bool,
     /// Send the prethrow with every task instead of once (for measurements).
     pub prethrow_per_task: bool,
     pub report: Report,
@@ -74,36 +71,73 @@ fn json_line(v: serde_json::Value) {
 /// How one task ended.
 #[derive(Debug, Clone)]
 enum End {
-    Exit(starling_proto::ExitStatus),
+    Exit(ExitStatus),
     /// Lost, refused, or its commit failed (already reported).
     Failed,
 }
 
 /// Run a job: `argvs[i]` is task i's argv, or `None` for `base.argv`.
-pub async fn run(base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOptions) -> Result<i32> {
+pub async fn run(ctx: &Context, base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOptions) -> Result<i32> {
     let n = argvs.len();
     // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety implications.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let mut sigs = crate::exec::forwarded_signals()?;
-    let session = Session::connect(SessionOptions { cluster: opts.cluster.clone(), compress: opts.compress }).await?;
-    let (base, mut prediction) = crate::exec::prepare_launch(&session, base, opts.prethrow, opts.compress).await?;
+    let session = ctx.session().await?;
+    let (base, mut prediction) = launch::prepare(ctx, &session, base).await?;
+    let mut events = launch_all(&session, base, argvs, opts.prethrow_per_task).await?;
+    let mut view = JobView::new(n, opts.report);
+    let mut interrupted = None;
+    while !view.all_ended() {
+        let (idx, ev) = tokio::select! {
+            e = events.recv() => match e { Some(e) => e, None => break },
+            Some(no) = sigs.recv() => {
+                interrupted = Some(no);
+                for (task, _) in view.started.values() {
+                    session.signal(*task, no).await;
+                }
+                continue;
+            }
+        };
+        if let (TaskEvent::Started { task, .. }, Some(no)) = (&ev, interrupted) {
+            session.signal(*task, no).await;
+        }
+        view.on_event(idx, ev);
+        view.tick(session.files().stats().chunk_bytes_sent);
+    }
+    view.close();
+    if let Some(p) = prediction.as_mut() {
+        // One run of the job is one run of the program: count each path once.
+        let accessed: Vec<WirePath> = std::mem::take(&mut view.accessed).into_iter().collect();
+        p.finish(session.files(), &accessed);
+    }
+    launch::write_stats(ctx, session.files(), prediction.as_ref(), n, view.t0.elapsed());
+    view.summary();
+    Ok(view.exit_status())
+}
 
-    // Launch: one message for the whole job, or (for measurements) one per task.
+/// Launch the job: one message for all its tasks, or (for measurements) one
+/// per task. Returns every task's events, tagged with its index.
+async fn launch_all(
+    session: &Session,
+    base: TaskSpec,
+    argvs: Vec<Option<Vec<Vec<u8>>>>,
+    per_task: bool,
+) -> Result<mpsc::UnboundedReceiver<(usize, TaskEvent)>> {
+    let n = argvs.len();
     let mut pendings = Vec::with_capacity(n);
-    if opts.prethrow_per_task {
+    if per_task {
         for (i, argv) in argvs.into_iter().enumerate() {
             let mut s = base.clone();
             if let Some(a) = argv {
                 s.argv = a;
             }
-            s.env.push((b"STARLING_TASK".to_vec(), i.to_string().into_bytes()));
-            s.env.push((b"STARLING_TASKS".to_vec(), n.to_string().into_bytes()));
+            s.set_task_index(i, n);
             pendings.push(session.launch_pending(s, i).await?);
         }
     } else {
         pendings = session.launch_job(base, argvs.into_iter().map(|argv| JobTask { argv }).collect()).await?;
     }
-    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, TaskEvent)>();
+    let (ev_tx, ev_rx) = mpsc::unbounded_channel::<(usize, TaskEvent)>();
     for mut p in pendings {
         let ev_tx = ev_tx.clone();
         tokio::spawn(async move {
@@ -112,142 +146,174 @@ pub async fn run(base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>, opts: JobOpti
             }
         });
     }
-    drop(ev_tx);
+    Ok(ev_rx)
+}
 
-    let bar = (opts.report == Report::Auto && n > 3 && std::io::stderr().is_terminal()).then(|| {
-        let b = indicatif::ProgressBar::new(n as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} done  {msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        b.enable_steady_tick(std::time::Duration::from_millis(200));
-        b
-    });
-    let say = |bar: &Option<indicatif::ProgressBar>, stream: Stream, data: &[u8]| match bar {
-        Some(b) => b.suspend(|| emit(stream, data)),
-        None => emit(stream, data),
-    };
+/// What the user sees of a running job, and what it adds up to.
+struct JobView {
+    n: usize,
+    report: Report,
+    bar: Option<indicatif::ProgressBar>,
+    lines: LineBuf,
+    started: HashMap<usize, (TaskId, String)>,
+    ends: Vec<Option<End>>,
+    accessed: BTreeSet<WirePath>,
+    bytes_out: u64,
+    bytes_in: u64,
+    t0: std::time::Instant,
+}
 
-    let mut lines = LineBuf { pending: HashMap::new() };
-    let mut started: HashMap<usize, (TaskId, String)> = HashMap::new();
-    let mut ends: Vec<Option<End>> = vec![None; n];
-    let mut accessed: BTreeSet<WirePath> = BTreeSet::new();
-    let (mut bytes_out, mut bytes_in) = (0u64, 0u64);
-    let mut interrupted = None;
-    let t0 = std::time::Instant::now();
-    loop {
-        let (idx, ev) = tokio::select! {
-            e = ev_rx.recv() => match e { Some(e) => e, None => break },
-            Some(no) = sigs.recv() => {
-                interrupted = Some(no);
-                for (task, _) in started.values() {
-                    session.signal(*task, no).await;
-                }
-                continue;
-            }
-        };
+impl JobView {
+    fn new(n: usize, report: Report) -> JobView {
+        let bar = (report == Report::Auto && n > 3 && std::io::stderr().is_terminal()).then(|| {
+            let b = indicatif::ProgressBar::new(n as u64);
+            b.set_style(
+                indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} done  {msg}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                    .progress_chars("=> "),
+            );
+            b.enable_steady_tick(std::time::Duration::from_millis(200));
+            b
+        });
+        JobView {
+            n,
+            report,
+            bar,
+            lines: LineBuf { pending: HashMap::new() },
+            started: HashMap::new(),
+            ends: vec![None; n],
+            accessed: BTreeSet::new(),
+            bytes_out: 0,
+            bytes_in: 0,
+            t0: std::time::Instant::now(),
+        }
+    }
+
+    /// Print without tearing the progress bar.
+    fn say(&self, f: impl FnOnce()) {
+        match &self.bar {
+            Some(b) => b.suspend(f),
+            None => f(),
+        }
+    }
+
+    fn flush_lines(&mut self, idx: usize) {
+        for (s, b) in self.lines.flush(idx) {
+            self.say(|| emit(s, &b));
+        }
+    }
+
+    fn on_event(&mut self, idx: usize, ev: TaskEvent) {
+        let json = self.report == Report::Json;
         match ev {
             TaskEvent::Started { task, host, .. } => {
-                if let Some(no) = interrupted {
-                    session.signal(task, no).await;
-                }
-                if opts.report == Report::Json {
+                if json {
                     json_line(serde_json::json!({"event": "started", "task": idx, "host": host}));
                 }
-                started.insert(idx, (task, host));
+                self.started.insert(idx, (task, host));
             }
             TaskEvent::Output(stream, data) => {
-                bytes_in += data.len() as u64;
-                if opts.report == Report::Json {
+                self.bytes_in += data.len() as u64;
+                if json {
                     let s = if stream == Stream::Stdout { "stdout" } else { "stderr" };
                     json_line(serde_json::json!({"event": "output", "task": idx, "stream": s, "data": String::from_utf8_lossy(&data)}));
                 } else {
-                    let complete = lines.push(idx, stream, &data);
+                    let complete = self.lines.push(idx, stream, &data);
                     if !complete.is_empty() {
-                        say(&bar, stream, &complete);
+                        self.say(|| emit(stream, &complete));
                     }
                 }
             }
-            TaskEvent::Finished { status, commit, accessed: acc } => {
-                for (s, b) in lines.flush(idx) {
-                    say(&bar, s, &b);
-                }
-                accessed.extend(acc);
+            TaskEvent::Finished { status, commit, accessed } => {
+                self.flush_lines(idx);
+                self.accessed.extend(accessed);
                 if let Ok(r) = &commit {
-                    bytes_in += r.bytes;
+                    self.bytes_in += r.bytes;
                 }
-                let ok = match &bar {
-                    Some(b) => b.suspend(|| report_commit(&commit)),
-                    None => report_commit(&commit),
-                };
-                if opts.report == Report::Json {
+                let mut ok = false;
+                self.say(|| ok = report_commit(&commit));
+                if json {
                     let conflicts: Vec<String> =
                         commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.to_string()).collect()).unwrap_or_default();
                     json_line(serde_json::json!({"event": "finished", "task": idx, "exit": status.shell_code(),
                         "commit_ok": commit.is_ok(), "conflicts": conflicts}));
                 }
-                ends[idx] = Some(if ok { End::Exit(status) } else { End::Failed });
+                self.ends[idx] = Some(if ok { End::Exit(status) } else { End::Failed });
             }
             TaskEvent::CloneStats { .. } => {}
             TaskEvent::Refused(why) | TaskEvent::Lost(why) => {
-                for (s, b) in lines.flush(idx) {
-                    say(&bar, s, &b);
-                }
-                match &bar {
-                    Some(b) => b.suspend(|| eprintln!("starling: task {idx}: {why}")),
-                    None => eprintln!("starling: task {idx}: {why}"),
-                }
-                if opts.report == Report::Json {
+                self.flush_lines(idx);
+                self.say(|| eprintln!("starling: task {idx}: {why}"));
+                if json {
                     json_line(serde_json::json!({"event": "lost", "task": idx, "why": why}));
                 }
-                ends[idx] = Some(End::Failed);
+                self.ends[idx] = Some(End::Failed);
             }
         }
-        let done = ends.iter().filter(|e| e.is_some()).count();
-        bytes_out = session.files().stats().chunk_bytes_sent;
-        if let Some(b) = &bar {
+    }
+
+    fn done(&self) -> usize {
+        self.ends.iter().filter(|e| e.is_some()).count()
+    }
+
+    fn all_ended(&self) -> bool {
+        self.done() == self.n
+    }
+
+    /// Update the progress bar; `bytes_out`: content sent so far.
+    fn tick(&mut self, bytes_out: u64) {
+        self.bytes_out = bytes_out;
+        let done = self.done();
+        if let Some(b) = &self.bar {
             b.set_position(done as u64);
-            let running = started.len() - done.min(started.len());
-            let queued = n - started.len().max(done);
+            let running = self.started.len() - done.min(self.started.len());
+            let queued = self.n - self.started.len().max(done);
             b.set_message(format!(
                 "{running} running, {queued} queued   sent {}, received {}",
-                human(bytes_out),
-                human(bytes_in)
+                human(self.bytes_out),
+                human(self.bytes_in)
             ));
         }
-        if done == n {
-            break;
+    }
+
+    fn close(&self) {
+        if let Some(b) = &self.bar {
+            b.finish_and_clear();
         }
     }
-    if let Some(b) = &bar {
-        b.finish_and_clear();
+
+    fn failed(&self) -> usize {
+        self.ends.iter().filter(|e| !matches!(e, Some(End::Exit(ExitStatus::Code(0))))).count()
     }
-    if let Some(p) = prediction.as_mut() {
-        // One run of the job is one run of the program: count each path once.
-        let acc: Vec<WirePath> = accessed.into_iter().collect();
-        p.finish(session.files(), &acc);
+
+    fn summary(&self) {
+        let (n, failed, secs) = (self.n, self.failed(), self.t0.elapsed().as_secs_f64());
+        if self.report == Report::Json {
+            json_line(serde_json::json!({"event": "summary", "tasks": n, "failed": failed,
+                "seconds": secs, "bytes_sent": self.bytes_out, "bytes_received": self.bytes_in}));
+        } else if self.report == Report::Auto && n > 3 {
+            eprintln!(
+                "starling: {n} tasks in {secs:.1} s, {failed} failed; sent {}, received {}",
+                human(self.bytes_out),
+                human(self.bytes_in)
+            );
+        }
     }
-    crate::exec::write_stats(session.files(), prediction.as_ref(), n, t0.elapsed());
-    let failed = ends.iter().filter(|e| !matches!(e, Some(End::Exit(starling_proto::ExitStatus::Code(0))))).count();
-    if opts.report == Report::Json {
-        json_line(serde_json::json!({"event": "summary", "tasks": n, "failed": failed,
-            "seconds": t0.elapsed().as_secs_f64(), "bytes_sent": bytes_out, "bytes_received": bytes_in}));
-    } else if opts.report == Report::Auto && n > 3 {
-        eprintln!("starling: {n} tasks in {:.1} s, {failed} failed; sent {}, received {}", t0.elapsed().as_secs_f64(), human(bytes_out), human(bytes_in));
+
+    /// Starling's own failure wins, then the first failing task's status.
+    fn exit_status(&self) -> i32 {
+        if self.ends.iter().any(|e| matches!(e, Some(End::Failed) | None)) {
+            return EXIT_STARLING_FAILURE;
+        }
+        self.ends
+            .iter()
+            .filter_map(|e| match e {
+                Some(End::Exit(s)) if s.shell_code() != 0 => Some(s.shell_code()),
+                _ => None,
+            })
+            .next()
+            .unwrap_or(0)
     }
-    // Exit status: starling's own failure wins, then the first failing task's status.
-    if ends.iter().any(|e| matches!(e, Some(End::Failed) | None)) {
-        return Ok(EXIT_STARLING_FAILURE);
-    }
-    Ok(ends
-        .iter()
-        .filter_map(|e| match e {
-            Some(End::Exit(s)) if s.shell_code() != 0 => Some(s.shell_code()),
-            _ => None,
-        })
-        .next()
-        .unwrap_or(0))
 }
 
 pub fn human(b: u64) -> String {

@@ -1,24 +1,55 @@
-//! The client side of `starling exec`: everything that runs on the user's machine.
+//! `starling-client`: the front-ends of `starling exec`, `run` and `batch`.
 //!
-//! - [`discover`] finds the cluster head.
-//! - [`spec`] captures the caller's configuration (argv, env, cwd, umask,
-//!   credentials, rlimits) into a [`starling_proto::TaskSpec`].
-//! - [`files`] answers the file-view faults a task raises on its host: it is
-//!   the authoritative copy of the user's `/` (configuration transparency).
-//! - [`commit`] applies a finished task's file changes atomically, refusing
-//!   to overwrite anything the user changed meanwhile.
+//! What runs a task — finding the head, the session, answering file
+//! faults, committing — is `starling-session`'s; this crate prepares
+//! launches (prethrow prediction, push of what the head lacks) and shows
+//! what happens (live output, progress bars, JSON lines, exit statuses).
+//!
 //! - [`exec`] drives one task end to end.
+//! - [`job`] runs many tasks as one job.
+//! - [`launch`] prepares a launch from what earlier runs used.
+//! - [`shadow`] remembers what the head's caches hold.
 
-pub mod commit;
-pub mod discover;
 pub mod exec;
-pub mod files;
 pub mod job;
-pub mod prethrow;
-pub mod session;
+pub mod launch;
 pub mod shadow;
-pub mod spec;
+
+use starling_config::ClientSettings;
+use starling_session::discover::Target;
+use starling_session::{Session, SessionError, SessionOptions};
 
 /// Exit status `starling exec` uses for its own failures (cluster missing,
 /// host lost, protocol error), as ssh does.
 pub const EXIT_STARLING_FAILURE: i32 = 255;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error(transparent)]
+    Session(#[from] SessionError),
+    #[error("cannot handle signals: {0}")]
+    Signals(#[source] std::io::Error),
+    #[error("preparing the launch was interrupted")]
+    Interrupted,
+}
+
+pub type Result<T, E = ClientError> = std::result::Result<T, E>;
+
+/// What every command needs: the head (found once) and the client's settings.
+#[derive(Clone, Debug)]
+pub struct Context {
+    pub target: Target,
+    pub settings: ClientSettings,
+}
+
+impl Context {
+    /// A session to the head, set up as the settings say.
+    pub async fn session(&self) -> Result<Session> {
+        let opts = SessionOptions {
+            compress: self.settings.compress,
+            cache_dir: self.settings.cache_dir.clone(),
+            chunking: self.settings.chunking,
+        };
+        Ok(Session::connect(&self.target, opts).await?)
+    }
+}

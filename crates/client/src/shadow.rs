@@ -71,7 +71,7 @@ impl Shadow {
     /// saves at once, so concurrent launches (make -j) don't push them again.
     pub fn plan_push(
         &mut self,
-        files: &crate::files::FileServer,
+        files: &starling_session::files::FileServer,
         bindings: &[(WirePath, Lookup)],
         compress: bool,
     ) -> (Vec<Recipe>, Vec<ChunkData>) {
@@ -88,7 +88,7 @@ impl Shadow {
             }
             let Some((local, recipe)) = files.recipe_by_name(name) else { continue };
             let wanted: Vec<Hash> = recipe.chunks.iter().map(|c| c.hash).filter(|h| !self.has(h)).collect();
-            let size: u64 = recipe.chunks.iter().filter(|c| wanted.contains(&c.hash)).map(|c| c.len as u64).sum();
+            let size: u64 = recipe.chunks.iter().filter(|c| wanted.contains(&c.hash)).map(|c| u64::from(c.len)).sum();
             if size > budget {
                 continue;
             }

@@ -10,7 +10,8 @@ use std::ffi::CString;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use crate::sys::{Doing, SysError};
+use starling_config::roles;
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sched::{unshare, CloneFlags};
 use nix::unistd::{chdir, execvp, pivot_root, sethostname};
@@ -18,6 +19,28 @@ use nix::unistd::{chdir, execvp, pivot_root, sethostname};
 /// Inside every host, the agent's persistent state directory (bind of `STATE/hosts/hI/state`, on the real
 /// file system so FUSE passthrough backing files and per-task overlay upper dirs can live there).
 pub const HOST_STATE_MOUNT: &str = "/var/lib/starling/state";
+
+#[derive(Debug, thiserror::Error)]
+pub enum BootError {
+    #[error("unexpected argument {0:?}")]
+    UnexpectedArgument(String),
+    #[error("missing or bad {0}")]
+    Missing(&'static str),
+    #[error("host name {0:?} must be 1-63 characters of [A-Za-z0-9-]")]
+    BadHostName(String),
+    #[error("--state-dir {} must be absolute", .0.display())]
+    RelativeStateDir(PathBuf),
+    #[error("{} is not UTF-8", .0.display())]
+    NotUtf8(PathBuf),
+    #[error("path {0:?} cannot be used in overlay options (contains , : or \\)")]
+    OverlayUnsafe(String),
+    #[error("NUL in command {0:?}")]
+    NulInCommand(Vec<String>),
+    #[error(transparent)]
+    Sys(#[from] SysError),
+}
+
+type Result<T, E = BootError> = std::result::Result<T, E>;
 
 /// Parsed `__host-boot` arguments.
 #[derive(Debug, PartialEq, Eq)]
@@ -58,7 +81,7 @@ impl BootArgs {
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
-                "__host-boot" => {}
+                a if a == roles::HOST_BOOT => {}
                 "--name" => name = it.next().cloned(),
                 "--head" => head = it.next().cloned(),
                 "--state-dir" => host_dir = it.next().map(PathBuf::from),
@@ -66,19 +89,19 @@ impl BootArgs {
                 "--" => {
                     exec = it.by_ref().cloned().collect();
                 }
-                other => bail!("unexpected argument {other:?}"),
+                other => return Err(BootError::UnexpectedArgument(other.to_string())),
             }
         }
-        let name = name.context("missing --name")?;
+        let name = name.ok_or(BootError::Missing("--name"))?;
         if name.is_empty() || name.len() > 63 || !name.chars().all(|c| c.is_ascii_alphanumeric() || c == '-') {
-            bail!("host name {name:?} must be 1-63 characters of [A-Za-z0-9-]");
+            return Err(BootError::BadHostName(name));
         }
-        let host_dir = host_dir.context("missing --state-dir")?;
+        let host_dir = host_dir.ok_or(BootError::Missing("--state-dir"))?;
         if !host_dir.is_absolute() {
-            bail!("--state-dir {} must be absolute", host_dir.display());
+            return Err(BootError::RelativeStateDir(host_dir));
         }
-        let cache_mib = cache_mib.context("missing or bad --cache-mib")?;
-        Ok(BootArgs { name, head: head.context("missing --head")?, host_dir, cache_mib, exec })
+        let cache_mib = cache_mib.ok_or(BootError::Missing("--cache-mib"))?;
+        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, exec })
     }
 }
 
@@ -95,21 +118,21 @@ pub fn host_boot_main(args: &[String]) -> ! {
 
 fn boot(args: &BootArgs) -> Result<Infallible> {
     // Resolve our own binary before the root changes (it stays reachable: see `keep_reachable`).
-    let exe = std::env::current_exe().context("cannot resolve /proc/self/exe")?;
+    let exe = std::env::current_exe().doing(|| "cannot resolve /proc/self/exe".into())?;
 
-    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS).context("unshare(NEWNS|NEWUTS)")?;
+    unshare(CloneFlags::CLONE_NEWNS | CloneFlags::CLONE_NEWUTS).doing(|| "unshare(NEWNS|NEWUTS)".into())?;
     // Nothing we mount from here on may propagate back to the machine (or to other hosts).
     mount(None::<&str>, "/", None::<&str>, MsFlags::MS_REC | MsFlags::MS_PRIVATE, None::<&str>)
-        .context("making mounts private")?;
+        .doing(|| "making mounts private".into())?;
 
     let root = build_root(&args.host_dir, &exe)?;
-    sethostname(&args.name).context("sethostname")?;
+    sethostname(&args.name).doing(|| "sethostname".into())?;
     enter_root(&root)?;
 
     let argv: Vec<String> = if args.exec.is_empty() {
         vec![
             exe.display().to_string(),
-            "agent".into(),
+            roles::AGENT.into(),
             "--head".into(),
             args.head.clone(),
             "--name".into(),
@@ -123,34 +146,34 @@ fn boot(args: &BootArgs) -> Result<Infallible> {
         args.exec.clone()
     };
     let cargv: Vec<CString> =
-        argv.iter().map(|a| CString::new(a.as_str())).collect::<Result<_, _>>().context("NUL in command")?;
+        argv.iter().map(|a| CString::new(a.as_str())).collect::<Result<_, _>>().map_err(|_| BootError::NulInCommand(argv.clone()))?;
     std::env::set_var("HOSTNAME", &args.name);
-    execvp(&cargv[0], &cargv).with_context(|| format!("exec {:?}", argv))
+    Ok(execvp(&cargv[0], &cargv).doing(|| format!("exec {argv:?}"))?)
 }
 
 /// A mount option value must not contain the overlay option separators.
 fn option_path(p: &Path) -> Result<String> {
-    let s = p.to_str().with_context(|| format!("{} is not UTF-8", p.display()))?;
+    let s = p.to_str().ok_or_else(|| BootError::NotUtf8(p.to_path_buf()))?;
     if s.contains([',', ':', '\\']) {
-        bail!("path {s:?} cannot be used in overlay options (contains , : or \\)");
+        return Err(BootError::OverlayUnsafe(s.to_string()));
     }
     Ok(s.to_string())
 }
 
 fn mkdirs(p: &Path) -> Result<()> {
-    std::fs::create_dir_all(p).with_context(|| format!("mkdir -p {}", p.display()))
+    Ok(std::fs::create_dir_all(p).doing(|| format!("mkdir -p {}", p.display()))?)
 }
 
 fn mount_fs(fstype: &str, target: &Path, flags: MsFlags, data: Option<&str>) -> Result<()> {
     mkdirs(target)?;
-    mount(Some(fstype), target, Some(fstype), flags, data)
-        .with_context(|| format!("mount {fstype} on {} ({})", target.display(), data.unwrap_or("")))
+    Ok(mount(Some(fstype), target, Some(fstype), flags, data)
+        .doing(|| format!("mount {fstype} on {} ({})", target.display(), data.unwrap_or("")))?)
 }
 
 fn bind(source: &Path, target: &Path, recursive: bool) -> Result<()> {
     let flags = if recursive { MsFlags::MS_BIND | MsFlags::MS_REC } else { MsFlags::MS_BIND };
-    mount(Some(source), target, None::<&str>, flags, None::<&str>)
-        .with_context(|| format!("bind {} on {}", source.display(), target.display()))
+    Ok(mount(Some(source), target, None::<&str>, flags, None::<&str>)
+        .doing(|| format!("bind {} on {}", source.display(), target.display()))?)
 }
 
 /// Build the host's root under `host_dir/root` and return its path.
@@ -169,7 +192,7 @@ fn build_root(host_dir: &Path, exe: &Path) -> Result<PathBuf> {
     mkdirs(&root)?;
     let data = format!("lowerdir=/,upperdir={},workdir={}", option_path(&upper)?, option_path(&work)?);
     mount(Some("overlay"), &root, Some("overlay"), MsFlags::empty(), Some(data.as_str()))
-        .with_context(|| format!("mount overlay on {} ({data})", root.display()))?;
+        .doing(|| format!("mount overlay on {} ({data})", root.display()))?;
 
     let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     // A fresh proc (same PID namespace) and a sysfs that shows this network namespace's interfaces.
@@ -200,7 +223,7 @@ fn build_root(host_dir: &Path, exe: &Path) -> Result<PathBuf> {
 /// gets private `/tmp` and `/run` (a checkout under /tmp). If the path inside is not the very same file, bind
 /// the binary there.
 fn keep_reachable(exe: &Path, root: &Path) -> Result<()> {
-    let outside = std::fs::metadata(exe).with_context(|| format!("stat {}", exe.display()))?;
+    let outside = std::fs::metadata(exe).doing(|| format!("stat {}", exe.display()))?;
     let inside = root.join(exe.strip_prefix("/").unwrap_or(exe));
     if let Ok(m) = std::fs::metadata(&inside) {
         if (m.dev(), m.ino()) == (outside.dev(), outside.ino()) {
@@ -211,19 +234,19 @@ fn keep_reachable(exe: &Path, root: &Path) -> Result<()> {
         mkdirs(parent)?;
     }
     if !inside.exists() {
-        std::fs::File::create(&inside).with_context(|| format!("create {}", inside.display()))?;
+        std::fs::File::create(&inside).doing(|| format!("create {}", inside.display()))?;
     }
     bind(exe, &inside, false)
 }
 
 /// Make `root` our root and drop every view of the machine's old root.
 fn enter_root(root: &Path) -> Result<()> {
-    chdir(root).with_context(|| format!("chdir {}", root.display()))?;
+    chdir(root).doing(|| format!("chdir {}", root.display()))?;
     // pivot_root(".", ".") stacks the old root on top of the new one at "/"; detaching "." then removes it,
     // without needing a put_old directory inside the host's root.
-    pivot_root(".", ".").context("pivot_root")?;
-    umount2(".", MntFlags::MNT_DETACH).context("detaching the old root")?;
-    chdir("/").context("chdir /")?;
+    pivot_root(".", ".").doing(|| "pivot_root".into())?;
+    umount2(".", MntFlags::MNT_DETACH).doing(|| "detaching the old root".into())?;
+    chdir("/").doing(|| "chdir /".into())?;
     Ok(())
 }
 

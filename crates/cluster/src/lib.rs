@@ -32,8 +32,9 @@ mod boot;
 pub mod mounts;
 mod net;
 pub mod procs;
+mod sys;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::net::{SocketAddr, TcpStream};
@@ -44,77 +45,57 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context, Result};
+use sys::Doing;
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
-use serde::{Deserialize, Serialize};
 
-pub use boot::{host_boot_main, HOST_STATE_MOUNT};
+pub use boot::{host_boot_main, BootError, HOST_STATE_MOUNT};
+pub use sys::SysError;
 pub use net::{
-    netns_path, NetConfig, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
+    netns_path, NetConfig, NetError, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
     MAX_HOSTS,
 };
 
-/// Persistent state: the head's directory and the per-host caches, which survive `down`/`up`.
-pub const DEFAULT_STATE_DIR: &str = "/var/lib/starling";
-/// `cluster.json` and the logs of the running cluster.
-pub const DEFAULT_RUN_DIR: &str = "/run/starling";
-/// Name of the record of the running cluster inside the run dir.
-pub const CLUSTER_FILE: &str = "cluster.json";
-/// Subcommands (argv[1]) of starling processes that belong to a cluster; `down` kills leftovers of these.
-pub const CLUSTER_ROLES: [&str; 5] = ["agent", "__host-boot", "head", "__sandbox-init", "__link"];
+pub use starling_config::instance::{CLUSTER_FILE, RUN_DIR as DEFAULT_RUN_DIR, STATE_DIR as DEFAULT_STATE_DIR};
+pub use starling_config::{ClusterState, HostRecord, Instance, LinkRecord};
+
+pub use starling_config::roles::CLUSTER_ROLES;
+use starling_config::roles;
 /// Where the emulated WAN link (`starling up --link`) listens for clients
 /// (instance N listens on LINK_PORT + N).
 pub const LINK_PORT: u16 = 7079;
 
-/// Which embedded cluster a command means. Several can coexist on one
-/// machine (tests, benchmarks, development): `STARLING_INSTANCE=N` (1–9)
-/// selects the N-th, with its own run/state dirs, bridge, namespaces and
-/// subnet; unset or empty means the default one.
+/// One embedded cluster of this machine: its [`Instance`]'s directories,
+/// and the names, subnet and link port that instance uses.
 #[derive(Clone, Debug)]
-pub struct Instance {
-    pub number: u8,
+pub struct LocalCluster {
+    pub instance: Instance,
     pub run_dir: PathBuf,
     pub state_dir: PathBuf,
     pub net: NetConfig,
     pub link_port: u16,
 }
 
-impl Instance {
-    pub fn from_env() -> Result<Instance> {
-        let n = match std::env::var("STARLING_INSTANCE") {
-            Ok(v) if !v.is_empty() => match v.parse::<u8>() {
-                Ok(n) if (1..=9).contains(&n) => n,
-                _ => bail!("STARLING_INSTANCE must be a number from 1 to 9, not {v:?}"),
-            },
-            _ => 0,
-        };
-        Ok(Instance::numbered(n))
-    }
-
-    pub fn numbered(n: u8) -> Instance {
-        if n == 0 {
-            return Instance {
-                number: 0,
-                run_dir: DEFAULT_RUN_DIR.into(),
-                state_dir: DEFAULT_STATE_DIR.into(),
-                net: NetConfig::default(),
-                link_port: LINK_PORT,
-            };
-        }
-        let d = NetConfig::default();
-        let [a, b, _, _] = d.subnet.octets();
-        Instance {
-            number: n,
-            run_dir: format!("{DEFAULT_RUN_DIR}-{n}").into(),
-            state_dir: format!("{DEFAULT_STATE_DIR}-{n}").into(),
-            net: NetConfig {
+impl LocalCluster {
+    pub fn new(instance: Instance) -> LocalCluster {
+        let n = instance.number();
+        let net = if n == 0 {
+            NetConfig::default()
+        } else {
+            let [a, b, _, _] = DEFAULT_SUBNET.octets();
+            NetConfig {
                 bridge: format!("stbr{n}"),
                 netns_prefix: format!("starling{n}-"),
                 veth_prefix: format!("stv{n}-"),
                 subnet: std::net::Ipv4Addr::new(a, b, n, 0),
-            },
-            link_port: LINK_PORT + n as u16,
+            }
+        };
+        LocalCluster {
+            instance,
+            run_dir: instance.run_dir(),
+            state_dir: instance.state_dir(),
+            net,
+            link_port: LINK_PORT + u16::from(n),
         }
     }
 
@@ -124,7 +105,7 @@ impl Instance {
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
-    pub fn down(&self) -> Result<Vec<String>> {
+    pub fn down(&self) -> Result<Removed> {
         down_with(&self.run_dir, &self.state_dir, &self.net)
     }
 
@@ -133,36 +114,56 @@ impl Instance {
     }
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("--hosts must be between 1 and {MAX_HOSTS}, not {0}")]
+    Hosts(usize),
+    #[error(transparent)]
+    Net(#[from] NetError),
+    #[error(transparent)]
+    Sys(#[from] SysError),
+    #[error("a cluster is already running (head pid {pid} at {addr}, {hosts} hosts); run `starling down` first")]
+    AlreadyRunning { pid: u32, addr: String, hosts: usize },
+    #[error("leftovers of an earlier cluster exist ({}); run `starling down` first", .0.join(", "))]
+    Leftovers(Vec<String>),
+    #[error("another `starling up` or `down` is in progress ({} is locked)", .0.display())]
+    Busy(PathBuf),
+    #[error("the head (pid {pid}) exited before listening on {addr}:\n{log}")]
+    HeadExited { pid: u32, addr: SocketAddr, log: String },
+    #[error("the head (pid {pid}) is not listening on {addr} after {START_TIMEOUT:?}:\n{log}")]
+    HeadNotListening { pid: u32, addr: SocketAddr, log: String },
+    #[error("host {host} (pid {pid}) did not boot: {why}")]
+    HostDidNotBoot { host: String, pid: u32, why: BootFailure },
+    #[error("the head died while the hosts booted:\n{0}")]
+    HeadDied(String),
+    #[error(transparent)]
+    Record(#[from] starling_config::ConfigError),
+    #[error("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))]
+    Teardown { problems: Vec<String>, removed: Vec<String> },
+}
+
+/// Why a host did not boot (with the end of its log).
+#[derive(Debug)]
+pub enum BootFailure {
+    Exited(String),
+    TimedOut(String),
+}
+
+impl std::fmt::Display for BootFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BootFailure::Exited(log) => write!(f, "it exited:\n{log}"),
+            BootFailure::TimedOut(log) => write!(f, "not booted after {START_TIMEOUT:?}:\n{log}"),
+        }
+    }
+}
+
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
+
 /// How long `up` waits for the head to listen and for each host to finish booting.
 const START_TIMEOUT: Duration = Duration::from_secs(20);
 /// How long `down` waits for killed processes to disappear, per round.
 const KILL_TIMEOUT: Duration = Duration::from_secs(5);
-
-/// The record of a running cluster, `RUN/cluster.json`.
-#[derive(Serialize, Deserialize, Clone, Debug)]
-pub struct ClusterState {
-    /// `"IP:PORT"` the head listens on (the bridge's address).
-    pub head_addr: String,
-    pub head_pid: u32,
-    pub bridge: String,
-    /// `"10.213.0.0/24"`.
-    pub subnet: String,
-    pub hosts: Vec<HostRecord>,
-    /// Unix seconds.
-    pub started_at: i64,
-    /// Also: `netns_prefix`, `veth_prefix`, `exe`, `state_dir`, `netns_ids` (so `down` finds non-default names).
-    pub extra: BTreeMap<String, String>,
-}
-
-#[derive(Serialize, Deserialize, Clone, Debug)]
-pub struct HostRecord {
-    /// `h1`, `h2`, ...
-    pub name: String,
-    pub netns: String,
-    pub ip: String,
-    /// Pid of the boot process, which became the agent by exec.
-    pub boot_pid: u32,
-}
 
 pub struct UpOptions {
     pub hosts: usize,
@@ -224,21 +225,17 @@ pub fn log_path(run_dir: &Path, name: &str) -> PathBuf {
 }
 
 fn read_state_file(run_dir: &Path) -> Option<ClusterState> {
-    let text = std::fs::read_to_string(cluster_file(run_dir)).ok()?;
-    match serde_json::from_str(&text) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            log::warn!("ignoring unreadable {}: {e}", cluster_file(run_dir).display());
-            None
-        }
-    }
+    ClusterState::read(&cluster_file(run_dir)).unwrap_or_else(|e| {
+        log::warn!("ignoring {e}");
+        None
+    })
 }
 
 /// The running cluster, or `None` if there is none (no file, an unreadable one, or one whose head is dead).
 pub fn load_state(run_dir: &Path) -> Option<ClusterState> {
     let state = read_state_file(run_dir)?;
     let head_alive =
-        procs::is_alive(state.head_pid) && procs::cmdline(state.head_pid).get(1).is_some_and(|role| role == "head");
+        procs::is_alive(state.head_pid) && procs::cmdline(state.head_pid).get(1).is_some_and(|role| role == roles::HEAD);
     head_alive.then_some(state)
 }
 
@@ -254,27 +251,22 @@ pub fn up(opts: &UpOptions) -> Result<ClusterState> {
 pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState> {
     let net = &overrides.net;
     if opts.hosts == 0 || opts.hosts > MAX_HOSTS {
-        bail!("--hosts must be between 1 and {MAX_HOSTS}, not {}", opts.hosts);
+        return Err(ClusterError::Hosts(opts.hosts));
     }
     net.validate(opts.hosts)?;
-    let exe = std::fs::canonicalize(&opts.exe).with_context(|| format!("starling binary {}", opts.exe.display()))?;
+    let exe = std::fs::canonicalize(&opts.exe).doing(|| format!("starling binary {}", opts.exe.display()))?;
     let state_dir = absolute(&opts.state_dir)?;
     let run_dir = absolute(&opts.run_dir)?;
     let _lock = lock_run_dir(&run_dir, false)?;
     if let Some(running) = load_state(&run_dir) {
-        bail!(
-            "a cluster is already running (head pid {} at {}, {} hosts); run `starling down` first",
-            running.head_pid,
-            running.head_addr,
-            running.hosts.len()
-        );
+        return Err(ClusterError::AlreadyRunning { pid: running.head_pid, addr: running.head_addr, hosts: running.hosts.len() });
     }
     let leftovers: Vec<String> = net::list_netns(&net.netns_prefix)
         .into_iter()
         .chain(net::link_exists(&net.bridge).then(|| net.bridge.clone()))
         .collect();
     if !leftovers.is_empty() {
-        bail!("leftovers of an earlier cluster exist ({}); run `starling down` first", leftovers.join(", "));
+        return Err(ClusterError::Leftovers(leftovers));
     }
 
     match start(opts, overrides, &exe, &state_dir, &run_dir) {
@@ -292,20 +284,18 @@ pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState
 /// tear the first one down while it is still starting. `up` refuses to wait; `down` waits for a running `up`
 /// (which is bounded by its start timeouts).
 fn lock_run_dir(run_dir: &Path, wait: bool) -> Result<Flock<File>> {
-    std::fs::create_dir_all(run_dir).with_context(|| format!("mkdir {}", run_dir.display()))?;
+    std::fs::create_dir_all(run_dir).doing(|| format!("mkdir {}", run_dir.display()))?;
     let path = run_dir.join(".lock");
     let file = File::options()
         .create(true)
         .truncate(false)
         .write(true)
         .open(&path)
-        .with_context(|| format!("open {}", path.display()))?;
+        .doing(|| format!("open {}", path.display()))?;
     let how = if wait { FlockArg::LockExclusive } else { FlockArg::LockExclusiveNonblock };
     Flock::lock(file, how).map_err(|(_, errno)| match errno {
-        Errno::EWOULDBLOCK => {
-            anyhow::anyhow!("another `starling up` or `down` is in progress ({} is locked)", path.display())
-        }
-        other => anyhow::anyhow!("locking {}: {other}", path.display()),
+        Errno::EWOULDBLOCK => ClusterError::Busy(path.clone()),
+        other => SysError { what: format!("locking {}", path.display()), source: other.into() }.into(),
     })
 }
 
@@ -313,7 +303,7 @@ fn absolute(p: &Path) -> Result<PathBuf> {
     if p.is_absolute() {
         Ok(p.to_path_buf())
     } else {
-        Ok(std::env::current_dir()?.join(p))
+        Ok(std::env::current_dir().doing(|| "cannot determine the current directory".into())?.join(p))
     }
 }
 
@@ -325,8 +315,8 @@ fn start(
     run_dir: &Path,
 ) -> Result<ClusterState> {
     let cfg = &overrides.net;
-    std::fs::create_dir_all(run_dir.join("logs")).with_context(|| format!("mkdir {}", run_dir.display()))?;
-    std::fs::create_dir_all(state_dir.join("head")).with_context(|| format!("mkdir {}", state_dir.display()))?;
+    std::fs::create_dir_all(run_dir.join("logs")).doing(|| format!("mkdir {}", run_dir.display()))?;
+    std::fs::create_dir_all(state_dir.join("head")).doing(|| format!("mkdir {}", state_dir.display()))?;
 
     net::create_bridge(cfg)?;
     for i in 1..=opts.hosts {
@@ -336,7 +326,7 @@ fn start(
     let cache_mib = cache_mib_per_host(state_dir, opts.hosts);
     let head_addr = SocketAddr::from((cfg.bridge_ip(), HEAD_PORT));
     let mut head = Command::new(exe);
-    head.arg("head").arg("--listen").arg(head_addr.to_string()).arg("--state").arg(state_dir.join("head"));
+    head.arg(roles::HEAD).arg("--listen").arg(head_addr.to_string()).arg("--state").arg(state_dir.join("head"));
     if !opts.head_args.iter().any(|a| a.starts_with("--cache-mib")) {
         head.arg("--cache-mib").arg(cache_mib.to_string());
     }
@@ -349,7 +339,7 @@ fn start(
         let name = NetConfig::host_name(i);
         let netns = cfg.netns_name(&name);
         let hdir = host_dir(state_dir, &name);
-        std::fs::create_dir_all(hdir.join("state")).with_context(|| format!("mkdir {}", hdir.display()))?;
+        std::fs::create_dir_all(hdir.join("state")).doing(|| format!("mkdir {}", hdir.display()))?;
         let boot_args = boot::BootArgs {
             name: name.clone(),
             head: head_addr.to_string(),
@@ -358,26 +348,28 @@ fn start(
             exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);
-        cmd.arg("__host-boot").args(boot_args.to_args());
-        let ns_file = File::open(netns_path(&netns)).with_context(|| format!("open netns {netns}"))?;
+        cmd.arg(roles::HOST_BOOT).args(boot_args.to_args());
+        let ns_file = File::open(netns_path(&netns)).doing(|| format!("open netns {netns}"))?;
         let boot_pid = spawn_detached(cmd, &log_path(run_dir, &name), Some(&ns_file))?;
         hosts.push(HostRecord { name, netns, ip: cfg.host_ip(i).to_string(), boot_pid });
     }
     for h in &hosts {
         wait_booted(h.boot_pid, &log_path(run_dir, &h.name))
-            .with_context(|| format!("host {} (pid {}) did not boot", h.name, h.boot_pid))?;
+            .map_err(|why| ClusterError::HostDidNotBoot { host: h.name.clone(), pid: h.boot_pid, why })?;
     }
     if !procs::is_alive(head_pid) {
-        bail!("the head died while the hosts booted:\n{}", log_tail(&log_path(run_dir, "head")));
+        return Err(ClusterError::HeadDied(log_tail(&log_path(run_dir, "head"))));
     }
 
     // The emulated WAN link: clients reach the head only through it.
     let mut client_addr = head_addr.to_string();
-    let mut link_facts = Vec::new();
+    let mut link = None;
     if let Some(profile) = opts.link.as_deref().filter(|p| *p != "lan") {
         let listen = SocketAddr::from(([127, 0, 0, 1], overrides.link_port));
-        let mut link = Command::new(exe);
-        link.arg("__link")
+        let stats_file = run_dir.join("link.json");
+        let mut relay = Command::new(exe);
+        relay
+            .arg(roles::LINK)
             .arg("--listen")
             .arg(listen.to_string())
             .arg("--target")
@@ -385,59 +377,40 @@ fn start(
             .arg("--profile")
             .arg(profile)
             .arg("--stats")
-            .arg(run_dir.join("link.json"));
-        let link_pid = spawn_detached(link, &log_path(run_dir, "link"), None)?;
-        wait_listening(listen, link_pid, &log_path(run_dir, "link"))?;
+            .arg(&stats_file);
+        let pid = spawn_detached(relay, &log_path(run_dir, "link"), None)?;
+        wait_listening(listen, pid, &log_path(run_dir, "link"))?;
         client_addr = listen.to_string();
-        link_facts = vec![
-            ("link".to_string(), profile.to_string()),
-            ("link_pid".to_string(), link_pid.to_string()),
-            ("head_direct".to_string(), head_addr.to_string()),
-        ];
+        link = Some(LinkRecord { profile: profile.to_string(), pid, head_direct: head_addr.to_string(), stats_file });
     }
 
-    let netns_ids: Vec<String> = hosts
-        .iter()
-        .filter_map(|h| net::ns_id(&netns_path(&h.netns)))
-        .map(|(dev, ino)| format!("{dev}:{ino}"))
-        .collect();
-    let extra = BTreeMap::from([
-        ("netns_prefix".to_string(), cfg.netns_prefix.clone()),
-        ("veth_prefix".to_string(), cfg.veth_prefix.clone()),
-        ("exe".to_string(), exe.display().to_string()),
-        ("state_dir".to_string(), state_dir.display().to_string()),
-        ("netns_ids".to_string(), netns_ids.join(",")),
-        ("cache_mib_per_host".to_string(), cache_mib.to_string()),
-    ]);
-    let mut extra = extra;
-    extra.extend(link_facts);
-    if opts.head_args.iter().any(|a| a == "--no-relay-cache") {
-        extra.insert("relay_cache".into(), "off".into());
-    }
     let state = ClusterState {
         head_addr: client_addr,
         head_pid,
         bridge: cfg.bridge.clone(),
         subnet: cfg.subnet_cidr(),
+        netns_prefix: cfg.netns_prefix.clone(),
+        veth_prefix: cfg.veth_prefix.clone(),
+        netns_ids: hosts.iter().filter_map(|h| net::ns_id(&netns_path(&h.netns))).collect(),
+        exe: exe.to_path_buf(),
+        state_dir: state_dir.to_path_buf(),
+        cache_mib_per_host: cache_mib,
+        relay_cache: !opts.head_args.iter().any(|a| a == "--no-relay-cache"),
+        link,
         hosts,
         started_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_secs() as i64)
-            .unwrap_or(0),
-        extra,
+            .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
     };
-    let file = cluster_file(run_dir);
-    let tmp = file.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&state)?).with_context(|| format!("write {}", tmp.display()))?;
-    std::fs::rename(&tmp, &file).with_context(|| format!("rename to {}", file.display()))?;
+    state.write(&cluster_file(run_dir))?;
     Ok(state)
 }
 
 /// Start `cmd` in its own session (so a terminal hang-up or Ctrl-C of `starling up` does not reach it), with
 /// stdin from /dev/null and stdout/stderr to `log`, optionally inside the network namespace `netns`.
 fn spawn_detached(mut cmd: Command, log: &Path, netns: Option<&File>) -> Result<u32> {
-    let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
-    cmd.stdin(Stdio::null()).stdout(out.try_clone()?).stderr(out).current_dir("/");
+    let out = File::create(log).doing(|| format!("create {}", log.display()))?;
+    cmd.stdin(Stdio::null()).stdout(out.try_clone().doing(|| format!("dup {}", log.display()))?).stderr(out).current_dir("/");
     let ns_fd = netns.map(|f| f.as_raw_fd());
     // SAFETY: the closure runs in the forked child before exec and only makes two raw system calls (setns,
     // setsid), both async-signal-safe; it allocates nothing and touches no lock. `ns_fd` stays open in the
@@ -455,7 +428,7 @@ fn spawn_detached(mut cmd: Command, log: &Path, netns: Option<&File>) -> Result<
             Ok(())
         });
     }
-    let mut child = cmd.spawn().with_context(|| format!("start {:?}", cmd))?;
+    let mut child = cmd.spawn().doing(|| format!("start {cmd:?}"))?;
     let pid = child.id();
     // Reap it whenever it exits, so a long-lived caller (a test, a daemon) does not collect zombies; when the
     // caller exits first, init adopts it.
@@ -482,10 +455,10 @@ fn wait_listening(addr: SocketAddr, pid: u32, log: &Path) -> Result<()> {
             return Ok(());
         }
         if !procs::is_alive(pid) {
-            bail!("the head (pid {pid}) exited before listening on {addr}:\n{}", log_tail(log));
+            return Err(ClusterError::HeadExited { pid, addr, log: log_tail(log) });
         }
         if Instant::now() > deadline {
-            bail!("the head (pid {pid}) is not listening on {addr} after {START_TIMEOUT:?}:\n{}", log_tail(log));
+            return Err(ClusterError::HeadNotListening { pid, addr, log: log_tail(log) });
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -493,28 +466,28 @@ fn wait_listening(addr: SocketAddr, pid: u32, log: &Path) -> Result<()> {
 
 /// A host has booted once its boot process has pivoted into its own root (the root differs from ours) and
 /// exec'd the agent (argv[1] is no longer `__host-boot`).
-fn wait_booted(pid: u32, log: &Path) -> Result<()> {
-    let our_root = std::fs::metadata("/").context("stat /")?;
+fn wait_booted(pid: u32, log: &Path) -> Result<(), BootFailure> {
+    let our_root = std::fs::metadata("/").map_err(|e| BootFailure::Exited(format!("stat /: {e}")))?;
     let deadline = Instant::now() + START_TIMEOUT;
     loop {
         let root = std::fs::metadata(format!("/proc/{pid}/root/"));
         let pivoted = root.is_ok_and(|r| (r.dev(), r.ino()) != (our_root.dev(), our_root.ino()));
-        let exec_done = procs::cmdline(pid).get(1).map(String::as_str) != Some("__host-boot");
+        let exec_done = procs::cmdline(pid).get(1).map(String::as_str) != Some(roles::HOST_BOOT);
         if !procs::is_alive(pid) {
-            bail!("it exited:\n{}", log_tail(log));
+            return Err(BootFailure::Exited(log_tail(log)));
         }
         if pivoted && exec_done {
             return Ok(());
         }
         if Instant::now() > deadline {
-            bail!("not booted after {START_TIMEOUT:?}:\n{}", log_tail(log));
+            return Err(BootFailure::TimedOut(log_tail(log)));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
 }
 
 /// Tear down the default-named cluster: see [`down_with`].
-pub fn down(run_dir: &Path, state_dir: &Path) -> Result<Vec<String>> {
+pub fn down(run_dir: &Path, state_dir: &Path) -> Result<Removed> {
     down_with(run_dir, state_dir, &NetConfig::default())
 }
 
@@ -525,26 +498,22 @@ pub fn down(run_dir: &Path, state_dir: &Path) -> Result<Vec<String>> {
 /// detach mounts below `STATE/hosts` and `RUN`; delete the namespaces, veths and bridge; remove
 /// `cluster.json`. The persistent host caches (`STATE/hosts/*/state`) stay. Names come from `cfg` and, if
 /// different, from `cluster.json`. Fails (after doing all it can) if something could not be removed.
-pub fn down_with(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<String>> {
+pub fn down_with(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed> {
     let run_dir = absolute(run_dir)?;
     let _lock = lock_run_dir(&run_dir, true)?;
     teardown(&run_dir, &absolute(state_dir)?, cfg)
 }
 
 /// `down_with` without the lock (`up` already holds it when it cleans up after itself).
-fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<String>> {
+fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed> {
     let (state_dir, run_dir) = (state_dir.to_path_buf(), run_dir.to_path_buf());
     let record = read_state_file(&run_dir);
     let mut cfgs = vec![cfg.clone()];
     if let Some(r) = &record {
         let mut recorded = cfg.clone();
         recorded.bridge = r.bridge.clone();
-        if let Some(p) = r.extra.get("netns_prefix") {
-            recorded.netns_prefix = p.clone();
-        }
-        if let Some(p) = r.extra.get("veth_prefix") {
-            recorded.veth_prefix = p.clone();
-        }
+        recorded.netns_prefix = r.netns_prefix.clone();
+        recorded.veth_prefix = r.veth_prefix.clone();
         if let Some(ip) = r.subnet.split('/').next().and_then(|s| s.parse().ok()) {
             recorded.subnet = ip;
         }
@@ -554,22 +523,11 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
         }
     }
 
-    let mut removed = Vec::new();
+    let mut removed = Removed::default();
     let mut problems = Vec::new();
 
     // 1. Processes. Repeat because a dying agent's children may just have forked.
-    let recorded_ns: BTreeSet<(u64, u64)> = record
-        .as_ref()
-        .and_then(|r| r.extra.get("netns_ids"))
-        .map(|ids| {
-            ids.split(',')
-                .filter_map(|id| {
-                    let (dev, ino) = id.split_once(':')?;
-                    Some((dev.parse().ok()?, ino.parse().ok()?))
-                })
-                .collect()
-        })
-        .unwrap_or_default();
+    let recorded_ns: BTreeSet<(u64, u64)> = record.iter().flat_map(|r| r.netns_ids.iter().copied()).collect();
     let recorded_pids: BTreeSet<u32> =
         record.iter().flat_map(|r| std::iter::once(r.head_pid).chain(r.hosts.iter().map(|h| h.boot_pid))).collect();
     let head_addr_prefixes: Vec<String> = cfgs.iter().map(|c| format!("{}:", c.bridge_ip())).collect();
@@ -596,7 +554,7 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
             break;
         }
         for p in table.iter().filter(|p| targets.contains(&p.pid)) {
-            removed.push(format!("killed pid {} ({})", p.pid, p.argv.join(" ")));
+            removed.0.push(Object::Process { pid: p.pid, argv: p.argv.clone() });
         }
         let left = procs::kill_and_wait(&targets, KILL_TIMEOUT);
         if round == 9 && !left.is_empty() {
@@ -606,7 +564,7 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
 
     // 2. Mounts left in our namespace (normally none: hosts mount in their own).
     for m in mounts::detach_under(&[state_dir.join("hosts"), run_dir.clone()]) {
-        removed.push(format!("unmounted {}", m.display()));
+        removed.0.push(Object::Mount(m));
     }
     let still_mounted: Vec<PathBuf> = mounts::mounts_under(&[state_dir.join("hosts"), run_dir.clone()]);
     if !still_mounted.is_empty() {
@@ -617,21 +575,21 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
     for c in &cfgs {
         for ns in net::list_netns(&c.netns_prefix) {
             match net::ip(&["netns", "del", &ns]) {
-                Ok(()) => removed.push(format!("deleted netns {ns}")),
+                Ok(()) => removed.0.push(Object::Netns(ns)),
                 Err(e) => problems.push(format!("{e:#}")),
             }
         }
         for veth in net::list_links(&c.veth_prefix) {
             match net::ip(&["link", "del", &veth]) {
-                Ok(()) => removed.push(format!("deleted veth {veth}")),
+                Ok(()) => removed.0.push(Object::Veth(veth)),
                 // Deleting a namespace removes its veth pairs asynchronously: gone is what we wanted.
-                Err(_) if !net::link_exists(&veth) => removed.push(format!("deleted veth {veth}")),
+                Err(_) if !net::link_exists(&veth) => removed.0.push(Object::Veth(veth)),
                 Err(e) => problems.push(format!("{e:#}")),
             }
         }
         if net::link_exists(&c.bridge) {
             match net::ip(&["link", "del", &c.bridge]) {
-                Ok(()) => removed.push(format!("deleted bridge {}", c.bridge)),
+                Ok(()) => removed.0.push(Object::Bridge(c.bridge.clone())),
                 Err(e) => problems.push(format!("{e:#}")),
             }
         }
@@ -641,7 +599,7 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
     let file = cluster_file(&run_dir);
     if file.exists() {
         match std::fs::remove_file(&file) {
-            Ok(()) => removed.push(format!("removed {}", file.display())),
+            Ok(()) => removed.0.push(Object::Record(file)),
             Err(e) => problems.push(format!("cannot remove {}: {e}", file.display())),
         }
     }
@@ -649,7 +607,76 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Vec<Str
     if problems.is_empty() {
         Ok(removed)
     } else {
-        bail!("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))
+        Err(ClusterError::Teardown { problems, removed: removed.iter().collect() })
+    }
+}
+
+/// One thing `down` removed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Object {
+    Process { pid: u32, argv: Vec<String> },
+    Mount(PathBuf),
+    Netns(String),
+    Veth(String),
+    Bridge(String),
+    /// `cluster.json`.
+    Record(PathBuf),
+}
+
+impl std::fmt::Display for Object {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Object::Process { pid, argv } => write!(f, "killed pid {pid} ({})", argv.join(" ")),
+            Object::Mount(m) => write!(f, "unmounted {}", m.display()),
+            Object::Netns(n) => write!(f, "deleted netns {n}"),
+            Object::Veth(v) => write!(f, "deleted veth {v}"),
+            Object::Bridge(b) => write!(f, "deleted bridge {b}"),
+            Object::Record(r) => write!(f, "removed {}", r.display()),
+        }
+    }
+}
+
+/// Everything `down` removed, in order.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Removed(pub Vec<Object>);
+
+impl Removed {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// One line per object (`starling down -v`).
+    pub fn iter(&self) -> impl Iterator<Item = String> + '_ {
+        self.0.iter().map(Object::to_string)
+    }
+
+    /// One line for all of it: `removed cluster: 4 hosts, head, link, bridge stbr0 (31 objects)`.
+    pub fn summary(&self) -> String {
+        let role = |r: &str| {
+            self.0.iter().filter(|o| matches!(o, Object::Process { argv, .. } if argv.get(1).map(String::as_str) == Some(r))).count()
+        };
+        let netns = self.0.iter().filter(|o| matches!(o, Object::Netns(_))).count();
+        let hosts = netns.max(role(roles::AGENT) + role(roles::HOST_BOOT));
+        let mut parts = Vec::new();
+        if hosts > 0 {
+            parts.push(format!("{hosts} host{}", if hosts == 1 { "" } else { "s" }));
+        }
+        if role(roles::HEAD) > 0 {
+            parts.push("head".to_string());
+        }
+        if role(roles::LINK) > 0 {
+            parts.push("link".to_string());
+        }
+        for o in &self.0 {
+            if let Object::Bridge(b) = o {
+                parts.push(format!("bridge {b}"));
+            }
+        }
+        if parts.is_empty() {
+            parts.push("leftovers".to_string());
+        }
+        let n = self.0.len();
+        format!("removed cluster: {} ({n} object{})", parts.join(", "), if n == 1 { "" } else { "s" })
     }
 }
 
@@ -666,7 +693,7 @@ const MIN_CACHE_MIB: u64 = 256;
 /// tasks.
 fn cache_mib_per_host(state_dir: &Path, hosts: usize) -> u64 {
     match nix::sys::statvfs::statvfs(state_dir) {
-        Ok(s) => cache_share((s.blocks_available() as u64).saturating_mul(s.fragment_size() as u64) >> 20, hosts),
+        Ok(s) => cache_share(s.blocks_available().saturating_mul(s.fragment_size()) >> 20, hosts),
         Err(_) => DEFAULT_CACHE_MIB,
     }
 }
@@ -689,5 +716,33 @@ mod cache_bound_tests {
         assert_eq!(cache_share(10 << 20, 4), DEFAULT_CACHE_MIB);
         // A nearly full disk: the minimum (the agent's LRU keeps it there).
         assert_eq!(cache_share(100, 4), MIN_CACHE_MIB);
+    }
+}
+
+#[cfg(test)]
+mod removed_tests {
+    use super::*;
+
+    fn process(pid: u32, args: &[&str]) -> Object {
+        Object::Process { pid, argv: args.iter().map(|a| a.to_string()).collect() }
+    }
+
+    #[test]
+    fn down_sums_up_what_it_removed_in_one_line() {
+        let mut r = Removed::default();
+        r.0.push(process(10, &["/s", "head", "--listen", "10.213.0.1:7077"]));
+        r.0.push(process(11, &["/s", "__link", "--listen", "127.0.0.1:7079"]));
+        for h in ["h1", "h2"] {
+            r.0.push(process(12, &["/s", "agent", "--name", h]));
+            r.0.push(Object::Netns(format!("starling-{h}")));
+            r.0.push(Object::Veth(format!("stv-{h}")));
+        }
+        r.0.push(Object::Bridge("stbr0".into()));
+        r.0.push(Object::Record("/run/starling/cluster.json".into()));
+        assert_eq!(r.summary(), "removed cluster: 2 hosts, head, link, bridge stbr0 (10 objects)");
+        assert_eq!(r.iter().count(), 10);
+        assert!(r.iter().any(|l| l == "deleted bridge stbr0"));
+        let leftover = Removed(vec![Object::Mount("/run/starling/x".into())]);
+        assert_eq!(leftover.summary(), "removed cluster: leftovers (1 object)");
     }
 }

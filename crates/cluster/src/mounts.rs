@@ -21,8 +21,9 @@ fn unescape_octal(field: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'\\' && i + 3 < bytes.len() && bytes[i + 1..i + 4].iter().all(|b| (b'0'..=b'7').contains(b)) {
-            let v = (bytes[i + 1] - b'0') as u32 * 64 + (bytes[i + 2] - b'0') as u32 * 8 + (bytes[i + 3] - b'0') as u32;
-            out.push(v as u8);
+            // Three octal digits: at most 0o777, which wraps as the kernel's own u8 arithmetic would.
+            let v = (bytes[i + 1] - b'0').wrapping_mul(64).wrapping_add((bytes[i + 2] - b'0') * 8).wrapping_add(bytes[i + 3] - b'0');
+            out.push(v);
             i += 4;
         } else {
             out.push(bytes[i]);

@@ -10,7 +10,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use anyhow::{bail, Context, Result};
+use crate::sys::{Doing, SysError};
 use serde::{Deserialize, Serialize};
 
 /// Name of the bridge of the default cluster.
@@ -22,7 +22,7 @@ pub const DEFAULT_VETH_PREFIX: &str = "stv-";
 /// The default cluster's /24: the bridge is `.1`, host `hI` is `.(10+I)`.
 pub const DEFAULT_SUBNET: Ipv4Addr = Ipv4Addr::new(10, 213, 0, 0);
 /// Port the head listens on.
-pub const HEAD_PORT: u16 = 7077;
+pub use starling_config::HEAD_PORT;
 /// Where `ip netns add` keeps its named namespaces.
 pub const NETNS_RUN_DIR: &str = "/run/netns";
 /// Host `hI` gets address `.(HOST_ADDR_OFFSET + I)`.
@@ -33,6 +33,22 @@ pub const MAX_HOSTS: usize = 240;
 const MAX_IFNAME: usize = 15;
 /// Name of the temporary veth end before it is moved into the host's namespace and renamed `eth0`.
 const PEER_TMP_PREFIX: &str = "stp";
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("{what} interface name {name:?} is empty, longer than {MAX_IFNAME} bytes or has / : or space")]
+    BadInterfaceName { what: &'static str, name: String },
+    #[error("{what} prefix {prefix:?} must be at least 2 characters without / or spaces")]
+    BadPrefix { what: &'static str, prefix: String },
+    #[error("bridge name {bridge:?} must not start with the veth prefix {prefix:?}")]
+    BridgeUnderVethPrefix { bridge: String, prefix: String },
+    #[error("cannot run ip(8) (is iproute2 installed?): {0}")]
+    NoIp(#[source] SysError),
+    #[error("`ip {command}` failed: {stderr}")]
+    Ip { command: String, stderr: String },
+}
+
+type Result<T, E = NetError> = std::result::Result<T, E>;
 
 /// The names and addresses one emulated cluster uses. Two clusters with different `NetConfig`s (e.g. a test's
 /// and a real one) do not touch each other's namespaces, links or addresses.
@@ -75,7 +91,7 @@ impl NetConfig {
     }
     pub fn host_ip(&self, index: usize) -> Ipv4Addr {
         // Callers check `index <= MAX_HOSTS`, so this stays <= 250.
-        self.addr((HOST_ADDR_OFFSET + index).min(254) as u8)
+        self.addr(u8::try_from((HOST_ADDR_OFFSET + index).min(254)).unwrap_or(254))
     }
     pub fn netns_name(&self, host: &str) -> String {
         format!("{}{host}", self.netns_prefix)
@@ -91,16 +107,16 @@ impl NetConfig {
         let longest_peer = format!("{PEER_TMP_PREFIX}{}", longest_veth);
         for (what, name) in [("bridge", &self.bridge), ("veth", &longest_veth), ("veth peer", &longest_peer)] {
             if name.is_empty() || name.len() > MAX_IFNAME || name.contains(['/', ' ', ':']) {
-                bail!("{what} interface name {name:?} is empty, longer than {MAX_IFNAME} bytes or has / : or space");
+                return Err(NetError::BadInterfaceName { what, name: name.clone() });
             }
         }
         for (what, prefix) in [("netns", &self.netns_prefix), ("veth", &self.veth_prefix)] {
             if prefix.len() < 2 || prefix.contains(['/', ' ']) {
-                bail!("{what} prefix {prefix:?} must be at least 2 characters without / or spaces");
+                return Err(NetError::BadPrefix { what, prefix: prefix.clone() });
             }
         }
         if self.bridge.starts_with(&self.veth_prefix) {
-            bail!("bridge name {:?} must not start with the veth prefix {:?}", self.bridge, self.veth_prefix);
+            return Err(NetError::BridgeUnderVethPrefix { bridge: self.bridge.clone(), prefix: self.veth_prefix.clone() });
         }
         Ok(())
     }
@@ -108,9 +124,9 @@ impl NetConfig {
 
 /// Run `ip ARGS...`, failing with its stderr.
 pub(crate) fn ip(args: &[&str]) -> Result<()> {
-    let out = Command::new("ip").args(args).output().context("cannot run ip(8) (is iproute2 installed?)")?;
+    let out = Command::new("ip").args(args).output().doing(|| "ip".into()).map_err(NetError::NoIp)?;
     if !out.status.success() {
-        bail!("`ip {}` failed: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
+        return Err(NetError::Ip { command: args.join(" "), stderr: String::from_utf8_lossy(&out.stderr).trim().to_string() });
     }
     Ok(())
 }

@@ -93,7 +93,7 @@ pub fn kill_and_wait(pids: &BTreeSet<u32>, timeout: Duration) -> Vec<u32> {
         if pid <= 1 || pid == me || pid > i32::MAX as u32 {
             continue;
         }
-        let _ = kill(Pid::from_raw(pid as i32), Signal::SIGKILL);
+        let _ = kill(Pid::from_raw(pid.cast_signed()), Signal::SIGKILL);
     }
     let deadline = Instant::now() + timeout;
     loop {

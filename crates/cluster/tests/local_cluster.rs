@@ -54,7 +54,7 @@ fn sleeping_hosts() -> UpOverrides {
 }
 
 /// `up` of the tests' cluster, whose hosts run `sleep infinity`.
-fn up(opts: &UpOptions) -> anyhow::Result<ClusterState> {
+fn up(opts: &UpOptions) -> starling_cluster::Result<ClusterState> {
     up_with(opts, &sleeping_hosts())
 }
 

@@ -3,7 +3,8 @@
 //! Numbering follows SnowFlock: `clone` returns 0 in the caller (the
 //! *parent*) and 1..=m in the m clones of a ticket.
 //!
-//! Backend choice (`STARLING_FORK_BACKEND`):
+//! Backend choice (`fork.backend`, `STARLING_FORK_BACKEND`; the caller
+//! passes the resolved [`Config`]: this crate reads no environment):
 //! * `cluster` (the default): clones run on the hosts of the starling
 //!   cluster found as `starling exec` finds it (`STARLING_CLUSTER`, else
 //!   `/run/starling/cluster.json`); the head grants by free cores. No
@@ -16,11 +17,13 @@ use crate::dump::dump;
 use crate::Descriptor;
 use starling_image::abi::counters::CloneCounters;
 use crate::cluster::{CloneState, ClusterClones, ClusterLink};
+use crate::fault::FaultOptions;
 use crate::local::LocalClone;
 use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
 use crate::PageClass;
-use crate::{ForkError, Result, UsageError};
+use crate::{ForkError, Result};
+use starling_config::{Backend as BackendSetting, Config, ForkSettings, Multicast};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Most clones a local ticket grants (this machine's memory and PIDs are finite).
@@ -60,42 +63,28 @@ pub struct Ticket {
     pub allocation: u32,
     pub hierarchical: bool,
     backend: Backend,
+    settings: ForkSettings,
     active: Option<Active>,
     used: bool,
 }
 
-/// The backend `STARLING_FORK_BACKEND` selects (default: cluster).
-pub fn backend_is_local() -> Result<bool> {
-    match std::env::var("STARLING_FORK_BACKEND").as_deref() {
-        Err(_) | Ok("") | Ok("cluster") => Ok(false),
-        Ok("local") => Ok(true),
-        Ok(other) => Err(ForkError::Other(format!("STARLING_FORK_BACKEND={other:?}: expected \"cluster\" or \"local\""))),
-    }
-}
-
 impl Ticket {
-    pub fn request(n: i32, hierarchical: bool) -> Result<Ticket> {
-        if n < 1 {
-            return Err(UsageError::TicketSize(n).into());
-        }
+    /// Reserve up to `n` clones where `config.fork.backend` says.
+    pub fn request(n: i32, hierarchical: bool, config: &Config) -> Result<Ticket> {
+        let requested = u32::try_from(n).ok().filter(|n| *n >= 1).ok_or(ForkError::BadCount(n))?;
         if current_clone_id() != 0 {
-            return Err(UsageError::NestedTicket.into());
+            return Err(ForkError::InClone("request tickets"));
         }
-        if backend_is_local()? {
-            let allocation = (n as u32).min(MAX_LOCAL_CLONES);
-            return Ok(Ticket { requested: n as u32, allocation, hierarchical, backend: Backend::Local, active: None, used: false });
-        }
-        let link = ClusterLink::get()?;
-        let (ticket, placement) = link.request(n as u32, hierarchical)?;
-        let allocation = placement.iter().map(|(_, k)| *k).sum();
-        Ok(Ticket {
-            requested: n as u32,
-            allocation,
-            hierarchical,
-            backend: Backend::Cluster { link, ticket, placement },
-            active: None,
-            used: false,
-        })
+        let settings = config.fork.clone();
+        let (allocation, backend) = match settings.backend {
+            BackendSetting::Local => (requested.min(MAX_LOCAL_CLONES), Backend::Local),
+            BackendSetting::Cluster => {
+                let link = ClusterLink::get(config)?;
+                let (ticket, placement) = link.request(requested, hierarchical)?;
+                (placement.iter().map(|(_, k)| *k).sum(), Backend::Cluster { link, ticket, placement })
+            }
+        };
+        Ok(Ticket { requested, allocation, hierarchical, backend, settings, active: None, used: false })
     }
 
     /// Hosts and clones per host (cluster backend); empty for the local one.
@@ -109,10 +98,10 @@ impl Ticket {
     /// Fork: 0 in the parent, the clone ID (1..=allocation) in each clone.
     pub fn clone_now(&mut self) -> Result<u32> {
         if current_clone_id() != 0 {
-            return Err(UsageError::NestedClone.into());
+            return Err(ForkError::InClone("clone"));
         }
         if self.used {
-            return Err(UsageError::TicketUsed.into());
+            return Err(ForkError::TicketUsed);
         }
         self.used = true;
         // Flush stdio so buffered output is not duplicated into every clone.
@@ -125,7 +114,7 @@ impl Ticket {
             }
             ForkOutcome::Parent(t) => t,
         };
-        let descriptor = dump(template.pid, &template.record)?;
+        let descriptor = dump(template.pid, &template.record, self.settings.heuristics)?;
         // Served by the page server (cluster hosts fetch it like a page).
         let encoded = descriptor.encode();
         let descriptor_bytes = encoded.len();
@@ -140,21 +129,23 @@ impl Ticket {
             // Where the hosts reach this machine (the embedded cluster's bridge address).
             Backend::Cluster { link, .. } => std::net::SocketAddr::new(link.parent_ip, 0),
         };
-        let bind = std::env::var("STARLING_PAGE_SERVER_BIND").ok().and_then(|v| v.parse().ok()).unwrap_or(default_bind);
-        let mut opts = PageServerOptions { descriptor: encoded.clone(), ..PageServerOptions::from_env() };
+        let bind = self.settings.page_server_bind.unwrap_or(default_bind);
         // One clone has nobody to share its pages with: by default it gets
         // them over TCP, as multicast would only add the sender's queue and
         // datagram reassembly to every fault (~0.35 ms against ~0.1 ms per
-        // fault on the embedded cluster). STARLING_MCDIST=on|push still forces it.
-        if self.allocation == 1 && std::env::var_os("STARLING_MCDIST").is_none() {
-            opts.mcdist = starling_mcdist::Switch::Off;
-        }
+        // fault on the embedded cluster). `fork.mcdist` = on|push still forces it.
+        let mcdist = match self.settings.mcdist {
+            Some(m) => m,
+            None if self.allocation == 1 => Multicast::Off,
+            None => Multicast::On,
+        };
+        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None };
         let server = PageServer::start_with(template.pid, served, bind, opts)?;
         let clones = match &self.backend {
             Backend::Local => {
                 let mut clones = Vec::new();
                 for id in 1..=self.allocation {
-                    match LocalClone::launch(&descriptor, id, server.addr()) {
+                    match LocalClone::launch(&descriptor, id, server.addr(), &FaultOptions::from_settings(&self.settings)) {
                         Ok(c) => clones.push(c),
                         Err(e) => {
                             clones.iter_mut().for_each(LocalClone::kill);
@@ -183,9 +174,9 @@ impl Ticket {
 
     fn active(&mut self) -> Result<&mut Active> {
         if current_clone_id() != 0 {
-            return Err(UsageError::NotParent.into());
+            return Err(ForkError::InClone("join or kill"));
         }
-        self.active.as_mut().ok_or(ForkError::Usage(UsageError::NoClones))
+        self.active.as_mut().ok_or(ForkError::NoClones)
     }
 
     /// Wait for every clone, then release the template and the page server.

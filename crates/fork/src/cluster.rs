@@ -31,16 +31,21 @@
 //! Each clone's exit status and fault-handler counters come back in a
 //! `CloneStats` message when its task ended.
 
-use crate::{ForkError, Result};
-use starling_client::session::{Session, SessionOptions, TaskEvent};
-use starling_proto::conn::Outgoing;
 use crate::Descriptor;
+use crate::{ForkError, Result};
+use starling_config::Config;
 use starling_image::abi::counters::CloneCounters;
 use starling_image::{FdKind, RegionKind};
-use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId, WirePath};
+use starling_proto::conn::Outgoing;
+use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId, TaskSpec, WirePath};
+use starling_session::discover::Target;
+use starling_session::{prethrow, Session, SessionError, SessionOptions, TaskEvent, TaskHandle};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
+/// The variable a clone (and its task on the host) finds the parent's host in.
+pub const PARENT_HOST_ENV: &str = "STARLING_PARENT_HOST";
 
 /// Where a clone is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -97,10 +102,11 @@ pub fn parent_host() -> Option<&'static std::ffi::CStr> {
 /// socket sends nothing; `getsockname` tells the route's source address).
 /// For the embedded cluster that is the bridge address hosts reach us at.
 fn local_ip_towards(head: &str) -> Result<IpAddr> {
+    let unresolved = |source| ForkError::HeadAddress { addr: head.to_string(), source };
     let target: SocketAddr = std::net::ToSocketAddrs::to_socket_addrs(head)
-        .map_err(|e| ForkError::Other(format!("cluster head address {head:?}: {e}")))?
+        .map_err(unresolved)?
         .next()
-        .ok_or_else(|| ForkError::Other(format!("cluster head address {head:?} does not resolve")))?;
+        .ok_or_else(|| unresolved(std::io::ErrorKind::NotFound.into()))?;
     let bind: SocketAddr = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal");
     let s = UdpSocket::bind(bind).map_err(|e| ForkError::io("udp socket", e))?;
     s.connect(target).map_err(|e| ForkError::io(format!("route to the cluster head {target}"), e))?;
@@ -111,29 +117,30 @@ fn local_ip_towards(head: &str) -> Result<IpAddr> {
 }
 
 impl ClusterLink {
-    /// The process-wide link, connecting on first use.
-    pub fn get() -> Result<Arc<ClusterLink>> {
+    /// The process-wide link, connecting on first use (to the head `config` finds).
+    pub fn get(config: &Config) -> Result<Arc<ClusterLink>> {
         let cell = LINK.get_or_init(|| Mutex::new(None));
         let mut g = cell.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(l) = g.as_ref() {
             return Ok(l.clone());
         }
-        let head = starling_client::discover::head_addr(None).map_err(|e| ForkError::Other(format!("{e:#}")))?;
-        let parent_ip = local_ip_towards(&head)?;
+        let target = Target::resolve(&config.client, config.instance)?;
+        let parent_ip = local_ip_towards(&target.head_addr)?;
         let _ = PARENT_HOST.set(std::ffi::CString::new(parent_ip.to_string()).expect("an IP has no NUL"));
         // Clones inherit the parent's memory, environ included: set it here
         // (before this library starts any thread) so `getenv` in a clone
         // finds it. The task spec's env carries it too, for the host's logs.
-        std::env::set_var("STARLING_PARENT_HOST", parent_ip.to_string());
+        std::env::set_var(PARENT_HOST_ENV, parent_ip.to_string());
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("starling-fork")
             .enable_all()
             .build()
             .map_err(|e| ForkError::io("tokio runtime", e))?;
-        let session = rt
-            .block_on(Session::connect(SessionOptions { cluster: None, compress: false }))
-            .map_err(|e| ForkError::Other(format!("{e:#}")))?;
+        // Uncompressed: the embedded cluster's bridge is faster than zstd.
+        let opts =
+            SessionOptions { compress: false, cache_dir: config.client.cache_dir.clone(), chunking: config.client.chunking };
+        let session = rt.block_on(Session::connect(&target, opts))?;
         let link = Arc::new(ClusterLink { rt, session, parent_ip });
         *g = Some(link.clone());
         Ok(link)
@@ -141,9 +148,7 @@ impl ClusterLink {
 
     /// Ask the head for up to `n` clones: (ticket, [(host, clones there)]).
     pub fn request(&self, n: u32, hierarchical: bool) -> Result<(u64, Vec<(String, u32)>)> {
-        self.rt
-            .block_on(self.session.request_ticket(n, hierarchical))
-            .map_err(|e| ForkError::Other(format!("cluster refused the ticket: {e:#}")))
+        Ok(self.rt.block_on(self.session.request_ticket(n, hierarchical))?)
     }
 }
 
@@ -183,8 +188,8 @@ fn restore_paths(desc: &Descriptor) -> Vec<WirePath> {
     }));
     let mut out = vec![WirePath::root()];
     for p in paths {
-        let Some(w) = starling_client::prethrow::normalise(std::path::Path::new(p)) else { continue };
-        out.extend(w.as_path().ancestors().filter_map(starling_client::prethrow::normalise));
+        let Some(w) = prethrow::normalise(std::path::Path::new(p)) else { continue };
+        out.extend(w.as_path().ancestors().filter_map(prethrow::normalise));
     }
     out.sort();
     out.dedup();
@@ -207,6 +212,128 @@ fn write_fd(fd: i32, mut data: &[u8]) {
     }
 }
 
+/// One task of a ticket: its clones' ids, its host, its spec.
+struct CloneTask {
+    ids: Range<u32>,
+    host: String,
+    spec: TaskSpec,
+}
+
+impl CloneTask {
+    /// `clone 3` or `clones 3..6`, for messages.
+    fn names(&self) -> String {
+        if self.ids.len() == 1 {
+            format!("clone {}", self.ids.start)
+        } else {
+            format!("clones {}..{}", self.ids.start, self.ids.end - 1)
+        }
+    }
+}
+
+/// Everything a ticket's clone tasks share.
+struct TicketPlan<'a> {
+    ticket: u64,
+    hierarchical: bool,
+    parent_ip: IpAddr,
+    descriptor_hash: starling_proto::Hash,
+    descriptor_len: u32,
+    page_server: SocketAddr,
+    placement: &'a [(String, u32)],
+}
+
+impl TicketPlan<'_> {
+    /// A task per clone, or per host's clones when hierarchical, numbered 1.. in placement order.
+    fn tasks(&self, base: &TaskSpec) -> Vec<CloneTask> {
+        let mut out = Vec::new();
+        let mut next = 1u32;
+        for (host, k) in self.placement {
+            let groups: Vec<u32> = if self.hierarchical { vec![*k] } else { vec![1; *k as usize] };
+            for count in groups {
+                let id = next;
+                next += count;
+                let ticket = self.ticket;
+                let mut spec = base.clone();
+                spec.argv = vec![b"starling-clone".to_vec(), format!("ticket={ticket}").into_bytes(), format!("clone={id}").into_bytes()];
+                spec.env.retain(|(k, _)| k != PARENT_HOST_ENV.as_bytes());
+                spec.env.push((PARENT_HOST_ENV.as_bytes().to_vec(), self.parent_ip.to_string().into_bytes()));
+                spec.host = Some(host.clone());
+                spec.job = Some(format!("fork-ticket-{ticket}"));
+                spec.clone = Some(CloneSpec {
+                    ticket,
+                    clone_id: id,
+                    descriptor_hash: self.descriptor_hash,
+                    descriptor_len: self.descriptor_len,
+                    page_server: self.page_server.to_string(),
+                    local_forks: count - 1,
+                });
+                out.push(CloneTask { ids: id..id + count, host: host.clone(), spec });
+            }
+        }
+        out
+    }
+}
+
+/// Follow one clone task's events until it ends: output to our fd 1/2,
+/// per-clone statuses and counters into the slots, and the end state.
+async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<Shared>) {
+    let mut events = handle.events;
+    let mut end = CloneState::Lost("the session ended without news of the clone".into());
+    while let Some(ev) = events.recv().await {
+        match ev {
+            TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
+            TaskEvent::CloneStats { clone_id, status, counters } => {
+                let mut slots = shared.slots.lock().unwrap();
+                if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
+                    s.stats = Some(counters);
+                    if let Some(status) = status {
+                        s.state = CloneState::from(status);
+                    }
+                }
+            }
+            TaskEvent::Finished { status, commit, .. } => {
+                if let Err(e) = commit {
+                    write_fd(2, format!("starling: {names}: files were not committed: {e}\n").as_bytes());
+                }
+                // The first clone's status, for clones whose restorer reported none.
+                end = CloneState::from(status);
+                break;
+            }
+            TaskEvent::Lost(why) | TaskEvent::Refused(why) => {
+                end = CloneState::Lost(why);
+                break;
+            }
+            TaskEvent::Started { .. } => {}
+        }
+    }
+    let mut slots = shared.slots.lock().unwrap();
+    for s in slots.iter_mut().filter(|s| ids.contains(&s.id) && !s.state.is_final()) {
+        s.state = end.clone();
+    }
+    shared.changed.notify_all();
+}
+
+/// Launch every task at once: the head starts each as soon as its host has
+/// the cores, so clone time does not grow with the number of clones.
+fn launch_all(link: &ClusterLink, tasks: Vec<CloneTask>) -> Vec<(CloneTask, std::result::Result<TaskHandle, SessionError>)> {
+    link.rt.block_on(async {
+        let mut set = tokio::task::JoinSet::new();
+        for task in tasks {
+            let session = link.session.clone();
+            set.spawn(async move {
+                let launched = session.launch(task.spec.clone()).await;
+                (task, launched)
+            });
+        }
+        let mut out = Vec::new();
+        while let Some(r) = set.join_next().await {
+            if let Ok(x) = r {
+                out.push(x);
+            }
+        }
+        out
+    })
+}
+
 impl ClusterClones {
     /// Launch one clone per (host, clone id) over the link's session. On the
     /// first failure, kills what was launched and returns the error.
@@ -219,121 +346,44 @@ impl ClusterClones {
         encoded: &[u8],
         page_server: SocketAddr,
     ) -> Result<ClusterClones> {
-        let shared = Arc::new(Shared::default());
-        let mut base = starling_client::spec::capture(vec!["starling-clone".into()])
-            .map_err(|e| ForkError::Other(format!("capturing the caller's configuration: {e:#}")))?;
+        let mut base = starling_session::spec::capture(vec!["starling-clone".into()])?;
         // Every path the restorer opens, bound now: no clone asks back for them.
-        base.prethrow = starling_client::prethrow::bind(link.session.files(), &restore_paths(desc));
-        let descriptor_hash = starling_proto::Hash::of(encoded);
+        base.prethrow = prethrow::bind(link.session.files(), &restore_paths(desc));
+        let plan = TicketPlan {
+            ticket,
+            hierarchical,
+            parent_ip: link.parent_ip,
+            descriptor_hash: starling_proto::Hash::of(encoded),
+            descriptor_len: u32::try_from(encoded.len()).map_err(|_| ForkError::DescriptorTooLarge(encoded.len()))?,
+            page_server,
+            placement,
+        };
+        let tasks = plan.tasks(&base);
+        let shared = Arc::new(Shared::default());
+        shared.slots.lock().unwrap().extend(tasks.iter().flat_map(|t| {
+            t.ids.clone().map(|id| CloneSlot { id, host: t.host.clone(), task: None, state: CloneState::Running, stats: None })
+        }));
         let mut clones = ClusterClones { link: link.clone(), shared: shared.clone(), tx: None };
-        // Build every task's spec (a clone, or a host's clones when
-        // hierarchical), then launch them all at once: the head starts each
-        // as soon as its host has the cores, so clone time does not grow
-        // with the number of clones.
-        let mut specs = Vec::new();
-        let mut next = 1u32;
-        for (host, k) in placement {
-            let groups: Vec<u32> = if hierarchical { vec![*k] } else { vec![1; *k as usize] };
-            for count in groups {
-                let id = next;
-                next += count;
-                let ids = id..id + count;
-                let mut spec = base.clone();
-                spec.argv = vec![b"starling-clone".to_vec(), format!("ticket={ticket}").into_bytes(), format!("clone={id}").into_bytes()];
-                spec.env.retain(|(k, _)| k != b"STARLING_PARENT_HOST");
-                spec.env.push((b"STARLING_PARENT_HOST".to_vec(), link.parent_ip.to_string().into_bytes()));
-                spec.host = Some(host.clone());
-                spec.job = Some(format!("fork-ticket-{ticket}"));
-                spec.clone = Some(CloneSpec {
-                    ticket,
-                    clone_id: id,
-                    descriptor_hash,
-                    descriptor_len: encoded.len() as u32,
-                    page_server: page_server.to_string(),
-                    local_forks: count - 1,
-                });
-                shared.slots.lock().unwrap().extend(ids.clone().map(|id| CloneSlot {
-                    id,
-                    host: host.clone(),
-                    task: None,
-                    state: CloneState::Running,
-                    stats: None,
-                }));
-                specs.push((ids, host.clone(), spec));
-            }
-        }
-        type Launched = (std::ops::Range<u32>, String, anyhow::Result<starling_client::session::TaskHandle>);
-        let launched: Vec<Launched> = link.rt.block_on(async {
-            let mut set = tokio::task::JoinSet::new();
-            for (ids, host, spec) in specs {
-                let session = link.session.clone();
-                set.spawn(async move { (ids, host, session.launch(spec).await) });
-            }
-            let mut out = Vec::new();
-            while let Some(r) = set.join_next().await {
-                if let Ok(x) = r {
-                    out.push(x);
-                }
-            }
-            out
-        });
         let mut failure = None;
-        for (ids, host, launched) in launched {
-            let names = if ids.len() == 1 { format!("clone {}", ids.start) } else { format!("clones {}..{}", ids.start, ids.end - 1) };
+        for (task, launched) in launch_all(&link, tasks) {
             let handle = match launched {
                 Ok(h) => h,
-                Err(e) => {
-                    shared.slots.lock().unwrap().retain(|s| !ids.contains(&s.id));
-                    failure.get_or_insert(format!("launching {names} on {host}: {e:#}"));
+                Err(source) => {
+                    shared.slots.lock().unwrap().retain(|s| !task.ids.contains(&s.id));
+                    failure.get_or_insert(ForkError::Launch { clones: task.names(), host: task.host, source });
                     continue;
                 }
             };
             clones.tx.get_or_insert_with(|| handle.sender());
-            for s in shared.slots.lock().unwrap().iter_mut().filter(|s| ids.contains(&s.id)) {
+            for s in shared.slots.lock().unwrap().iter_mut().filter(|s| task.ids.contains(&s.id)) {
                 s.task = Some(handle.task);
             }
-            let shared2 = shared.clone();
-            link.rt.spawn(async move {
-                let mut events = handle.events;
-                let mut end = CloneState::Lost("the session ended without news of the clone".into());
-                while let Some(ev) = events.recv().await {
-                    match ev {
-                        TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
-                        TaskEvent::CloneStats { clone_id, status, counters } => {
-                            let mut slots = shared2.slots.lock().unwrap();
-                            if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
-                                s.stats = Some(counters);
-                                if let Some(status) = status {
-                                    s.state = CloneState::from(status);
-                                }
-                            }
-                        }
-                        TaskEvent::Finished { status, commit, .. } => {
-                            if let Err(e) = commit {
-                                write_fd(2, format!("starling: {names}: files were not committed: {e}\n").as_bytes());
-                            }
-                            // The first clone's status, for clones whose restorer reported none.
-                            end = CloneState::from(status);
-                            break;
-                        }
-                        TaskEvent::Lost(why) | TaskEvent::Refused(why) => {
-                            end = CloneState::Lost(why);
-                            break;
-                        }
-                        TaskEvent::Started { .. } => {}
-                    }
-                }
-                let mut slots = shared2.slots.lock().unwrap();
-                for s in slots.iter_mut().filter(|s| ids.contains(&s.id) && !s.state.is_final()) {
-                    s.state = end.clone();
-                }
-                shared2.changed.notify_all();
-            });
+            link.rt.spawn(follow(handle, task.ids.clone(), task.names(), shared.clone()));
         }
         if let Some(e) = failure {
             clones.kill();
             clones.wait_all();
-            return Err(ForkError::Other(e));
+            return Err(e);
         }
         Ok(clones)
     }

@@ -76,19 +76,14 @@ const PM_FILE: u64 = 1 << 61;
 /// A write-protect marker (or a write-protected page) of a userfaultfd.
 const PM_UFFD_WP: u64 = 1 << 57;
 
-/// Whether the fetch-avoidance heuristics are on (default). With
-/// `STARLING_FORK_HEURISTICS=off` every readable page of a private
-/// mapping is classified `Fetch`: nothing is zero-filled locally or read
-/// from the host's file copy, so every page a clone touches comes from the
-/// page server (SnowFlock's "no heuristics" runs, for benchmarks).
-pub fn heuristics_enabled() -> bool {
-    !matches!(std::env::var("STARLING_FORK_HEURISTICS").as_deref().map(str::trim), Ok("off") | Ok("0"))
-}
-
 /// How [`dump_regions`] classifies pages.
 #[derive(Debug, Clone, Copy)]
 pub struct RegionOptions {
-    /// Fetch-avoidance heuristics (see [`heuristics_enabled`]).
+    /// Fetch-avoidance heuristics (`fork.heuristics`). Without them every
+    /// readable page of a private mapping is classified `Fetch`: nothing is
+    /// zero-filled locally or read from the host's file copy, so every page
+    /// a clone touches comes from the page server (SnowFlock's "no
+    /// heuristics" runs, for benchmarks).
     pub heuristics: bool,
     /// The stack pointer of the thread that runs on `[stack]`: its pages
     /// wholly below it (and the red zone) are dead, so zero. Ignored when it
@@ -100,9 +95,9 @@ pub struct RegionOptions {
     pub own_write_tracking: bool,
 }
 
-/// Dump a frozen template into a descriptor.
-pub fn dump(pid: i32, record: &TemplateRecord) -> Result<Descriptor> {
-    let opts = RegionOptions { heuristics: heuristics_enabled(), stack_pointer: record.thread.regs.rsp, own_write_tracking: false };
+/// Dump a frozen template into a descriptor (`heuristics`: see [`RegionOptions`]).
+pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descriptor> {
+    let opts = RegionOptions { heuristics, stack_pointer: record.thread.regs.rsp, own_write_tracking: false };
     let mut thread = record.thread;
     thread.tid = u64::try_from(pid).map_err(|_| ForkError::Malformed { what: "template pid", detail: pid.to_string() })?;
     let (core, cwd, groups) = dump_process(pid, record.brk)?;

@@ -169,18 +169,18 @@ pub struct FaultOptions {
     /// How long to listen for the sender's probe before falling back.
     pub probe_timeout: std::time::Duration,
     /// Pages fetched per fault: the faulting page and following unserved
-    /// `Fetch` pages of its region (`STARLING_FORK_PREFETCH`, default
+    /// `Fetch` pages of its region (`fork.prefetch`, default
     /// [`DEFAULT_PREFETCH`]; 1..=`MAX_BATCH`).
     pub prefetch: usize,
 }
 
 impl FaultOptions {
-    pub fn from_env() -> FaultOptions {
-        let prefetch = std::env::var("STARLING_FORK_PREFETCH").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_PREFETCH);
+    /// As the settings say (`fork.mcdist` = off refuses multicast; `fork.prefetch`).
+    pub fn from_settings(settings: &starling_config::ForkSettings) -> FaultOptions {
         FaultOptions {
-            mcdist: Switch::from_env(),
+            mcdist: settings.mcdist.unwrap_or(Switch::On),
             probe_timeout: std::time::Duration::from_millis(300),
-            prefetch,
+            prefetch: settings.prefetch,
         }
     }
 }
@@ -334,7 +334,7 @@ static RECEIVER_SEQ: AtomicU64 = AtomicU64::new(0);
 
 impl FaultHandler {
     pub fn new(uffd: OwnedFd, desc: &Descriptor, client: PageClient, stats: Arc<FaultStats>) -> FaultHandler {
-        Self::new_with(uffd, desc, client, stats, FaultOptions::from_env())
+        Self::new_with(uffd, desc, client, stats, FaultOptions::from_settings(&Default::default()))
     }
 
     /// As [`FaultHandler::new`] with explicit options. Never fails: without

@@ -6,6 +6,7 @@
 
 use crate::api::Ticket;
 use crate::ForkError;
+use starling_config::{Config, Sources};
 use starling_image::abi::counters::CloneCounter;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_longlong, CString};
@@ -36,9 +37,17 @@ fn guard<T>(fail: T, f: impl FnOnce() -> crate::Result<T>) -> T {
 /// Opaque to C.
 pub type SfTicket = Ticket;
 
+/// The configuration, read here at the C ABI's edge (the config file, then
+/// `STARLING_*`) on every ticket request, so a program may change its
+/// environment between tickets.
+fn config() -> crate::Result<Config> {
+    let env = |k: &str| std::env::var_os(k);
+    Ok(Config::load(&Sources { file: None, env: &env })?)
+}
+
 #[no_mangle]
 pub extern "C" fn sf_request_ticket(n: c_int, hierarchical: bool) -> *mut SfTicket {
-    guard(std::ptr::null_mut(), || Ok(Box::into_raw(Box::new(Ticket::request(n, hierarchical)?))))
+    guard(std::ptr::null_mut(), || Ok(Box::into_raw(Box::new(Ticket::request(n, hierarchical, &config()?)?))))
 }
 
 /// # Safety
@@ -87,7 +96,7 @@ pub unsafe extern "C" fn sf_join(t: *mut SfTicket) -> c_int {
         t.join()?;
         match t.unsuccessful() {
             None => Ok(0),
-            Some(why) => Err(ForkError::Other(why)),
+            Some(why) => Err(ForkError::Unsuccessful(why)),
         }
     })
 }

@@ -64,10 +64,32 @@ pub enum ForkError {
     Handler { clone: u32, #[source] source: Box<ForkError> },
     #[error("fault handler of clone {0} panicked")]
     HandlerPanicked(u32),
-    #[error(transparent)]
-    Usage(#[from] UsageError),
+    #[error("a ticket is for 1 or more clones, not {0}")]
+    BadCount(i32),
+    /// What a clone tried that only the parent may do.
+    #[error("a clone cannot {0} (no nested clones yet)")]
+    InClone(&'static str),
+    #[error("ticket already used")]
+    TicketUsed,
+    #[error("ticket has no clones")]
+    NoClones,
+    /// `sf_join`: which clones did not exit 0.
     #[error("{0}")]
-    Other(String),
+    Unsuccessful(String),
+    #[error(transparent)]
+    Config(#[from] starling_config::ConfigError),
+    #[error(transparent)]
+    Discover(#[from] starling_session::discover::DiscoverError),
+    #[error(transparent)]
+    Session(#[from] starling_session::SessionError),
+    #[error("capturing the caller's configuration: {0}")]
+    Spec(#[from] starling_session::spec::SpecError),
+    #[error("cluster head address {addr:?}: {source}")]
+    HeadAddress { addr: String, #[source] source: std::io::Error },
+    #[error("launching {clones} on {host}: {source}")]
+    Launch { clones: String, host: String, #[source] source: starling_session::SessionError },
+    #[error("the process descriptor is too large ({0} bytes)")]
+    DescriptorTooLarge(usize),
 }
 
 /// A template that did not report itself properly.
@@ -121,23 +143,6 @@ pub enum RestorerChannelError {
     UnexpectedUffd(u32),
     #[error("recvmsg: {0}")]
     Recv(nix::errno::Errno),
-}
-
-/// A call the API does not allow in this state.
-#[derive(Debug, thiserror::Error)]
-pub enum UsageError {
-    #[error("a clone cannot clone (no nested clones yet)")]
-    NestedClone,
-    #[error("a clone cannot request tickets (no nested clones yet)")]
-    NestedTicket,
-    #[error("ticket for {0} clones")]
-    TicketSize(i32),
-    #[error("ticket already used")]
-    TicketUsed,
-    #[error("only the parent can join or kill")]
-    NotParent,
-    #[error("ticket has no clones")]
-    NoClones,
 }
 
 impl ForkError {

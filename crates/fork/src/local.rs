@@ -6,7 +6,7 @@
 //! sandbox. The restorer creates a PID namespace so the clone gets the
 //! template's PID.
 
-use crate::fault::FaultHandler;
+use crate::fault::{FaultHandler, FaultOptions};
 use starling_image::abi::counters::CloneCounters;
 use crate::page_server::PageClient;
 use crate::restore::{exit_status, Restore, RestoreProgram, Serve};
@@ -31,12 +31,13 @@ pub struct LocalClone {
 
 impl LocalClone {
     /// Start clone `id` of the template described by `desc`, whose pages
-    /// are served at `server`.
-    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr) -> Result<LocalClone> {
+    /// are served at `server`, its handler set up by `options`.
+    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, options: &FaultOptions) -> Result<LocalClone> {
         let handler_desc = Arc::new(desc.clone());
+        let options = options.clone();
         let serve: Serve = Arc::new(move |_id, uffd, stats, stop| {
             let client = PageClient::connect(server)?;
-            FaultHandler::new(uffd, &handler_desc, client, stats).run(stop)
+            FaultHandler::new_with(uffd, &handler_desc, client, stats, options.clone()).run(stop)
         });
         let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true };
         let (program, restore) = Restore::start(desc, plan, serve)?;

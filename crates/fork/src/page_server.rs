@@ -193,10 +193,10 @@ impl Image {
     }
 }
 
-impl PageServerOptions {
-    /// From the environment (`STARLING_MCDIST`).
-    pub fn from_env() -> PageServerOptions {
-        PageServerOptions { mcdist: Switch::from_env(), ticket: None, descriptor: Vec::new() }
+impl Default for PageServerOptions {
+    /// Multicast on, no descriptor.
+    fn default() -> PageServerOptions {
+        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new() }
     }
 }
 
@@ -234,7 +234,7 @@ pub struct PageServer {
 impl PageServer {
     /// Serve pages of `pid` within `regions` ([start, end) pairs, sorted).
     pub fn start(pid: i32, regions: Vec<(u64, u64)>, bind: SocketAddr) -> Result<PageServer> {
-        Self::start_with(pid, regions, bind, PageServerOptions::from_env())
+        Self::start_with(pid, regions, bind, PageServerOptions::default())
     }
 
     /// As [`PageServer::start`], with explicit options. A multicast sender

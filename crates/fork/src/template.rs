@@ -12,7 +12,7 @@
 //! `rt_sigreturn` frame), so the save routine "returns" the ID instead of 0
 //! and the clone returns out of [`fork_template`] as [`ForkOutcome::Clone`].
 
-use crate::{ForkError, Result};
+use crate::{ForkError, Result, TemplateFailure};
 use starling_image::abi::regs::{FxSave, GpRegs, USER_CS, USER_EFLAGS, USER_SS};
 use starling_image::abi::signal::{Sigaction, SigactionTable};
 use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
@@ -162,20 +162,20 @@ pub fn fork_template() -> Result<ForkOutcome> {
         match n {
             Ok(0) => break,
             Ok(n) if got < buf.len() => got += n,
-            Ok(_) => return Err(ForkError::Other("template sent more than its record".into())),
+            Ok(_) => return Err(ForkError::Template(TemplateFailure::RecordTooLong)),
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(ForkError::io("read template record", e)),
         }
     }
     if got != buf.len() {
-        return Err(ForkError::Other(format!("template died before sending its record ({got} bytes)")));
+        return Err(ForkError::Template(TemplateFailure::Died { got }));
     }
     // SAFETY: the buffer holds exactly one TemplateRecord written by the same
     // binary; read_unaligned copes with the Vec's alignment; all fields are
     // plain integers, valid for any bit pattern.
     template.record = unsafe { std::ptr::read_unaligned(buf.as_ptr() as *const TemplateRecord) };
     if template.record.magic != RECORD_MAGIC {
-        return Err(ForkError::Other("template record has a bad magic".into()));
+        return Err(ForkError::Template(TemplateFailure::BadMagic));
     }
     Ok(ForkOutcome::Parent(template))
 }

@@ -33,7 +33,7 @@ fn reap(pid: i32) {
 fn descriptor_roundtrip_and_rejects_bad_bytes() {
     let pid = sleeping_child(|| {});
     std::thread::sleep(std::time::Duration::from_millis(100));
-    let d = dump(pid, &TemplateRecord::zeroed());
+    let d = dump(pid, &TemplateRecord::zeroed(), true);
     reap(pid);
     let d = d.expect("dump a plain child");
     assert!(d.regions.iter().any(|r| matches!(r.kind, starling_fork::image::RegionKind::Vdso)));
@@ -64,7 +64,7 @@ fn dump_refuses_mapping_of_deleted_file() {
         }
     });
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let r = dump(pid, &TemplateRecord::zeroed());
+    let r = dump(pid, &TemplateRecord::zeroed(), true);
     reap(pid);
     match r {
         Err(ForkError::Unclonable { mapping, reason }) => {

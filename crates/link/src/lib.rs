@@ -14,7 +14,6 @@
 //! from the head, so the number of upstream flights on a launch's critical
 //! path is the number of WAN round trips it paid.
 
-use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,11 +33,23 @@ pub struct Profile {
     pub down_kbit: f64,
 }
 
+#[derive(Debug, thiserror::Error)]
+pub enum LinkError {
+    #[error("unknown link profile {0:?}; expected {names}", names = Profile::NAMES)]
+    UnknownProfile(String),
+    #[error("{value:?} is not a number from 0 to 1e7 in link profile {profile:?}")]
+    BadNumber { value: String, profile: String },
+    #[error("link: cannot listen on {addr}: {source}")]
+    Listen { addr: String, #[source] source: std::io::Error },
+    #[error("link: accepting connections: {0}")]
+    Accept(#[source] std::io::Error),
+}
+
 impl Profile {
     pub const NAMES: &'static str = "lan, cable-modem, coffee-shop, or RTT_MS,UP_KBIT,DOWN_KBIT";
 
     /// `lan` (no shaping), `cable-modem`, `coffee-shop` (UCop's profiles), or `RTT_MS,UP_KBIT,DOWN_KBIT`.
-    pub fn parse(s: &str) -> Result<Profile> {
+    pub fn parse(s: &str) -> Result<Profile, LinkError> {
         Ok(match s {
             "lan" => Profile { rtt_ms: 0.0, up_kbit: 0.0, down_kbit: 0.0 },
             "cable-modem" => Profile { rtt_ms: 70.0, up_kbit: 4096.0, down_kbit: 16384.0 },
@@ -46,14 +57,14 @@ impl Profile {
             other => {
                 let parts: Vec<&str> = other.split(',').collect();
                 if parts.len() != 3 {
-                    bail!("unknown link profile {other:?}; expected {}", Self::NAMES);
+                    return Err(LinkError::UnknownProfile(other.to_string()));
                 }
-                let n = |p: &str| -> Result<f64> {
-                    let v: f64 = p.trim().parse().with_context(|| format!("{p:?} is not a number in link profile {other:?}"))?;
-                    if !(0.0..=1e7).contains(&v) {
-                        bail!("{v} out of range in link profile {other:?}");
-                    }
-                    Ok(v)
+                let n = |p: &str| -> Result<f64, LinkError> {
+                    p.trim()
+                        .parse()
+                        .ok()
+                        .filter(|v: &f64| (0.0..=1e7).contains(v))
+                        .ok_or_else(|| LinkError::BadNumber { value: p.to_string(), profile: other.to_string() })
                 };
                 Profile { rtt_ms: n(parts[0])?, up_kbit: n(parts[1])?, down_kbit: n(parts[2])? }
             }
@@ -166,16 +177,21 @@ impl Direction {
 }
 
 /// Relay connections accepted on `listen` to `target` through a link shaped by `profile`.
-pub async fn run_relay(listen: &str, target: &str, profile: Profile, counters: Arc<Counters>) -> Result<()> {
-    let l = TcpListener::bind(listen).await.with_context(|| format!("link: cannot listen on {listen}"))?;
+pub async fn run_relay(listen: &str, target: &str, profile: Profile, counters: Arc<Counters>) -> Result<(), LinkError> {
+    let l = TcpListener::bind(listen).await.map_err(|source| LinkError::Listen { addr: listen.to_string(), source })?;
     run_relay_on(l, target.to_string(), profile, counters).await
 }
 
-pub async fn run_relay_on(l: TcpListener, target: String, profile: Profile, counters: Arc<Counters>) -> Result<()> {
+pub async fn run_relay_on(
+    l: TcpListener,
+    target: String,
+    profile: Profile,
+    counters: Arc<Counters>,
+) -> Result<(), LinkError> {
     let up_free = Arc::new(std::sync::Mutex::new(Instant::now()));
     let down_free = Arc::new(std::sync::Mutex::new(Instant::now()));
     loop {
-        let (client, _) = l.accept().await?;
+        let (client, _) = l.accept().await.map_err(LinkError::Accept)?;
         let target = target.clone();
         let counters = counters.clone();
         let (up_free, down_free) = (up_free.clone(), down_free.clone());

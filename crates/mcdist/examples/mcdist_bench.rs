@@ -8,8 +8,11 @@
 //! ```
 //! Prints a table and writes the measurements as JSON to the given path.
 
-use starling_mcdist::netlab::Lab;
-use starling_mcdist::sim::{self, Dist, SyntheticImage};
+#[path = "../tests/lab/mod.rs"]
+mod lab;
+
+use lab::netlab::Lab;
+use lab::sim::{self, Dist, SyntheticImage};
 use starling_mcdist::{ReceiverConfig, SenderConfig};
 
 fn main() {

@@ -37,10 +37,8 @@
 //!
 //! Packets are split to fit the link MTU (see [`wire`] for the reasons).
 
-pub mod netlab;
 pub mod receiver;
 pub mod sender;
-pub mod sim;
 pub mod wire;
 
 pub use receiver::{Fetched, PageSink, Receiver, ReceiverConfig, ReceiverStats};
@@ -88,30 +86,25 @@ impl Mode {
     }
 }
 
-/// The switch `STARLING_MCDIST=off|on|push` (default on; `sf_clone` leaves a
-/// one-clone ticket on TCP unless the variable is set).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Switch {
-    Off,
-    On,
-    Push,
-}
+/// Whether pages go by multicast: off, on, or on with push (the setting
+/// `fork.mcdist`, resolved by the caller's edge; see `starling-config`).
+pub use starling_config::Multicast as Switch;
 
-impl Switch {
-    pub fn from_env() -> Switch {
-        match std::env::var("STARLING_MCDIST").as_deref().map(str::trim) {
-            Ok("off") | Ok("0") | Ok("unicast") => Switch::Off,
-            Ok("push") => Switch::Push,
-            _ => Switch::On,
-        }
-    }
+/// A rate in bytes/s (a non-negative float from the flow control) as the
+/// counters store it: saturating, NaN as 0.
+pub(crate) fn rate_to_u64(rate: f64) -> u64 {
+    // `as` from f64 saturates at the bounds and maps NaN to 0, which is the meaning wanted here.
+    #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+    let r = rate.max(0.0) as u64;
+    r
 }
 
 /// The multicast group of a ticket: 239.231.x.y (administratively scoped),
 /// port 17000 + (ticket mod 10000), so concurrent tickets do not share a group.
 pub fn group_for_ticket(ticket: u64) -> SocketAddrV4 {
     let g = (ticket % 65_000) as u16 + 1;
-    SocketAddrV4::new(Ipv4Addr::new(239, 231, (g >> 8) as u8, g as u8), 17_000 + (ticket % 10_000) as u16)
+    let [hi, lo] = g.to_be_bytes();
+    SocketAddrV4::new(Ipv4Addr::new(239, 231, hi, lo), 17_000 + u16::try_from(ticket % 10_000).expect("below 10000"))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -127,7 +120,7 @@ pub enum McdistError {
 }
 
 impl McdistError {
-    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+    pub fn io(what: impl Into<String>, source: std::io::Error) -> Self {
         McdistError::Io { what: what.into(), source }
     }
 }

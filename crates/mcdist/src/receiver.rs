@@ -211,7 +211,7 @@ impl Receiver {
                 ticket: self.cfg.ticket,
                 receiver: self.cfg.receiver_id,
                 rate: self.shared.rate.load(Ordering::Relaxed),
-                rtt_us: self.shared.srtt_us.load(Ordering::Relaxed).min(u32::MAX as u64) as u32,
+                rtt_us: u32::try_from(self.shared.srtt_us.load(Ordering::Relaxed)).unwrap_or(u32::MAX),
                 addrs: chunk.to_vec(),
             };
             self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
@@ -292,7 +292,7 @@ impl Receiver {
         drop(g);
         if !retried {
             // Karn: only unambiguous samples update the estimate.
-            let sample = t0.elapsed().as_micros() as u64;
+            let sample = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
             let old = self.shared.srtt_us.load(Ordering::Relaxed);
             let new = if old == 0 { sample } else { (old * 7 + sample) / 8 };
             self.shared.srtt_us.store(new.max(1), Ordering::Relaxed);
@@ -368,7 +368,7 @@ struct RxLoop {
 impl RxLoop {
     fn new(cfg: ReceiverConfig, shared: Arc<Shared>, sink: Arc<dyn PageSink>) -> RxLoop {
         let now = Instant::now();
-        let rng = 0x9e37_79b9_7f4a_7c15 ^ (cfg.receiver_id as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let rng = 0x9e37_79b9_7f4a_7c15 ^ (u64::from(cfg.receiver_id) + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
         RxLoop { cfg, shared, sink, partial: HashMap::new(), done: HashSet::new(), interval_start: now, interval_bytes: 0, last_sweep: now, rng }
     }
 
@@ -380,7 +380,7 @@ impl RxLoop {
         self.rng ^= self.rng << 13;
         self.rng ^= self.rng >> 7;
         self.rng ^= self.rng << 17;
-        (self.rng % 1000) < self.cfg.drop_permille as u64
+        (self.rng % 1000) < u64::from(self.cfg.drop_permille)
     }
 
     fn run(mut self, sock: &UdpSocket) {
@@ -418,7 +418,7 @@ impl RxLoop {
                 let inst = self.interval_bytes as f64 / dt.as_secs_f64();
                 let old = self.shared.rate.load(Ordering::Relaxed) as f64;
                 let new = if old == 0.0 { inst } else { 0.7 * old + 0.3 * inst };
-                self.shared.rate.store(new as u64, Ordering::Relaxed);
+                self.shared.rate.store(crate::rate_to_u64(new), Ordering::Relaxed);
             }
             self.interval_start = now;
             self.interval_bytes = 0;

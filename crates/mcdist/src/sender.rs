@@ -153,7 +153,7 @@ impl Sender {
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(SenderStats::default());
         let trace = Arc::new(Mutex::new(Vec::new()));
-        let rate_now = Arc::new(AtomicU64::new(cfg.initial_rate as u64));
+        let rate_now = Arc::new(AtomicU64::new(crate::rate_to_u64(cfg.initial_rate)));
         let mut core = SenderCore::new(cfg, source, out, stats.clone(), trace.clone(), rate_now.clone());
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
@@ -205,7 +205,7 @@ pub(crate) fn force_buffer(sock: &impl AsRawFd, opt: libc::c_int, bytes: libc::c
             libc::SOL_SOCKET,
             opt,
             (&bytes as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            libc::socklen_t::try_from(std::mem::size_of::<libc::c_int>()).expect("an int's size fits"),
         );
     }
 }
@@ -342,11 +342,11 @@ impl SenderCore {
         let now = Instant::now();
         let ticks = (now - self.last_increase).as_nanos() / INCREASE_TICK.as_nanos();
         if ticks > 0 {
-            self.last_increase += INCREASE_TICK * ticks as u32;
+            self.last_increase += INCREASE_TICK * u32::try_from(ticks).unwrap_or(u32::MAX);
             let new = (self.rate + self.cfg.increase_per_10ms * ticks as f64).min(self.cfg.link_rate);
             if new != self.rate {
                 self.rate = new;
-                self.rate_now.store(new as u64, Ordering::Relaxed);
+                self.rate_now.store(crate::rate_to_u64(new), Ordering::Relaxed);
                 if now - self.last_trace >= Duration::from_millis(5) {
                     self.record(false);
                 }
@@ -394,14 +394,14 @@ impl SenderCore {
             .filter(|r| now - r.at < Duration::from_secs(2) && !r.rtt.is_zero())
             .map(|r| r.rtt)
             .collect();
-        let mean = if rtts.is_empty() { Duration::ZERO } else { rtts.iter().sum::<Duration>() / rtts.len() as u32 };
+        let mean = if rtts.is_empty() { Duration::ZERO } else { rtts.iter().sum::<Duration>() / u32::try_from(rtts.len()).unwrap_or(u32::MAX) };
         (mean * 2).clamp(self.cfg.lockstep_min, self.cfg.lockstep_max)
     }
 
     fn valid(&self, addr: u64) -> bool {
         let regions = self.source.regions();
         let i = regions.partition_point(|&(_, end)| end <= addr);
-        addr % wire::PAGE as u64 == 0
+        addr.is_multiple_of(wire::PAGE as u64)
             && regions.get(i).is_some_and(|&(s, e)| s <= addr && addr + wire::PAGE as u64 <= e)
     }
 
@@ -418,7 +418,7 @@ impl SenderCore {
         if req.rate > 0 || req.rtt_us > 0 {
             let prev = self.receivers.get(&req.receiver);
             let rate = if req.rate > 0 { req.rate as f64 } else { prev.map_or(0.0, |p| p.rate) };
-            let rtt = if req.rtt_us > 0 { Duration::from_micros(req.rtt_us as u64) } else { prev.map_or(Duration::ZERO, |p| p.rtt) };
+            let rtt = if req.rtt_us > 0 { Duration::from_micros(u64::from(req.rtt_us)) } else { prev.map_or(Duration::ZERO, |p| p.rtt) };
             self.receivers.insert(req.receiver, ReceiverReport { rate, rtt, at: now });
         }
         if req.kind == wire::REQ_HELLO {
@@ -473,7 +473,7 @@ impl SenderCore {
         if new < self.rate {
             self.rate = new;
             self.tokens = self.tokens.min(self.burst());
-            self.rate_now.store(new as u64, Ordering::Relaxed);
+            self.rate_now.store(crate::rate_to_u64(new), Ordering::Relaxed);
         }
         self.record(true);
     }
@@ -595,7 +595,10 @@ impl SenderCore {
 /// Wait until `sock` is readable or `timeout` passes (µs precision).
 pub(crate) fn wait_readable(sock: &impl AsRawFd, timeout: Duration) {
     let mut pfd = libc::pollfd { fd: sock.as_raw_fd(), events: libc::POLLIN, revents: 0 };
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    let ts = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::from(timeout.subsec_nanos()),
+    };
     // SAFETY: polls one fd we hold; pfd and ts are live locals.
     unsafe { libc::ppoll(&mut pfd, 1, &ts, std::ptr::null()) };
 }

@@ -44,7 +44,7 @@ pub const REQ_PAGES: u8 = 2;
 /// How many datagrams a page takes at this MTU (IP MTU of the link).
 pub fn fragments_for_mtu(mtu: usize) -> u8 {
     let room = mtu.saturating_sub(IP_UDP_OVERHEAD + DATA_HEADER).max(512);
-    PAGE.div_ceil(room).min(8) as u8
+    u8::try_from(PAGE.div_ceil(room).min(8)).expect("at most 8")
 }
 
 /// Byte range of fragment `index` of `count`.
@@ -100,7 +100,7 @@ impl DataHeader {
         match h.kind {
             KIND_FRAGMENT => {
                 let r = fragment_range(h.index, h.count)?;
-                (payload.len() == r.len() && h.addr % PAGE as u64 == 0).then_some((h, payload))
+                (payload.len() == r.len() && h.addr.is_multiple_of(PAGE as u64)).then_some((h, payload))
             }
             KIND_PROBE | KIND_ZERO | KIND_UNREADABLE => payload.is_empty().then_some((h, payload)),
             _ => None,
@@ -126,7 +126,7 @@ impl Request {
         out[4] = self.kind;
         out[8..16].copy_from_slice(&self.ticket.to_le_bytes());
         out[16..20].copy_from_slice(&self.receiver.to_le_bytes());
-        out[20..22].copy_from_slice(&(n as u16).to_le_bytes());
+        out[20..22].copy_from_slice(&u16::try_from(n).expect("a request holds at most MAX_REQ_PAGES").to_le_bytes());
         out[24..32].copy_from_slice(&self.rate.to_le_bytes());
         out[32..36].copy_from_slice(&self.rtt_us.to_le_bytes());
         for (i, a) in self.addrs[..n].iter().enumerate() {

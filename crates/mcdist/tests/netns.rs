@@ -3,8 +3,10 @@
 //! and blocking tests). Every test checks that every page installed in
 //! every simulated clone equals the image.
 
-use starling_mcdist::netlab::{self, Lab};
-use starling_mcdist::sim::{self, Dist, Outcome, SyntheticImage};
+mod lab;
+
+use lab::netlab::{self, Lab};
+use lab::sim::{self, Dist, Outcome, SyntheticImage};
 use starling_mcdist::{McdistError, Receiver, ReceiverConfig, SenderConfig};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};

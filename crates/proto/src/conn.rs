@@ -53,11 +53,11 @@ where
     let mut incoming = Incoming { reader: BufReader::new(read) };
     let peer = match incoming.recv().await {
         Ok(Msg::Hello { role, name, compress }) => PeerInfo { role, name, compress },
-        Ok(Msg::Error { message, .. }) => return Err(ProtoError::invalid(format!("peer refused us: {message}"))),
+        Ok(Msg::Error { message, .. }) => return Err(ProtoError::Refused(message)),
         Ok(other) => {
             let e = format!("expected Hello, got {:?}", std::mem::discriminant(&other));
             let _ = write_frame(&mut writer, &Msg::Error { task: None, message: e.clone() }).await;
-            return Err(ProtoError::invalid(e));
+            return Err(ProtoError::NoHello);
         }
         Err(e) => {
             if !matches!(e, ProtoError::Closed | ProtoError::Io(_)) {

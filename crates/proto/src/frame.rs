@@ -9,7 +9,7 @@ const HEADER: usize = 12;
 fn codec() -> impl bincode::Options {
     bincode::DefaultOptions::new()
         .with_fixint_encoding()
-        .with_limit(MAX_FRAME as u64)
+        .with_limit(u64::from(MAX_FRAME))
         .reject_trailing_bytes()
 }
 
@@ -26,7 +26,7 @@ pub fn encode(msg: &Msg) -> Result<Vec<u8>, ProtoError> {
 /// Encode a message; with `compress`, a body worth it is zstd-compressed
 /// (kept only if that saves at least an eighth).
 pub fn encode_with(msg: &Msg, compress: bool) -> Result<Vec<u8>, ProtoError> {
-    let mut body = codec().serialize(msg).map_err(|e| ProtoError::Decode(e.to_string()))?;
+    let mut body = codec().serialize(msg).map_err(ProtoError::Encode)?;
     let mut flags = 0u16;
     if compress && body.len() >= COMPRESS_MIN && msg.worth_compressing() {
         if let Ok(z) = zstd::bulk::compress(&body, 3) {
@@ -36,14 +36,14 @@ pub fn encode_with(msg: &Msg, compress: bool) -> Result<Vec<u8>, ProtoError> {
             }
         }
     }
-    if body.len() as u64 > MAX_FRAME as u64 {
+    if body.len() as u64 > u64::from(MAX_FRAME) {
         return Err(ProtoError::TooLarge(body.len() as u64));
     }
     let mut out = Vec::with_capacity(HEADER + body.len());
     out.extend_from_slice(&MAGIC);
     out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
     out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&u32::try_from(body.len()).expect("checked against MAX_FRAME").to_le_bytes());
     out.extend_from_slice(&body);
     Ok(out)
 }
@@ -60,11 +60,11 @@ pub fn parse_header(h: &[u8; HEADER]) -> Result<(usize, u16), ProtoError> {
     }
     let flags = u16::from_le_bytes([h[6], h[7]]);
     if flags & !FLAG_ZSTD != 0 {
-        return Err(ProtoError::invalid(format!("unknown frame flags {flags:#x}")));
+        return Err(ProtoError::FrameFlags(flags));
     }
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]);
     if len > MAX_FRAME {
-        return Err(ProtoError::TooLarge(len as u64));
+        return Err(ProtoError::TooLarge(u64::from(len)));
     }
     Ok((len as usize, flags))
 }
@@ -73,7 +73,7 @@ pub fn parse_header(h: &[u8; HEADER]) -> Result<(usize, u16), ProtoError> {
 pub fn decode_flagged(body: &[u8], flags: u16) -> Result<Msg, ProtoError> {
     if flags & FLAG_ZSTD != 0 {
         let plain = zstd::bulk::decompress(body, MAX_FRAME as usize)
-            .map_err(|e| ProtoError::Decode(format!("bad compressed frame: {e}")))?;
+            .map_err(ProtoError::Decompress)?;
         return decode(&plain);
     }
     decode(body)
@@ -81,7 +81,7 @@ pub fn decode_flagged(body: &[u8], flags: u16) -> Result<Msg, ProtoError> {
 
 /// Decode and validate a body.
 pub fn decode(body: &[u8]) -> Result<Msg, ProtoError> {
-    let msg: Msg = codec().deserialize(body).map_err(|e| ProtoError::Decode(e.to_string()))?;
+    let msg: Msg = codec().deserialize(body).map_err(ProtoError::Decode)?;
     msg.validate()?;
     Ok(msg)
 }
@@ -221,14 +221,14 @@ mod tests {
     fn random_bodies_never_panic() {
         // A cheap deterministic fuzz: every byte string decodes to an error or a valid message.
         let mut x: u64 = 0x9e3779b97f4a7c15;
-        for n in 0..20_000 {
-            let len = (n % 97) as usize;
+        for n in 0..20_000usize {
+            let len = n % 97;
             let body: Vec<u8> = (0..len)
                 .map(|_| {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    x as u8
+                    x.to_le_bytes()[0]
                 })
                 .collect();
             if let Ok(m) = decode(&body) {
@@ -259,7 +259,7 @@ mod tests {
         let mut s = spec();
         s.cwd = WirePath(b"/x/..".to_vec());
         let body = bincode::DefaultOptions::new().with_fixint_encoding().serialize(&Msg::Launch { spec: s, reference: 1 }).unwrap();
-        assert!(matches!(decode(&body), Err(ProtoError::Invalid(_))));
+        assert!(matches!(decode(&body), Err(ProtoError::Invalid(crate::Invalid::PathNotNormalised(_)))));
     }
 
     #[test]

@@ -53,14 +53,78 @@ pub enum ProtoError {
     TooLarge(u64),
     #[error("truncated frame: expected {expected} bytes, got {got}")]
     Truncated { expected: usize, got: usize },
+    #[error("cannot encode a message: {0}")]
+    Encode(#[source] bincode::Error),
     #[error("malformed message: {0}")]
-    Decode(String),
+    Decode(#[source] bincode::Error),
+    #[error("bad compressed frame: {0}")]
+    Decompress(#[source] std::io::Error),
+    #[error("unknown frame flags {0:#x}")]
+    FrameFlags(u16),
     #[error("invalid message: {0}")]
-    Invalid(String),
+    Invalid(#[from] Invalid),
+    /// The peer's first message was an `Error` (its reason).
+    #[error("peer refused us: {0}")]
+    Refused(String),
+    #[error("expected Hello, got another message")]
+    NoHello,
+    #[error("expected a {expected:?} peer, got a {got:?}")]
+    UnexpectedPeer { expected: Role, got: Role },
 }
 
-impl ProtoError {
-    pub fn invalid(s: impl Into<String>) -> Self {
-        ProtoError::Invalid(s.into())
-    }
+/// What made a message invalid (checked on receipt, before anything acts on it).
+#[derive(Debug, thiserror::Error)]
+pub enum Invalid {
+    #[error("path {0:?} is not absolute")]
+    PathNotAbsolute(String),
+    #[error("path longer than PATH_MAX")]
+    PathTooLong,
+    #[error("path contains NUL")]
+    PathNul,
+    #[error("path {0:?} is not normalised")]
+    PathNotNormalised(String),
+    #[error("name contains '/'")]
+    NameHasSlash,
+    #[error("chunk length {0} out of range")]
+    ChunkLength(u32),
+    #[error("recipe chunks sum to {total} bytes but size is {size}")]
+    RecipeSize { total: u64, size: u64 },
+    #[error("chunk {hash:?}: bad zstd data: {source}")]
+    ChunkZstd { hash: Hash, #[source] source: std::io::Error },
+    #[error("chunk {0:?}: content does not match its name")]
+    ChunkMismatch(Hash),
+    #[error("empty argv")]
+    EmptyArgv,
+    #[error("argv contains NUL")]
+    ArgvNul,
+    #[error("malformed environment entry")]
+    BadEnv,
+    #[error("clone descriptor empty or too large")]
+    CloneDescriptor,
+    #[error("bad clone spec")]
+    CloneSpec,
+    #[error("umask out of range")]
+    Umask,
+    #[error("bad name in a prethrown listing")]
+    ListingName,
+    #[error("bad symlink target")]
+    SymlinkTarget,
+    #[error("a task cannot replace /")]
+    ReplaceRoot,
+    #[error("{what} of {len} bytes exceeds {max}")]
+    TooLarge { what: &'static str, len: usize, max: usize },
+    #[error("host load is not a finite non-negative number")]
+    HostLoad,
+    #[error("signal {0} out of range")]
+    Signal(i32),
+    #[error("bad directory entry name")]
+    DirEntryName,
+    #[error("job references overflow")]
+    JobReferences,
+    #[error("job of {0} tasks")]
+    JobSize(usize),
+    #[error("bad argv in job task")]
+    JobArgv,
+    #[error("ticket for {0} clones")]
+    TicketSize(u32),
 }

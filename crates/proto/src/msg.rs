@@ -2,7 +2,7 @@
 //! variants that make sense for its role and answers others with `Error`.
 
 use crate::types::*;
-use crate::{CloneCounters, ProtoError, MAX_PATH};
+use crate::{CloneCounters, Invalid, ProtoError, MAX_PATH};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -131,9 +131,9 @@ pub enum Msg {
     TicketGrant { ticket: u64, granted: Result<Vec<(String, u32)>, String> },
 }
 
-fn check_bytes(what: &str, len: usize, max: usize) -> Result<(), ProtoError> {
+fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
     if len > max {
-        return Err(ProtoError::invalid(format!("{what} of {len} bytes exceeds {max}")));
+        return Err(Invalid::TooLarge { what, len, max }.into());
     }
     Ok(())
 }
@@ -177,7 +177,7 @@ impl Msg {
             Msg::HostInfo(h) => {
                 check_bytes("host name", h.name.len(), 256)?;
                 if !h.load.is_finite() || h.load < 0.0 {
-                    return Err(ProtoError::invalid("host load is not a finite non-negative number"));
+                    return Err(Invalid::HostLoad.into());
                 }
                 Ok(())
             }
@@ -185,7 +185,7 @@ impl Msg {
             Msg::LaunchFailed { message, .. } => check_bytes("error message", message.len(), 64 << 10),
             Msg::Signal { signo, .. } => {
                 if !(1..=64).contains(signo) {
-                    return Err(ProtoError::invalid(format!("signal {signo} out of range")));
+                    return Err(Invalid::Signal(*signo).into());
                 }
                 Ok(())
             }
@@ -199,7 +199,7 @@ impl Msg {
                 FileResp::ReadDir(Ok(entries)) => {
                     for e in entries {
                         if e.name.is_empty() || e.name.contains(&b'/') || e.name.contains(&0) || e.name.len() > 255 {
-                            return Err(ProtoError::invalid("bad directory entry name"));
+                            return Err(Invalid::DirEntryName.into());
                         }
                     }
                     Ok(())
@@ -217,16 +217,16 @@ impl Msg {
             }
             Msg::LaunchJob { spec, tasks, first_reference } => {
                 if first_reference.checked_add(tasks.len() as u64).is_none() {
-                    return Err(ProtoError::invalid("job references overflow"));
+                    return Err(Invalid::JobReferences.into());
                 }
                 spec.validate()?;
                 if tasks.is_empty() || tasks.len() > MAX_JOB_TASKS {
-                    return Err(ProtoError::invalid(format!("job of {} tasks", tasks.len())));
+                    return Err(Invalid::JobSize(tasks.len()).into());
                 }
                 for t in tasks {
                     if let Some(a) = &t.argv {
                         if a.is_empty() || a.iter().any(|x| x.contains(&0)) {
-                            return Err(ProtoError::invalid("bad argv in job task"));
+                            return Err(Invalid::JobArgv.into());
                         }
                     }
                 }
@@ -235,7 +235,7 @@ impl Msg {
             Msg::Committed { conflicts, .. } => conflicts.iter().try_for_each(|p| p.validate()),
             Msg::TicketRequest { n, .. } => {
                 if *n == 0 || *n > 4096 {
-                    return Err(ProtoError::invalid(format!("ticket for {n} clones")));
+                    return Err(Invalid::TicketSize(*n).into());
                 }
                 Ok(())
             }

@@ -1,6 +1,6 @@
 //! Value types carried by messages: hashes, paths, recipes, attributes.
 
-use crate::{ProtoError, MAX_PATH};
+use crate::{Invalid, ProtoError, MAX_PATH};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 
@@ -61,18 +61,18 @@ impl WirePath {
     pub fn validate(&self) -> Result<(), ProtoError> {
         let b = &self.0;
         if b.is_empty() || b[0] != b'/' {
-            return Err(ProtoError::invalid(format!("path {:?} is not absolute", self)));
+            return Err(Invalid::PathNotAbsolute(format!("{self:?}")).into());
         }
         if b.len() > MAX_PATH {
-            return Err(ProtoError::invalid("path longer than PATH_MAX"));
+            return Err(Invalid::PathTooLong.into());
         }
         if b.contains(&0) {
-            return Err(ProtoError::invalid("path contains NUL"));
+            return Err(Invalid::PathNul.into());
         }
         if b.len() > 1 {
             for comp in b[1..].split(|&c| c == b'/') {
                 if comp.is_empty() || comp == b"." || comp == b".." {
-                    return Err(ProtoError::invalid(format!("path {:?} is not normalised", self)));
+                    return Err(Invalid::PathNotNormalised(format!("{self:?}")).into());
                 }
             }
         }
@@ -93,7 +93,7 @@ impl WirePath {
         }
         v.extend_from_slice(name);
         if name.contains(&b'/') {
-            return Err(ProtoError::invalid("name contains '/'"));
+            return Err(Invalid::NameHasSlash.into());
         }
         WirePath::new(v)
     }
@@ -157,15 +157,12 @@ impl Recipe {
         let mut total: u64 = 0;
         for c in &self.chunks {
             if c.len == 0 || c.len > MAX_CHUNK {
-                return Err(ProtoError::invalid(format!("chunk length {} out of range", c.len)));
+                return Err(Invalid::ChunkLength(c.len).into());
             }
-            total += c.len as u64;
+            total += u64::from(c.len);
         }
         if total != self.size {
-            return Err(ProtoError::invalid(format!(
-                "recipe chunks sum to {total} bytes but size is {}",
-                self.size
-            )));
+            return Err(Invalid::RecipeSize { total, size: self.size }.into());
         }
         Ok(())
     }
@@ -205,12 +202,12 @@ impl ChunkData {
     pub fn open(&self) -> Result<Vec<u8>, ProtoError> {
         let bytes = if self.compressed {
             zstd::bulk::decompress(&self.data, MAX_CHUNK as usize)
-                .map_err(|e| ProtoError::invalid(format!("chunk {:?}: bad zstd data: {e}", self.hash)))?
+                .map_err(|source| ProtoError::from(Invalid::ChunkZstd { hash: self.hash, source }))?
         } else {
             self.data.clone()
         };
         if Hash::of(&bytes) != self.hash {
-            return Err(ProtoError::invalid(format!("chunk {:?}: content does not match its name", self.hash)));
+            return Err(Invalid::ChunkMismatch(self.hash).into());
         }
         Ok(bytes)
     }
@@ -240,6 +237,42 @@ pub struct Attr {
     pub atime_ns: i64,
     pub mtime_ns: i64,
     pub ctime_ns: i64,
+}
+
+impl NodeKind {
+    /// The kind of a local file.
+    pub fn of(ft: std::fs::FileType) -> NodeKind {
+        if ft.is_dir() {
+            NodeKind::Dir
+        } else if ft.is_file() {
+            NodeKind::File
+        } else if ft.is_symlink() {
+            NodeKind::Symlink
+        } else {
+            NodeKind::Special
+        }
+    }
+}
+
+impl Attr {
+    /// The attributes of a local file, as `lstat` gave them.
+    pub fn of(meta: &std::fs::Metadata) -> Attr {
+        use std::os::unix::fs::MetadataExt;
+        let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
+        Attr {
+            kind: NodeKind::of(meta.file_type()),
+            ino: meta.ino(),
+            size: meta.size(),
+            mode: meta.mode(),
+            nlink: u32::try_from(meta.nlink()).unwrap_or(u32::MAX),
+            uid: meta.uid(),
+            gid: meta.gid(),
+            rdev: meta.rdev(),
+            atime_ns: ns(meta.atime(), meta.atime_nsec()),
+            mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
+            ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
+        }
+    }
 }
 
 /// The answer to "what is at this path?" — a *binding* in UCop's terms.
@@ -340,7 +373,20 @@ pub struct CloneSpec {
     pub local_forks: u32,
 }
 
+/// The variable a job's task finds its index in (0..n).
+pub const TASK_INDEX_ENV: &str = "STARLING_TASK";
+/// The variable a job's task finds the job's number of tasks in.
+pub const TASK_COUNT_ENV: &str = "STARLING_TASKS";
+
 impl TaskSpec {
+    /// Make this the spec of task `index` of a job of `count` tasks
+    /// ([`TASK_INDEX_ENV`], [`TASK_COUNT_ENV`]).
+    pub fn set_task_index(&mut self, index: usize, count: usize) {
+        self.env.retain(|(k, _)| k != TASK_INDEX_ENV.as_bytes() && k != TASK_COUNT_ENV.as_bytes());
+        self.env.push((TASK_INDEX_ENV.as_bytes().to_vec(), index.to_string().into_bytes()));
+        self.env.push((TASK_COUNT_ENV.as_bytes().to_vec(), count.to_string().into_bytes()));
+    }
+
     /// Cores the task occupies on its host: one per process-level clone it
     /// starts (hierarchical clone tasks), else one.
     pub fn cores(&self) -> u32 {
@@ -349,38 +395,38 @@ impl TaskSpec {
 
     pub fn validate(&self) -> Result<(), ProtoError> {
         if self.argv.is_empty() {
-            return Err(ProtoError::invalid("empty argv"));
+            return Err(Invalid::EmptyArgv.into());
         }
         if self.argv.iter().any(|a| a.contains(&0)) {
-            return Err(ProtoError::invalid("argv contains NUL"));
+            return Err(Invalid::ArgvNul.into());
         }
         if self.env.iter().any(|(k, v)| k.is_empty() || k.contains(&0) || k.contains(&b'=') || v.contains(&0)) {
-            return Err(ProtoError::invalid("malformed environment entry"));
+            return Err(Invalid::BadEnv.into());
         }
         self.cwd.validate()?;
         if let Some(c) = &self.clone {
             if c.descriptor_len == 0 || c.descriptor_len as usize > MAX_DESCRIPTOR {
-                return Err(ProtoError::invalid("clone descriptor empty or too large"));
+                return Err(Invalid::CloneDescriptor.into());
             }
             // 255 further clones at most: the restorer's MAX_CLONES_PER_RESTORE.
             if c.clone_id == 0 || c.page_server.len() > 256 || c.local_forks > 255 || c.clone_id.checked_add(c.local_forks).is_none() {
-                return Err(ProtoError::invalid("bad clone spec"));
+                return Err(Invalid::CloneSpec.into());
             }
         }
         if self.umask > 0o777 {
-            return Err(ProtoError::invalid("umask out of range"));
+            return Err(Invalid::Umask.into());
         }
         for (p, entries) in &self.listings {
             p.validate()?;
             if entries.iter().any(|e| e.name.is_empty() || e.name.contains(&b'/') || e.name.contains(&0)) {
-                return Err(ProtoError::invalid("bad name in a prethrown listing"));
+                return Err(Invalid::ListingName.into());
             }
         }
         for (p, l) in &self.prethrow {
             p.validate()?;
             if let Lookup::Symlink(_, t) = l {
                 if t.contains(&0) || t.len() > crate::MAX_PATH {
-                    return Err(ProtoError::invalid("bad symlink target"));
+                    return Err(Invalid::SymlinkTarget.into());
                 }
             }
         }
@@ -443,12 +489,12 @@ impl Change {
     pub fn validate(&self) -> Result<(), ProtoError> {
         self.path().validate()?;
         if self.path().0 == b"/" {
-            return Err(ProtoError::invalid("a task cannot replace /"));
+            return Err(Invalid::ReplaceRoot.into());
         }
         match self {
             Change::File { recipe, .. } => recipe.validate(),
             Change::Symlink { target, .. } if target.is_empty() || target.contains(&0) => {
-                Err(ProtoError::invalid("bad symlink target"))
+                Err(Invalid::SymlinkTarget.into())
             }
             _ => Ok(()),
         }

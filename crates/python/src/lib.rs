@@ -100,7 +100,15 @@ impl Ticket {
 #[pyfunction]
 #[pyo3(signature = (n, hierarchical = false))]
 fn request_ticket(n: i32, hierarchical: bool) -> PyResult<Ticket> {
-    Ok(Ticket { core: CoreTicket::request(n, hierarchical).map_err(to_py_err)? })
+    let config = config().map_err(to_py_err)?;
+    Ok(Ticket { core: CoreTicket::request(n, hierarchical, &config).map_err(to_py_err)? })
+}
+
+/// The configuration, read at this module's edge (the config file, then
+/// `STARLING_*` as `os.environ` has them) on every ticket request.
+fn config() -> Result<starling_config::Config, ForkError> {
+    let env = |k: &str| std::env::var_os(k);
+    Ok(starling_config::Config::load(&starling_config::Sources { file: None, env: &env })?)
 }
 
 /// Runs in the template (the fork child the clones are made from) before it
@@ -177,7 +185,7 @@ fn describe_status(py: Python<'_>, status: Option<i32>) -> PyResult<Py<PyAny>> {
 }
 
 fn all_statuses(py: Python<'_>, ticket: &Ticket) -> PyResult<Vec<Py<PyAny>>> {
-    (1..=ticket.core.allocation as i32).map(|id| describe_status(py, ticket.core.clone_status(id))).collect()
+    (1..=ticket.core.allocation.cast_signed()).map(|id| describe_status(py, ticket.core.clone_status(id))).collect()
 }
 
 /// Parent only: wait for every clone (the GIL is released meanwhile).

@@ -206,7 +206,7 @@ fn start_and_supervise(
         }
         if signals_ready {
             while let Ok(Some(info)) = sigfd.read_signal() {
-                let signo = info.ssi_signo as i32;
+                let signo = info.ssi_signo.cast_signed();
                 if signo != libc::SIGCHLD {
                     // SAFETY: kill takes plain integers; pid1 is our unreaped child.
                     unsafe { libc::kill(pid1.as_raw(), signo) };
@@ -287,7 +287,7 @@ fn reaper_main(spec: &SandboxSpec, program: &Option<ProgramWire>, report_write: 
     crate::program::close_copies(program);
     loop {
         let signo = match sigfd.read_signal() {
-            Ok(Some(info)) => info.ssi_signo as i32,
+            Ok(Some(info)) => info.ssi_signo.cast_signed(),
             Ok(None) | Err(Errno::EINTR) | Err(Errno::EAGAIN) => continue,
             Err(e) => {
                 let _ = kill(task, Signal::SIGKILL);
@@ -419,7 +419,7 @@ fn close_from(first: RawFd) {
     // SAFETY: close_range only closes descriptors; callers own every
     // descriptor at or above `first` (nothing above is wrapped in a live
     // `OwnedFd` at that point).
-    let rc = unsafe { libc::syscall(libc::SYS_close_range, first as libc::c_uint, libc::c_uint::MAX, 0 as libc::c_uint) };
+    let rc = unsafe { libc::syscall(libc::SYS_close_range, first.cast_unsigned(), libc::c_uint::MAX, 0 as libc::c_uint) };
     if rc < 0 {
         // Kernels before 5.9: close them one by one.
         // SAFETY: sysconf has no memory arguments.

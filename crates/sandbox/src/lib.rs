@@ -95,7 +95,7 @@ pub use spawn::{spawn, spawn_program, Sandboxed};
 pub use starling_proto::ExitStatus;
 
 /// The hidden subcommand the agent's binary must route to [`init_main`].
-pub const INIT_SUBCOMMAND: &str = "__sandbox-init";
+pub use starling_config::roles::SANDBOX_INIT as INIT_SUBCOMMAND;
 
 /// Status of a sandbox that could not be set up (mount, chroot, chdir,
 /// credentials...), as env(1) does for its own failures.

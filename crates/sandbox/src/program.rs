@@ -27,6 +27,11 @@ pub(crate) const PROGRAM_FD: RawFd = 5;
 /// parking area).
 pub const MAX_EXTRA_FDS: usize = 4;
 
+/// A count of descriptors as a descriptor offset (they are at most [`MAX_EXTRA_FDS`] + 1).
+pub(crate) fn fd_count(n: usize) -> RawFd {
+    RawFd::try_from(n).expect("a handful of descriptors")
+}
+
 /// What the agent hands over: the program and the extras (target number, fd).
 #[derive(Debug)]
 pub struct TaskProgram {
@@ -71,7 +76,7 @@ impl TaskProgram {
 
 /// Number of descriptors at 5.. the outer init holds for `wire`.
 pub(crate) fn count(wire: &Option<ProgramWire>) -> RawFd {
-    wire.as_ref().map_or(0, |w| 1 + w.targets.len() as RawFd)
+    wire.as_ref().map_or(0, |w| 1 + fd_count(w.targets.len()))
 }
 
 /// In a fork child that no longer needs them (outer init, reaper): close
@@ -90,8 +95,8 @@ pub(crate) fn close_copies(wire: &Option<ProgramWire>) {
 pub(crate) fn install(wire: &ProgramWire) -> Result<RawFd, String> {
     const PARK: RawFd = 100;
     let mut parked = Vec::new();
-    for (i, src) in (PROGRAM_FD..PROGRAM_FD + 1 + wire.targets.len() as RawFd).enumerate() {
-        let p = fcntl(src, FcntlArg::F_DUPFD_CLOEXEC(PARK + i as RawFd))
+    for (i, src) in (PROGRAM_FD..PROGRAM_FD + 1 + fd_count(wire.targets.len())).enumerate() {
+        let p = fcntl(src, FcntlArg::F_DUPFD_CLOEXEC(PARK + fd_count(i)))
             .map_err(|e| format!("task descriptor {src} missing: {e}"))?;
         parked.push(p);
     }
@@ -111,7 +116,7 @@ pub(crate) fn install(wire: &ProgramWire) -> Result<RawFd, String> {
 fn close_range(first: RawFd, last: RawFd) {
     // SAFETY: close_range only closes descriptors this process owns and that
     // nothing wraps in a live owner at this point (see `install`).
-    unsafe { libc::syscall(libc::SYS_close_range, first as libc::c_uint, last as libc::c_uint, 0 as libc::c_uint) };
+    unsafe { libc::syscall(libc::SYS_close_range, first.cast_unsigned(), last.cast_unsigned(), 0 as libc::c_uint) };
 }
 
 /// execveat(program, "", argv, envp, AT_EMPTY_PATH); returns only on failure.

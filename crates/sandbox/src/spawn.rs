@@ -103,7 +103,7 @@ fn spawn_inner(
                 return Err(io::Error::last_os_error());
             }
             for (i, &fd) in extra_raw.iter().enumerate() {
-                if libc::dup2(fd, PROGRAM_FD + i as RawFd) < 0 {
+                if libc::dup2(fd, PROGRAM_FD + crate::program::fd_count(i)) < 0 {
                     return Err(io::Error::last_os_error());
                 }
             }
@@ -137,13 +137,13 @@ fn park(fd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
 fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new descriptor
     // or -1; no memory is passed.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid.cast_signed(), 0) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
     // SAFETY: the syscall returned a fresh descriptor that nothing else owns
     // (pidfd_open sets close-on-exec itself).
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+    Ok(unsafe { OwnedFd::from_raw_fd(RawFd::try_from(fd).expect("pidfd_open returns an int")) })
 }
 
 impl Sandboxed {
@@ -167,7 +167,7 @@ impl Sandboxed {
         }
         // SAFETY: kill takes plain integers; the pid is our unreaped child,
         // so it cannot have been reused by another process.
-        if unsafe { libc::kill(self.child.id() as libc::pid_t, signo) } < 0 {
+        if unsafe { libc::kill(self.child.id().cast_signed(), signo) } < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(())

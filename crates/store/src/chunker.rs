@@ -6,6 +6,7 @@
 //! travel as a few new chunks.
 
 use fastcdc::v2020::{FastCDC, StreamCDC};
+pub use starling_config::Chunking;
 use starling_proto::{ChunkRef, Hash, Recipe};
 use std::fs::{File, Metadata};
 use std::io::{self, BufReader};
@@ -50,17 +51,15 @@ fn empty_recipe(meta: &Metadata) -> Recipe {
 /// order. The recipe's metadata comes from `meta`; its size is the number of
 /// bytes actually read (callers that care whether the file changed while
 /// being read compare it with `meta.len()`).
-pub fn chunk_file(path: &Path, meta: &Metadata, f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
+pub fn chunk_file(path: &Path, meta: &Metadata, chunking: Chunking, f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
     let file = File::open(path)?;
-    chunk_reader(&file, meta, f)
+    chunk_reader(&file, meta, chunking, f)
 }
 
-/// [`chunk_file`] on an already open file (read from its current position).
-/// Content-defined chunking can be switched off (`STARLING_CHUNKING=off`)
-/// to measure what it saves: files are then cut into fixed blocks of the
-/// largest chunk size, so an edit resends its whole block (or file).
-pub fn content_defined() -> bool {
-    std::env::var("STARLING_CHUNKING").map(|v| v != "off").unwrap_or(true)
+
+/// A chunk's length as recipes record it (chunks are at most `MAX_CHUNK`).
+fn chunk_len(n: usize) -> u32 {
+    u32::try_from(n).expect("a chunk is at most MAX_CHUNK bytes")
 }
 
 fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
@@ -80,15 +79,19 @@ fn chunk_fixed(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8]))
         if got == 0 {
             return Ok(recipe);
         }
-        let r = ChunkRef { hash: Hash::of(&buf[..got]), len: got as u32 };
+        let r = ChunkRef { hash: Hash::of(&buf[..got]), len: chunk_len(got) };
         f(r, &buf[..got]);
         recipe.size += got as u64;
         recipe.chunks.push(r);
     }
 }
 
-pub fn chunk_reader(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
-    if !content_defined() {
+/// [`chunk_file`] on an already open file (read from its current position).
+/// Content-defined chunking can be switched off ([`Chunking::Fixed`]) to
+/// measure what it saves: files are then cut into fixed blocks of the
+/// largest chunk size, so an edit resends its whole block (or file).
+pub fn chunk_reader(file: &File, meta: &Metadata, chunking: Chunking, mut f: impl FnMut(ChunkRef, &[u8])) -> io::Result<Recipe> {
+    if chunking == Chunking::Fixed {
         return chunk_fixed(file, meta, f);
     }
     let mut recipe = empty_recipe(meta);
@@ -97,7 +100,7 @@ pub fn chunk_reader(file: &File, meta: &Metadata, mut f: impl FnMut(ChunkRef, &[
     let reader = BufReader::with_capacity(MAX_CHUNK as usize, file);
     for chunk in StreamCDC::new(reader, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK) {
         let chunk = chunk.map_err(io::Error::from)?;
-        let r = ChunkRef { hash: Hash::of(&chunk.data), len: chunk.length as u32 };
+        let r = ChunkRef { hash: Hash::of(&chunk.data), len: chunk_len(chunk.length) };
         f(r, &chunk.data);
         recipe.size += chunk.length as u64;
         recipe.chunks.push(r);
@@ -111,7 +114,7 @@ pub fn chunk_bytes(data: &[u8]) -> Vec<(ChunkRef, Range<usize>)> {
     FastCDC::new(data, MIN_CHUNK, AVG_CHUNK, MAX_CHUNK)
         .map(|c| {
             let range = c.offset..c.offset + c.length;
-            (ChunkRef { hash: Hash::of(&data[range.clone()]), len: c.length as u32 }, range)
+            (ChunkRef { hash: Hash::of(&data[range.clone()]), len: chunk_len(c.length) }, range)
         })
         .collect()
 }
@@ -142,7 +145,7 @@ pub(crate) mod tests {
         let p = write_file(dir.path(), "f", &data);
         let meta = std::fs::metadata(&p).unwrap();
         let mut seen = Vec::new();
-        let recipe = chunk_file(&p, &meta, |r, bytes| {
+        let recipe = chunk_file(&p, &meta, Chunking::ContentDefined, |r, bytes| {
             assert_eq!(Hash::of(bytes), r.hash);
             assert_eq!(bytes.len(), r.len as usize);
             seen.extend_from_slice(bytes);
@@ -166,7 +169,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = write_file(dir.path(), "empty", b"");
         let meta = std::fs::metadata(&p).unwrap();
-        let r = chunk_file(&p, &meta, |_, _| panic!("no chunk expected")).unwrap();
+        let r = chunk_file(&p, &meta, Chunking::ContentDefined, |_, _| panic!("no chunk expected")).unwrap();
         assert_eq!((r.size, r.chunks.len()), (0, 0));
         assert!(chunk_bytes(b"").is_empty());
     }
@@ -189,7 +192,7 @@ pub(crate) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = write_file(dir.path(), "f", &random_bytes(4, 200_000));
         let meta1 = std::fs::metadata(&p).unwrap();
-        let r1 = chunk_file(&p, &meta1, |_, _| {}).unwrap();
+        let r1 = chunk_file(&p, &meta1, Chunking::ContentDefined, |_, _| {}).unwrap();
         File::options()
             .write(true)
             .open(&p)
@@ -197,7 +200,7 @@ pub(crate) mod tests {
             .set_modified(std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(12345))
             .unwrap();
         let meta2 = std::fs::metadata(&p).unwrap();
-        let r2 = chunk_file(&p, &meta2, |_, _| {}).unwrap();
+        let r2 = chunk_file(&p, &meta2, Chunking::ContentDefined, |_, _| {}).unwrap();
         assert_ne!(r1.mtime_ns, r2.mtime_ns);
         assert_ne!(r1.name(), r2.name());
         assert_eq!(r1.content_id(), r2.content_id());

@@ -227,7 +227,7 @@ impl HostCache {
     /// deleted and reported as absent.
     pub fn get_chunk(&self, h: &Hash) -> io::Result<Option<Vec<u8>>> {
         let key = (Kind::Chunk, *h);
-        let bytes = match self.read_entry(key, starling_proto::MAX_CHUNK as u64)? {
+        let bytes = match self.read_entry(key, u64::from(starling_proto::MAX_CHUNK))? {
             Some(b) => b,
             None => return Ok(None),
         };

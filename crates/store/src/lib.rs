@@ -52,7 +52,7 @@ pub fn read_chunks(path: &Path, recipe: &Recipe, wanted: &[Hash]) -> io::Result<
     let mut offset = 0u64;
     for c in &recipe.chunks {
         offsets.entry(c.hash).or_insert((offset, c.len));
-        offset += c.len as u64;
+        offset += u64::from(c.len);
     }
     let file = File::options().read(true).custom_flags(libc::O_NOFOLLOW).open(path)?;
     let changed = |h: &Hash, at: u64| {

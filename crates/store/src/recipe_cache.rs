@@ -16,7 +16,7 @@
 //! processes never see torn files; a file that fails its checksum or does
 //! not decode is a miss.
 
-use crate::chunker::{self, ctime_ns, mtime_ns};
+use crate::chunker::{self, ctime_ns, mtime_ns, Chunking};
 use serde::{Deserialize, Serialize};
 use starling_proto::{Hash, Recipe};
 use std::collections::HashMap;
@@ -70,14 +70,16 @@ struct Memory {
 pub struct RecipeCache {
     dir: PathBuf,
     memory: Mutex<Memory>,
+    /// How files are cut (a cache holds recipes of one kind only).
+    chunking: Chunking,
 }
 
 impl RecipeCache {
-    pub fn open(dir: &Path) -> io::Result<RecipeCache> {
+    pub fn open(dir: &Path, chunking: Chunking) -> io::Result<RecipeCache> {
         fs::create_dir_all(dir)?;
         crate::host_cache::remove_stale_tmp(&dir.join("tmp"));
         fs::create_dir_all(dir.join("tmp"))?;
-        Ok(RecipeCache { dir: dir.to_path_buf(), memory: Mutex::new(Memory::default()) })
+        Ok(RecipeCache { dir: dir.to_path_buf(), memory: Mutex::new(Memory::default()), chunking })
     }
 
     /// The recipe of the regular file at `path`, whose metadata `meta` the
@@ -141,7 +143,7 @@ impl RecipeCache {
                 return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{}: not a regular file", path.display())));
             }
             let started_ns = now_ns();
-            let recipe = chunker::chunk_reader(&file, &before, |_, _| {})?;
+            let recipe = chunker::chunk_reader(&file, &before, self.chunking, |_, _| {})?;
             let identity = Identity::of(&before);
             if Identity::of(&file.metadata()?) != identity || recipe.size != identity.size {
                 continue; // changed while we read it

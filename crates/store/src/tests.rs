@@ -1,5 +1,6 @@
 //! Tests of the caches and of `read_chunks` (the chunker tests live in `chunker`).
 
+use crate::chunker::Chunking;
 use super::*;
 use crate::chunker::tests::random_bytes;
 use std::fs;
@@ -223,7 +224,7 @@ fn recipe_cache_rehashes_only_on_change() {
     sleep(Duration::from_millis(2 * (RACY_WINDOW_NS / 1_000_000) as u64));
     let meta = fs::symlink_metadata(&file).unwrap();
 
-    let cache = RecipeCache::open(&cache_dir).unwrap();
+    let cache = RecipeCache::open(&cache_dir, Chunking::ContentDefined).unwrap();
     let (r1, hashed) = cache.recipe(&file, &meta).unwrap();
     assert!(hashed);
     assert_eq!(r1.size, 300_000);
@@ -232,7 +233,7 @@ fn recipe_cache_rehashes_only_on_change() {
     assert_eq!(again, r1);
     assert_eq!(cache.lookup_name(&r1.name()), Some((file.clone(), r1.clone())));
     // Persisted: a new process reuses it.
-    let cache2 = RecipeCache::open(&cache_dir).unwrap();
+    let cache2 = RecipeCache::open(&cache_dir, Chunking::ContentDefined).unwrap();
     assert_eq!(cache2.lookup_name(&r1.name()), None, "lookup_name only knows recipes this process served");
     assert_eq!(cache2.recipe(&file, &meta).unwrap(), (r1.clone(), false));
 
@@ -263,7 +264,7 @@ fn recipe_cache_rehashes_only_on_change() {
         bytes[last] ^= 1;
         fs::write(&p, bytes).unwrap();
     }
-    let cache3 = RecipeCache::open(&cache_dir).unwrap();
+    let cache3 = RecipeCache::open(&cache_dir, Chunking::ContentDefined).unwrap();
     let (r3, hashed) = cache3.recipe(&file, &meta2).unwrap();
     assert!(hashed);
     assert_eq!(r3, r2);
@@ -276,7 +277,7 @@ fn read_chunks_serves_verified_chunks_and_detects_changes() {
     let data = random_bytes(10, 1 << 20);
     write(&file, &data);
     let meta = fs::metadata(&file).unwrap();
-    let recipe = chunker::chunk_file(&file, &meta, |_, _| {}).unwrap();
+    let recipe = chunker::chunk_file(&file, &meta, Chunking::ContentDefined, |_, _| {}).unwrap();
     assert!(recipe.chunks.len() >= 3);
     let wanted: Vec<Hash> = vec![recipe.chunks[2].hash, recipe.chunks[0].hash];
     let got = read_chunks(&file, &recipe, &wanted).unwrap();

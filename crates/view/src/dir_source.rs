@@ -3,7 +3,6 @@
 use std::fs;
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -89,36 +88,6 @@ impl DirSource {
     }
 }
 
-fn attr_of(meta: &fs::Metadata, kind: NodeKind) -> Attr {
-    let ns = |s: i64, n: i64| s.saturating_mul(1_000_000_000).saturating_add(n);
-    Attr {
-        kind,
-        ino: meta.ino(),
-        size: meta.size(),
-        mode: meta.mode(),
-        nlink: meta.nlink().min(u32::MAX as u64) as u32,
-        uid: meta.uid(),
-        gid: meta.gid(),
-        rdev: meta.rdev(),
-        atime_ns: ns(meta.atime(), meta.atime_nsec()),
-        mtime_ns: ns(meta.mtime(), meta.mtime_nsec()),
-        ctime_ns: ns(meta.ctime(), meta.ctime_nsec()),
-    }
-}
-
-fn kind_of(ft: fs::FileType) -> NodeKind {
-    if ft.is_dir() {
-        NodeKind::Dir
-    } else if ft.is_file() {
-        NodeKind::File
-    } else if ft.is_symlink() {
-        NodeKind::Symlink
-    } else {
-        debug_assert!(ft.is_fifo() || ft.is_socket() || ft.is_char_device() || ft.is_block_device());
-        NodeKind::Special
-    }
-}
-
 impl Source for DirSource {
     fn lookup(&self, path: &WirePath) -> io::Result<Lookup> {
         self.lookups.fetch_add(1, Ordering::Relaxed);
@@ -130,9 +99,8 @@ impl Source for DirSource {
             }
             Err(e) => return Err(e),
         };
-        let kind = kind_of(meta.file_type());
-        let mut attr = attr_of(&meta, kind);
-        Ok(match kind {
+        let mut attr = Attr::of(&meta);
+        Ok(match attr.kind {
             NodeKind::Dir => Lookup::Dir(attr),
             NodeKind::Symlink => Lookup::Symlink(attr, fs::read_link(&host)?.into_os_string().into_encoded_bytes()),
             NodeKind::Special => Lookup::Special(attr),
@@ -152,7 +120,7 @@ impl Source for DirSource {
         let mut out = Vec::new();
         for entry in fs::read_dir(self.host_path(path)).map_err(errno)? {
             let entry = entry.map_err(errno)?;
-            let kind = kind_of(entry.file_type().map_err(errno)?);
+            let kind = NodeKind::of(entry.file_type().map_err(errno)?);
             out.push(DirEntry { name: entry.file_name().as_bytes().to_vec(), kind });
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));

@@ -108,6 +108,6 @@ fn xattr(path: &Path, name: &str) -> io::Result<Option<Vec<u8>>> {
             _ => Err(e),
         };
     }
-    buf.truncate(n as usize);
+    buf.truncate(n.cast_unsigned());
     Ok(Some(buf))
 }

@@ -246,6 +246,14 @@ fn kind_type(kind: NodeKind) -> FileType {
     }
 }
 
+/// FUSE carries device numbers in 32 bits; the low half is the kernel's
+/// old-style encoding, which is what FUSE passes on.
+fn fuse_rdev(rdev: u64) -> u32 {
+    #[allow(clippy::cast_possible_truncation)]
+    let low = rdev as u32;
+    low
+}
+
 fn time_of(ns: i64) -> SystemTime {
     let d = Duration::from_nanos(ns.unsigned_abs());
     if ns >= 0 {
@@ -269,7 +277,7 @@ fn to_file_attr(ino: u64, a: &Attr, kind: FileType) -> FileAttr {
         nlink: a.nlink.max(1),
         uid: a.uid,
         gid: a.gid,
-        rdev: a.rdev as u32,
+        rdev: fuse_rdev(a.rdev),
         blksize: 4096,
         flags: 0,
     }

@@ -65,7 +65,7 @@ fn view_shows_source_attrs_contents_and_listings() {
     write_mode(&fx.src.join("a/hello.txt"), b"hello world\n", 0o640);
     nix::unistd::chown(&fx.src.join("a/hello.txt"), Some(1234.into()), Some(5678.into())).unwrap();
     // 3 MiB of non-repeating bytes: several passthrough read requests' worth.
-    let big: Vec<u8> = (0..3u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect();
+    let big: Vec<u8> = (0..3u32 << 20).map(|i| (i.wrapping_mul(2654435761) >> 13).to_le_bytes()[0]).collect();
     write_mode(&fx.src.join("big.bin"), &big, 0o755);
     std::os::unix::fs::symlink("a/hello.txt", fx.src.join("link")).unwrap();
     nix::unistd::mkfifo(&fx.src.join("fifo"), nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap();
@@ -376,7 +376,7 @@ fn without_passthrough_the_daemon_serves_reads() {
         return;
     }
     let fx = fixture();
-    let big: Vec<u8> = (0..(1u32 << 20) + 123).map(|i| (i.wrapping_mul(40503) >> 7) as u8).collect();
+    let big: Vec<u8> = (0..(1u32 << 20) + 123).map(|i| (i.wrapping_mul(40503) >> 7).to_le_bytes()[0]).collect();
     write_mode(&fx.src.join("big.bin"), &big, 0o644);
     let source = Arc::new(DirSource::new(&fx.src, &fx.cache).unwrap());
     let options = starling_view::ViewOptions { passthrough: false, threads: 2 };

@@ -1,16 +1,23 @@
 //! Capturing the caller's configuration: what makes the remote task behave
 //! as if it ran here.
 
-use anyhow::{Context, Result};
 use starling_proto::{TaskSpec, WirePath};
 use std::ffi::OsString;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("cannot determine the current directory: {0}")]
+    Cwd(#[source] std::io::Error),
+    #[error("the current directory cannot be exported: {0}")]
+    CwdPath(#[source] starling_proto::ProtoError),
+}
 
 /// Resources carried to the task (all of getrlimit's on Linux).
 const RLIMITS: std::ops::Range<u32> = 0..16;
 
 pub fn now_ns() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as i64).unwrap_or(0)
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
 }
 
 pub fn current_umask() -> u32 {
@@ -23,10 +30,9 @@ pub fn current_umask() -> u32 {
 }
 
 /// The spec for running `argv` as if here and now.
-pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec> {
-    let cwd = std::env::current_dir().context("cannot determine the current directory")?;
-    let cwd = WirePath::new(cwd.as_os_str().as_bytes().to_vec())
-        .map_err(|e| anyhow::anyhow!("current directory cannot be exported: {e}"))?;
+pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec, SpecError> {
+    let cwd = std::env::current_dir().map_err(SpecError::Cwd)?;
+    let cwd = WirePath::new(cwd.as_os_str().as_bytes().to_vec()).map_err(SpecError::CwdPath)?;
     let mut rlimits = Vec::new();
     for r in RLIMITS {
         let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };

@@ -10,7 +10,7 @@ use starling_proto::{Attr, ChunkData, DirEntry, FileReq, FileResp, Hash, Lookup,
 use starling_store::RecipeCache;
 use std::collections::HashMap;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -43,32 +43,6 @@ fn classify(path: &[u8]) -> Export {
         return Export::Hidden;
     }
     Export::Normal
-}
-
-pub fn attr_of(meta: &std::fs::Metadata) -> Attr {
-    let ft = meta.file_type();
-    let kind = if ft.is_file() {
-        NodeKind::File
-    } else if ft.is_dir() {
-        NodeKind::Dir
-    } else if ft.is_symlink() {
-        NodeKind::Symlink
-    } else {
-        NodeKind::Special
-    };
-    Attr {
-        kind,
-        ino: meta.ino(),
-        size: meta.size(),
-        mode: meta.mode(),
-        nlink: meta.nlink() as u32,
-        uid: meta.uid(),
-        gid: meta.gid(),
-        rdev: meta.rdev(),
-        atime_ns: meta.atime() * 1_000_000_000 + meta.atime_nsec(),
-        mtime_ns: meta.mtime() * 1_000_000_000 + meta.mtime_nsec(),
-        ctime_ns: meta.ctime() * 1_000_000_000 + meta.ctime_nsec(),
-    }
 }
 
 fn errno_of(e: &std::io::Error) -> i32 {
@@ -171,7 +145,7 @@ impl FileServer {
             Export::Hidden => return Ok(Lookup::Absent),
             Export::EmptyDir => {
                 let meta = std::fs::symlink_metadata(path.as_path())?;
-                return Ok(Lookup::Dir(Attr { nlink: 2, ..attr_of(&meta) }));
+                return Ok(Lookup::Dir(Attr { nlink: 2, ..Attr::of(&meta) }));
             }
             Export::Normal => {}
         }
@@ -182,7 +156,7 @@ impl FileServer {
                 Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENOTDIR)) => return Ok(Lookup::Absent),
                 Err(e) => return Err(e),
             };
-            let attr = attr_of(&meta);
+            let attr = Attr::of(&meta);
             let ft = meta.file_type();
             if ft.is_dir() {
                 return Ok(Lookup::Dir(attr));
@@ -199,7 +173,7 @@ impl FileServer {
                 self.stats.lock().unwrap().files_hashed += 1;
             }
             let after = std::fs::symlink_metadata(path.as_path())?;
-            if attr_of(&after) != attr {
+            if Attr::of(&after) != attr {
                 continue;
             }
             let name = recipe.name();

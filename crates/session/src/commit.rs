@@ -11,13 +11,29 @@
 //!   `PATH.starling-conflict`, and the conflict is reported.
 
 use crate::files::FileServer;
-use anyhow::{bail, Context, Result};
 use starling_proto::{Base, Change, Hash, Recipe, WirePath};
 use std::collections::HashMap;
 use std::io::Write;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum CommitError {
+    #[error("the task's output {path} is incomplete (chunk {hash:?} never arrived); nothing was committed")]
+    Incomplete { path: WirePath, hash: Hash },
+    #[error("cannot {action} {path}: {source}")]
+    Io { action: &'static str, path: String, #[source] source: std::io::Error },
+    #[error("the commit was interrupted")]
+    Interrupted,
+}
+
+type Result<T, E = CommitError> = std::result::Result<T, E>;
+
+/// `map_err` for an I/O step on `path`.
+fn failed(action: &'static str, path: impl std::fmt::Display) -> impl FnOnce(std::io::Error) -> CommitError {
+    move |source| CommitError::Io { action, path: path.to_string(), source }
+}
 
 #[derive(Debug, Default)]
 pub struct CommitReport {
@@ -30,15 +46,35 @@ pub struct CommitReport {
 #[derive(Debug)]
 pub struct Conflict {
     pub path: WirePath,
-    pub why: String,
+    pub why: Why,
     /// Where the task's version was saved, if it had content.
     pub saved_as: Option<PathBuf>,
+}
+
+/// Why a change was not applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Why {
+    ChangedHere,
+    DirectoryRemoved,
+    NonDirectoryAppeared,
+    DeletedButChanged,
+}
+
+impl std::fmt::Display for Why {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Why::ChangedHere => "changed on this machine while the task ran",
+            Why::DirectoryRemoved => "its directory was removed on this machine while the task ran",
+            Why::NonDirectoryAppeared => "a non-directory appeared here on this machine while the task ran",
+            Why::DeletedButChanged => "the task deleted it, but it changed on this machine meanwhile (kept)",
+        })
+    }
 }
 
 /// What is at `path` on this machine now, in the terms of a [`Base`].
 pub fn current_base(files: &FileServer, path: &WirePath) -> Result<Base> {
     use starling_proto::Lookup;
-    Ok(match files.lookup(path).with_context(|| format!("cannot inspect {path}"))? {
+    Ok(match files.lookup(path).map_err(failed("inspect", path))? {
         Lookup::Absent => Base::Absent,
         Lookup::Dir(_) => Base::Dir,
         Lookup::Symlink(_, t) => Base::Symlink(t),
@@ -67,8 +103,12 @@ fn conflict_path(path: &Path) -> PathBuf {
 
 /// Write `recipe`'s bytes to a new file at `dest` (which must not exist), with its mode and mtime.
 fn write_file(dest: &Path, recipe: &Recipe, chunks: &HashMap<Hash, Vec<u8>>) -> Result<()> {
-    let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(dest).with_context(|| format!("cannot create {}", dest.display()))?;
-    let res = (|| -> Result<()> {
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dest)
+        .map_err(failed("create", dest.display()))?;
+    let res = (|| -> std::io::Result<()> {
         for c in &recipe.chunks {
             f.write_all(chunks.get(&c.hash).expect("checked before commit"))?;
         }
@@ -77,17 +117,17 @@ fn write_file(dest: &Path, recipe: &Recipe, chunks: &HashMap<Hash, Vec<u8>>) -> 
             let _ = std::os::unix::fs::fchown(&f, Some(recipe.uid), Some(recipe.gid));
             f.set_permissions(std::fs::Permissions::from_mode(recipe.mode & 0o7777))?;
         }
-        let t = std::time::UNIX_EPOCH + std::time::Duration::from_nanos(recipe.mtime_ns.max(0) as u64);
+        let t = std::time::UNIX_EPOCH + std::time::Duration::from_nanos(u64::try_from(recipe.mtime_ns).unwrap_or(0));
         f.set_modified(t)?;
         Ok(())
     })();
     if res.is_err() {
         let _ = std::fs::remove_file(dest);
     }
-    res
+    res.map_err(failed("write", dest.display()))
 }
 
-fn remove_any(path: &Path) -> Result<()> {
+fn remove_any(path: &Path) -> std::io::Result<()> {
     let meta = std::fs::symlink_metadata(path)?;
     if meta.is_dir() {
         // Rename aside first so the directory disappears in one step.
@@ -106,7 +146,7 @@ pub fn apply(files: &FileServer, changes: &[Change], chunks: &HashMap<Hash, Vec<
     for c in changes {
         if let Change::File { path, recipe, .. } = c {
             if let Some(m) = recipe.chunks.iter().find(|k| !chunks.contains_key(&k.hash)) {
-                bail!("the task's output {path} is incomplete (chunk {:?} never arrived); nothing was committed", m.hash);
+                return Err(CommitError::Incomplete { path: path.clone(), hash: m.hash });
             }
         }
     }
@@ -131,13 +171,13 @@ pub fn apply(files: &FileServer, changes: &[Change], chunks: &HashMap<Hash, Vec<
                     write_file(&saved, recipe, chunks)?;
                     report.conflicts.push(Conflict {
                         path: path.clone(),
-                        why: "changed on this machine while the task ran".into(),
+                        why: Why::ChangedHere,
                         saved_as: Some(saved),
                     });
                     continue;
                 }
                 if p.parent().map(|d| !d.is_dir()).unwrap_or(true) {
-                    report.conflicts.push(Conflict { path: path.clone(), why: "its directory was removed on this machine while the task ran".into(), saved_as: None });
+                    report.conflicts.push(Conflict { path: path.clone(), why: Why::DirectoryRemoved, saved_as: None });
                     continue;
                 }
                 let tmp = tmp_beside(p, "new");
@@ -145,41 +185,42 @@ pub fn apply(files: &FileServer, changes: &[Change], chunks: &HashMap<Hash, Vec<
                 report.bytes += recipe.size;
                 if let Err(e) = std::fs::rename(&tmp, p) {
                     let _ = std::fs::remove_file(&tmp);
-                    return Err(e).with_context(|| format!("cannot replace {path}"));
+                    return Err(failed("replace", path)(e));
                 }
             }
             Change::Symlink { target, base, .. } => {
                 if !base_ok(base) || now == Base::Dir {
-                    report.conflicts.push(Conflict { path: path.clone(), why: "changed on this machine while the task ran".into(), saved_as: None });
+                    report.conflicts.push(Conflict { path: path.clone(), why: Why::ChangedHere, saved_as: None });
                     continue;
                 }
                 let tmp = tmp_beside(p, "ln");
-                std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(target), &tmp).with_context(|| format!("cannot create symlink {path}"))?;
-                std::fs::rename(&tmp, p).with_context(|| format!("cannot replace {path}"))?;
+                std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(target), &tmp)
+                    .map_err(failed("create symlink", path))?;
+                std::fs::rename(&tmp, p).map_err(failed("replace", path))?;
             }
             Change::Mkdir { mode, base, .. } => {
                 if !base_ok(base) {
-                    report.conflicts.push(Conflict { path: path.clone(), why: "a non-directory appeared here on this machine while the task ran".into(), saved_as: None });
+                    report.conflicts.push(Conflict { path: path.clone(), why: Why::NonDirectoryAppeared, saved_as: None });
                     continue;
                 }
                 if now == Base::Absent {
-                    std::fs::create_dir(p).with_context(|| format!("cannot create directory {path}"))?;
+                    std::fs::create_dir(p).map_err(failed("create directory", path))?;
                 }
-                std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode & 0o7777))?;
+                std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode & 0o7777)).map_err(failed("chmod", path))?;
             }
             Change::Remove { base, .. } => {
                 if now == Base::Absent {
                     continue;
                 }
                 if !base_ok(base) {
-                    report.conflicts.push(Conflict { path: path.clone(), why: "the task deleted it, but it changed on this machine meanwhile (kept)".into(), saved_as: None });
+                    report.conflicts.push(Conflict { path: path.clone(), why: Why::DeletedButChanged, saved_as: None });
                     continue;
                 }
-                remove_any(p).with_context(|| format!("cannot remove {path}"))?;
+                remove_any(p).map_err(failed("remove", path))?;
             }
             Change::Chmod { mode, .. } => {
                 if now == Base::Dir {
-                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode & 0o7777))?;
+                    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode & 0o7777)).map_err(failed("chmod", path))?;
                 }
             }
         }

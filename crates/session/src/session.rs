@@ -10,15 +10,42 @@
 //! free and so start tasks out of order.
 
 use crate::commit::{self, CommitReport};
-use crate::discover;
+use crate::discover::{Target, NO_CLUSTER};
 use crate::files::FileServer;
-use anyhow::{anyhow, Context, Result};
+use starling_config::Chunking;
 use starling_proto::conn::{establish, open_pipelined, Outgoing};
 use starling_proto::{ExitStatus, Hash, JobTask, Msg, ProtoError, Role, Stream, TaskId, TaskSpec, WirePath};
 use std::collections::{HashMap, VecDeque};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    #[error("opening the recipe cache {}: {source}", path.display())]
+    RecipeCache { path: PathBuf, #[source] source: std::io::Error },
+    #[error("{NO_CLUSTER} (the cluster recorded at {addr} does not answer: {source})")]
+    RecordedHeadGone { addr: String, #[source] source: std::io::Error },
+    #[error("cannot reach the starling cluster at {addr}: {source}")]
+    Unreachable { addr: String, #[source] source: std::io::Error },
+    #[error("connecting to the cluster head: {0}")]
+    Handshake(#[source] ProtoError),
+    #[error("lost connection to the cluster head")]
+    LostHead,
+    #[error("protocol error from the cluster head: {0}")]
+    HeadProtocol(#[source] Arc<ProtoError>),
+    /// The head could not place a launch (its reason).
+    #[error("{0}")]
+    Refused(String),
+    /// A task was lost (the head's reason).
+    #[error("{0}")]
+    Lost(String),
+    #[error("the cluster refused the ticket: {0}")]
+    TicketRefused(String),
+}
+
+pub type Result<T, E = SessionError> = std::result::Result<T, E>;
 
 /// What happens to a launch, in order: `Started` (or `Refused`), output,
 /// then exactly one of `Finished` or `Lost`.
@@ -32,7 +59,7 @@ pub enum TaskEvent {
     Output(Stream, Vec<u8>),
     /// The task ended and its changes were committed (or the commit failed: Err).
     /// `accessed`: the paths it looked at (for prethrow profiles).
-    Finished { status: ExitStatus, commit: Result<CommitReport, String>, accessed: Vec<WirePath> },
+    Finished { status: ExitStatus, commit: Result<CommitReport, Arc<commit::CommitError>>, accessed: Vec<WirePath> },
     /// The task is gone without a result (host lost, head lost); nothing was committed.
     Lost(String),
     /// One clone of a clone task ended (clone tasks only, before `Finished`):
@@ -58,7 +85,7 @@ pub struct TaskHandle {
 
 impl TaskHandle {
     pub async fn stdin(&self, data: Vec<u8>) -> Result<()> {
-        self.tx.send(Msg::Stdin { task: self.task, data }).await.map_err(|_| anyhow!("lost connection to the cluster head"))
+        self.tx.send(Msg::Stdin { task: self.task, data }).await.map_err(|_| SessionError::LostHead)
     }
     pub async fn stdin_eof(&self) {
         let _ = self.tx.send(Msg::StdinEof { task: self.task }).await;
@@ -93,8 +120,25 @@ struct State {
     next_ref: u64,
     sinks: HashMap<u64, TaskSink>,
     by_task: HashMap<TaskId, u64>,
-    tickets: VecDeque<oneshot::Sender<Result<Grant, String>>>,
-    closed: Option<String>,
+    tickets: VecDeque<oneshot::Sender<Result<Grant>>>,
+    /// Why the session ended, once it has.
+    closed: Option<Closed>,
+}
+
+/// Why a session ended.
+#[derive(Clone, Debug)]
+enum Closed {
+    HeadClosed,
+    Protocol(Arc<ProtoError>),
+}
+
+impl Closed {
+    fn error(&self) -> SessionError {
+        match self {
+            Closed::HeadClosed => SessionError::LostHead,
+            Closed::Protocol(e) => SessionError::HeadProtocol(e.clone()),
+        }
+    }
 }
 
 #[derive(Clone)]
@@ -109,71 +153,57 @@ pub struct Session {
 }
 
 pub struct SessionOptions {
-    pub cluster: Option<String>,
     /// zstd on chunk transfers and on frames over the link.
     pub compress: bool,
-}
-
-pub fn cache_dir() -> std::path::PathBuf {
-    if let Ok(d) = std::env::var("STARLING_CACHE") {
-        return d.into();
-    }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(std::path::PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache")))
-        .unwrap_or_else(|| "/tmp".into());
-    base.join("starling")
+    /// Where the recipe cache lives (`client.cache_dir`).
+    pub cache_dir: PathBuf,
+    /// How files are cut into chunks (recipes of both kinds never mix).
+    pub chunking: Chunking,
 }
 
 /// Connect to the head and introduce ourselves as a client (waiting for the head's hello).
 pub async fn connect(
-    cluster: Option<&str>,
+    target: &Target,
 ) -> Result<(starling_proto::conn::Incoming<tokio::net::tcp::OwnedReadHalf>, Outgoing)> {
-    let sock = dial(cluster).await?;
+    let sock = dial(target).await?;
     let (r, w) = sock.into_split();
-    let (_peer, incoming, tx) = establish(r, w, Role::Client, "client").await.context("handshake with the cluster head")?;
+    let (_peer, incoming, tx) = establish(r, w, Role::Client, "client").await.map_err(SessionError::Handshake)?;
     Ok((incoming, tx))
 }
 
-async fn dial(cluster: Option<&str>) -> Result<TcpStream> {
-    let addr = discover::head_addr(cluster)?;
-    dial_addr(cluster, &addr).await
-}
-
-async fn dial_addr(cluster: Option<&str>, addr: &str) -> Result<TcpStream> {
-    let sock = match TcpStream::connect(addr).await {
+async fn dial(target: &Target) -> Result<TcpStream> {
+    let addr = target.head_addr.clone();
+    let sock = match TcpStream::connect(&addr).await {
         Ok(s) => s,
-        Err(e) if cluster.is_none() && std::env::var_os("STARLING_CLUSTER").is_none() => {
-            return Err(anyhow!("{} (the cluster recorded at {addr} does not answer: {e})", discover::no_cluster_message()))
-        }
-        Err(e) => return Err(anyhow!("cannot reach the starling cluster at {addr}: {e}")),
+        Err(source) if target.record.is_some() => return Err(SessionError::RecordedHeadGone { addr, source }),
+        Err(source) => return Err(SessionError::Unreachable { addr, source }),
     };
-    sock.set_nodelay(true)?;
+    sock.set_nodelay(true).map_err(|source| SessionError::Unreachable { addr, source })?;
     Ok(sock)
 }
 
-const LOST_HEAD: &str = "lost connection to the cluster head";
-
 impl Session {
-    pub async fn connect(opts: SessionOptions) -> Result<Session> {
-        let files = Arc::new(FileServer::new(
-            // Recipes made with chunking switched off must not mix with the normal ones.
-            starling_store::RecipeCache::open(&cache_dir().join(if starling_store::chunker::content_defined() {
-                "recipes"
-            } else {
-                "recipes-fixed"
-            }))
-            .context("opening the recipe cache")?,
-            opts.compress,
-        ));
+    pub async fn connect(target: &Target, opts: SessionOptions) -> Result<Session> {
+        // Recipes made with chunking switched off must not mix with the normal ones.
+        let recipes = opts.cache_dir.join(match opts.chunking {
+            Chunking::ContentDefined => "recipes",
+            Chunking::Fixed => "recipes-fixed",
+        });
+        let cache = starling_store::RecipeCache::open(&recipes, opts.chunking)
+            .map_err(|source| SessionError::RecipeCache { path: recipes, source })?;
+        let files = Arc::new(FileServer::new(cache, opts.compress));
         // Pipelined: the launch can follow our hello in the same flight.
-        let head_addr = discover::head_addr(opts.cluster.as_deref())?;
-        let sock = dial_addr(opts.cluster.as_deref(), &head_addr).await?;
+        let sock = dial(target).await?;
         let (r, w) = sock.into_split();
         let (incoming, tx) =
-            open_pipelined(r, w, Role::Client, "client", opts.compress).await.context("connecting to the cluster head")?;
-        let cluster_id = discover::cluster_id(opts.cluster.as_deref(), &head_addr);
-        let session = Session { head_addr, cluster_id, tx, files, state: Arc::new(Mutex::new(State::default())) };
+            open_pipelined(r, w, Role::Client, "client", opts.compress).await.map_err(SessionError::Handshake)?;
+        let session = Session {
+            head_addr: target.head_addr.clone(),
+            cluster_id: target.cluster_id.clone(),
+            tx,
+            files,
+            state: Arc::new(Mutex::new(State::default())),
+        };
         let s = session.clone();
         tokio::spawn(async move { s.read_loop(incoming).await });
         Ok(session)
@@ -187,7 +217,7 @@ impl Session {
     fn register(&self, n: usize) -> Result<(u64, Vec<mpsc::UnboundedReceiver<TaskEvent>>)> {
         let mut st = self.state.lock().unwrap();
         if let Some(why) = &st.closed {
-            return Err(anyhow!("{why}"));
+            return Err(why.error());
         }
         let first = st.next_ref;
         st.next_ref += n as u64;
@@ -204,13 +234,14 @@ impl Session {
     pub async fn launch(&self, spec: TaskSpec) -> Result<TaskHandle> {
         let (reference, mut rxs) = self.register(1)?;
         let mut events = rxs.pop().expect("one receiver");
-        self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| SessionError::LostHead)?;
         match events.recv().await {
             Some(TaskEvent::Started { task, host, job_fresh }) => {
                 Ok(TaskHandle { task, host, job_fresh, events, tx: self.tx.clone() })
             }
-            Some(TaskEvent::Refused(why)) | Some(TaskEvent::Lost(why)) => Err(anyhow!("{why}")),
-            _ => Err(anyhow!(LOST_HEAD)),
+            Some(TaskEvent::Refused(why)) => Err(SessionError::Refused(why)),
+            Some(TaskEvent::Lost(why)) => Err(SessionError::Lost(why)),
+            _ => Err(SessionError::LostHead),
         }
     }
 
@@ -218,7 +249,7 @@ impl Session {
     /// `Started` (or `Refused`).
     pub async fn launch_pending(&self, spec: TaskSpec, index: usize) -> Result<Pending> {
         let (reference, mut rxs) = self.register(1)?;
-        self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| SessionError::LostHead)?;
         Ok(Pending { index, events: rxs.pop().expect("one receiver") })
     }
 
@@ -226,7 +257,7 @@ impl Session {
     /// task's events begin with `Started` once a host has a core for it.
     pub async fn launch_job(&self, spec: TaskSpec, tasks: Vec<JobTask>) -> Result<Vec<Pending>> {
         let (first_reference, rxs) = self.register(tasks.len())?;
-        self.tx.send(Msg::LaunchJob { spec, tasks, first_reference }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+        self.tx.send(Msg::LaunchJob { spec, tasks, first_reference }).await.map_err(|_| SessionError::LostHead)?;
         Ok(rxs.into_iter().enumerate().map(|(index, events)| Pending { index, events }).collect())
     }
 
@@ -245,12 +276,12 @@ impl Session {
             batch.push(c);
             if bytes >= 16 << 20 || batch.len() >= starling_proto::MAX_BATCH {
                 let m = Msg::Push { recipes: std::mem::take(&mut recipes), chunks: std::mem::take(&mut batch) };
-                self.tx.send(m).await.map_err(|_| anyhow!(LOST_HEAD))?;
+                self.tx.send(m).await.map_err(|_| SessionError::LostHead)?;
                 bytes = 0;
             }
         }
         if !batch.is_empty() || !recipes.is_empty() {
-            self.tx.send(Msg::Push { recipes, chunks: batch }).await.map_err(|_| anyhow!(LOST_HEAD))?;
+            self.tx.send(Msg::Push { recipes, chunks: batch }).await.map_err(|_| SessionError::LostHead)?;
         }
         Ok(())
     }
@@ -261,12 +292,12 @@ impl Session {
         {
             let mut st = self.state.lock().unwrap();
             if let Some(why) = &st.closed {
-                return Err(anyhow!("{why}"));
+                return Err(why.error());
             }
             st.tickets.push_back(done_tx);
         }
-        self.tx.send(Msg::TicketRequest { n, hierarchical }).await.map_err(|_| anyhow!(LOST_HEAD))?;
-        done_rx.await.map_err(|_| anyhow!(LOST_HEAD))?.map_err(|e| anyhow!("{e}"))
+        self.tx.send(Msg::TicketRequest { n, hierarchical }).await.map_err(|_| SessionError::LostHead)?;
+        done_rx.await.map_err(|_| SessionError::LostHead)?
     }
 
     /// Deliver an event to a launch; a final event retires it.
@@ -293,8 +324,8 @@ impl Session {
         let why = loop {
             let msg = match incoming.recv().await {
                 Ok(m) => m,
-                Err(ProtoError::Closed) => break LOST_HEAD.to_string(),
-                Err(e) => break format!("protocol error from the cluster head: {e}"),
+                Err(ProtoError::Closed) => break Closed::HeadClosed,
+                Err(e) => break Closed::Protocol(Arc::new(e)),
             };
             match msg {
                 Msg::Started { task, host, reference, job_fresh } => {
@@ -304,7 +335,7 @@ impl Session {
                 Msg::LaunchFailed { reference, message } => self.emit_ref(reference, TaskEvent::Refused(message)),
                 Msg::TicketGrant { ticket, granted } => {
                     if let Some(w) = self.state.lock().unwrap().tickets.pop_front() {
-                        let _ = w.send(granted.map(|g| (ticket, g)));
+                        let _ = w.send(granted.map(|g| (ticket, g)).map_err(SessionError::TicketRefused));
                     }
                 }
                 Msg::Error { task: None, message } => log::warn!("head: {message}"),
@@ -349,8 +380,8 @@ impl Session {
                     tokio::spawn(async move {
                         let commit = tokio::task::spawn_blocking(move || commit::apply(&files, &changes, &chunks))
                             .await
-                            .map_err(|e| e.to_string())
-                            .and_then(|r| r.map_err(|e| format!("{e:#}")));
+                            .unwrap_or(Err(commit::CommitError::Interrupted))
+                            .map_err(Arc::new);
                         let conflicts =
                             commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.clone()).collect()).unwrap_or_default();
                         let _ = tx.send(Msg::Committed { task, conflicts }).await;
@@ -367,12 +398,12 @@ impl Session {
             let mut st = self.state.lock().unwrap();
             st.closed = Some(why.clone());
             for w in st.tickets.drain(..) {
-                let _ = w.send(Err(why.clone()));
+                let _ = w.send(Err(why.error()));
             }
             st.sinks.iter().filter(|(_, s)| !s.finishing).map(|(r, _)| *r).collect()
         };
         for r in refs {
-            self.emit_ref(r, TaskEvent::Lost(format!("{why}; no changes were committed")));
+            self.emit_ref(r, TaskEvent::Lost(format!("{}; no changes were committed", why.error())));
         }
     }
 }

@@ -60,7 +60,7 @@ impl Lab {
             sender_ns: format!("mcd-{tag}-s"),
             receiver_ns: (0..receivers).map(|i| format!("mcd-{tag}-r{i}")).collect(),
             sender_ip: Ipv4Addr::new(10, 231, 0, 1),
-            receiver_ips: (0..receivers).map(|i| Ipv4Addr::new(10, 231, 0, 10 + i as u8)).collect(),
+            receiver_ips: (0..receivers).map(|i| Ipv4Addr::new(10, 231, 0, 10 + u8::try_from(i).expect("a few receivers"))).collect(),
         };
         // Leftovers of an interrupted run with the same tag.
         lab.delete();

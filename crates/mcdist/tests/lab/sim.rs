@@ -1,21 +1,24 @@
 //! A simulated template and simulated clones, for the tests and the bench:
 //! a [`SyntheticImage`] (deterministic page contents, some all-zero pages)
-//! served by a [`crate::Sender`], and [`MemoryClone`]s that install pages
+//! served by a [`starling_mcdist::Sender`], and [`MemoryClone`]s that install pages
 //! like a clone's userfaultfd would (first copy wins; later ones are
 //! "EEXIST") and run a page-touch workload like a fault handler with
 //! prefetch would.
 
-use crate::receiver::{Fetched, PageSink, Receiver, ReceiverConfig};
-use crate::sender::{RateSample, Sender, SenderConfig};
-use crate::netlab::{enter, Lab};
+use starling_mcdist::{Fetched, PageSink, Receiver, ReceiverConfig};
+use starling_mcdist::{RateSample, Sender, SenderConfig};
+use super::netlab::{enter, Lab};
 use std::io::{Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
-use crate::sender::{PageSource, SourcePage};
-use crate::{McdistError, PAGE_SIZE};
+use starling_mcdist::{PageSource, SourcePage};
+use starling_mcdist::{McdistError, PAGE_SIZE};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+
+/// How a simulated clone gets a batch of pages.
+type FetchFn<'a> = dyn FnMut(&[u64]) -> Result<Vec<Fetched>, McdistError> + 'a;
 
 /// Page contents derived from (seed, address); every 7th page is all zero.
 #[derive(Clone)]
@@ -30,7 +33,7 @@ impl SyntheticImage {
     }
 
     pub fn page(&self, addr: u64) -> Vec<u8> {
-        let mut out = vec![0u8; PAGE_SIZE as usize];
+        let mut out = vec![0u8; starling_mcdist::wire::PAGE];
         if (addr / PAGE_SIZE) % 7 == 3 {
             return out;
         }
@@ -46,7 +49,7 @@ impl SyntheticImage {
 
     /// All page addresses, region by region.
     pub fn pages(&self) -> Vec<u64> {
-        self.regions.iter().flat_map(|&(s, e)| (s..e).step_by(PAGE_SIZE as usize)).collect()
+        self.regions.iter().flat_map(|&(s, e)| (s..e).step_by(starling_mcdist::wire::PAGE)).collect()
     }
 }
 
@@ -76,7 +79,7 @@ impl MemoryClone {
     fn install(&self, addr: u64, page: &Fetched) -> bool {
         let data = match page {
             Fetched::Data(d) => d.clone(),
-            Fetched::Zero => vec![0u8; PAGE_SIZE as usize],
+            Fetched::Zero => vec![0u8; starling_mcdist::wire::PAGE],
             Fetched::Unreadable | Fetched::Installed => return false,
         };
         let mut m = self.pages.lock().unwrap_or_else(|p| p.into_inner());
@@ -129,7 +132,7 @@ pub struct WorkResult {
 /// fault handler does: the page plus up to `prefetch - 1` following missing
 /// pages of its region in one fetch.
 pub fn run_workload(
-    fetch: &mut dyn FnMut(&[u64]) -> Result<Vec<Fetched>, McdistError>,
+    fetch: &mut FetchFn<'_>,
     mem: &MemoryClone,
     image: &SyntheticImage,
     addrs: &[u64],
@@ -234,7 +237,7 @@ impl UnicastServer {
 /// Fetch from a [`UnicastServer`].
 pub fn unicast_fetch(conn: &mut TcpStream, addrs: &[u64]) -> Result<Vec<Fetched>, McdistError> {
     let io = |e| McdistError::io("unicast fetch", e);
-    let mut req = (addrs.len() as u32).to_le_bytes().to_vec();
+    let mut req = u32::try_from(addrs.len()).expect("a batch fits").to_le_bytes().to_vec();
     for a in addrs {
         req.extend_from_slice(&a.to_le_bytes());
     }
@@ -246,7 +249,7 @@ pub fn unicast_fetch(conn: &mut TcpStream, addrs: &[u64]) -> Result<Vec<Fetched>
         if tag[0] == 0 {
             out.push(Fetched::Zero);
         } else {
-            let mut page = vec![0u8; PAGE_SIZE as usize];
+            let mut page = vec![0u8; starling_mcdist::wire::PAGE];
             conn.read_exact(&mut page).map_err(io)?;
             out.push(Fetched::Data(page));
         }
@@ -311,7 +314,7 @@ pub fn run_scenario(
 ) -> Result<Outcome, McdistError> {
     let n = workloads.len();
     assert!(n <= lab.receiver_ns.len());
-    let group = crate::group_for_ticket(ticket);
+    let group = starling_mcdist::group_for_ticket(ticket);
     let tx0 = lab.sender_tx_bytes().map_err(|e| McdistError::io("tx bytes", e))?;
     enum Server {
         Mc(Sender),
@@ -339,7 +342,7 @@ pub fn run_scenario(
     let mut handles = Vec::new();
     for (i, w) in workloads.iter().enumerate() {
         let (ns, rip, w, img) = (lab.receiver_ns[i].clone(), lab.receiver_ips[i], w.clone(), image.clone());
-        let mut rcfg = ReceiverConfig::new(ticket, group, rip, target, i as u32);
+        let mut rcfg = ReceiverConfig::new(ticket, group, rip, target, u32::try_from(i).expect("a few receivers"));
         tweak_receiver(&mut rcfg);
         handles.push(std::thread::spawn(move || -> (Result<WorkResult, String>, usize, u64, u64, u64) {
             if let Err(e) = enter(&ns) {
@@ -373,9 +376,9 @@ pub fn run_scenario(
             let r = run_workload(&mut |a: &[u64]| rx.fetch(a), &mem, &img, &w, 16);
             let st = rx.stats();
             let out = (
-                crate::ReceiverStats::get(&st.pages_requested),
-                crate::ReceiverStats::get(&st.pages_installed_unsolicited),
-                crate::ReceiverStats::get(&st.rerequests),
+                starling_mcdist::ReceiverStats::get(&st.pages_requested),
+                starling_mcdist::ReceiverStats::get(&st.pages_installed_unsolicited),
+                starling_mcdist::ReceiverStats::get(&st.rerequests),
             );
             drop(rx);
             let bad = mem.mismatches(&img).len();

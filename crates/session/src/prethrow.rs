@@ -121,7 +121,7 @@ impl Profile {
         if self.entries.len() > MAX_ENTRIES {
             // Keep the most used.
             let mut v: Vec<(String, Entry)> = std::mem::take(&mut self.entries).into_iter().collect();
-            v.sort_by(|a, b| b.1.seen.cmp(&a.1.seen));
+            v.sort_by_key(|e| std::cmp::Reverse(e.1.seen));
             v.truncate(MAX_ENTRIES);
             self.entries = v.into_iter().collect();
         }

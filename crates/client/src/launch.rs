@@ -1,0 +1,136 @@
+//! Preparing a launch: bind the paths the program will look up (learned
+//! from its earlier runs, and the files its command line names) and push
+//! content the head lacks, all in the launch's flight; after the run,
+//! learn from what it used.
+
+use crate::shadow::{JobBindings, Shadow};
+use crate::{ClientError, Context, Result};
+use starling_session::files::FileServer;
+use starling_session::prethrow::{self, Profile};
+use starling_session::Session;
+use starling_proto::{ChunkData, Recipe, TaskSpec, WirePath};
+use std::io::Write;
+
+/// Learned prethrow state of one launch: the profile and what was sent.
+pub struct Prediction {
+    pub profile: Profile,
+    pub sent: Vec<WirePath>,
+    /// Content the head lacks, to push in the launch flight.
+    pub push: (Vec<Recipe>, Vec<ChunkData>),
+    pub shadow: Option<Shadow>,
+    pub job: Option<JobBindings>,
+    /// For reports: bindings sent, and (recipes, chunks, bytes) pushed.
+    pub sent_bindings: usize,
+    pub pushed: (usize, usize, u64),
+}
+
+impl Prediction {
+    /// After the run: learn the profile, and remember what the head now holds.
+    pub fn finish(&mut self, files: &FileServer, accessed: &[WirePath]) {
+        self.profile.record(accessed, &self.sent);
+        self.profile.save();
+        if let Some(s) = self.shadow.as_mut() {
+            for h in files.take_served() {
+                s.note(h);
+            }
+            s.save();
+        }
+    }
+}
+
+/// With `client.stats_file` set, append one JSON line per launch: what
+/// the client had to answer while the task ran (each request is a round
+/// trip on the critical path), what it pushed, and how long it took. For
+/// benchmarks.
+pub fn write_stats(ctx: &Context, files: &FileServer, prediction: Option<&Prediction>, tasks: usize, wall: std::time::Duration) {
+    let Some(path) = &ctx.settings.stats_file else { return };
+    let st = files.stats();
+    let line = serde_json::json!({
+        "tasks": tasks,
+        "wall_s": wall.as_secs_f64(),
+        "file_requests": st.requests,
+        "serve": st,
+        "prethrow_bindings": prediction.map_or(0, |p| p.sent_bindings),
+        "pushed_recipes": prediction.map_or(0, |p| p.pushed.0),
+        "pushed_chunks": prediction.map_or(0, |p| p.pushed.1),
+        "pushed_bytes": prediction.map_or(0, |p| p.pushed.2),
+    });
+    // One write(2) per line: concurrent clients (make -j) append to the same
+    // file, and O_APPEND keeps whole writes apart but not the many small
+    // writes `writeln!` makes while formatting a JSON value.
+    let record = format!("{line}\n");
+    if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(path) {
+        let _ = f.write_all(record.as_bytes());
+    }
+}
+
+/// Bind the program's predicted paths (and files named in argv) into
+/// `spec`, and plan the push of what the head lacks. With a job name, the
+/// head already holds the job's earlier bindings: only changed ones are
+/// sent, and every binding the head holds is re-validated here first, so
+/// none can go stale. Pushing is pointless when the head keeps no relay
+/// cache, and can be switched off (`client.push`) to measure what it saves.
+pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec) -> Prediction {
+    let cache_dir = &ctx.settings.cache_dir;
+    let cluster_id = &ctx.target.cluster_id;
+    let key = prethrow::profile_key(spec);
+    let profile = Profile::load(&cache_dir.join("profiles"), &key);
+    let mut job = spec.job.as_deref().map(|j| JobBindings::load(&cache_dir.join("jobs"), cluster_id, j));
+    let mut paths = profile.predicted();
+    // The root is looked up when the view mounts, before the task runs.
+    paths.push(WirePath::root());
+    paths.extend(prethrow::argv_paths(spec));
+    if let Some(j) = &job {
+        paths.extend(j.paths());
+    }
+    paths.sort();
+    paths.dedup();
+    let bindings = prethrow::bind(files, &paths);
+    spec.listings = prethrow::list(files, &prethrow::listing_dirs(spec));
+    let push_on = ctx.settings.push && ctx.target.relay_cache;
+    let mut shadow = push_on.then(|| Shadow::load(&cache_dir.join("shadow"), cluster_id));
+    let push = match shadow.as_mut() {
+        Some(s) => s.plan_push(files, &bindings, ctx.settings.compress),
+        None => (Vec::new(), Vec::new()),
+    };
+    let total = bindings.len();
+    spec.prethrow = match job.as_mut() {
+        Some(j) => {
+            let d = j.delta(bindings);
+            j.save();
+            d
+        }
+        None => bindings,
+    };
+    log::info!(
+        "prethrow for {key}: {total} bindings, {} sent; pushing {} recipes, {} chunks",
+        spec.prethrow.len(),
+        push.0.len(),
+        push.1.len()
+    );
+    let pushed = (push.0.len(), push.1.len(), push.1.iter().map(|c| c.data.len() as u64).sum());
+    Prediction { profile, sent: paths, push, shadow, job, sent_bindings: spec.prethrow.len(), pushed }
+}
+
+/// Before a launch: bind the predicted paths into `spec` and push what the
+/// head lacks (the same flight as the launch that follows). `None` when
+/// prethrow is off (`client.prethrow`).
+pub async fn prepare(ctx: &Context, session: &Session, spec: TaskSpec) -> Result<(TaskSpec, Option<Prediction>)> {
+    if !ctx.settings.prethrow {
+        return Ok((spec, None));
+    }
+    let files = session.files().clone();
+    let ctx2 = ctx.clone();
+    let (mut p, spec) = tokio::task::spawn_blocking(move || {
+        let mut spec = spec;
+        let p = predict(&ctx2, &files, &mut spec);
+        (p, spec)
+    })
+    .await
+    .map_err(|_| ClientError::Interrupted)?;
+    let (recipes, chunks) = std::mem::take(&mut p.push);
+    if !recipes.is_empty() || !chunks.is_empty() {
+        session.push(recipes, chunks).await?;
+    }
+    Ok((spec, Some(p)))
+}

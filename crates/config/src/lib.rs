@@ -1,0 +1,810 @@
+//! `starling-config`: one typed configuration for every starling program,
+//! read at the edges and passed down.
+//!
+//! Only the edges — the `starling` CLI, the C ABI (`libstarling`) and the
+//! Python module — build a [`Config`]: from the defaults, then the config
+//! file (`--config FILE`, else `$STARLING_CONFIG`, else
+//! `/etc/starling/config.toml` if it exists), then the environment
+//! (`STARLING_*`), then (the CLI) its flags. Libraries take the typed
+//! sections they need ([`ClientSettings`], [`ForkSettings`],
+//! [`HeadSettings`], [`AgentSettings`]) and read no environment variable.
+//! This crate itself reads nothing from the process either: the edge hands
+//! it the environment as a function ([`Sources::env`]).
+//!
+//! [`SETTINGS`] is the one table of every setting (key, variable, flag,
+//! default, meaning); the README's table is generated from it
+//! ([`markdown_table`]) and a test keeps the two equal.
+//!
+//! The file has a section per role, so one file serves a whole host:
+//!
+//! ```toml
+//! log = "info"
+//! [client]
+//! cluster = "10.0.0.1:7077"
+//! [fork]
+//! mcdist = "push"
+//! [head]
+//! listen = "10.0.0.1:7077"
+//! state = "/srv/starling/head"
+//! [agent]
+//! head = "10.0.0.1:7077"
+//! cache_mib = 32768
+//! ```
+//!
+//! Besides the configuration this crate holds the two other things every
+//! side needs to agree on about a machine: which embedded cluster a command
+//! means ([`instance`]) and that cluster's record ([`record`]).
+
+pub mod instance;
+pub mod record;
+pub mod roles;
+
+pub use instance::Instance;
+pub use record::{ClusterState, HostRecord, LinkRecord};
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+/// The port a head listens on by default (`head.listen`).
+pub const HEAD_PORT: u16 = 7077;
+
+/// The config file read when neither `--config` nor `STARLING_CONFIG` names one (if it exists).
+pub const DEFAULT_FILE: &str = "/etc/starling/config.toml";
+/// The variable naming another config file.
+pub const CONFIG_ENV: &str = "STARLING_CONFIG";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, #[source] source: std::io::Error },
+    #[error("{} is unreadable ({source}); run `starling down` then `starling up`", path.display())]
+    Record { path: PathBuf, #[source] source: serde_json::Error },
+    #[error("{}: {source}", path.display())]
+    Toml { path: PathBuf, #[source] source: Box<toml::de::Error> },
+    #[error("{}: unknown setting {key:?} (the README lists every setting)", path.display())]
+    UnknownKey { path: PathBuf, key: String },
+    #[error("{origin}: {value:?} is not {expected}")]
+    BadValue { origin: String, value: String, expected: &'static str },
+    #[error("the embedded cluster instance (STARLING_INSTANCE, embedded.instance) must be a number from 0 to 9, not {0:?}")]
+    Instance(String),
+}
+
+/// Everything configurable, resolved.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// `env_logger` filter (`info`, `debug`, `starling_head=debug`...);
+    /// `None`: warnings for commands, info for the head and agents.
+    pub log: Option<String>,
+    /// Which embedded cluster (`starling up`) commands mean.
+    pub instance: Instance,
+    pub client: ClientSettings,
+    pub fork: ForkSettings,
+    pub head: HeadSettings,
+    pub agent: AgentSettings,
+}
+
+/// The client side: `starling exec/run/batch/status`, libstarling and the
+/// Python module (their connection to the head).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClientSettings {
+    /// The head's address; `None`: the embedded cluster's record.
+    pub cluster: Option<String>,
+    /// Recipe cache, prethrow profiles, job bindings, shadow index.
+    pub cache_dir: PathBuf,
+    /// zstd on chunk transfers and on frames over the link.
+    pub compress: bool,
+    /// Send the program's predicted file bindings with the launch.
+    pub prethrow: bool,
+    /// Push content the head lacks in the launch's flight.
+    pub push: bool,
+    pub chunking: Chunking,
+    /// Append one JSON line of client-side counters per launch here.
+    pub stats_file: Option<PathBuf>,
+}
+
+/// How files are cut into chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Chunking {
+    /// FastCDC: an edit changes only the chunks around it.
+    ContentDefined,
+    /// Fixed blocks of the largest chunk size (for measuring what CDC saves).
+    Fixed,
+}
+
+/// Remote fork, on the client (libstarling, Python) and on the hosts (the
+/// agent's fault handlers); the local backend uses both halves.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ForkSettings {
+    pub backend: Backend,
+    /// `None`: multicast on, except for a one-clone ticket (nobody to share with).
+    pub mcdist: Option<Multicast>,
+    /// Fetch-avoidance heuristics (zero and file pages not fetched).
+    pub heuristics: bool,
+    /// Where the page server listens; `None`: the address the hosts reach
+    /// this machine at (127.0.0.1 for the local backend).
+    pub page_server_bind: Option<SocketAddr>,
+    /// Pages fetched per fault: the faulting one and following `Fetch` pages.
+    pub prefetch: usize,
+}
+
+/// Where a ticket's clones run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// On the hosts of the starling cluster.
+    Cluster,
+    /// On this machine (the restore-correctness suite).
+    Local,
+}
+
+/// Multicast page distribution (`starling-mcdist`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Multicast {
+    /// Unicast TCP from the page server.
+    Off,
+    /// Pages go once to the ticket's multicast group.
+    On,
+    /// Multicast, and each requested page also pushes its neighbours.
+    Push,
+}
+
+/// `starling head`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HeadSettings {
+    pub listen: String,
+    /// Agents to dial (started with `starling agent --listen`).
+    pub agents: Vec<String>,
+    /// Facts shown by `starling status`.
+    pub facts: Vec<(String, String)>,
+    /// Persistent state (the relay cache).
+    pub state: PathBuf,
+    /// Relay cache bound.
+    pub cache_mib: u64,
+    /// Serve content-named requests from a shared cache (off only for measurements).
+    pub relay_cache: bool,
+}
+
+/// `starling agent`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AgentSettings {
+    /// The head to connect to, or
+    pub head: Option<String>,
+    /// where to listen for the head to connect.
+    pub listen: Option<String>,
+    /// Host name in `starling status`; `None`: the machine's hostname.
+    pub name: Option<String>,
+    /// Content cache and task dirs (a local disk file system, not overlayfs).
+    pub state: PathBuf,
+    /// Content cache bound.
+    pub cache_mib: u64,
+    /// How output files are chunked.
+    pub chunking: Chunking,
+}
+
+impl Default for ForkSettings {
+    fn default() -> Self {
+        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16 }
+    }
+}
+
+impl Default for HeadSettings {
+    fn default() -> Self {
+        HeadSettings {
+            listen: format!("0.0.0.0:{HEAD_PORT}"),
+            agents: Vec::new(),
+            facts: Vec::new(),
+            state: "/var/lib/starling/head".into(),
+            cache_mib: 8192,
+            relay_cache: true,
+        }
+    }
+}
+
+impl Default for AgentSettings {
+    fn default() -> Self {
+        AgentSettings {
+            head: None,
+            listen: None,
+            name: None,
+            state: "/var/lib/starling/state".into(),
+            cache_mib: 8192,
+            chunking: Chunking::ContentDefined,
+        }
+    }
+}
+
+impl ClientSettings {
+    /// The defaults; the cache directory follows the XDG rules (`env` as in [`Sources`]).
+    pub fn defaults(env: &dyn Fn(&str) -> Option<OsString>) -> ClientSettings {
+        let base = env("XDG_CACHE_HOME")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| env("HOME").filter(|v| !v.is_empty()).map(|h| PathBuf::from(h).join(".cache")))
+            .unwrap_or_else(|| "/tmp".into());
+        ClientSettings {
+            cluster: None,
+            cache_dir: base.join("starling"),
+            compress: true,
+            prethrow: true,
+            push: true,
+            chunking: Chunking::ContentDefined,
+            stats_file: None,
+        }
+    }
+}
+
+/// Where a configuration comes from.
+pub struct Sources<'a> {
+    /// `--config FILE` (it must exist); `None`: `$STARLING_CONFIG`, else
+    /// [`DEFAULT_FILE`] if it exists.
+    pub file: Option<&'a Path>,
+    /// The process environment; the edges pass `|k| std::env::var_os(k)`.
+    pub env: &'a dyn Fn(&str) -> Option<OsString>,
+}
+
+impl Config {
+    /// Defaults, then the file, then the environment.
+    pub fn load(src: &Sources) -> Result<Config, ConfigError> {
+        let mut cfg = Config {
+            log: None,
+            instance: Instance::default(),
+            client: ClientSettings::defaults(src.env),
+            fork: ForkSettings::default(),
+            head: HeadSettings::default(),
+            agent: AgentSettings::default(),
+        };
+        let named = src.file.map(Path::to_path_buf).or_else(|| (src.env)(CONFIG_ENV).filter(|v| !v.is_empty()).map(PathBuf::from));
+        let file = match named {
+            Some(path) => Some(path),
+            None => Some(PathBuf::from(DEFAULT_FILE)).filter(|p| p.exists()),
+        };
+        if let Some(path) = file {
+            let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io { path: path.clone(), source })?;
+            cfg.apply_file(&path, &text)?;
+        }
+        for s in SETTINGS {
+            let Some(var) = s.env else { continue };
+            let Some(value) = (src.env)(var).filter(|v| !v.is_empty()) else { continue };
+            let value = value.to_string_lossy().into_owned();
+            (s.apply)(&mut cfg, Raw::Text(&value)).map_err(|expected| ConfigError::BadValue {
+                origin: var.to_string(),
+                value: value.clone(),
+                expected,
+            })?;
+        }
+        Ok(cfg)
+    }
+
+    /// Apply a config file's text (`path` names it in errors).
+    pub fn apply_file(&mut self, path: &Path, text: &str) -> Result<(), ConfigError> {
+        let table: toml::Table =
+            text.parse().map_err(|e| ConfigError::Toml { path: path.into(), source: Box::new(e) })?;
+        let mut entries = Vec::new();
+        for (k, v) in &table {
+            match v {
+                toml::Value::Table(section) => {
+                    for (k2, v2) in section {
+                        entries.push((format!("{k}.{k2}"), v2));
+                    }
+                }
+                _ => entries.push((k.clone(), v)),
+            }
+        }
+        for (key, value) in entries {
+            let s = SETTINGS
+                .iter()
+                .find(|s| s.key == key)
+                .ok_or_else(|| ConfigError::UnknownKey { path: path.into(), key: key.clone() })?;
+            (s.apply)(self, Raw::Toml(value)).map_err(|expected| ConfigError::BadValue {
+                origin: format!("{}: {key}", path.display()),
+                value: shown(value),
+                expected,
+            })?;
+        }
+        Ok(())
+    }
+}
+
+/// A file's value as an error message shows it.
+fn shown(v: &toml::Value) -> String {
+    match v {
+        toml::Value::String(s) => s.clone(),
+        toml::Value::Integer(i) => i.to_string(),
+        toml::Value::Boolean(b) => b.to_string(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Parse an on/off switch: `on|off|true|false|yes|no|1|0` (any case).
+/// Every switch of starling is parsed by this one function.
+pub fn parse_switch(text: &str) -> Option<bool> {
+    match text.trim().to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Some(true),
+        "off" | "false" | "no" | "0" => Some(false),
+        _ => None,
+    }
+}
+
+/// A value as it came: text (environment, flag) or a TOML value (file).
+enum Raw<'a> {
+    Text(&'a str),
+    Toml(&'a toml::Value),
+}
+
+const SWITCH: &str = "on or off";
+const TEXT: &str = "a string";
+const NUMBER: &str = "a whole number";
+
+impl Raw<'_> {
+    fn text(&self) -> Result<String, &'static str> {
+        match self {
+            Raw::Text(t) => Ok(t.trim().to_string()),
+            Raw::Toml(toml::Value::String(s)) => Ok(s.clone()),
+            Raw::Toml(_) => Err(TEXT),
+        }
+    }
+    fn switch(&self) -> Result<bool, &'static str> {
+        match self {
+            Raw::Toml(toml::Value::Boolean(b)) => Ok(*b),
+            other => parse_switch(&other.text().map_err(|_| SWITCH)?).ok_or(SWITCH),
+        }
+    }
+    fn number(&self) -> Result<u64, &'static str> {
+        match self {
+            Raw::Toml(toml::Value::Integer(i)) => u64::try_from(*i).map_err(|_| NUMBER),
+            other => other.text().map_err(|_| NUMBER)?.parse().map_err(|_| NUMBER),
+        }
+    }
+    fn list(&self) -> Result<Vec<String>, &'static str> {
+        const LIST: &str = "a list of strings (or comma-separated text)";
+        match self {
+            Raw::Text(t) => Ok(t.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()),
+            Raw::Toml(toml::Value::Array(a)) => a.iter().map(|v| v.as_str().map(String::from).ok_or(LIST)).collect(),
+            Raw::Toml(_) => Err(LIST),
+        }
+    }
+    fn pairs(&self) -> Result<Vec<(String, String)>, &'static str> {
+        const PAIRS: &str = "a table of strings (or KEY=VALUE,... text)";
+        match self {
+            Raw::Text(t) => t
+                .split(',')
+                .filter(|s| !s.trim().is_empty())
+                .map(|kv| kv.split_once('=').map(|(k, v)| (k.trim().into(), v.trim().into())).ok_or(PAIRS))
+                .collect(),
+            Raw::Toml(toml::Value::Table(t)) => {
+                t.iter().map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())).ok_or(PAIRS)).collect()
+            }
+            Raw::Toml(_) => Err(PAIRS),
+        }
+    }
+    fn chunking(&self) -> Result<Chunking, &'static str> {
+        Ok(if self.switch()? { Chunking::ContentDefined } else { Chunking::Fixed })
+    }
+}
+
+/// One setting: how it is named everywhere, and how it is applied.
+pub struct Setting {
+    /// In the config file: `section.key` (or a top-level `key`).
+    pub key: &'static str,
+    /// The environment variable, if any.
+    pub env: Option<&'static str>,
+    /// The command-line flag (and the commands that take it), if any.
+    pub flag: &'static str,
+    pub default: &'static str,
+    pub meaning: &'static str,
+    apply: fn(&mut Config, Raw<'_>) -> Result<(), &'static str>,
+}
+
+/// Every setting of starling.
+pub static SETTINGS: &[Setting] = &[
+    Setting {
+        key: "log",
+        env: Some("STARLING_LOG"),
+        flag: "",
+        default: "warn (head, agent: info)",
+        meaning: "log filter (env_logger syntax: `debug`, `starling_head=debug`...)",
+        apply: |c, v| {
+            c.log = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "embedded.instance",
+        env: Some("STARLING_INSTANCE"),
+        flag: "",
+        default: "0",
+        meaning: "which embedded cluster on this machine (`up`, `down`, `status`, discovery): 1–9 get their own run/state dirs, bridge, namespaces and subnet",
+        apply: |c, v| {
+            let n = match v {
+                Raw::Toml(toml::Value::Integer(i)) => i.to_string(),
+                other => other.text()?,
+            };
+            c.instance = Instance::parse(&n).map_err(|_| "a number from 0 to 9")?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.cluster",
+        env: Some("STARLING_CLUSTER"),
+        flag: "--cluster (exec, run, batch, status)",
+        default: "the embedded cluster's record",
+        meaning: "the head's address `IP:PORT`",
+        apply: |c, v| {
+            c.client.cluster = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.cache_dir",
+        env: Some("STARLING_CACHE"),
+        flag: "",
+        default: "$XDG_CACHE_HOME/starling, ~/.cache/starling",
+        meaning: "client-side caches: recipes, prethrow profiles, job bindings, what the head holds",
+        apply: |c, v| {
+            c.client.cache_dir = v.text()?.into();
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.compress",
+        env: None,
+        flag: "--no-compress (exec, run, batch)",
+        default: "on",
+        meaning: "zstd on file contents and on frames over the link",
+        apply: |c, v| {
+            c.client.compress = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.prethrow",
+        env: None,
+        flag: "--no-prethrow (exec, run, batch)",
+        default: "on",
+        meaning: "send the program's predicted file bindings with the launch",
+        apply: |c, v| {
+            c.client.prethrow = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.push",
+        env: Some("STARLING_PUSH"),
+        flag: "",
+        default: "on",
+        meaning: "push content the head's relay cache lacks in the launch's flight",
+        apply: |c, v| {
+            c.client.push = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.chunking",
+        env: Some("STARLING_CHUNKING"),
+        flag: "",
+        default: "on",
+        meaning: "content-defined chunking (off: fixed 4 MiB blocks, for measurements; its own recipe cache)",
+        apply: |c, v| {
+            c.client.chunking = v.chunking()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.stats_file",
+        env: Some("STARLING_STATS_FILE"),
+        flag: "",
+        default: "none",
+        meaning: "append one JSON line of client-side counters per launch (benchmarks)",
+        apply: |c, v| {
+            c.client.stats_file = Some(v.text()?.into());
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.backend",
+        env: Some("STARLING_FORK_BACKEND"),
+        flag: "",
+        default: "cluster",
+        meaning: "where clones run: `cluster` (the cluster's hosts) or `local` (this machine)",
+        apply: |c, v| {
+            c.fork.backend = match v.text()?.as_str() {
+                "cluster" => Backend::Cluster,
+                "local" => Backend::Local,
+                _ => return Err("cluster or local"),
+            };
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.mcdist",
+        env: Some("STARLING_MCDIST"),
+        flag: "",
+        default: "on (off for a one-clone ticket)",
+        meaning: "page distribution: `off` (unicast TCP), `on` (multicast), `push` (multicast + neighbours); on hosts, `off` refuses multicast",
+        apply: |c, v| {
+            let t = v.text().or_else(|_| v.switch().map(|b| if b { "on" } else { "off" }.to_string()))?;
+            c.fork.mcdist = Some(match (t.as_str(), parse_switch(&t)) {
+                ("push", _) => Multicast::Push,
+                (_, Some(true)) => Multicast::On,
+                (_, Some(false)) => Multicast::Off,
+                _ => return Err("off, on or push"),
+            });
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.heuristics",
+        env: Some("STARLING_FORK_HEURISTICS"),
+        flag: "",
+        default: "on",
+        meaning: "fetch-avoidance heuristics (off: every readable private page comes from the page server)",
+        apply: |c, v| {
+            c.fork.heuristics = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.page_server_bind",
+        env: Some("STARLING_PAGE_SERVER_BIND"),
+        flag: "",
+        default: "the address the hosts reach this machine at",
+        meaning: "where the parent's page server listens (`IP:PORT`)",
+        apply: |c, v| {
+            c.fork.page_server_bind = Some(v.text()?.parse().map_err(|_| "an IP:PORT address")?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.prefetch",
+        env: Some("STARLING_FORK_PREFETCH"),
+        flag: "",
+        default: "16",
+        meaning: "pages fetched per fault (the faulting page and following unserved ones; 1..=1024), by the hosts' fault handlers",
+        apply: |c, v| {
+            c.fork.prefetch = usize::try_from(v.number()?).ok().filter(|n| (1..=1024).contains(n)).ok_or("a number from 1 to 1024")?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.listen",
+        env: None,
+        flag: "--listen (head)",
+        default: "0.0.0.0:7077",
+        meaning: "where the head listens for clients and agents",
+        apply: |c, v| {
+            c.head.listen = v.text()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.agents",
+        env: None,
+        flag: "--agent (head, repeatable)",
+        default: "none",
+        meaning: "agents to dial (started with `agent --listen`)",
+        apply: |c, v| {
+            c.head.agents = v.list()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.facts",
+        env: None,
+        flag: "--fact KEY=VALUE (head, repeatable)",
+        default: "none",
+        meaning: "facts shown by `starling status`",
+        apply: |c, v| {
+            c.head.facts = v.pairs()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.state",
+        env: None,
+        flag: "--state (head)",
+        default: "/var/lib/starling/head",
+        meaning: "the head's state directory (its relay cache persists there)",
+        apply: |c, v| {
+            c.head.state = v.text()?.into();
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.cache_mib",
+        env: None,
+        flag: "--cache-mib (head)",
+        default: "8192",
+        meaning: "relay cache bound in MiB",
+        apply: |c, v| {
+            c.head.cache_mib = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.relay_cache",
+        env: None,
+        flag: "--no-relay-cache (head, up)",
+        default: "on",
+        meaning: "serve content-named requests from the head's shared cache (off: every one goes to the client)",
+        apply: |c, v| {
+            c.head.relay_cache = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.head",
+        env: None,
+        flag: "--head (agent)",
+        default: "none",
+        meaning: "the head an agent connects to",
+        apply: |c, v| {
+            c.agent.head = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.listen",
+        env: None,
+        flag: "--listen (agent)",
+        default: "none",
+        meaning: "instead, where an agent listens for the head (`head --agent`)",
+        apply: |c, v| {
+            c.agent.listen = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.name",
+        env: None,
+        flag: "--name (agent)",
+        default: "the hostname",
+        meaning: "host name in `starling status`",
+        apply: |c, v| {
+            c.agent.name = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.state",
+        env: None,
+        flag: "--state (agent)",
+        default: "/var/lib/starling/state",
+        meaning: "the agent's content cache and task dirs (a local disk, not overlayfs)",
+        apply: |c, v| {
+            c.agent.state = v.text()?.into();
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.cache_mib",
+        env: None,
+        flag: "--cache-mib (agent)",
+        default: "8192",
+        meaning: "content cache bound in MiB",
+        apply: |c, v| {
+            c.agent.cache_mib = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.chunking",
+        env: Some("STARLING_CHUNKING"),
+        flag: "",
+        default: "on",
+        meaning: "content-defined chunking of the tasks' output files",
+        apply: |c, v| {
+            c.agent.chunking = v.chunking()?;
+            Ok(())
+        },
+    },
+];
+
+/// The README's table of settings.
+pub fn markdown_table() -> String {
+    let mut out = String::from("| setting (config file) | environment | flag | default | meaning |\n|---|---|---|---|---|\n");
+    let or_dash = |s: &str| if s.is_empty() { "–".to_string() } else { format!("`{s}`") };
+    for s in SETTINGS {
+        out.push_str(&format!(
+            "| `{}` | {} | {} | {} | {} |\n",
+            s.key,
+            or_dash(s.env.unwrap_or("")),
+            or_dash(s.flag),
+            s.default,
+            s.meaning
+        ));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn load(vars: &[(&str, &str)], file: Option<&str>) -> Result<Config, ConfigError> {
+        let vars: HashMap<String, OsString> = vars.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        let env = move |k: &str| vars.get(k).cloned();
+        let dir = std::env::temp_dir().join(format!("starling-config-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(format!("{}.toml", file.map(|f| f.len()).unwrap_or(0)));
+        if let Some(text) = file {
+            std::fs::write(&path, text).unwrap();
+        }
+        let cfg = Config::load(&Sources { file: file.map(|_| path.as_path()), env: &env });
+        let _ = std::fs::remove_dir_all(&dir);
+        cfg
+    }
+
+    #[test]
+    fn defaults_without_file_or_environment() {
+        let c = load(&[("HOME", "/home/u")], None).unwrap();
+        assert_eq!(c.client.cache_dir, PathBuf::from("/home/u/.cache/starling"));
+        assert_eq!(c.fork, ForkSettings::default());
+        assert_eq!(c.head.listen, "0.0.0.0:7077");
+        assert_eq!(c.instance.number(), 0);
+        assert!(c.client.push && c.client.compress);
+    }
+
+    #[test]
+    fn environment_overrides_the_file() {
+        let file = "log = \"debug\"\n[client]\ncluster = \"10.0.0.1:7077\"\npush = false\n[fork]\nmcdist = \"push\"\nprefetch = 4\n[head]\nfacts = { site = \"lab\" }\nagents = [\"a:1\", \"b:2\"]\n[agent]\ncache_mib = 100\nchunking = false\n";
+        let c = load(&[("STARLING_CLUSTER", "10.0.0.2:7077"), ("STARLING_FORK_PREFETCH", "8")], Some(file)).unwrap();
+        assert_eq!(c.client.cluster.as_deref(), Some("10.0.0.2:7077"));
+        assert!(!c.client.push);
+        assert_eq!(c.fork.mcdist, Some(Multicast::Push));
+        assert_eq!(c.fork.prefetch, 8);
+        assert_eq!(c.head.facts, vec![("site".to_string(), "lab".to_string())]);
+        assert_eq!(c.head.agents, vec!["a:1".to_string(), "b:2".to_string()]);
+        assert_eq!(c.agent.cache_mib, 100);
+        assert_eq!(c.agent.chunking, Chunking::Fixed);
+        assert_eq!(c.log.as_deref(), Some("debug"));
+    }
+
+    #[test]
+    fn off_means_off_everywhere() {
+        for off in ["off", "OFF", "0", "false", "no"] {
+            let c = load(
+                &[("STARLING_PUSH", off), ("STARLING_CHUNKING", off), ("STARLING_MCDIST", off), ("STARLING_FORK_HEURISTICS", off)],
+                None,
+            )
+            .unwrap();
+            assert!(!c.client.push && !c.fork.heuristics, "{off}");
+            assert_eq!(c.client.chunking, Chunking::Fixed, "{off}");
+            assert_eq!(c.agent.chunking, Chunking::Fixed, "{off}");
+            assert_eq!(c.fork.mcdist, Some(Multicast::Off), "{off}");
+        }
+    }
+
+    #[test]
+    fn bad_values_and_unknown_keys_are_refused_with_their_origin() {
+        let e = load(&[("STARLING_MCDIST", "sometimes")], None).unwrap_err().to_string();
+        assert!(e.contains("STARLING_MCDIST") && e.contains("off, on or push"), "{e}");
+        let e = load(&[("STARLING_INSTANCE", "12")], None).unwrap_err().to_string();
+        assert!(e.contains("STARLING_INSTANCE") && e.contains("0 to 9"), "{e}");
+        let e = load(&[("STARLING_FORK_BACKEND", "remote")], None).unwrap_err().to_string();
+        assert!(e.contains("cluster or local"), "{e}");
+        let e = load(&[], Some("[client]\nclutser = \"x\"\n")).unwrap_err().to_string();
+        assert!(e.contains("client.clutser"), "{e}");
+        let e = load(&[], Some("[head]\ncache_mib = \"big\"\n")).unwrap_err().to_string();
+        assert!(e.contains("head.cache_mib") && e.contains("whole number"), "{e}");
+    }
+
+    #[test]
+    fn every_key_is_named_once() {
+        let mut keys: Vec<&str> = SETTINGS.iter().map(|s| s.key).collect();
+        keys.sort_unstable();
+        let n = keys.len();
+        keys.dedup();
+        assert_eq!(keys.len(), n);
+    }
+
+    #[test]
+    fn the_readme_table_is_this_table() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+        assert!(
+            readme.contains(&markdown_table()),
+            "README.md's table of settings differs from starling_config::SETTINGS; paste this:\n{}",
+            markdown_table()
+        );
+    }
+}

@@ -1,0 +1,163 @@
+//! Placement: which host runs a launch, and which hosts a fork ticket's
+//! clones go to. Pure functions over the head's view of its hosts.
+
+use crate::Host;
+use std::collections::HashMap;
+
+/// Why a launch or a ticket cannot be placed (told to the client as its message).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Unplaceable {
+    #[error("the cluster has no hosts (are the agents running? see `starling status`)")]
+    NoHosts,
+    #[error("no host named {name:?} (hosts: {})", known.join(", "))]
+    NoSuchHost { name: String, known: Vec<String> },
+    #[error("host {host} has {has} cores; the task needs {needs}")]
+    HostTooSmall { host: String, has: u32, needs: u32 },
+    #[error("no host has the {0} cores the task needs")]
+    NoHostLargeEnough(u32),
+    #[error("no free cores in the cluster")]
+    NoFreeCores,
+}
+
+/// Can a launch (needing `cores` on one host) ever be placed? `Err`: why not.
+pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>, cores: u32) -> Result<(), Unplaceable> {
+    if hosts.is_empty() {
+        return Err(Unplaceable::NoHosts);
+    }
+    if let Some(w) = want {
+        let Some(h) = hosts.get(w) else {
+            let mut known: Vec<_> = hosts.keys().cloned().collect();
+            known.sort_by_key(|a| natural_key(a));
+            return Err(Unplaceable::NoSuchHost { name: w.to_string(), known });
+        };
+        if h.info.cores.max(1) < cores {
+            return Err(Unplaceable::HostTooSmall { host: w.to_string(), has: h.info.cores, needs: cores });
+        }
+    } else if hosts.values().all(|h| h.info.cores.max(1) < cores) {
+        return Err(Unplaceable::NoHostLargeEnough(cores));
+    }
+    Ok(())
+}
+
+/// A host with `cores` free (the named one, else the least loaded), now
+/// holding them; `None` if every eligible host is busy.
+pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>, cores: u32) -> Option<&'a mut Host> {
+    let free = |h: &Host| h.cores_busy + cores <= h.info.cores.max(1);
+    let name = match want {
+        Some(w) => hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
+        None => hosts
+            .values()
+            .filter(|h| free(h))
+            .min_by(|a, b| load(a).total_cmp(&load(b)).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name))))
+            .map(|h| h.info.name.clone())?,
+    };
+    let h = hosts.get_mut(&name)?;
+    h.cores_busy += cores;
+    Some(h)
+}
+
+/// Share of a host's cores held.
+fn load(h: &Host) -> f64 {
+    f64::from(h.cores_busy) / f64::from(h.info.cores.max(1))
+}
+
+/// A fork ticket's grant: up to `n` clones by free cores (cores minus
+/// tasks placed there). Hierarchical tickets fill each host's cores before
+/// moving on (one restore per host, then local forks); others spread
+/// round-robin so clones land on as many hosts as possible. The grant is
+/// advisory: the clones are then launched as tasks.
+pub(crate) fn grant(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, Unplaceable> {
+    let mut free: Vec<(String, u32)> = hosts
+        .values()
+        .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.cores_busy)))
+        .filter(|(_, f)| *f > 0)
+        .collect();
+    if free.is_empty() {
+        return Err(if hosts.is_empty() { Unplaceable::NoHosts } else { Unplaceable::NoFreeCores });
+    }
+    free.sort_by(|a, b| b.1.cmp(&a.1).then(natural_key(&a.0).cmp(&natural_key(&b.0))));
+    let mut out: Vec<(String, u32)> = Vec::new();
+    let mut left = n;
+    if hierarchical {
+        for (h, f) in free {
+            if left == 0 {
+                break;
+            }
+            let k = f.min(left);
+            out.push((h, k));
+            left -= k;
+        }
+    } else {
+        while left > 0 && free.iter().any(|(_, f)| *f > 0) {
+            for (h, f) in free.iter_mut() {
+                if left == 0 || *f == 0 {
+                    continue;
+                }
+                *f -= 1;
+                left -= 1;
+                match out.iter_mut().find(|(o, _)| o == h) {
+                    Some((_, k)) => *k += 1,
+                    None => out.push((h.clone(), 1)),
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Sort "h2" before "h10".
+pub(crate) fn natural_key(s: &str) -> (String, u64) {
+    let digits: String = s.chars().rev().take_while(char::is_ascii_digit).collect::<Vec<_>>().into_iter().rev().collect();
+    let prefix = s[..s.len() - digits.len()].to_string();
+    (prefix, digits.parse().unwrap_or(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use starling_proto::HostInfo;
+
+    fn hosts(spec: &[(&str, u32, u32)]) -> HashMap<String, Host> {
+        spec.iter()
+            .map(|&(name, cores, busy)| {
+                let info = HostInfo {
+                    name: name.into(),
+                    addr: String::new(),
+                    pid: 1,
+                    cores,
+                    mem_bytes: 0,
+                    load: 0.0,
+                    running: 0,
+                    page_distribution: None,
+                };
+                (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn hierarchical_tickets_fill_hosts_and_spread_ones_go_round() {
+        let h = hosts(&[("h1", 4, 0), ("h2", 4, 1), ("h10", 2, 0)]);
+        assert_eq!(grant(&h, 6, true).unwrap(), vec![("h1".to_string(), 4), ("h2".to_string(), 2)]);
+        assert_eq!(grant(&h, 5, false).unwrap(), vec![("h1".to_string(), 2), ("h2".to_string(), 2), ("h10".to_string(), 1)]);
+        // More than there are free cores: what is free.
+        assert_eq!(grant(&h, 100, true).unwrap().iter().map(|(_, k)| k).sum::<u32>(), 9);
+        assert_eq!(grant(&hosts(&[]), 1, false), Err(Unplaceable::NoHosts));
+        assert_eq!(grant(&hosts(&[("h1", 2, 2)]), 1, false), Err(Unplaceable::NoFreeCores));
+    }
+
+    #[test]
+    fn launches_go_to_the_least_loaded_host_and_wait_when_all_are_busy() {
+        let mut h = hosts(&[("h1", 2, 1), ("h2", 2, 0)]);
+        assert_eq!(pick(&mut h, None, 1).map(|h| h.info.name.clone()).as_deref(), Some("h2"));
+        assert_eq!(h["h2"].cores_busy, 1);
+        assert_eq!(pick(&mut h, Some("h1"), 1).map(|h| h.info.name.clone()).as_deref(), Some("h1"));
+        assert!(pick(&mut h, None, 2).is_none(), "no host has 2 free cores");
+        assert_eq!(
+            check_placeable(&h, Some("h3"), 1),
+            Err(Unplaceable::NoSuchHost { name: "h3".into(), known: vec!["h1".into(), "h2".into()] })
+        );
+        assert_eq!(check_placeable(&h, None, 3), Err(Unplaceable::NoHostLargeEnough(3)));
+        assert_eq!(check_placeable(&h, None, 2), Ok(()), "busy now, placeable later");
+    }
+}

@@ -1,0 +1,106 @@
+//! Launches: placed on a host with free cores at once, or queued until
+//! cores free up, oldest first.
+
+use crate::placement::{check_placeable, pick};
+use crate::{Head, Route};
+use starling_proto::conn::Outgoing;
+use starling_proto::{Msg, TaskId, TaskSpec};
+use std::sync::atomic::Ordering;
+
+/// A launch waiting for free cores.
+pub(crate) struct Queued {
+    pub(crate) conn: u64,
+    pub(crate) client: Outgoing,
+    pub(crate) spec: TaskSpec,
+    pub(crate) reference: u64,
+    pub(crate) job_fresh: bool,
+}
+
+/// Where a placed launch goes: the host's name, connection and id.
+type Placed = (String, Outgoing, u64);
+
+impl Head {
+    /// Place a task on a host with free cores and start it, or queue it
+    /// until some free up. Answers the client `Started` or `LaunchFailed`.
+    pub(crate) async fn launch(&self, conn: u64, tx: &Outgoing, mut spec: TaskSpec, reference: u64) {
+        let mut job_fresh = false;
+        if let Some(job) = &spec.job {
+            let key = format!("{}:{job}", spec.uid);
+            let (all, fresh) = self.jobs.lock().unwrap().merge(key, std::mem::take(&mut spec.prethrow));
+            spec.prethrow = all;
+            job_fresh = fresh;
+        }
+        let q = Queued { conn, client: tx.clone(), spec, reference, job_fresh };
+        let placed: Result<Option<(Queued, Placed)>, crate::placement::Unplaceable> = {
+            let mut st = self.state.lock().unwrap();
+            let (want, cores) = (q.spec.host.clone(), q.spec.cores());
+            check_placeable(&st.hosts, want.as_deref(), cores).map(|()| {
+                match pick(&mut st.hosts, want.as_deref(), cores).map(|h| (h.info.name.clone(), h.tx.clone(), h.conn_id)) {
+                    Some(host) => Some((q, host)),
+                    None => {
+                        st.queue.push_back(q);
+                        None
+                    }
+                }
+            })
+        };
+        match placed {
+            Err(why) => {
+                let _ = tx.send(Msg::LaunchFailed { reference, message: why.to_string() }).await;
+            }
+            Ok(Some((q, host))) => self.start(q, host).await,
+            Ok(None) => {}
+        }
+    }
+
+    /// Start a placed launch: route it, tell the client, hand it to the host.
+    async fn start(&self, q: Queued, (host, host_tx, host_conn): Placed) {
+        let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
+        let route = Route { client: Some(q.client.clone()), client_conn: q.conn, host: host.clone(), host_conn, cores: q.spec.cores() };
+        self.state.lock().unwrap().routes.insert(task, route);
+        let _ = q.client.send(Msg::Started { task, host: host.clone(), reference: q.reference, job_fresh: q.job_fresh }).await;
+        if host_tx.send(Msg::RunTask { task, spec: q.spec }).await.is_err() {
+            self.lose_task(task, &format!("host {host} went away before the task started")).await;
+        }
+    }
+
+    /// Start queued launches that now fit, oldest first.
+    pub(crate) async fn drain_queue(&self) {
+        let ready: Vec<(Queued, Placed)> = {
+            let mut st = self.state.lock().unwrap();
+            let mut out = Vec::new();
+            let mut i = 0;
+            while i < st.queue.len() {
+                let want = st.queue[i].spec.host.clone();
+                let cores = st.queue[i].spec.cores();
+                match pick(&mut st.hosts, want.as_deref(), cores).map(|h| (h.info.name.clone(), h.tx.clone(), h.conn_id)) {
+                    Some(p) => {
+                        let q = st.queue.remove(i).expect("index in range");
+                        out.push((q, p));
+                    }
+                    None => i += 1,
+                }
+            }
+            out
+        };
+        for (q, placed) in ready {
+            self.start(q, placed).await;
+        }
+    }
+
+    /// After host `lost` went away: queued launches that can no longer be placed fail now.
+    pub(crate) async fn fail_unplaceable(&self, lost: &str) {
+        let failed: Vec<Queued> = {
+            let mut st = self.state.lock().unwrap();
+            let queue: Vec<Queued> = st.queue.drain(..).collect();
+            let (bad, keep): (Vec<Queued>, Vec<Queued>) =
+                queue.into_iter().partition(|q| check_placeable(&st.hosts, q.spec.host.as_deref(), q.spec.cores()).is_err());
+            st.queue = keep.into();
+            bad
+        };
+        for q in failed {
+            let message = format!("host {lost} was lost before the task could start");
+            let _ = q.client.send(Msg::LaunchFailed { reference: q.reference, message }).await;
+        }
+    }
+}

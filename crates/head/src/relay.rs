@@ -1,0 +1,181 @@
+//! The relay cache (UCop's remdis cache): content-named requests (recipes,
+//! chunks) from hosts are answered from a cache shared by all of them, and
+//! what is missing is fetched from the task's client exactly once however
+//! many hosts ask. Immutable, hash-named content only, so it can never
+//! change what a task sees.
+
+use starling_proto::conn::Outgoing;
+use starling_proto::{ChunkData, FileReq, FileResp, Hash, Msg, Recipe, TaskId};
+use starling_store::HostCache;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use tokio::sync::{oneshot, watch};
+
+/// Ids of requests the head originates have this bit set; agents number
+/// theirs from 0, so the answers never mix.
+pub(crate) const HEAD_ID_BIT: u64 = 1 << 63;
+
+/// `EIO`, the answer when content cannot be had.
+const EIO: i32 = libc::EIO;
+
+pub(crate) struct Relay {
+    cache: HostCache,
+    /// Chunks being fetched from a client right now (single flight per chunk).
+    inflight: Mutex<HashMap<Hash, watch::Receiver<bool>>>,
+    /// Requests the head sent to a client, waiting for their answers.
+    waiters: Mutex<HashMap<u64, oneshot::Sender<FileResp>>>,
+    next_req: AtomicU64,
+}
+
+impl Relay {
+    pub(crate) fn open(dir: &std::path::Path, bytes: u64) -> std::io::Result<Relay> {
+        Ok(Relay {
+            cache: HostCache::open(dir, bytes)?,
+            inflight: Mutex::new(HashMap::new()),
+            waiters: Mutex::new(HashMap::new()),
+            next_req: AtomicU64::new(0),
+        })
+    }
+
+    /// Content a client pushed ahead of its launch.
+    pub(crate) fn take_push(&self, recipes: &[Recipe], chunks: &[ChunkData]) {
+        for r in recipes {
+            let _ = self.cache.put_recipe(r);
+        }
+        for c in chunks {
+            match c.open() {
+                Ok(bytes) => {
+                    let _ = self.cache.put_chunk(&c.hash, &bytes);
+                }
+                Err(e) => log::warn!("client pushed a bad chunk: {e}"),
+            }
+        }
+    }
+
+    /// Whether a client's answer `id` answers a request of ours.
+    pub(crate) fn is_ours(&self, id: u64) -> bool {
+        id & HEAD_ID_BIT != 0
+    }
+
+    /// A client's answer to a request of ours.
+    pub(crate) fn answered(&self, id: u64, resp: FileResp) {
+        if let Some(w) = self.waiters.lock().unwrap().remove(&id) {
+            let _ = w.send(resp);
+        }
+    }
+
+    /// Ask `client` (the one that owns `task`) for content; `None` if it is gone.
+    async fn ask_client(&self, client: &Outgoing, task: TaskId, req: FileReq) -> Option<FileResp> {
+        let id = HEAD_ID_BIT | self.next_req.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiters.lock().unwrap().insert(id, tx);
+        if client.send(Msg::FileRequest { task, id, req }).await.is_err() {
+            self.waiters.lock().unwrap().remove(&id);
+            return None;
+        }
+        rx.await.ok()
+    }
+
+    /// Answer a content-named request from the cache, fetching what is
+    /// missing from the task's client (`None`: gone) exactly once however
+    /// many hosts ask.
+    pub(crate) async fn serve(&self, client: Option<Outgoing>, task: TaskId, req: FileReq) -> FileResp {
+        let Some(client) = client else { return FileResp::Errno(EIO) };
+        match req {
+            FileReq::GetRecipe { name } => {
+                if let Ok(Some(r)) = self.cache.get_recipe(&name) {
+                    return FileResp::Recipe(Some(r));
+                }
+                let resp = self.ask_client(&client, task, FileReq::GetRecipe { name }).await.unwrap_or(FileResp::Errno(EIO));
+                if let FileResp::Recipe(Some(r)) = &resp {
+                    if r.name() == name {
+                        let _ = self.cache.put_recipe(r);
+                    }
+                }
+                resp
+            }
+            FileReq::GetChunks { hashes } => self.serve_chunks(&client, task, &hashes).await,
+            _ => FileResp::Errno(EIO),
+        }
+    }
+
+    async fn serve_chunks(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) -> FileResp {
+        // Up to three passes: a chunk another task was fetching may
+        // still be missing if that fetch failed; then fetch it ourselves.
+        for _ in 0..3 {
+            let (mine, theirs, done_tx) = self.claim(hashes);
+            if let Some(done_tx) = done_tx {
+                self.fetch_into_cache(client, task, &mine).await;
+                let mut inflight = self.inflight.lock().unwrap();
+                for h in &mine {
+                    inflight.remove(h);
+                }
+                let _ = done_tx.send(true);
+            }
+            for mut w in theirs {
+                let _ = w.wait_for(|done| *done).await;
+            }
+            if hashes.iter().all(|h| self.cache.has_chunk(h)) {
+                break;
+            }
+        }
+        let mut out = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            let mut bytes = self.cache.get_chunk(h).ok().flatten();
+            if bytes.is_none() {
+                // Evicted (or lost) since it was checked: ask the client again.
+                self.fetch_into_cache(client, task, std::slice::from_ref(h)).await;
+                bytes = self.cache.get_chunk(h).ok().flatten();
+            }
+            match bytes {
+                // Head → host is the cluster network: no need to spend CPU compressing.
+                Some(bytes) => out.push(ChunkData::seal(&bytes, false)),
+                None => return FileResp::Errno(EIO),
+            }
+        }
+        FileResp::Chunks(out)
+    }
+
+    /// Split the missing chunks into those this request will fetch (now
+    /// marked in flight) and the fetches of others to wait for.
+    #[allow(clippy::type_complexity)]
+    fn claim(&self, hashes: &[Hash]) -> (Vec<Hash>, Vec<watch::Receiver<bool>>, Option<watch::Sender<bool>>) {
+        let mut mine = Vec::new();
+        let mut theirs = Vec::new();
+        let mut inflight = self.inflight.lock().unwrap();
+        for h in hashes {
+            if self.cache.has_chunk(h) || mine.contains(h) {
+                continue;
+            }
+            match inflight.get(h) {
+                Some(w) => theirs.push(w.clone()),
+                None => mine.push(*h),
+            }
+        }
+        if mine.is_empty() {
+            return (mine, theirs, None);
+        }
+        let (done_tx, done_rx) = watch::channel(false);
+        for h in &mine {
+            inflight.insert(*h, done_rx.clone());
+        }
+        (mine, theirs, Some(done_tx))
+    }
+
+    async fn fetch_into_cache(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) {
+        if let Some(FileResp::Chunks(got)) = self.ask_client(client, task, FileReq::GetChunks { hashes: hashes.to_vec() }).await {
+            for c in got {
+                if !hashes.contains(&c.hash) {
+                    continue;
+                }
+                match c.open() {
+                    Ok(bytes) => {
+                        let _ = self.cache.put_chunk(&c.hash, &bytes);
+                    }
+                    Err(e) => log::warn!("client sent a bad chunk: {e}"),
+                }
+            }
+        }
+    }
+}

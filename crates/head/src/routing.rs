@@ -1,0 +1,127 @@
+//! Routing: what each connection's messages do. A client's task messages
+//! go to the task's host, a host's to the task's client; content requests
+//! go to the relay cache when there is one.
+
+use crate::Head;
+use starling_proto::conn::{Incoming, Outgoing};
+use starling_proto::{FileReq, Msg, ProtoError};
+use tokio::io::AsyncRead;
+
+impl Head {
+    pub(crate) async fn serve_agent<R: AsyncRead + Unpin>(
+        &self,
+        conn: u64,
+        incoming: &mut Incoming<R>,
+        tx: Outgoing,
+    ) -> Result<(), ProtoError> {
+        loop {
+            match incoming.recv().await? {
+                Msg::HostInfo(info) => {
+                    let mut st = self.state.lock().unwrap();
+                    let cores_busy = st.hosts.get(&info.name).map_or(0, |h| h.cores_busy);
+                    log::debug!("host {} ({}) reports load {:.2}, {} running", info.name, info.addr, info.load, info.running);
+                    st.hosts.insert(info.name.clone(), crate::Host { info, tx: tx.clone(), cores_busy, conn_id: conn });
+                }
+                Msg::Ping { nonce } => {
+                    let _ = tx.send(Msg::Pong { nonce }).await;
+                }
+                Msg::Pong { .. } => {}
+                Msg::FileRequest { task, id, req: req @ (FileReq::GetRecipe { .. } | FileReq::GetChunks { .. }) }
+                    if self.relay.is_some() =>
+                {
+                    let Some(me) = self.self_arc() else { continue };
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        let client = me.state.lock().unwrap().routes.get(&task).and_then(|r| r.client.clone());
+                        let relay = me.relay.as_ref().expect("relay cache on");
+                        let resp = relay.serve(client, task, req).await;
+                        let _ = tx.send(Msg::FileResponse { task, id, resp }).await;
+                    });
+                }
+                m => self.route_from_host(m).await,
+            }
+        }
+    }
+
+    /// A host's task message: to the task's client. A task ends with
+    /// `Finished`, or with an `Error` when its host could not run it.
+    async fn route_from_host(&self, m: Msg) {
+        let Some(task) = m.task() else {
+            log::warn!("agent sent an unroutable message");
+            return;
+        };
+        let ended = matches!(m, Msg::Finished { .. } | Msg::Error { .. });
+        let client = {
+            let mut st = self.state.lock().unwrap();
+            let c = st.routes.get(&task).and_then(|r| r.client.clone());
+            if ended {
+                st.end_route(task);
+            }
+            c
+        };
+        if let Some(c) = client {
+            let _ = c.send(m).await;
+        }
+        if ended {
+            self.drain_queue().await;
+        }
+    }
+
+    pub(crate) async fn serve_client<R: AsyncRead + Unpin>(
+        &self,
+        conn: u64,
+        incoming: &mut Incoming<R>,
+        tx: Outgoing,
+    ) -> Result<(), ProtoError> {
+        loop {
+            match incoming.recv().await? {
+                Msg::StatusRequest => {
+                    let _ = tx.send(Msg::StatusReply(self.status())).await;
+                }
+                Msg::Launch { spec, reference } => self.launch(conn, &tx, spec, reference).await,
+                Msg::LaunchJob { spec, tasks, first_reference } => {
+                    let n = tasks.len();
+                    for (i, (t, reference)) in tasks.into_iter().zip(first_reference..).enumerate() {
+                        let mut s = spec.clone();
+                        if let Some(argv) = t.argv {
+                            s.argv = argv;
+                        }
+                        s.set_task_index(i, n);
+                        self.launch(conn, &tx, s, reference).await;
+                    }
+                }
+                Msg::Push { recipes, chunks } => {
+                    if let Some(relay) = &self.relay {
+                        relay.take_push(&recipes, &chunks);
+                    }
+                }
+                Msg::Ping { nonce } => {
+                    let _ = tx.send(Msg::Pong { nonce }).await;
+                }
+                Msg::TicketRequest { n, hierarchical } => {
+                    let ticket = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
+                    let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
+                }
+                Msg::FileResponse { id, resp, .. } if self.relay.as_ref().is_some_and(|r| r.is_ours(id)) => {
+                    if let Some(relay) = &self.relay {
+                        relay.answered(id, resp);
+                    }
+                }
+                m => self.route_from_client(conn, m).await,
+            }
+        }
+    }
+
+    /// A client's task message: to the task's host (only from the task's own client).
+    async fn route_from_client(&self, conn: u64, m: Msg) {
+        let Some(task) = m.task() else { return };
+        let agent = {
+            let st = self.state.lock().unwrap();
+            st.routes.get(&task).filter(|r| r.client_conn == conn).and_then(|r| st.hosts.get(&r.host)).map(|h| h.tx.clone())
+        };
+        if let Some(a) = agent {
+            let _ = a.send(m).await;
+        }
+    }
+}

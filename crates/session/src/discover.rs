@@ -1,0 +1,60 @@
+//! Finding the cluster's head: `--cluster ADDR` / `STARLING_CLUSTER` /
+//! `client.cluster` (all one setting, resolved by the edge), else the
+//! embedded cluster's record written by `starling up`. Resolved once per
+//! command into a [`Target`], which carries what else the record says.
+
+use starling_config::{ClientSettings, ClusterState, ConfigError, Instance};
+
+/// One line telling the user how to get a cluster.
+pub const NO_CLUSTER: &str =
+    "no starling cluster is running: start one with `starling up` (or point to one with --cluster ADDR / STARLING_CLUSTER)";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoverError {
+    #[error("{NO_CLUSTER}")]
+    NoCluster,
+    #[error(transparent)]
+    Record(#[from] ConfigError),
+}
+
+/// The head a command talks to, and what is known about its cluster.
+#[derive(Clone, Debug)]
+pub struct Target {
+    /// `IP:PORT` to dial.
+    pub head_addr: String,
+    /// A stable name for the cluster's caches in client-side records of
+    /// what it holds: the embedded cluster's state dir (its caches survive
+    /// `down`/`up` and link changes), else the head's address.
+    pub cluster_id: String,
+    /// Whether the head keeps a relay cache (pushing content to a head
+    /// without one would only waste the link). Assumed for a named head.
+    pub relay_cache: bool,
+    /// The embedded cluster's record, when the head was found through it.
+    pub record: Option<ClusterState>,
+}
+
+impl Target {
+    /// The head `client.cluster` names, else the one `instance`'s record names.
+    pub fn resolve(client: &ClientSettings, instance: Instance) -> Result<Target, DiscoverError> {
+        if let Some(addr) = client.cluster.as_deref().filter(|a| !a.is_empty()) {
+            return Ok(Target::named(addr));
+        }
+        let record = ClusterState::read(&instance.cluster_file())?.ok_or(DiscoverError::NoCluster)?;
+        Ok(Target::embedded(record))
+    }
+
+    /// A head given by address.
+    pub fn named(addr: &str) -> Target {
+        Target { head_addr: addr.to_string(), cluster_id: addr.to_string(), relay_cache: true, record: None }
+    }
+
+    /// The head of an embedded cluster, from its record.
+    pub fn embedded(record: ClusterState) -> Target {
+        Target {
+            head_addr: record.head_addr.clone(),
+            cluster_id: record.cluster_id(),
+            relay_cache: record.relay_cache,
+            record: Some(record),
+        }
+    }
+}
