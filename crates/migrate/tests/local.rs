@@ -128,7 +128,9 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         let (s, _) = listener.accept().map_err(|e| e.to_string())?;
         let inc = receive(s, &mut |_| Ok(())).map_err(|e| e.to_string())?;
         let desc = inc.descriptor.clone();
-        let serve = inc.serve(desc.clone(), 16, Arc::new(|why| panic!("lost: {why}")));
+        let lost = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let lost2 = lost.clone();
+        let serve = inc.serve(desc.clone(), 16, Arc::new(move |why| lost2.lock().unwrap().push(why)));
         let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false };
         let (program, restore) = Restore::start(&desc, plan, serve).map_err(|e| e.to_string())?;
         let mut restorer = spawn_restorer(&program, stdout_w);
@@ -142,6 +144,10 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         let (outcomes, channel) = restore.finish();
         if let Some(e) = channel {
             return Err(e.to_string());
+        }
+        let lost = lost.lock().unwrap();
+        if !lost.is_empty() {
+            return Err(format!("the restored process was lost: {lost:?}; outcomes {outcomes:?}"));
         }
         Ok((status, outcomes))
     });
