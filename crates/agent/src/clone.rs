@@ -69,7 +69,7 @@ fn report_mode(report: &DistributionReport, id: u32, stats: &FaultStats) {
 
 /// The descriptor as the handler must see it: file paths resolved under the
 /// task's root (the handler is outside the sandbox's chroot).
-fn rooted(desc: &Descriptor, root: &Path) -> Descriptor {
+pub(crate) fn rooted(desc: &Descriptor, root: &Path) -> Descriptor {
     let mut d = desc.clone();
     root_file_paths(&mut d.regions, root);
     d

@@ -15,6 +15,8 @@
 //! shared by every task on the host and bounded in size.
 
 mod clone;
+mod io;
+mod migrate;
 mod remote;
 mod task;
 
@@ -44,6 +46,8 @@ pub enum AgentError {
     PageServerAddress(String),
     #[error("{step}: {source}")]
     Fork { step: Step, #[source] source: starling_fork::ForkError },
+    #[error("taking a moved task: {0}")]
+    Migration(String),
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;
@@ -115,10 +119,23 @@ pub struct AgentConfig {
 }
 
 pub(crate) struct TaskCtl {
-    pub stdin: std::sync::mpsc::Sender<Option<Vec<u8>>>,
+    pub stdin: std::sync::mpsc::Sender<io::StdinMsg>,
     pub pid: Arc<AtomicU32>,
     /// A signal that arrived before the sandbox existed; delivered once it does.
     pub pending_signal: Arc<std::sync::atomic::AtomicI32>,
+    pub life: Arc<task::TaskLife>,
+}
+
+impl TaskCtl {
+    /// A task's control block and its runner's end of it.
+    pub(crate) fn new() -> (TaskCtl, task::TaskPort) {
+        let (stdin_tx, stdin_rx) = std::sync::mpsc::channel();
+        let pid = Arc::new(AtomicU32::new(0));
+        let pending = Arc::new(std::sync::atomic::AtomicI32::new(0));
+        let life = Arc::new(task::TaskLife::default());
+        let port = task::TaskPort { stdin: stdin_rx, pid: pid.clone(), pending_signal: pending.clone(), life: life.clone() };
+        (TaskCtl { stdin: stdin_tx, pid, pending_signal: pending, life }, port)
+    }
 }
 
 pub(crate) struct Agent {
@@ -129,6 +146,12 @@ pub(crate) struct Agent {
     pub running: AtomicU32,
     /// Page distribution of the last clone's fault handler (for `starling status`).
     pub page_distribution: Arc<std::sync::Mutex<Option<String>>>,
+    /// Our address towards the head (other hosts reach us there).
+    pub addr: Mutex<String>,
+    /// Migrations out waiting for the head to hold their task's input.
+    pub held_waiters: Mutex<HashMap<u64, std::sync::mpsc::Sender<()>>>,
+    /// Migrations in not yet arrived: set to give up on one.
+    pub incoming: Mutex<HashMap<u64, Arc<std::sync::atomic::AtomicBool>>>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -168,6 +191,7 @@ impl Agent {
             return Err(ProtoError::UnexpectedPeer { expected: Role::Head, got: peer.role });
         }
         log::info!("connected to head {}", peer.name);
+        addr.clone_into(&mut self.addr.lock().unwrap());
         let _ = tx.send(Msg::HostInfo(self.host_info(&addr))).await;
         let beat = {
             let me = self.clone();
@@ -199,27 +223,42 @@ impl Agent {
                 Msg::RunTask { task, spec } => {
                     // Register before setting up: stdin and signals may arrive
                     // while the view is still being mounted.
-                    let (stdin_tx, stdin_rx) = std::sync::mpsc::channel();
-                    let pid = Arc::new(AtomicU32::new(0));
-                    let pending = Arc::new(std::sync::atomic::AtomicI32::new(0));
-                    self.tasks
-                        .lock()
-                        .unwrap()
-                        .insert(task, TaskCtl { stdin: stdin_tx, pid: pid.clone(), pending_signal: pending.clone() });
+                    let (ctl, port) = TaskCtl::new();
+                    self.tasks.lock().unwrap().insert(task, ctl);
                     let me = self.clone();
                     let tx = tx.clone();
-                    let port = task::TaskPort { stdin: stdin_rx, pid, pending_signal: pending };
                     tokio::spawn(async move { task::run(me, task, spec, tx, port).await });
+                }
+                Msg::UsageRequest { nonce } => {
+                    let _ = tx.send(Msg::UsageReply { nonce, tasks: self.usage() }).await;
+                }
+                Msg::MigrateIn { migration, task, from } => {
+                    tokio::spawn(migrate::accept(self.clone(), tx.clone(), migration, task, from));
+                }
+                Msg::MigrateAbort { migration } => {
+                    if let Some(flag) = self.incoming.lock().unwrap().remove(&migration) {
+                        flag.store(true, Ordering::SeqCst);
+                    }
+                }
+                Msg::MigrateOut { migration, task, to_host, to_addr, stop_and_copy } => {
+                    let (me, tx) = (self.clone(), tx.clone());
+                    let how = migrate::Move { migration, task, to_host, to_addr, stop_and_copy };
+                    tokio::task::spawn_blocking(move || migrate::send(&me, &tx, &how));
+                }
+                Msg::MigrateHeld { migration } => {
+                    if let Some(w) = self.held_waiters.lock().unwrap().remove(&migration) {
+                        let _ = w.send(());
+                    }
                 }
                 Msg::FileResponse { id, resp, .. } => self.waiters.complete(id, resp),
                 Msg::Stdin { task, data } => {
                     if let Some(t) = self.tasks.lock().unwrap().get(&task) {
-                        let _ = t.stdin.send(Some(data));
+                        let _ = t.stdin.send(io::StdinMsg::Data(data));
                     }
                 }
                 Msg::StdinEof { task } => {
                     if let Some(t) = self.tasks.lock().unwrap().get(&task) {
-                        let _ = t.stdin.send(None);
+                        let _ = t.stdin.send(io::StdinMsg::Eof);
                     }
                 }
                 Msg::Signal { task, signo } => {
@@ -243,6 +282,21 @@ impl Agent {
         }
     }
 
+    /// What each running task's processes use now (for `starling ps`).
+    fn usage(&self) -> Vec<starling_proto::TaskUsage> {
+        let tasks = self.tasks.lock().unwrap();
+        tasks
+            .iter()
+            .filter_map(|(task, t)| {
+                let root = t.pid.load(Ordering::SeqCst);
+                (root > 0).then(|| {
+                    let (cpu_seconds, rss_bytes) = tree_usage(root);
+                    starling_proto::TaskUsage { task: *task, cpu_seconds, rss_bytes }
+                })
+            })
+            .collect()
+    }
+
     fn kill_all(&self) {
         for t in self.tasks.lock().unwrap().values() {
             t.pending_signal.store(libc::SIGKILL, Ordering::SeqCst);
@@ -254,6 +308,29 @@ impl Agent {
         }
         self.waiters.fail_all();
     }
+}
+
+/// CPU seconds and resident bytes of process `root` and everything below it.
+fn tree_usage(root: u32) -> (f64, u64) {
+    // SAFETY: sysconf with a constant name.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let (mut cpu, mut rss) = (0.0, 0u64);
+    let mut stack = vec![root];
+    while let Some(p) = stack.pop() {
+        if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
+            let f: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
+            // utime, stime: fields 14 and 15 (index 11 and 12 after the comm); rss pages: field 24.
+            let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+            cpu += (num(11) + num(12)) as f64 / ticks;
+            rss += num(21) * 4096;
+        }
+        for t in std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten() {
+            if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
+                stack.extend(kids.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+            }
+        }
+    }
+    (cpu, rss)
 }
 
 /// Remove task directories left by a previous run of this agent (crash, kill -9).
@@ -283,6 +360,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         waiters: Arc::new(Waiters::default()),
         running: AtomicU32::new(0),
         page_distribution: Arc::new(std::sync::Mutex::new(None)),
+        addr: Mutex::new(String::new()),
+        held_waiters: Mutex::new(HashMap::new()),
+        incoming: Mutex::new(HashMap::new()),
     });
     if let Some(listen) = agent.cfg.settings.listen.clone() {
         let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;

@@ -1,36 +1,41 @@
 //! Running one task: view → overlay → sandbox → changes.
 
+use crate::io::{OutputPump, StdinMsg};
 use crate::remote::RemoteSource;
 use crate::Agent;
 use crate::{io_step, AgentError, Result, Step};
 use starling_proto::conn::Outgoing;
-use starling_proto::{Base, Change, ChunkData, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
+use starling_proto::{Base, Change, ChunkData, ExitStatus, Hash, Lookup, Msg, Stream, TaskId, TaskSpec, WirePath};
 use starling_view::UpperEntry;
 use std::collections::{HashMap, HashSet};
-use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 /// Bytes of file content per ChangeChunks message.
 const CHANGE_BATCH_BYTES: usize = 8 << 20;
 
-pub(crate) async fn run(
+pub(crate) async fn run(agent: Arc<Agent>, task: TaskId, spec: TaskSpec, tx: Outgoing, port: TaskPort) {
+    let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
+    let run = {
+        let (agent, tx, dir) = (agent.clone(), tx.clone(), dir.clone());
+        move || run_blocking(&agent, task, spec, &tx, &dir, port)
+    };
+    supervise(agent, task, tx, dir, run).await;
+}
+
+/// Run a task's blocking body, report its failure, and clean up after it.
+pub(crate) async fn supervise(
     agent: Arc<Agent>,
     task: TaskId,
-    spec: TaskSpec,
     tx: Outgoing,
-    port: TaskPort,
+    dir: PathBuf,
+    body: impl FnOnce() -> Result<()> + Send + 'static,
 ) {
     agent.running.fetch_add(1, Ordering::Relaxed);
-    let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
-    let res = {
-        let agent = agent.clone();
-        let tx = tx.clone();
-        let dir = dir.clone();
-        tokio::task::spawn_blocking(move || run_blocking(&agent, task, spec, &tx, &dir, port)).await
-    };
-    let err = match res {
+    let err = match tokio::task::spawn_blocking(body).await {
         Ok(Ok(())) => None,
         Ok(Err(e)) => Some(format!("{e:#}")),
         Err(e) => Some(format!("task runner crashed: {e}")),
@@ -45,43 +50,86 @@ pub(crate) async fn run(
 }
 
 /// The running task's end of its `TaskCtl`: stdin from the head, where its
-/// sandbox's pid goes, and a signal that arrived before the sandbox existed.
+/// sandbox's pid goes, a signal that arrived before the sandbox existed,
+/// and what a migration of it needs once it runs.
 pub(crate) struct TaskPort {
-    pub stdin: std::sync::mpsc::Receiver<Option<Vec<u8>>>,
+    pub stdin: std::sync::mpsc::Receiver<StdinMsg>,
     pub pid: Arc<AtomicU32>,
     pub pending_signal: Arc<std::sync::atomic::AtomicI32>,
+    pub life: Arc<TaskLife>,
+}
+
+/// A running task as a migration sees it (shared by its `TaskCtl` and its runner).
+pub(crate) struct LiveTask {
+    pub spec: TaskSpec,
+    /// The task's directory (`view/`, `upper/`, `root/`).
+    pub dir: PathBuf,
+    /// The overlay root the sandbox runs in (paths of the task are under it).
+    pub root: PathBuf,
+    pub view: Arc<starling_view::ViewMount>,
+    /// stdout and stderr pumps.
+    pub outputs: Mutex<Vec<OutputPump>>,
+    /// The sandbox's outer init.
+    pub sandbox_pid: u32,
+    /// Processes from the sandbox's outer init down to the program: 2 for a
+    /// task started here (outer init, PID 1), 4 for one moved here (also the
+    /// restorer and its PID namespace's init).
+    pub depth: usize,
+    pub started: Instant,
+    /// Paths the task looked at on the hosts it ran on before (a moved task).
+    pub earlier_accessed: Vec<WirePath>,
+}
+
+/// What happens to a task beyond its own run: set by migrations.
+#[derive(Default)]
+pub(crate) struct TaskLife {
+    pub live: Mutex<Option<Arc<LiveTask>>>,
+    /// It moved to another host: its end here is not its end.
+    pub moved: AtomicBool,
+    /// It cannot go on here (its memory could not be moved): why.
+    pub lost: Mutex<Option<String>>,
+}
+
+impl LiveTask {
+    /// The program's PID (in our namespace): the sandbox's only chain of
+    /// processes, `depth` levels down.
+    pub fn process(&self) -> std::result::Result<i32, String> {
+        let mut pid = i32::try_from(self.sandbox_pid).map_err(|_| "no sandbox".to_string())?;
+        for _ in 0..self.depth {
+            let kids: Vec<i32> = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
+                .map_err(|e| format!("reading the children of {pid}: {e}"))?
+                .split_whitespace()
+                .filter_map(|c| c.parse().ok())
+                .collect();
+            match kids.as_slice() {
+                [one] => pid = *one,
+                [] => return Err("the task has ended".into()),
+                many => {
+                    return Err(format!(
+                        "the task runs {} processes: moving process trees is not supported yet",
+                        many.len()
+                    ))
+                }
+            }
+        }
+        Ok(pid)
+    }
 }
 
 fn pipe() -> Result<(OwnedFd, OwnedFd)> {
     nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| AgentError::Io { step: Step::Pipe, source: e.into() })
 }
 
-fn pump_output(task: TaskId, stream: Stream, fd: OwnedFd, tx: Outgoing) -> std::thread::JoinHandle<()> {
-    std::thread::spawn(move || {
-        let mut f = std::fs::File::from(fd);
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            match f.read(&mut buf) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => {
-                    if tx.blocking_send(Msg::Output { task, stream, data: buf[..n].to_vec() }).is_err() {
-                        return;
-                    }
-                }
-            }
-        }
-    })
+/// The pipes of a task's stdio: (stdin read, stdin write), (stdout read,
+/// stdout write), (stderr read, stderr write).
+pub(crate) type Stdio = [(OwnedFd, OwnedFd); 3];
+
+pub(crate) fn stdio_pipes() -> Result<Stdio> {
+    Ok([pipe()?, pipe()?, pipe()?])
 }
 
-fn run_blocking(
-    agent: &Arc<Agent>,
-    task: TaskId,
-    spec: TaskSpec,
-    tx: &Outgoing,
-    dir: &std::path::Path,
-    port: TaskPort,
-) -> Result<()> {
-    let TaskPort { stdin: stdin_rx, pid, pending_signal } = port;
+fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing, dir: &Path, port: TaskPort) -> Result<()> {
+    let TaskPort { stdin: stdin_rx, pid, pending_signal, life } = port;
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
@@ -89,26 +137,13 @@ fn run_blocking(
     // round trip), so fewer request loops do: starting each costs a thread
     // and its 16 MiB buffer, which adds up when a ticket starts many clones.
     let options = starling_view::ViewOptions { threads: if spec.clone.is_some() { 2 } else { 4 }, ..Default::default() };
-    let view = starling_view::mount_with(source, &view_dir, options).map_err(io_step(Step::MountView))?;
+    let view = Arc::new(starling_view::mount_with(source, &view_dir, options).map_err(io_step(Step::MountView))?);
     view.preload(spec.prethrow.clone());
     view.preload_listings(spec.listings.clone());
     let overlay = starling_view::Overlay::mount(&view_dir, dir).map_err(io_step(Step::MountOverlay))?;
 
-    let (stdin_r, stdin_w) = pipe()?;
-    let (stdout_r, stdout_w) = pipe()?;
-    let (stderr_r, stderr_w) = pipe()?;
-    let mut sb = starling_sandbox::SandboxSpec {
-        root: overlay.root().to_path_buf(),
-        argv: spec.argv.clone(),
-        env: spec.env.clone(),
-        cwd: spec.cwd.as_bytes().to_vec(),
-        umask: spec.umask,
-        uid: spec.uid,
-        gid: spec.gid,
-        groups: spec.groups.clone(),
-        rlimits: spec.rlimits.clone(),
-        hostname: None,
-    };
+    let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
+    let mut sb = sandbox_spec(&spec, overlay.root());
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
@@ -128,33 +163,79 @@ fn run_blocking(
         let _ = child.signal(early);
     }
     log::info!("task {task} started: {:?} (pid {})", String::from_utf8_lossy(&spec.argv[0]), child.pid());
-
-    std::thread::spawn(move || {
-        let mut w = std::fs::File::from(stdin_w);
-        while let Ok(Some(data)) = stdin_rx.recv() {
-            if w.write_all(&data).is_err() {
-                // The task closed its stdin: drain the rest silently.
-                while let Ok(Some(_)) = stdin_rx.recv() {}
-                return;
-            }
-        }
+    crate::io::start_stdin(Some(std::fs::File::from(stdin_w)), stdin_rx, Vec::new());
+    let outputs = vec![
+        OutputPump::start(task, Stream::Stdout, stdout_r, tx.clone()).map_err(io_step(Step::Pipe))?,
+        OutputPump::start(task, Stream::Stderr, stderr_r, tx.clone()).map_err(io_step(Step::Pipe))?,
+    ];
+    let live = Arc::new(LiveTask {
+        spec,
+        dir: dir.to_path_buf(),
+        root: overlay.root().to_path_buf(),
+        view,
+        outputs: Mutex::new(outputs),
+        sandbox_pid: child.pid(),
+        depth: 2,
+        started: Instant::now(),
+        earlier_accessed: Vec::new(),
     });
-    let out = pump_output(task, Stream::Stdout, stdout_r, tx.clone());
-    let err = pump_output(task, Stream::Stderr, stderr_r, tx.clone());
+    *life.live.lock().unwrap() = Some(live.clone());
     let status = child.wait().map_err(io_step(Step::WaitTask))?;
-    let _ = out.join();
-    let _ = err.join();
     pid.store(0, Ordering::SeqCst);
     if let Some(run) = clone_run {
         run.finish(task, tx);
     }
+    end_task(agent, task, tx, &life, &live, overlay, status)
+}
 
-    let bindings = view.bindings();
-    let stats = view.stats();
-    let accessed = view.accessed_paths();
+/// How the task's sandbox is set up from its spec.
+pub(crate) fn sandbox_spec(spec: &TaskSpec, root: &Path) -> starling_sandbox::SandboxSpec {
+    starling_sandbox::SandboxSpec {
+        root: root.to_path_buf(),
+        argv: spec.argv.clone(),
+        env: spec.env.clone(),
+        cwd: spec.cwd.as_bytes().to_vec(),
+        umask: spec.umask,
+        uid: spec.uid,
+        gid: spec.gid,
+        groups: spec.groups.clone(),
+        rlimits: spec.rlimits.clone(),
+        hostname: None,
+    }
+}
+
+/// After the task's processes ended here: its output is sent, its changes
+/// go to the client with `Finished` — unless it moved away (its end is
+/// another host's to report) or was lost.
+pub(crate) fn end_task(
+    agent: &Arc<Agent>,
+    task: TaskId,
+    tx: &Outgoing,
+    life: &TaskLife,
+    live: &LiveTask,
+    overlay: starling_view::Overlay,
+    status: ExitStatus,
+) -> Result<()> {
+    for pump in std::mem::take(&mut *live.outputs.lock().unwrap()) {
+        pump.join();
+    }
+    if life.moved.load(Ordering::SeqCst) {
+        log::info!("task {task} moved away; nothing of it is left here");
+        overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
+        return Ok(());
+    }
+    if let Some(why) = life.lost.lock().unwrap().take() {
+        let _ = overlay.unmount();
+        let message = format!("host {}: the task was lost: {why}; no changes were committed", agent.cfg.name);
+        tx.blocking_send(Msg::Error { task: Some(task), message }).map_err(|_| AgentError::HeadLost)?;
+        return Ok(());
+    }
+    let bindings = live.view.bindings();
+    let stats = live.view.stats();
+    let mut accessed = live.earlier_accessed.clone();
+    accessed.extend(live.view.accessed_paths());
     overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
-    let changes = collect_changes(task, &dir.join("upper"), &bindings, &agent.cfg, tx)?;
-    drop(view);
+    let changes = collect_changes(task, &live.dir.join("upper"), &bindings, &agent.cfg, tx)?;
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
     tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost)?;
     Ok(())

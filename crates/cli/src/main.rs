@@ -70,6 +70,44 @@ enum Cmd {
         #[arg(long)]
         cluster: Option<String>,
     },
+    /// List every running task of the cluster: id, job, host, state, CPU time, resident memory,
+    /// how long it has run, command.
+    Ps {
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+        /// Cluster head address (default: the embedded cluster started by `starling up`).
+        #[arg(long)]
+        cluster: Option<String>,
+    },
+    /// Move a running task to another host while it runs (live migration).
+    ///
+    /// Its memory is copied while it runs, then it is frozen for a moment, its registers, files it
+    /// wrote, unread input and what it printed move with it, and it resumes on the target with the
+    /// same PID and threads; the rest of its memory follows in the background. Its output,
+    /// signals (Ctrl-C) and exit status stay with the client that started it. A task that holds
+    /// something that cannot move (a network connection, a pipe to another process, a device) is
+    /// refused before it is touched, naming what holds it; if the target fails before the switch
+    /// the task runs on where it was.
+    ///
+    /// Example: starling migrate t1763876543210000 --to h2
+    Migrate {
+        /// The task (as `starling ps` shows it).
+        task: String,
+        /// Target host, or `auto` for the least loaded other host with a free core.
+        #[arg(long, default_value = "auto")]
+        to: String,
+        /// Machine-readable report.
+        #[arg(long)]
+        json: bool,
+        /// Freeze the task and send all its memory before it resumes (no copy while it runs, none
+        /// after): the way VM migration used to be done, for comparison. The pause grows with memory.
+        #[arg(long)]
+        stop_and_copy: bool,
+        /// Cluster head address (default: the embedded cluster started by `starling up`).
+        #[arg(long)]
+        cluster: Option<String>,
+    },
     /// Run a command on the cluster as if it ran here.
     ///
     /// The command sees this machine's whole file system (read through a content-addressed cache on the
@@ -337,6 +375,18 @@ fn run(cli: Cli) -> Result<i32> {
             let ctx = client_context(&cfg, cluster)?;
             runtime().block_on(status(json, &ctx.target))
         }
+        Cmd::Ps { json, cluster } => {
+            init_logging(cfg.log.as_deref(), "warn");
+            let ctx = client_context(&cfg, cluster)?;
+            runtime().block_on(ps(json, &ctx.target))
+        }
+        Cmd::Migrate { task, to, json, stop_and_copy, cluster } => {
+            init_logging(cfg.log.as_deref(), "warn");
+            let ctx = client_context(&cfg, cluster)?;
+            let task = parse_task(&task)?;
+            let to = (to != "auto").then_some(to);
+            runtime().block_on(migrate(task, to, stop_and_copy, json, &ctx.target))
+        }
         Cmd::Up(a) => {
             init_logging(cfg.log.as_deref(), "warn");
             up(&cfg, a)
@@ -445,6 +495,112 @@ fn job_context(cfg: &mut Config, f: JobFlags) -> Result<(Context, starling_clien
 
 fn nix_hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname").map(|s| s.trim().to_string()).unwrap_or_else(|_| "host".into())
+}
+
+/// A task id as `starling ps` prints it (`t123`), or just its number.
+fn parse_task(s: &str) -> Result<starling_proto::TaskId> {
+    let n = s.strip_prefix('t').unwrap_or(s);
+    n.parse().map(starling_proto::TaskId).map_err(|_| anyhow::anyhow!("{s:?} is not a task id (see `starling ps`)"))
+}
+
+/// Send one request to the head and wait for the reply `pick` accepts.
+async fn ask<T>(target: &Target, req: Msg, mut pick: impl FnMut(Msg) -> Option<T>) -> Result<T> {
+    let (mut incoming, tx) = starling_session::connect(target).await?;
+    tx.send(req).await.ok();
+    loop {
+        let m = incoming.recv().await.context("reading the head's reply")?;
+        if let Msg::Error { message, .. } = &m {
+            anyhow::bail!("head: {message}");
+        }
+        if let Some(v) = pick(m) {
+            return Ok(v);
+        }
+    }
+}
+
+fn human_bytes(b: f64) -> String {
+    match b {
+        b if b >= (1u64 << 30) as f64 => format!("{:.1} GiB", b / (1u64 << 30) as f64),
+        b if b >= (1u64 << 20) as f64 => format!("{:.1} MiB", b / (1u64 << 20) as f64),
+        b if b >= 1024.0 => format!("{:.1} KiB", b / 1024.0),
+        b => format!("{b:.0} B"),
+    }
+}
+
+fn human_duration(s: f64) -> String {
+    match s {
+        s if s >= 3600.0 => format!("{}h{:02}m", (s / 3600.0) as u64, ((s % 3600.0) / 60.0) as u64),
+        s if s >= 60.0 => format!("{}m{:02}s", (s / 60.0) as u64, (s % 60.0) as u64),
+        s => format!("{s:.1}s"),
+    }
+}
+
+async fn ps(json: bool, target: &Target) -> Result<i32> {
+    let rows = ask(target, Msg::PsRequest, |m| match m {
+        Msg::PsReply(rows) => Some(rows),
+        _ => None,
+    })
+    .await?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+        return Ok(0);
+    }
+    println!("{:<20} {:<12} {:<8} {:<14} {:>8} {:>10} {:>8}  COMMAND", "TASK", "JOB", "HOST", "STATE", "CPU", "RSS", "TIME");
+    for r in &rows {
+        println!(
+            "{:<20} {:<12} {:<8} {:<14} {:>8} {:>10} {:>8}  {}",
+            r.task.to_string(),
+            r.job.as_deref().unwrap_or("-"),
+            r.host,
+            r.state,
+            r.cpu_seconds.map_or("?".into(), human_duration),
+            r.rss_bytes.map_or("?".into(), |b| human_bytes(b as f64)),
+            human_duration(r.runtime_seconds),
+            r.command
+        );
+    }
+    if rows.is_empty() {
+        println!("(no tasks running)");
+    }
+    Ok(0)
+}
+
+async fn migrate(task: starling_proto::TaskId, to: Option<String>, stop_and_copy: bool, json: bool, target: &Target) -> Result<i32> {
+    let result = ask(target, Msg::Migrate { task, to, stop_and_copy }, |m| match m {
+        Msg::MigrateReply { task: t, result } if t == task => Some(result),
+        _ => None,
+    })
+    .await?;
+    match result {
+        Ok(r) => {
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                let page = 4096.0;
+                println!(
+                    "moved {} from {} to {}: pause {:.1} ms; memory {} ({} copied while it ran, in {} round(s); {} after the switch); files and I/O {}; {} in all",
+                    r.task,
+                    r.from,
+                    r.to,
+                    r.pause_ms,
+                    human_bytes(r.memory_bytes as f64),
+                    human_bytes(r.precopy_pages as f64 * page),
+                    r.rounds + 1,
+                    human_bytes(r.postcopy_pages as f64 * page),
+                    human_bytes(r.state_bytes as f64),
+                    human_duration(r.total_ms / 1e3)
+                );
+            }
+            Ok(0)
+        }
+        Err(why) => {
+            if json {
+                println!("{}", serde_json::json!({"error": why}));
+            }
+            eprintln!("starling: {why}");
+            Ok(1)
+        }
+    }
 }
 
 async fn fetch_status(target: &Target) -> Result<starling_proto::ClusterStatus> {

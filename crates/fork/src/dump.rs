@@ -89,6 +89,12 @@ pub struct RegionOptions {
     /// wholly below it (and the red zone) are dead, so zero. Ignored when it
     /// points elsewhere (a thread on a signal stack).
     pub stack_pointer: u64,
+    /// Refuse a mapped file whose inode differs from the mapping's: on the
+    /// client the file must still be the one mapped. A migration reads a
+    /// task's files through its overlay, whose inode numbers are not the
+    /// mapped (underlying) file's; the target gets the same file from the
+    /// same view binding instead.
+    pub check_inode: bool,
     /// The process is write-tracked by a userfaultfd of ours (migration):
     /// `uw` regions are allowed, and the write-protect markers of pages never
     /// populated (which `pagemap` reports as swap entries) are not pages.
@@ -97,7 +103,7 @@ pub struct RegionOptions {
 
 /// Dump a frozen template into a descriptor (`heuristics`: see [`RegionOptions`]).
 pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descriptor> {
-    let opts = RegionOptions { heuristics, stack_pointer: record.thread.regs.rsp, own_write_tracking: false };
+    let opts = RegionOptions { heuristics, stack_pointer: record.thread.regs.rsp, check_inode: true, own_write_tracking: false };
     let mut thread = record.thread;
     thread.tid = u64::try_from(pid).map_err(|_| ForkError::Malformed { what: "template pid", detail: pid.to_string() })?;
     let (core, cwd, groups) = dump_process(pid, record.brk)?;
@@ -144,11 +150,14 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
                 if n.ends_with(" (deleted)") {
                     return refuse("mapping of a deleted file");
                 }
-                let meta = std::fs::metadata(n).map_err(|e| ForkError::Unclonable { mapping: desc.clone(), reason: format!("stat: {e}") })?;
+                // Through the process's own root: a chrooted process in
+                // another mount namespace shows paths relative to it.
+                let meta = std::fs::metadata(format!("/proc/{pid}/root{n}"))
+                    .map_err(|e| ForkError::Unclonable { mapping: desc.clone(), reason: format!("stat: {e}") })?;
                 if !meta.file_type().is_file() {
                     return refuse("mapping of a device or special file");
                 }
-                if meta.ino() != m.inode {
+                if opts.check_inode && meta.ino() != m.inode {
                     return refuse("file replaced since it was mapped");
                 }
                 RegionKind::File { path: n.to_string(), offset: m.offset, inode: m.inode }

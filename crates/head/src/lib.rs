@@ -19,7 +19,9 @@
 //! head knows is read through [`Head::snapshot`].
 
 mod jobs;
+mod migration;
 mod placement;
+mod ps;
 mod queue;
 mod relay;
 mod routing;
@@ -61,6 +63,16 @@ pub(crate) struct Route {
     pub(crate) host_conn: u64,
     /// Cores the task holds on its host (`TaskSpec::cores`).
     pub(crate) cores: u32,
+    /// For `starling ps`: the command line (shortened), job, start time.
+    pub(crate) command: String,
+    pub(crate) job: Option<String>,
+    pub(crate) started: std::time::Instant,
+    /// A remote-fork clone task (clones cannot move yet).
+    pub(crate) clone_task: bool,
+    /// On its way to another host.
+    pub(crate) moving: Option<migration::Moving>,
+    /// File requests a move's target sent before the switch (marked id → host).
+    pub(crate) target_file_ids: HashMap<u64, String>,
 }
 
 #[derive(Default)]
@@ -69,6 +81,10 @@ pub(crate) struct State {
     /// Tasks placed and not yet ended; a task holds its cores until then.
     pub(crate) routes: HashMap<TaskId, Route>,
     pub(crate) queue: std::collections::VecDeque<queue::Queued>,
+    /// Latest migrations' reports, oldest first.
+    pub(crate) recent_migrations: std::collections::VecDeque<starling_proto::MigrationReport>,
+    /// `starling ps` requests waiting for the agents' usage replies.
+    pub(crate) usage_waiters: HashMap<u64, tokio::sync::mpsc::UnboundedSender<Vec<starling_proto::TaskUsage>>>,
 }
 
 impl State {

@@ -56,7 +56,19 @@ impl Head {
     /// Start a placed launch: route it, tell the client, hand it to the host.
     async fn start(&self, q: Queued, (host, host_tx, host_conn): Placed) {
         let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
-        let route = Route { client: Some(q.client.clone()), client_conn: q.conn, host: host.clone(), host_conn, cores: q.spec.cores() };
+        let route = Route {
+            client: Some(q.client.clone()),
+            client_conn: q.conn,
+            host: host.clone(),
+            host_conn,
+            cores: q.spec.cores(),
+            command: crate::ps::command_line(&q.spec.argv),
+            job: q.spec.job.clone(),
+            started: std::time::Instant::now(),
+            clone_task: q.spec.clone.is_some(),
+            moving: None,
+            target_file_ids: Default::default(),
+        };
         self.state.lock().unwrap().routes.insert(task, route);
         let _ = q.client.send(Msg::Started { task, host: host.clone(), reference: q.reference, job_fresh: q.job_fresh }).await;
         if host_tx.send(Msg::RunTask { task, spec: q.spec }).await.is_err() {

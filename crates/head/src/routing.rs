@@ -26,6 +26,11 @@ impl Head {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
                 Msg::Pong { .. } => {}
+                Msg::UsageReply { nonce, tasks } => self.usage_reply(nonce, tasks),
+                Msg::MigrateInReady { migration, result } => self.migrate_in_ready(migration, result).await,
+                Msg::MigrateFreezing { migration, task } => self.migrate_freezing(migration, task, &tx).await,
+                Msg::MigrateHandedOver { migration, task } => self.migrate_handed_over(migration, task).await,
+                Msg::MigrateDone { migration, task, result } => self.migrate_done(migration, task, result).await,
                 Msg::FileRequest { task, id, req: req @ (FileReq::GetRecipe { .. } | FileReq::GetChunks { .. }) }
                     if self.relay.is_some() =>
                 {
@@ -38,7 +43,11 @@ impl Head {
                         let _ = tx.send(Msg::FileResponse { task, id, resp }).await;
                     });
                 }
-                m => self.route_from_host(m).await,
+                m => {
+                    if let Some(m) = self.hold_from_target(conn, m) {
+                        self.route_from_host(m).await;
+                    }
+                }
             }
         }
     }
@@ -98,6 +107,21 @@ impl Head {
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
+                Msg::PsRequest => {
+                    let Some(me) = self.self_arc() else { continue };
+                    let tx = tx.clone();
+                    tokio::spawn(async move {
+                        let rows = me.ps().await;
+                        let _ = tx.send(Msg::PsReply(rows)).await;
+                    });
+                }
+                Msg::Migrate { task, to, stop_and_copy } => {
+                    // Any client may move any task: the cluster has no users yet
+                    // (`starling migrate` runs beside the task's own client).
+                    if let Err(message) = self.migrate(task, to, stop_and_copy, Some(tx.clone())).await {
+                        let _ = tx.send(Msg::MigrateReply { task, result: Err(message) }).await;
+                    }
+                }
                 Msg::TicketRequest { n, hierarchical } => {
                     let ticket = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
@@ -115,6 +139,14 @@ impl Head {
 
     /// A client's task message: to the task's host (only from the task's own client).
     async fn route_from_client(&self, conn: u64, m: Msg) {
+        let m = match self.hold_or_pass(m) {
+            Ok(m) => m,
+            Err(Some((host, m))) => {
+                let _ = host.send(m).await;
+                return;
+            }
+            Err(None) => return,
+        };
         let Some(task) = m.task() else { return };
         let agent = {
             let st = self.state.lock().unwrap();

@@ -43,13 +43,15 @@ fn read(path: &str) -> Result<String> {
     std::fs::read_to_string(path).map_err(|e| MigrateError::Proc { path: path.to_string(), source: e })
 }
 
-/// A path of the agent's as the process sees it (under `root`).
-fn inside(root: &Path, path: &str) -> Option<String> {
-    if root == Path::new("/") {
-        return Some(path.to_string());
+/// A path `/proc` shows for the process, as the process sees it. For a
+/// process chrooted in its own mount namespace `/proc` already shows paths
+/// relative to its root; a reader sharing its mounts sees them under
+/// `root`, which is taken off.
+fn inside(root: &Path, path: &str) -> String {
+    match Path::new(path).strip_prefix(root) {
+        Ok(rest) if root != Path::new("/") => format!("/{}", rest.to_string_lossy()),
+        _ => path.to_string(),
     }
-    let rest = Path::new(path).strip_prefix(root).ok()?;
-    Some(format!("/{}", rest.to_string_lossy()))
 }
 
 /// The ID of thread `tid` of `pid` in its own (innermost) PID namespace.
@@ -141,10 +143,7 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
                     None => return refuse("a device"),
                 }
             } else if ft.is_file() || ft.is_dir() {
-                match inside(root, &target) {
-                    Some(path) => FdKind::Reopen { path, flags, offset },
-                    None => return refuse("a file outside the task's file view"),
-                }
+                FdKind::Reopen { path: inside(root, &target), flags, offset }
             } else if target.starts_with("anon_inode:") {
                 return refuse("a kernel object (eventfd, epoll, timerfd, signalfd, inotify…) that cannot move yet");
             } else {
@@ -300,19 +299,17 @@ pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
     precheck(pid, &opts.root)?;
     let inside_state = read_inside(f)?;
     let leader_rsp = inside_state.threads[0].core.regs.rsp;
-    let region_opts = RegionOptions { heuristics: opts.heuristics, stack_pointer: leader_rsp, own_write_tracking: true };
+    let region_opts = RegionOptions { heuristics: opts.heuristics, stack_pointer: leader_rsp, check_inode: false, own_write_tracking: true };
     let mut regions = dump_regions(pid, region_opts)?;
     for r in &mut regions {
         if let RegionKind::File { path, .. } = &mut r.kind {
-            *path = inside(&opts.root, path).ok_or_else(|| {
-                MigrateError::Unmovable(format!("a mapping of {path}, outside the task's file view"))
-            })?;
+            *path = inside(&opts.root, path);
         }
     }
     let (mut core, cwd, groups) = dump_process(pid, inside_state.brk)?;
     core.pid = inside_state.threads[0].core.tid;
     core.itimers = inside_state.itimers;
-    let cwd = inside(&opts.root, &cwd).unwrap_or_else(|| "/".to_string());
+    let cwd = inside(&opts.root, &cwd);
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
         regions,
@@ -358,8 +355,9 @@ mod tests {
     #[test]
     fn paths_are_made_relative_to_the_root() {
         let root = Path::new("/var/lib/starling/tasks/7/root");
-        assert_eq!(inside(root, "/var/lib/starling/tasks/7/root/home/u/x").as_deref(), Some("/home/u/x"));
-        assert_eq!(inside(root, "/etc/passwd"), None);
-        assert_eq!(inside(Path::new("/"), "/etc/passwd").as_deref(), Some("/etc/passwd"));
+        assert_eq!(inside(root, "/var/lib/starling/tasks/7/root/home/u/x"), "/home/u/x");
+        assert_eq!(inside(root, "/var/lib/starling/tasks/7/root"), "/");
+        assert_eq!(inside(root, "/etc/passwd"), "/etc/passwd", "shown relative to the process's own root");
+        assert_eq!(inside(Path::new("/"), "/etc/passwd"), "/etc/passwd");
     }
 }

@@ -30,11 +30,14 @@ pub struct SourceOptions {
     pub freeze_send_pages: usize,
     /// Address the page server listens on (reachable by the target).
     pub page_server_ip: IpAddr,
+    /// Snowbird's way, kept as the baseline: no copy while it runs, every
+    /// page sent while it is frozen.
+    pub stop_and_copy: bool,
 }
 
 impl SourceOptions {
     pub fn new(capture: CaptureOptions, page_server_ip: IpAddr) -> SourceOptions {
-        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip }
+        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false }
     }
 }
 
@@ -147,7 +150,10 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     let payload = hooks.prepare().map_err(|reason| MigrateError::Hook { stage: "prepare", reason })?;
     wire::send(&mut w, &ToTarget::Prepare { payload })?;
 
-    let region_opts = RegionOptions { heuristics: opts.capture.heuristics, stack_pointer: 0, own_write_tracking: true };
+    let region_opts = RegionOptions { heuristics: opts.capture.heuristics, stack_pointer: 0, check_inode: false, own_write_tracking: true };
+    if opts.stop_and_copy {
+        return stop_and_copy(pid, &mut reader, &mut w, opts, hooks, start, report);
+    }
     // Arm write tracking (a short freeze to inject the userfaultfd).
     let tracker = {
         let untracked = RegionOptions { own_write_tracking: false, ..region_opts };
@@ -204,15 +210,56 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     let served: Vec<(u64, u64)> =
         desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
     let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new() };
-    let mut server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
+    let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(
         &mut w,
         &ToTarget::Image { descriptor: desc.encode(), stale, page_server: server.addr().to_string(), payload },
     )?;
     drop(tracker);
 
+    finish(f, &mut reader, server, hooks, frozen_at, start, report)
+}
+
+/// The baseline: freeze, send every page, resume there.
+fn stop_and_copy(
+    pid: i32,
+    reader: &mut TcpStream,
+    w: &mut BufWriter<TcpStream>,
+    opts: &SourceOptions,
+    hooks: &mut dyn SourceHooks,
+    start: Instant,
+    mut report: SourceReport,
+) -> Result<SourceReport> {
+    let f = Frozen::freeze(pid)?;
+    let frozen_at = Instant::now();
+    report.threads = f.tids.len();
+    let desc = capture(&f, &opts.capture)?;
+    let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
+    let pages = fetch_pages(&desc.regions);
+    report.footprint_pages = pages.len() as u64;
+    report.bytes += send_pages(pid, &pages, w)?;
+    report.freeze_pages = pages.len() as u64;
+    let served: Vec<(u64, u64)> =
+        desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new() };
+    let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
+    wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale: Vec::new(), page_server: server.addr().to_string(), payload })?;
+    finish(f, reader, server, hooks, frozen_at, start, report)
+}
+
+/// After the image went: wait for the target to run the process, serve it
+/// until it holds everything, then end it here.
+fn finish(
+    f: Frozen,
+    reader: &mut TcpStream,
+    mut server: PageServer,
+    hooks: &mut dyn SourceHooks,
+    frozen_at: Instant,
+    start: Instant,
+    mut report: SourceReport,
+) -> Result<SourceReport> {
     // The target restores; until it says so, the process is still ours.
-    match wire::recv::<ToSource>(&mut reader) {
+    match wire::recv::<ToSource>(reader) {
         Ok(ToSource::Resumed) => {}
         Ok(ToSource::Failed { reason }) => return Err(MigrateError::TargetFailed(reason)),
         Ok(other) => return Err(MigrateError::TargetFailed(format!("unexpected {other:?}"))),
@@ -221,7 +268,7 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     report.pause_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
     hooks.resumed();
     // It runs there now: whatever happens next, it must not run here again.
-    let end = wire::recv::<ToSource>(&mut reader);
+    let end = wire::recv::<ToSource>(reader);
     let served = server.wire_stats();
     report.postcopy_pages = served.pages_served;
     report.bytes += served.bytes_tcp;

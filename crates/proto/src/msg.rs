@@ -129,6 +129,39 @@ pub enum Msg {
     /// Non-hierarchical: one clone per granted core. Hierarchical: the first
     /// clone on each host is restored there; the rest are local forks of it.
     TicketGrant { ticket: u64, granted: Result<Vec<(String, u32)>, String> },
+
+    // ---- tasks of the whole cluster, and moving them (live migration)
+    /// Client → head: every running task.
+    PsRequest,
+    PsReply(Vec<TaskRow>),
+    /// Head → agent: what do your tasks use now (`nonce` pairs the reply).
+    UsageRequest { nonce: u64 },
+    UsageReply { nonce: u64, tasks: Vec<TaskUsage> },
+    /// Client → head: move a running task to host `to` (None: the head
+    /// picks). `stop_and_copy`: no pre- or post-copy, every page sent while
+    /// it is frozen (the baseline the benchmark compares against).
+    Migrate { task: TaskId, to: Option<String>, stop_and_copy: bool },
+    /// Head → client: how the move went.
+    MigrateReply { task: TaskId, result: Result<MigrationReport, String> },
+    /// Head → target agent: `task` will move here from `from`; listen for it.
+    MigrateIn { migration: u64, task: TaskId, from: String },
+    /// Target agent → head: listening at this address (or why not).
+    MigrateInReady { migration: u64, result: Result<String, String> },
+    /// Head → target agent: forget the migration (it failed before the switch).
+    MigrateAbort { migration: u64 },
+    /// Head → source agent: move `task` to `to_host`, whose agent listens at `to_addr`.
+    MigrateOut { migration: u64, task: TaskId, to_host: String, to_addr: String, stop_and_copy: bool },
+    /// Source agent → head: the task is frozen; hold what the client sends
+    /// it (stdin, signals) until the switch.
+    MigrateFreezing { migration: u64, task: TaskId },
+    /// Head → source agent: the task's input is held.
+    MigrateHeld { migration: u64 },
+    /// Source agent → head: the task runs on the target now, and everything
+    /// it printed here was sent before this message.
+    MigrateHandedOver { migration: u64, task: TaskId },
+    /// Source agent → head: the migration ended (the source holds nothing
+    /// of the task any more, or it failed and the task runs where it ran).
+    MigrateDone { migration: u64, task: TaskId, result: Result<MigrationReport, String> },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -238,6 +271,14 @@ impl Msg {
                     return Err(Invalid::TicketSize(*n).into());
                 }
                 Ok(())
+            }
+            Msg::PsReply(rows) => check_bytes("task rows", rows.len(), 1 << 20),
+            Msg::UsageReply { tasks, .. } => check_bytes("task usage rows", tasks.len(), 1 << 20),
+            Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
+            Msg::MigrateIn { from, .. } => check_bytes("host name", from.len(), 256),
+            Msg::MigrateOut { to_host, to_addr, .. } => {
+                check_bytes("host name", to_host.len(), 256)?;
+                check_bytes("address", to_addr.len(), 256)
             }
             _ => Ok(()),
         }

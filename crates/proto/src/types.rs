@@ -294,13 +294,63 @@ pub struct DirEntry {
 }
 
 /// Host-visible identifier of one task, assigned by the head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TaskId(pub u64);
 
 impl fmt::Display for TaskId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "t{}", self.0)
     }
+}
+
+/// One row of `starling ps`: a task the head has placed and not yet seen end.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskRow {
+    pub task: TaskId,
+    pub job: Option<String>,
+    pub host: String,
+    /// The command line, shortened.
+    pub command: String,
+    /// `running`, `moving to HOST`, or a clone task's `clones A..B`.
+    pub state: String,
+    /// CPU seconds used by its processes (on its current host), if known.
+    pub cpu_seconds: Option<f64>,
+    /// Resident memory of its processes, if known.
+    pub rss_bytes: Option<u64>,
+    /// Seconds since it started.
+    pub runtime_seconds: f64,
+}
+
+/// What one task uses on its host (for `starling ps`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TaskUsage {
+    pub task: TaskId,
+    pub cpu_seconds: f64,
+    pub rss_bytes: u64,
+}
+
+/// What a live migration did.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct MigrationReport {
+    pub task: TaskId,
+    pub from: String,
+    pub to: String,
+    pub threads: u32,
+    /// Freeze → running on the target (as the source saw it).
+    pub pause_ms: f64,
+    /// Request → the source holds nothing.
+    pub total_ms: f64,
+    /// Pre-copy rounds after the first full copy.
+    pub rounds: u32,
+    /// Resident anonymous memory at the start (pages of 4 KiB).
+    pub footprint_pages: u64,
+    pub precopy_pages: u64,
+    pub freeze_pages: u64,
+    pub postcopy_pages: u64,
+    /// Bytes the source sent for memory (pages, frames, page-server replies).
+    pub memory_bytes: u64,
+    /// Bytes of the task's files and I/O state sent at the freeze.
+    pub state_bytes: u64,
 }
 
 /// How a task ended.

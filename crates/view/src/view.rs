@@ -677,6 +677,11 @@ impl ViewMount {
         lock(&self.shared.bindings).clone()
     }
 
+    /// Every complete directory listing the task saw or was given.
+    pub fn listings(&self) -> Vec<(WirePath, Vec<DirEntry>)> {
+        lock(&self.shared.listings).iter().map(|(p, e)| (p.clone(), e.as_ref().clone())).collect()
+    }
+
     /// Seed bindings before the task starts (prethrow): these paths are then
     /// answered without asking the source. A path already bound keeps its
     /// binding.

@@ -1,0 +1,563 @@
+//! Live migration of a task between hosts: this host as the source ([`send`])
+//! or as the target ([`accept`]).
+//!
+//! The process itself moves with `starling-migrate` (pre-copy, freeze,
+//! restore, post-copy) over a direct connection between the two agents.
+//! What the agent adds is the task around it, as payloads of that
+//! connection:
+//!
+//! * before pre-copy ([`Prepare`]): the task's spec and the bindings and
+//!   listings its file view has so far, so the target mounts the same view
+//!   while memory is copied;
+//! * at the freeze ([`Handover`]): the rest of the view, the files the task
+//!   wrote so far (its overlay upper: the target writes them through its own
+//!   overlay, so its commit at exit is the one the source would have made),
+//!   the stdin the task had not read yet, and the paths it looked at.
+//!
+//! Around the freeze the head holds what the client sends the task, the
+//! source's output pumps drain into the head connection before the source
+//! says `MigrateHandedOver`, and the head lets the target's output through
+//! only after that: nothing is lost, repeated or reordered.
+
+use crate::io::{OutputPump, StdinHandover, StdinMsg};
+use crate::remote::RemoteSource;
+use crate::task::{end_task, sandbox_spec, stdio_pipes, LiveTask, TaskLife};
+use crate::{io_step, Agent, AgentError, Step, TaskCtl};
+use serde::{Deserialize, Serialize};
+use starling_fork::restore::Restore;
+use starling_image::PlanOptions;
+use starling_migrate::capture::CaptureOptions;
+use starling_migrate::source::{migrate_out, SourceHooks, SourceOptions};
+use starling_proto::conn::Outgoing;
+use starling_proto::{DirEntry, Lookup, MigrationReport, Msg, Stream, TaskId, TaskSpec, WirePath};
+use starling_view::UpperEntry;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a target waits for its source to connect.
+const CONNECT_WAIT: Duration = Duration::from_secs(60);
+/// How long a source waits for the head to hold the task's input.
+const HOLD_WAIT: Duration = Duration::from_secs(30);
+
+/// Sent before pre-copy.
+#[derive(Serialize, Deserialize)]
+struct Prepare {
+    spec: TaskSpec,
+    bindings: Vec<(WirePath, Lookup)>,
+    listings: Vec<(WirePath, Vec<DirEntry>)>,
+    /// Seconds the task has run.
+    age_seconds: f64,
+}
+
+/// A node of the task's overlay upper, with a file's bytes.
+#[derive(Serialize, Deserialize)]
+enum UpperItem {
+    File { path: WirePath, mode: u32, mtime_ns: i64, data: Vec<u8> },
+    Dir { path: WirePath, mode: u32, opaque: bool },
+    Symlink { path: WirePath, target: Vec<u8> },
+    Whiteout { path: WirePath },
+}
+
+/// Sent at the freeze.
+#[derive(Serialize, Deserialize)]
+struct Handover {
+    bindings: Vec<(WirePath, Lookup)>,
+    listings: Vec<(WirePath, Vec<DirEntry>)>,
+    accessed: Vec<WirePath>,
+    upper: Vec<UpperItem>,
+    /// What the client sent that the task had not read yet.
+    stdin: Vec<u8>,
+    /// The client closed stdin (or the task closed its end).
+    stdin_closed: bool,
+}
+
+fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
+    bincode::serialize(v).map_err(|e| e.to_string())
+}
+
+fn decode<T: serde::de::DeserializeOwned>(b: &[u8]) -> Result<T, String> {
+    bincode::deserialize(b).map_err(|e| format!("undecodable migration payload: {e}"))
+}
+
+// ---------------------------------------------------------------------------
+// source
+
+/// A move the head asked for.
+pub(crate) struct Move {
+    pub migration: u64,
+    pub task: TaskId,
+    pub to_host: String,
+    /// The target agent's migration listener.
+    pub to_addr: String,
+    pub stop_and_copy: bool,
+}
+
+/// The source's part: move the task to the target, then tell the head how
+/// it went.
+pub(crate) fn send(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) {
+    let started = Instant::now();
+    let (migration, task, to_host) = (how.migration, how.task, how.to_host.as_str());
+    let result = send_inner(agent, tx, how).map(|(r, state_bytes)| MigrationReport {
+        task,
+        from: agent.cfg.name.clone(),
+        to: to_host.to_string(),
+        threads: u32::try_from(r.threads).unwrap_or(u32::MAX),
+        pause_ms: r.pause_ms,
+        total_ms: started.elapsed().as_secs_f64() * 1e3,
+        rounds: r.rounds,
+        footprint_pages: r.footprint_pages,
+        precopy_pages: r.precopy_pages,
+        freeze_pages: r.freeze_pages,
+        postcopy_pages: r.postcopy_pages,
+        memory_bytes: r.bytes,
+        state_bytes,
+    });
+    if let Err(e) = &result {
+        log::warn!("task {task}: migration to {to_host}: {e}");
+    }
+    let _ = tx.blocking_send(Msg::MigrateDone { migration, task, result });
+}
+
+fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling_migrate::source::SourceReport, u64), String> {
+    let (migration, task, to_addr) = (how.migration, how.task, how.to_addr.as_str());
+    let (stdin, life) = {
+        let tasks = agent.tasks.lock().unwrap();
+        let t = tasks.get(&task).ok_or_else(|| format!("no task {task} runs on {}", agent.cfg.name))?;
+        (t.stdin.clone(), t.life.clone())
+    };
+    let live = life.live.lock().unwrap().clone().ok_or("the task has not started yet")?;
+    if live.spec.clone.is_some() {
+        return Err("remote-fork clones cannot move yet".into());
+    }
+    let pid = live.process()?;
+    let stream = TcpStream::connect_timeout(
+        &to_addr.parse().map_err(|_| format!("bad target address {to_addr:?}"))?,
+        Duration::from_secs(10),
+    )
+    .map_err(|e| format!("cannot reach the target at {to_addr}: {e}"))?;
+    let _ = stream.set_nodelay(true);
+    let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
+    let mut opts = SourceOptions::new(CaptureOptions { root: live.root.clone(), heuristics: agent.cfg.fork.heuristics }, local_ip);
+    opts.stop_and_copy = how.stop_and_copy;
+    let mut hooks = Source {
+        agent: agent.clone(),
+        tx: tx.clone(),
+        migration,
+        task,
+        pid,
+        stdin,
+        live: live.clone(),
+        life: life.clone(),
+        saved: None,
+        switched: false,
+        state_bytes: 0,
+    };
+    match migrate_out(pid, stream, &opts, &mut hooks) {
+        Ok(r) => Ok((r, hooks.state_bytes)),
+        Err(e) => {
+            if !hooks.switched {
+                hooks.undo();
+            }
+            Err(e.to_string())
+        }
+    }
+}
+
+/// What the freeze took from the task here, to give back if the move fails.
+struct Saved {
+    stdin: Option<StdinHandover>,
+    unread: Vec<u8>,
+    outputs: Vec<(Stream, OwnedFd)>,
+}
+
+struct Source {
+    agent: Arc<Agent>,
+    tx: Outgoing,
+    migration: u64,
+    task: TaskId,
+    /// The program (in our PID namespace).
+    pid: i32,
+    stdin: std::sync::mpsc::Sender<StdinMsg>,
+    live: Arc<LiveTask>,
+    life: Arc<TaskLife>,
+    saved: Option<Saved>,
+    switched: bool,
+    state_bytes: u64,
+}
+
+impl Source {
+    /// Stop feeding the task's stdin; what it has not read yet comes out of
+    /// its pipe (it is frozen, so nothing else reads it).
+    fn take_stdin(&self) -> (Option<StdinHandover>, Vec<u8>) {
+        let (reply, handed) = std::sync::mpsc::channel();
+        let _ = self.stdin.send(StdinMsg::Handover(reply));
+        let mut pipe = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NONBLOCK)
+            .open(format!("/proc/{}/fd/0", self.pid))
+            .ok();
+        let mut unread = Vec::new();
+        let mut drain = |unread: &mut Vec<u8>| {
+            let mut buf = [0u8; 64 << 10];
+            while let Some(Ok(n @ 1..)) = pipe.as_mut().map(|p| p.read(&mut buf)) {
+                unread.extend_from_slice(&buf[..n]);
+            }
+        };
+        // The pump may be blocked writing into a full pipe: keep emptying it
+        // until the pump has taken the handover.
+        let state = loop {
+            drain(&mut unread);
+            match handed.recv_timeout(Duration::from_millis(5)) {
+                Ok(s) => break Some(s),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break None,
+            }
+        };
+        drain(&mut unread);
+        (state, unread)
+    }
+
+    /// The move failed before the switch: the task goes on here.
+    fn undo(&mut self) {
+        let Some(saved) = self.saved.take() else { return };
+        for (stream, fd) in saved.outputs {
+            match OutputPump::start(self.task, stream, fd, self.tx.clone()) {
+                Ok(p) => self.live.outputs.lock().unwrap().push(p),
+                Err(e) => log::warn!("task {}: restarting its output: {e}", self.task),
+            }
+        }
+        if let Some(st) = saved.stdin {
+            // Give back what we took out of the pipe, before anything newer.
+            let mut writer = st.writer;
+            let mut prefill = saved.unread;
+            if writer.is_none() && !prefill.is_empty() {
+                if let Ok(mut w) = std::fs::OpenOptions::new().write(true).open(format!("/proc/{}/fd/0", self.pid)) {
+                    let _ = w.write_all(&prefill);
+                }
+                prefill.clear();
+            }
+            writer.as_mut().map(|w| w.flush());
+            crate::io::start_stdin(writer, st.rx, prefill);
+        }
+    }
+}
+
+impl SourceHooks for Source {
+    fn prepare(&mut self) -> Result<Vec<u8>, String> {
+        encode(&Prepare {
+            spec: self.live.spec.clone(),
+            bindings: self.live.view.bindings().into_iter().collect(),
+            listings: self.live.view.listings(),
+            age_seconds: self.live.started.elapsed().as_secs_f64(),
+        })
+    }
+
+    fn at_freeze(&mut self) -> Result<Vec<u8>, String> {
+        // 1. The head holds what the client sends the task from now on.
+        let (held_tx, held) = std::sync::mpsc::channel();
+        self.agent.held_waiters.lock().unwrap().insert(self.migration, held_tx);
+        self.tx
+            .blocking_send(Msg::MigrateFreezing { migration: self.migration, task: self.task })
+            .map_err(|_| "the head connection is gone".to_string())?;
+        held.recv_timeout(HOLD_WAIT).map_err(|_| "the head did not hold the task's input".to_string())?;
+        // 2. Its stdin, and 3. everything it printed (it is frozen).
+        let (stdin, unread) = self.take_stdin();
+        let mut outputs = Vec::new();
+        let pumps = std::mem::take(&mut *self.live.outputs.lock().unwrap());
+        for (pump, stream) in pumps.into_iter().zip([Stream::Stdout, Stream::Stderr]) {
+            if let Some(fd) = pump.stop() {
+                outputs.push((stream, fd));
+            }
+        }
+        let stdin_closed = stdin.as_ref().is_none_or(|s| s.writer.is_none());
+        let handover = Handover {
+            bindings: self.live.view.bindings().into_iter().collect(),
+            listings: self.live.view.listings(),
+            accessed: [self.live.earlier_accessed.clone(), self.live.view.accessed_paths()].concat(),
+            upper: read_upper(&self.live.dir.join("upper"))?,
+            stdin: unread.clone(),
+            stdin_closed,
+        };
+        self.saved = Some(Saved { stdin, unread, outputs });
+        let bytes = encode(&handover)?;
+        self.state_bytes = bytes.len() as u64;
+        Ok(bytes)
+    }
+
+    fn resumed(&mut self) {
+        self.switched = true;
+        // Its end here is not its end any more.
+        self.life.moved.store(true, Ordering::SeqCst);
+        let _ = self.tx.blocking_send(Msg::MigrateHandedOver { migration: self.migration, task: self.task });
+    }
+}
+
+/// The task's overlay upper with every file's bytes.
+fn read_upper(upper: &Path) -> Result<Vec<UpperItem>, String> {
+    let entries = starling_view::scan_upper(upper).map_err(|e| format!("reading the task's files: {e}"))?;
+    entries
+        .into_iter()
+        .map(|e| {
+            Ok(match e {
+                UpperEntry::File { path, host_path, mode, mtime_ns, .. } => {
+                    let data = std::fs::read(&host_path).map_err(|e| format!("reading {}: {e}", host_path.display()))?;
+                    UpperItem::File { path, mode, mtime_ns, data }
+                }
+                UpperEntry::Dir { path, mode, opaque } => UpperItem::Dir { path, mode, opaque },
+                UpperEntry::Symlink { path, target } => UpperItem::Symlink { path, target },
+                UpperEntry::Whiteout { path } => UpperItem::Whiteout { path },
+            })
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// target
+
+/// The target's part: listen for the source, tell the head where, and take
+/// the task when it comes.
+pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task: TaskId, from: String) {
+    let ip = agent.addr.lock().unwrap().clone();
+    let listener = match TcpListener::bind((ip.as_str(), 0)) {
+        Ok(l) => l,
+        Err(e) => {
+            let _ = tx.send(Msg::MigrateInReady { migration, result: Err(format!("cannot listen on {ip}: {e}")) }).await;
+            return;
+        }
+    };
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or_default();
+    let abort = Arc::new(AtomicBool::new(false));
+    agent.incoming.lock().unwrap().insert(migration, abort.clone());
+    let _ = tx.send(Msg::MigrateInReady { migration, result: Ok(addr) }).await;
+    log::info!("task {task}: taking it from {from}");
+    let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
+    let body = {
+        let (agent, tx, dir) = (agent.clone(), tx.clone(), dir.clone());
+        move || {
+            let r = receive(&agent, &tx, migration, task, &dir, listener, &abort);
+            agent.incoming.lock().unwrap().remove(&migration);
+            r
+        }
+    };
+    crate::task::supervise(agent, task, tx, dir, body).await;
+}
+
+/// Wait for the source's connection (until `abort` or [`CONNECT_WAIT`]).
+fn wait_for_source(listener: &TcpListener, abort: &AtomicBool) -> Result<TcpStream, String> {
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let until = Instant::now() + CONNECT_WAIT;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                s.set_nonblocking(false).map_err(|e| e.to_string())?;
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if abort.load(Ordering::SeqCst) || Instant::now() > until {
+                    return Err("the source never came".into());
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+}
+
+/// The view a moved task finds here, mounted while its memory arrives.
+struct Prepared {
+    spec: TaskSpec,
+    view: Arc<starling_view::ViewMount>,
+    age: Duration,
+}
+
+fn receive(
+    agent: &Arc<Agent>,
+    tx: &Outgoing,
+    migration: u64,
+    task: TaskId,
+    dir: &Path,
+    listener: TcpListener,
+    abort: &AtomicBool,
+) -> crate::Result<()> {
+    // Until the task resumes here it is the source's: a failure is logged
+    // (the source reports it), never sent as the task's end.
+    let gave_up = |why: String| {
+        log::warn!("task {task}: not taken from its source: {why}");
+        Ok(())
+    };
+    let stream = match wait_for_source(&listener, abort) {
+        Ok(s) => s,
+        Err(why) => return gave_up(why),
+    };
+    let mut prepared: Option<Prepared> = None;
+    let incoming = starling_migrate::target::receive(stream, &mut |payload| {
+        let p: Prepare = decode(&payload)?;
+        let view_dir = dir.join("view");
+        std::fs::create_dir_all(&view_dir).map_err(|e| e.to_string())?;
+        let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
+        let view = starling_view::mount_with(source, &view_dir, starling_view::ViewOptions::default()).map_err(|e| e.to_string())?;
+        view.preload(p.bindings);
+        view.preload_listings(p.listings);
+        prepared = Some(Prepared { spec: p.spec, view: Arc::new(view), age: Duration::from_secs_f64(p.age_seconds.max(0.0)) });
+        Ok(())
+    });
+    let incoming = match incoming {
+        Ok(i) => i,
+        Err(e) => return gave_up(e.to_string()),
+    };
+    let Some(prepared) = prepared else {
+        incoming.failed("no prepare payload");
+        return gave_up("the source sent no prepare payload".into());
+    };
+    match restore_here(agent, tx, migration, task, dir, &incoming, prepared) {
+        Ok(()) => Ok(()),
+        Err((e, resumed)) => {
+            if !resumed {
+                incoming.failed(&e.to_string());
+                return gave_up(e.to_string());
+            }
+            Err(e)
+        }
+    }
+}
+
+/// Restore the task here; on failure, whether it had resumed already.
+fn restore_here(
+    agent: &Arc<Agent>,
+    tx: &Outgoing,
+    _migration: u64,
+    task: TaskId,
+    dir: &Path,
+    incoming: &starling_migrate::target::Incoming,
+    prepared: Prepared,
+) -> Result<(), (AgentError, bool)> {
+    let early = |e: AgentError| (e, false);
+    let h: Handover = decode(&incoming.payload).map_err(|e| early(AgentError::Migration(e)))?;
+    let Prepared { spec, view, age } = prepared;
+    view.preload(h.bindings);
+    view.preload_listings(h.listings);
+    let overlay = starling_view::Overlay::mount(&dir.join("view"), dir).map_err(|e| early(io_step(Step::MountOverlay)(e)))?;
+    apply_upper(overlay.root(), h.upper).map_err(|e| early(AgentError::Migration(format!("writing the task's files: {e}"))))?;
+
+    // From here the task is this host's: register it before the head lets
+    // its input through (which happens after the switch).
+    let (ctl, port) = TaskCtl::new();
+    let life = ctl.life.clone();
+    agent.tasks.lock().unwrap().insert(task, ctl);
+    let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes().map_err(early)?;
+    let writer = (!h.stdin_closed).then(|| File::from(stdin_w));
+    crate::io::start_stdin(writer, port.stdin, h.stdin);
+
+    let pid_slot = port.pid.clone();
+    let on_lost: starling_migrate::target::OnLost = {
+        let (life, pid_slot) = (life.clone(), pid_slot.clone());
+        Arc::new(move |why: String| {
+            log::warn!("task {task}: lost: {why}");
+            *life.lost.lock().unwrap() = Some(why);
+            let pid = pid_slot.load(Ordering::SeqCst);
+            if pid > 0 {
+                // SAFETY: kill(2) on the sandbox we started and have not reaped.
+                unsafe { libc::kill(pid.cast_signed(), libc::SIGKILL) };
+            }
+        })
+    };
+    let handler_desc = crate::clone::rooted(&incoming.descriptor, overlay.root());
+    let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
+    let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false };
+    let (program, restore) =
+        Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;
+    let mut sb = sandbox_spec(&spec, overlay.root());
+    // The restorer drops to the task's credentials itself.
+    (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
+    let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };
+    let mut child = starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w)
+        .map_err(|e| early(io_step(Step::StartSandbox)(e)))?;
+    pid_slot.store(child.pid(), Ordering::SeqCst);
+    if !restore.wait_running(0) {
+        let st = child.wait();
+        let (_, channel) = restore.finish();
+        return Err(early(AgentError::Migration(format!(
+            "the restore failed ({st:?}{})",
+            channel.map(|e| format!("; {e}")).unwrap_or_default()
+        ))));
+    }
+    incoming.resumed().map_err(|e| (AgentError::Migration(e.to_string()), true))?;
+    log::info!("task {task}: runs here now (pid {})", child.pid());
+    let outputs = vec![
+        OutputPump::start(task, Stream::Stdout, stdout_r, tx.clone()).map_err(|e| (io_step(Step::Pipe)(e), true))?,
+        OutputPump::start(task, Stream::Stderr, stderr_r, tx.clone()).map_err(|e| (io_step(Step::Pipe)(e), true))?,
+    ];
+    let live = Arc::new(LiveTask {
+        spec,
+        dir: dir.to_path_buf(),
+        root: overlay.root().to_path_buf(),
+        view,
+        outputs: Mutex::new(outputs),
+        sandbox_pid: child.pid(),
+        depth: 4,
+        started: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
+        earlier_accessed: h.accessed,
+    });
+    *life.live.lock().unwrap() = Some(live.clone());
+    let sandbox_status = child.wait().map_err(|e| (io_step(Step::WaitTask)(e), true))?;
+    pid_slot.store(0, Ordering::SeqCst);
+    // The restorer's PID 1 saw how the program itself ended (the sandbox
+    // only sees the restorer's relayed code).
+    let (outcomes, _) = restore.finish();
+    let status = outcomes.first().and_then(|o| o.status).unwrap_or(sandbox_status);
+    end_task(agent, task, tx, &life, &live, overlay, status).map_err(|e| (e, true))
+}
+
+/// Write a moved task's files through its new overlay, so that its upper
+/// ends up as the source's was.
+fn apply_upper(root: &Path, items: Vec<UpperItem>) -> std::io::Result<()> {
+    let at = |p: &WirePath| root.join(p.as_path().strip_prefix("/").unwrap_or(p.as_path()));
+    for item in items {
+        match item {
+            UpperItem::Dir { path, mode, opaque } => {
+                let p = at(&path);
+                if opaque {
+                    let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
+                }
+                if !p.is_dir() {
+                    let _ = std::fs::remove_file(&p);
+                    std::fs::create_dir_all(&p)?;
+                }
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode & 0o7777))?;
+            }
+            UpperItem::File { path, mode, mtime_ns, data } => {
+                let p = at(&path);
+                if p.is_dir() {
+                    std::fs::remove_dir_all(&p)?;
+                }
+                let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&p)?;
+                f.write_all(&data)?;
+                f.set_permissions(std::fs::Permissions::from_mode(mode & 0o7777))?;
+                let t = std::time::UNIX_EPOCH + Duration::from_nanos(u64::try_from(mtime_ns).unwrap_or(0));
+                f.set_times(std::fs::FileTimes::new().set_modified(t))?;
+            }
+            UpperItem::Symlink { path, target } => {
+                let p = at(&path);
+                let _ = std::fs::remove_file(&p);
+                std::os::unix::fs::symlink(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&target), &p)?;
+            }
+            UpperItem::Whiteout { path } => {
+                let p = at(&path);
+                if p.is_dir() {
+                    std::fs::remove_dir_all(&p)?;
+                } else if p.symlink_metadata().is_ok() {
+                    std::fs::remove_file(&p)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}

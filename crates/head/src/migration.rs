@@ -1,0 +1,317 @@
+//! Live migration as the head sees it: choosing the target, pairing the
+//! two agents, and switching the task's route without losing, repeating or
+//! reordering anything between the task and its client.
+//!
+//! ```text
+//! requester ─Migrate─▶ head ─MigrateIn──────▶ target   (listens)
+//!                           ◀─MigrateInReady─
+//!                           ─MigrateOut─────▶ source   (pre-copy to the target directly)
+//!                           ◀─MigrateFreezing─          the task is frozen: client → task
+//!                           ─MigrateHeld────▶           messages are held from here
+//!                           ◀─MigrateHandedOver─        its output here was all sent before
+//!                                                      this; the route switches to the
+//!                                                      target, held input goes there, the
+//!                                                      target's held output to the client
+//!            ◀─MigrateReply─◀─MigrateDone──────         (the source holds nothing)
+//! ```
+//!
+//! Until the switch the target's task messages are held (its output must
+//! not overtake the source's last), except file requests: the target's view
+//! may need files before the task resumes, so they go to the client at once
+//! with a marked id, and their answers come back to the target.
+
+use crate::placement::natural_key;
+use crate::{Head, Host};
+use starling_proto::conn::Outgoing;
+use starling_proto::{MigrationReport, Msg, TaskId};
+use std::collections::HashMap;
+use std::time::Instant;
+
+/// File-request ids of a target's requests before the switch carry this bit
+/// (the relay cache's own requests carry `relay::HEAD_ID_BIT`, the top one).
+const TARGET_FILE_ID: u64 = 1 << 62;
+const _: () = assert!(TARGET_FILE_ID != crate::relay::HEAD_ID_BIT);
+
+/// A task on its way to another host.
+pub(crate) struct Moving {
+    pub(crate) id: u64,
+    pub(crate) from: String,
+    pub(crate) to: String,
+    /// Who asked (a client's connection), told the outcome.
+    requester: Option<Outgoing>,
+    stop_and_copy: bool,
+    /// The source said the task is frozen: client → task messages wait.
+    holding: bool,
+    held_input: Vec<Msg>,
+    /// The target's task messages before the switch.
+    held_output: Vec<Msg>,
+    /// The route points at the target now.
+    switched: bool,
+    started: Instant,
+}
+
+/// Recent migrations' reports, for policies that weigh a move's cost.
+pub(crate) const RECENT_MIGRATIONS: usize = 64;
+
+impl Head {
+    /// Move `task` to host `to` (None: the least loaded other host with
+    /// room). Returns the migration's id; the outcome goes to `requester`
+    /// when there is one (policies pass none and read
+    /// [`Head::recent_migrations`]).
+    pub async fn migrate(&self, task: TaskId, to: Option<String>, stop_and_copy: bool, requester: Option<Outgoing>) -> Result<u64, String> {
+        let id = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (target_tx, from) = {
+            let mut st = self.state.lock().unwrap();
+            let st = &mut *st;
+            let route = st.routes.get(&task).ok_or_else(|| format!("no running task {task} (see `starling ps`)"))?;
+            if route.moving.is_some() {
+                return Err(format!("task {task} is already moving"));
+            }
+            if route.clone_task {
+                return Err(format!("task {task} is a remote-fork clone: clones cannot move yet"));
+            }
+            let (from, cores) = (route.host.clone(), route.cores);
+            let target = match &to {
+                Some(name) if *name == from => return Err(format!("task {task} already runs on {name}")),
+                Some(name) => {
+                    let h = st.hosts.get(name).ok_or_else(|| {
+                        let mut known: Vec<_> = st.hosts.keys().cloned().collect();
+                        known.sort_by_key(|a| natural_key(a));
+                        format!("no host named {name:?} (hosts: {})", known.join(", "))
+                    })?;
+                    if h.cores_busy + cores > h.info.cores.max(1) {
+                        return Err(format!("host {name} has no free core for task {task}"));
+                    }
+                    name.clone()
+                }
+                None => least_loaded_other(&st.hosts, &from, cores)
+                    .ok_or_else(|| format!("no other host has a free core for task {task}"))?,
+            };
+            let h = st.hosts.get_mut(&target).expect("chosen above");
+            // The target holds the task's cores from now on (no launch may take them).
+            h.cores_busy += cores;
+            let target_tx = h.tx.clone();
+            let route = st.routes.get_mut(&task).expect("checked above");
+            route.moving = Some(Moving {
+                id,
+                from: from.clone(),
+                to: target.clone(),
+                requester,
+                stop_and_copy,
+                holding: false,
+                held_input: Vec::new(),
+                held_output: Vec::new(),
+                switched: false,
+                started: Instant::now(),
+            });
+            (target_tx, from)
+        };
+        log::info!("migration {id}: task {task} from {from}");
+        if target_tx.send(Msg::MigrateIn { migration: id, task, from }).await.is_err() {
+            self.migration_failed(task, id, "the target host went away").await;
+        }
+        Ok(id)
+    }
+
+    /// Reports of the latest migrations (oldest first).
+    pub fn recent_migrations(&self) -> Vec<MigrationReport> {
+        self.state.lock().unwrap().recent_migrations.iter().cloned().collect()
+    }
+
+    fn find_moving(&self, migration: u64) -> Option<TaskId> {
+        let st = self.state.lock().unwrap();
+        st.routes.iter().find(|(_, r)| r.moving.as_ref().is_some_and(|m| m.id == migration)).map(|(t, _)| *t)
+    }
+
+    /// The target listens (or cannot): tell the source to start.
+    pub(crate) async fn migrate_in_ready(&self, migration: u64, result: Result<String, String>) {
+        let Some(task) = self.find_moving(migration) else { return };
+        let addr = match result {
+            Ok(a) => a,
+            Err(why) => return self.migration_failed(task, migration, &format!("the target cannot take it: {why}")).await,
+        };
+        let (source_tx, to, stop_and_copy) = {
+            let st = self.state.lock().unwrap();
+            let Some(r) = st.routes.get(&task) else { return };
+            let to = r.moving.as_ref().map(|m| m.to.clone()).unwrap_or_default();
+            let stop_and_copy = r.moving.as_ref().is_some_and(|m| m.stop_and_copy);
+            (st.hosts.get(&r.host).map(|h| h.tx.clone()), to, stop_and_copy)
+        };
+        let sent = match source_tx {
+            Some(tx) => tx.send(Msg::MigrateOut { migration, task, to_host: to, to_addr: addr, stop_and_copy }).await.is_ok(),
+            None => false,
+        };
+        if !sent {
+            self.migration_failed(task, migration, "the source host went away").await;
+        }
+    }
+
+    /// The task is frozen: hold its input, then let the source go on.
+    pub(crate) async fn migrate_freezing(&self, migration: u64, task: TaskId, source: &Outgoing) {
+        if let Some(m) = self.state.lock().unwrap().routes.get_mut(&task).and_then(|r| r.moving.as_mut()) {
+            if m.id == migration {
+                m.holding = true;
+            }
+        }
+        let _ = source.send(Msg::MigrateHeld { migration }).await;
+    }
+
+    /// The task runs on the target: switch its route, and release what was held.
+    pub(crate) async fn migrate_handed_over(&self, migration: u64, task: TaskId) {
+        let (client, target, input, output) = {
+            let mut st = self.state.lock().unwrap();
+            let st = &mut *st;
+            let Some(r) = st.routes.get_mut(&task) else { return };
+            let Some(m) = r.moving.as_mut().filter(|m| m.id == migration) else { return };
+            m.switched = true;
+            m.holding = false;
+            let (input, output) = (std::mem::take(&mut m.held_input), std::mem::take(&mut m.held_output));
+            let to = m.to.clone();
+            if let Some(h) = st.hosts.get_mut(&r.host) {
+                h.cores_busy = h.cores_busy.saturating_sub(r.cores);
+            }
+            let target = st.hosts.get(&to).map(|h| (h.tx.clone(), h.conn_id));
+            if let Some((_, conn)) = &target {
+                r.host = to;
+                r.host_conn = *conn;
+            }
+            (r.client.clone(), target.map(|t| t.0), input, output)
+        };
+        log::info!("migration {migration}: task {task} switched");
+        if let Some(c) = client {
+            for m in output {
+                let _ = c.send(m).await;
+            }
+        }
+        if let Some(t) = target {
+            for m in input {
+                let _ = t.send(m).await;
+            }
+        }
+    }
+
+    /// The source's last word.
+    pub(crate) async fn migrate_done(&self, migration: u64, task: TaskId, result: Result<MigrationReport, String>) {
+        match result {
+            Ok(mut report) => {
+                let requester = {
+                    let mut st = self.state.lock().unwrap();
+                    let m = st.routes.get_mut(&task).and_then(|r| r.moving.take_if(|m| m.id == migration));
+                    report.total_ms = m.as_ref().map_or(report.total_ms, |m| m.started.elapsed().as_secs_f64() * 1e3);
+                    st.recent_migrations.push_back(report.clone());
+                    if st.recent_migrations.len() > RECENT_MIGRATIONS {
+                        st.recent_migrations.pop_front();
+                    }
+                    m.and_then(|m| m.requester)
+                };
+                log::info!("migration {migration}: task {task} moved {} -> {} (pause {:.1} ms)", report.from, report.to, report.pause_ms);
+                if let Some(r) = requester {
+                    let _ = r.send(Msg::MigrateReply { task, result: Ok(report) }).await;
+                }
+            }
+            Err(why) => self.migration_failed(task, migration, &why).await,
+        }
+    }
+
+    /// End a migration that failed. Before the switch the task stays where
+    /// it ran: held input goes there, the target forgets it. After, the
+    /// task is the target's (if the target lost it, its end says so).
+    pub(crate) async fn migration_failed(&self, task: TaskId, migration: u64, why: &str) {
+        let (moving, source_tx, target_tx) = {
+            let mut st = self.state.lock().unwrap();
+            let st = &mut *st;
+            let Some(r) = st.routes.get_mut(&task) else { return };
+            let Some(m) = r.moving.take_if(|m| m.id == migration) else { return };
+            let source_tx = st.hosts.get(&r.host).map(|h| h.tx.clone());
+            let target_tx = if m.switched {
+                None
+            } else {
+                st.hosts.get_mut(&m.to).map(|h| {
+                    h.cores_busy = h.cores_busy.saturating_sub(r.cores);
+                    h.tx.clone()
+                })
+            };
+            (m, source_tx, target_tx)
+        };
+        log::warn!("migration {migration}: task {task} {} -> {}: {why}", moving.from, moving.to);
+        if let Some(t) = target_tx {
+            let _ = t.send(Msg::MigrateAbort { migration }).await;
+        }
+        if !moving.switched {
+            if let Some(s) = source_tx {
+                for m in moving.held_input {
+                    let _ = s.send(m).await;
+                }
+            }
+        }
+        if let Some(r) = moving.requester {
+            let message = if moving.switched {
+                format!("task {task} moved to {} but the move did not complete: {why}", moving.to)
+            } else {
+                format!("task {task} was not moved and runs on on {}: {why}", moving.from)
+            };
+            let _ = r.send(Msg::MigrateReply { task, result: Err(message) }).await;
+        }
+    }
+
+    /// A client's message for a task that may be frozen for a move: held
+    /// (None) or to pass on. File answers for the target's early requests
+    /// come back here with their host.
+    pub(crate) fn hold_or_pass(&self, m: Msg) -> Result<Msg, Option<(Outgoing, Msg)>> {
+        let Some(task) = m.task() else { return Ok(m) };
+        let mut st = self.state.lock().unwrap();
+        let st = &mut *st;
+        let Some(r) = st.routes.get_mut(&task) else { return Ok(m) };
+        match m {
+            Msg::FileResponse { task, id, resp } if id & TARGET_FILE_ID != 0 => {
+                let to = r.target_file_ids.remove(&id);
+                Err(to.and_then(|h| st.hosts.get(&h).map(|h| (h.tx.clone(), Msg::FileResponse { task, id: id & !TARGET_FILE_ID, resp }))))
+            }
+            Msg::Stdin { .. } | Msg::StdinEof { .. } | Msg::Signal { .. } => match r.moving.as_mut() {
+                Some(mv) if mv.holding => {
+                    mv.held_input.push(m);
+                    Err(None)
+                }
+                _ => Ok(m),
+            },
+            m => Ok(m),
+        }
+    }
+
+    /// A host's task message: from a move's target before the switch it is
+    /// held (None), or, a file request, sent on now with a marked id.
+    pub(crate) fn hold_from_target(&self, conn: u64, m: Msg) -> Option<Msg> {
+        let Some(task) = m.task() else { return Some(m) };
+        let mut st = self.state.lock().unwrap();
+        let st = &mut *st;
+        let Some(r) = st.routes.get_mut(&task) else { return Some(m) };
+        let Some(mv) = r.moving.as_mut().filter(|mv| !mv.switched) else { return Some(m) };
+        let from_target = st.hosts.get(&mv.to).is_some_and(|h| h.conn_id == conn);
+        if !from_target {
+            return Some(m);
+        }
+        match m {
+            Msg::FileRequest { task, id, req } => {
+                let marked = id | TARGET_FILE_ID;
+                r.target_file_ids.insert(marked, mv.to.clone());
+                Some(Msg::FileRequest { task, id: marked, req })
+            }
+            m => {
+                mv.held_output.push(m);
+                None
+            }
+        }
+    }
+}
+
+/// The least loaded host other than `from` with `cores` free.
+fn least_loaded_other(hosts: &HashMap<String, Host>, from: &str, cores: u32) -> Option<String> {
+    hosts
+        .values()
+        .filter(|h| h.info.name != from && h.cores_busy + cores <= h.info.cores.max(1))
+        .min_by(|a, b| {
+            let load = |h: &Host| f64::from(h.cores_busy) / f64::from(h.info.cores.max(1));
+            load(a).total_cmp(&load(b)).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
+        })
+        .map(|h| h.info.name.clone())
+}

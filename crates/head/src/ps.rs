@@ -1,0 +1,76 @@
+//! `starling ps`: every task the head has placed and not yet seen end, with
+//! what it uses now (asked of the agents).
+
+use crate::Head;
+use starling_proto::{Msg, TaskRow, TaskUsage};
+use std::collections::HashMap;
+use std::time::Duration;
+
+/// How long `ps` waits for the agents' usage (a slow agent's tasks show
+/// without it).
+const USAGE_WAIT: Duration = Duration::from_millis(1500);
+
+/// A command line for display, at most 120 characters.
+pub(crate) fn command_line(argv: &[Vec<u8>]) -> String {
+    let mut s = argv.iter().map(|a| String::from_utf8_lossy(a)).collect::<Vec<_>>().join(" ");
+    if s.chars().count() > 120 {
+        s = s.chars().take(119).collect::<String>() + "…";
+    }
+    s
+}
+
+impl Head {
+    /// The rows of `starling ps`.
+    pub async fn ps(&self) -> Vec<TaskRow> {
+        let nonce = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let agents: Vec<_> = {
+            let mut st = self.state.lock().unwrap();
+            st.usage_waiters.insert(nonce, tx);
+            st.hosts.values().map(|h| h.tx.clone()).collect()
+        };
+        let mut asked = 0;
+        for a in agents {
+            asked += usize::from(a.send(Msg::UsageRequest { nonce }).await.is_ok());
+        }
+        let mut usage: HashMap<starling_proto::TaskId, TaskUsage> = HashMap::new();
+        let deadline = tokio::time::Instant::now() + USAGE_WAIT;
+        for _ in 0..asked {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(rows)) => usage.extend(rows.into_iter().map(|u| (u.task, u))),
+                _ => break,
+            }
+        }
+        let st = &mut *self.state.lock().unwrap();
+        st.usage_waiters.remove(&nonce);
+        let mut rows: Vec<TaskRow> = st
+            .routes
+            .iter()
+            .map(|(task, r)| {
+                let u = usage.get(task);
+                TaskRow {
+                    task: *task,
+                    job: r.job.clone(),
+                    host: r.host.clone(),
+                    command: r.command.clone(),
+                    state: match &r.moving {
+                        Some(m) => format!("moving to {}", m.to),
+                        None => "running".into(),
+                    },
+                    cpu_seconds: u.map(|u| u.cpu_seconds),
+                    rss_bytes: u.map(|u| u.rss_bytes),
+                    runtime_seconds: r.started.elapsed().as_secs_f64(),
+                }
+            })
+            .collect();
+        rows.sort_by_key(|r| r.task);
+        rows
+    }
+
+    /// An agent's answer to a usage request.
+    pub(crate) fn usage_reply(&self, nonce: u64, tasks: Vec<TaskUsage>) {
+        if let Some(w) = self.state.lock().unwrap().usage_waiters.get(&nonce) {
+            let _ = w.send(tasks);
+        }
+    }
+}
