@@ -31,9 +31,10 @@
 //! Each clone's exit status and fault-handler counters come back in a
 //! `CloneStats` message when its task ended.
 
-use crate::descriptor::{Descriptor, FdKind, RegionKind};
-use crate::{ForkError, Result};
+use crate::{Descriptor, ForkError, Result};
 use starling_config::Config;
+use starling_image::abi::counters::CloneCounters;
+use starling_image::{FdKind, RegionKind};
 use starling_proto::conn::Outgoing;
 use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId, TaskSpec, WirePath};
 use starling_session::discover::Target;
@@ -44,9 +45,6 @@ use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 /// The variable a clone (and its task on the host) finds the parent's host in.
 pub const PARENT_HOST_ENV: &str = "STARLING_PARENT_HOST";
-
-/// Counters reported per clone (as `FaultStats::snapshot`).
-pub const STATS_COUNTERS: usize = crate::fault::COUNTERS;
 
 /// Where a clone is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -158,7 +156,7 @@ struct CloneSlot {
     host: String,
     task: Option<TaskId>,
     state: CloneState,
-    stats: Option<[u64; STATS_COUNTERS]>,
+    stats: Option<CloneCounters>,
 }
 
 #[derive(Default)]
@@ -283,13 +281,9 @@ async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<
         match ev {
             TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
             TaskEvent::CloneStats { clone_id, status, counters } => {
-                let mut st = [0u64; STATS_COUNTERS];
-                for (o, c) in st.iter_mut().zip(counters) {
-                    *o = c;
-                }
                 let mut slots = shared.slots.lock().unwrap();
                 if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
-                    s.stats = Some(st);
+                    s.stats = Some(counters);
                     if let Some(status) = status {
                         s.state = CloneState::from(status);
                     }
@@ -424,7 +418,7 @@ impl ClusterClones {
         self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).map(|s| s.state.clone())
     }
 
-    pub fn stats(&self, id: u32) -> Option<[u64; STATS_COUNTERS]> {
+    pub fn stats(&self, id: u32) -> Option<CloneCounters> {
         self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).and_then(|s| s.stats)
     }
 
