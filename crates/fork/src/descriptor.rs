@@ -381,10 +381,14 @@ pub fn dump(pid: i32, record: &TemplateRecord) -> Result<Descriptor> {
                 .map_err(|e| ForkError::io(format!("read pagemap of {desc}"), e))?;
             let is_file = matches!(kind, RegionKind::File { .. });
             let is_stack = m.name == "[stack]";
+            // fork() copies no page table entries of shared mappings: the template's pagemap
+            // shows shared anonymous pages as absent even where the parent wrote data. The page
+            // server reads them through the shared object, so every readable one is fetched.
+            let shared_anonymous = matches!(kind, RegionKind::SharedAnonymous { .. });
             for (i, chunk) in raw.chunks_exact(8).enumerate() {
                 let e = u64::from_le_bytes(chunk.try_into().expect("8-byte chunk"));
                 let addr = m.start + i as u64 * PAGE_SIZE;
-                let class = if !heuristics && prot & 1 != 0 {
+                let class = if (!heuristics || shared_anonymous) && prot & 1 != 0 {
                     // Heuristics off: the page server serves every readable page.
                     PageClass::Fetch
                 } else if is_stack && addr + PAGE_SIZE <= dead_stack_below {
