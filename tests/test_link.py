@@ -6,9 +6,11 @@ import hashlib
 import json
 import os
 import pathlib
+import select
 import shutil
+import socket
 import subprocess
-import time
+import sys
 
 import pytest
 
@@ -116,6 +118,8 @@ def test_changed_file_is_never_seen_stale(job, work, client_cache):
 
 
 def test_cache_evicted_mid_job(work, client_cache):
+    """Every cache (head relay, hosts) is wiped while a job runs: task 0 read the file before, the
+    other tasks read it after (each waits, connected to this test, until the wipe is done)."""
     e = env(client_cache)
     up("lan", e)
     big = work / "big.bin"
@@ -124,19 +128,48 @@ def test_cache_evicted_mid_job(work, client_cache):
     want = hashlib.sha256(data).hexdigest()
     # Warm every cache with it first.
     assert st(["exec", "--", "sha256sum", "big.bin"], e, cwd=work).stdout.decode().split()[0] == want
+    head_ip = json.loads(st(["status", "--json"], e).stdout)["head"].rsplit(":", 1)[0]
+    gate = socket.create_server((head_ip, 0))
+    port = gate.getsockname()[1]
+    wait = f"import socket; s = socket.create_connection(('{head_ip}', {port}), timeout=600); s.settimeout(600); s.recv(1)"
     p = subprocess.Popen(
-        [STARLING, "run", "-n", "6", "--quiet", "--", "sh", "-c", "sleep $((STARLING_TASK % 3 * 2)); sha256sum big.bin"],
+        [STARLING, "run", "-n", "6", "--quiet", "--", "sh", "-c",
+         f'[ "$STARLING_TASK" = 0 ] || {sys.executable} -c "{wait}"; sha256sum big.bin'],
         cwd=work, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.0)
-    wiped = 0
-    for cache in [STATE / "head" / "cache"] + sorted((STATE / "hosts").glob("h*/state/cache")):
-        for sub in ["chunks", "files", "recipes"]:
-            for f in (cache / sub).rglob("*"):
-                if f.is_file():
-                    f.unlink()
-                    wiped += 1
-    assert wiped > 0, "the caches held the file"
-    out, err = p.communicate(timeout=300)
+    waiting = []
+    try:
+        gate.settimeout(300)
+        waiting.append(gate.accept()[0])  # a task of the job is running and has not read the file yet
+        ready, _, _ = select.select([p.stdout], [], [], 300)
+        assert ready, "task 0 never printed its sum"
+        first = p.stdout.readline().decode()
+        assert first.split()[0] == want, first
+        wiped = 0
+        for cache in [STATE / "head" / "cache"] + sorted((STATE / "hosts").glob("h*/state/cache")):
+            for sub in ["chunks", "files", "recipes"]:
+                for f in (cache / sub).rglob("*"):
+                    if f.is_file():
+                        f.unlink()
+                        wiped += 1
+        assert wiped > 0, "the caches held the file"
+        # Release the tasks waiting now and every one that starts later.
+        gate.settimeout(5)
+        while p.poll() is None:
+            for c in waiting:
+                c.sendall(b"g")
+                c.close()
+            waiting = []
+            try:
+                waiting.append(gate.accept()[0])
+            except socket.timeout:
+                pass
+        out, err = p.communicate(timeout=300)
+    finally:
+        for c in waiting:
+            c.close()
+        gate.close()
+        if p.poll() is None:
+            p.kill()
     assert p.returncode == 0, err.decode()
-    sums = [l.split()[0] for l in out.decode().splitlines()]
+    sums = [first.split()[0]] + [l.split()[0] for l in out.decode().splitlines()]
     assert sums == [want] * 6
