@@ -23,6 +23,9 @@ SUITE = ROOT / "crates/fork/tests/c"
 FORK = ROOT / "tests/fork"
 LIB = ROOT / "target/release/libstarling.a"
 BIN = pathlib.Path("/var/tmp/starling-tests/fork-bin")
+# The restore-correctness suite (crates/fork/tests/c), run on the cluster in both ticket modes.
+SUITE_PROGRAMS = ["heap", "stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen",
+                  "shared_maps", "mremap", "pipes_sockets", "altstack_rlimits", "dontfork"]
 
 
 def cc(src, out, *extra):
@@ -37,10 +40,10 @@ def progs():
     assert LIB.exists(), "build it: cargo build --release -p starling-capi"
     BIN.mkdir(parents=True, exist_ok=True)
     p = {}
-    for name in ["heap", "stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen"]:
+    for name in SUITE_PROGRAMS:
         p["suite/" + name] = cc(SUITE / f"{name}.c", BIN / f"suite-{name}", "-include", str(FORK / "on_other_host.h"))
     sh("cc", "-shared", "-fPIC", str(SUITE / "plugin.c"), "-o", str(BIN / "libsfplugin.so"))
-    for name in ["lazy_heap", "pairscores", "linger", "files_home", "unclonable", "statuses"]:
+    for name in ["lazy_heap", "pairscores", "linger", "files_home", "unclonable", "statuses", "shared_view"]:
         p[name] = cc(FORK / f"{name}.c", BIN / name, "-Wall")
     return p
 
@@ -84,7 +87,7 @@ def expected_grant(n, hierarchical, free=None):
 
 
 @pytest.mark.parametrize("mode", ["spread", "hierarchical"])
-@pytest.mark.parametrize("name", ["stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen", "heap"])
+@pytest.mark.parametrize("name", SUITE_PROGRAMS)
 def test_restore_suite_on_other_hosts(cluster, progs, name, mode):
     """Each program checks its kind of state inside 2 clones. spread: two
     restores on two hosts; hierarchical: both clones on one host, one
@@ -163,6 +166,55 @@ def test_files_clones_write_come_home(cluster, progs, workdir):
     assert r.returncode == 0, r.stdout + r.stderr
     for i in (1, 2, 3):
         assert (workdir / f"result-{i}.txt").read_text() == f"clone {i} of 3\n"
+
+
+def test_hierarchical_clones_share_one_file_view(cluster, progs, workdir):
+    """All of one host's cores in a hierarchical ticket: the clones see each other's files while
+    they run (one view), and everything they wrote is home after join."""
+    assert wait_idle() == 0
+    cores = cores_by_host()
+    k = max(cores.values())
+    require(k >= 2, f"sharing needs 2 clones on one host; the hosts have {cores} cores")
+    assert len(expected_grant(k, True)) == 1, "the head puts the whole ticket on one host"
+    r = run(progs["shared_view"], k, workdir, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"GRANTED {k}\n" in r.stdout, r.stdout
+    hosts = dict(re.findall(r"CLONE (\d+) (h\d+)", r.stdout))
+    assert sorted(hosts, key=int) == [str(i) for i in range(1, k + 1)] and len(set(hosts.values())) == 1, r.stdout
+    assert dict(re.findall(r"STATUS (\d+) (-?\d+)", r.stdout)) == {str(i): "0" for i in range(1, k + 1)}, r.stdout
+    for i in range(1, k + 1):
+        assert (workdir / f"from-{i}").read_text() == f"{i * 1000 + 7}\n"
+        assert (workdir / f"seen-{i}").read_text() == f"{k}\n"
+    assert not [p.name for p in workdir.iterdir() if "starling-conflict" in p.name]
+
+
+@pytest.mark.parametrize("busy", [0, 1])
+def test_ticket_grants_only_free_cores(cluster, progs, workdir, busy):
+    """A ticket for more clones than there are free cores is granted the free cores (README:
+    m = sf_ticket_allocation(t) granted by free cores), and exactly m clones run. busy=1: one core
+    is held by a running `starling exec` task first."""
+    assert wait_idle() == 0
+    total = sum(cores_by_host().values())
+    holder = None
+    if busy:
+        holder = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "echo holding; read done"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert holder.stdout.readline() == b"holding\n", holder.stderr.read()
+        assert running_tasks() == 1
+    try:
+        free = total - busy
+        require(free >= 1, f"the cluster has {total} cores")
+        r = run(progs["files_home"], total + 3, workdir)
+    finally:
+        if holder:
+            holder.communicate(b"\n", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"clones={free} missing_or_failed=0" in r.stdout, (total, busy, r.stdout)
+    made = sorted(p.name for p in workdir.iterdir() if p.name.startswith("result-"))
+    assert made == sorted(f"result-{i}.txt" for i in range(1, free + 1))
+    for i in range(1, free + 1):
+        assert (workdir / f"result-{i}.txt").read_text() == f"clone {i} of {free}\n"
+    assert wait_idle() == 0
 
 
 def test_unclonable_state_fails_and_launches_nothing(cluster, progs):
