@@ -11,10 +11,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
-from conftest import STARLING
+from conftest import STARLING, wait_for
 
 INSTANCE = "2"
 STATE = pathlib.Path("/var/lib/starling-2")
@@ -173,3 +174,42 @@ def test_cache_evicted_mid_job(work, client_cache):
     assert p.returncode == 0, err.decode()
     sums = [first.split()[0]] + [l.split()[0] for l in out.decode().splitlines()]
     assert sums == [want] * 6
+
+
+def link_counters():
+    return json.loads((pathlib.Path(f"/run/starling-{INSTANCE}") / "link.json").read_text())["counters"]
+
+
+def test_custom_link_profile_is_applied(work, client_cache):
+    """`starling up --link RTT_MS,UP_KBIT,DOWN_KBIT` with values no preset has: a launch takes at
+    least one RTT, an upload and a download take at least their size over the given rate (up and
+    down differ, so swapping them fails), and the link's own counters saw the bytes. Lower bounds
+    only: a slower machine makes every time longer, never shorter."""
+    rtt_ms, up_kbit, down_kbit = 100, 2400, 4800
+    e = env(client_cache)
+    up(f"{rtt_ms},{up_kbit},{down_kbit}", e)
+    assert json.loads(st(["status", "--json"], e).stdout)["network"]["link"] == f"{rtt_ms},{up_kbit},{down_kbit}"
+    for _ in range(3):  # warm the program's profile (earlier tests of this module usually have)
+        assert st(["exec", "--", "true"], e, cwd=work).returncode == 0
+    t0 = time.monotonic()
+    assert st(["exec", "--", "true"], e, cwd=work).returncode == 0
+    assert time.monotonic() - t0 >= rtt_ms / 1000, "a launch took less than one round trip"
+
+    payload = os.urandom(300_000)  # incompressible, in no cache yet
+    (work / "upload.bin").write_bytes(payload)
+    before = link_counters()
+    t0 = time.monotonic()
+    r = st(["exec", "--", "wc", "-c", "upload.bin"], e, cwd=work)
+    took = time.monotonic() - t0
+    assert r.stdout == b"300000 upload.bin\n", r.stderr.decode()
+    assert took >= len(payload) * 8 / (up_kbit * 1000), f"300 kB went up in {took:.2f} s: faster than {up_kbit} kbit/s"
+    # The relay writes its counters periodically: wait for them to show the bytes.
+    wait_for(lambda: link_counters()["bytes_up"] - before["bytes_up"] >= len(payload), "the link to count 300 kB up")
+
+    before = link_counters()
+    t0 = time.monotonic()
+    r = st(["exec", "--", "head", "-c", "600000", "/dev/urandom"], e, cwd=work)
+    took = time.monotonic() - t0
+    assert len(r.stdout) == 600_000, r.stderr.decode()
+    assert took >= 600_000 * 8 / (down_kbit * 1000), f"600 kB came down in {took:.2f} s: faster than {down_kbit} kbit/s"
+    wait_for(lambda: link_counters()["bytes_down"] - before["bytes_down"] >= 600_000, "the link to count 600 kB down")
