@@ -8,7 +8,8 @@ import time
 import pytest
 
 # The skip rule (require.py): fail with the reason unless STARLING_TEST_ALLOW_SKIP=1.
-from require import pytest_runtest_makereport, require, require_module, require_root, require_tool  # noqa: F401
+from require import (  # noqa: F401
+    pytest_collectreport, pytest_runtest_makereport, require, require_module, require_root, require_tool)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target" / "release" / "starling")

@@ -25,7 +25,7 @@ def require(ok, reason):
     if ok:
         return
     if skips_allowed():
-        pytest.skip(reason)
+        pytest.skip(reason, allow_module_level=True)
     pytest.fail(f"cannot run: {reason} (set {ALLOW_SKIP_VAR}=1 to skip such tests instead)", pytrace=False)
 
 
@@ -57,3 +57,10 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped without {ALLOW_SKIP_VAR}=1 (tests must not skip silently): {reason}"
+
+
+def pytest_collectreport(report):
+    """The same for a whole module skipped at collection (pytest.skip(..., allow_module_level=True))."""
+    if report.skipped and not skips_allowed():
+        report.outcome = "failed"
+        report.longrepr = f"module skipped without {ALLOW_SKIP_VAR}=1 (tests must not skip silently): {report.longrepr}"
