@@ -9,7 +9,7 @@ import pytest
 
 # The skip rule (require.py): fail with the reason unless STARLING_TEST_ALLOW_SKIP=1.
 from require import (  # noqa: F401
-    pytest_collectreport, pytest_runtest_makereport, require, require_module, require_root, require_tool)
+    pytest_make_collect_report, pytest_runtest_makereport, require, require_module, require_root, require_tool)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target" / "release" / "starling")

@@ -59,8 +59,12 @@ def pytest_runtest_makereport(item, call):
         report.longrepr = f"skipped without {ALLOW_SKIP_VAR}=1 (tests must not skip silently): {reason}"
 
 
-def pytest_collectreport(report):
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
     """The same for a whole module skipped at collection (pytest.skip(..., allow_module_level=True))."""
+    outcome = yield
+    report = outcome.get_result()
     if report.skipped and not skips_allowed():
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
-        report.longrepr = f"module skipped without {ALLOW_SKIP_VAR}=1 (tests must not skip silently): {report.longrepr}"
+        report.longrepr = f"module skipped without {ALLOW_SKIP_VAR}=1 (tests must not skip silently): {reason}"

@@ -5,4 +5,4 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "tests"))
 
-from require import pytest_collectreport, pytest_runtest_makereport, require, require_module, require_root  # noqa: E402,F401
+from require import pytest_make_collect_report, pytest_runtest_makereport, require, require_module, require_root  # noqa: E402,F401
