@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-# The skip rule (require.py): fail with the reason unless STARLING_TEST_ALLOW_SKIP=1.
-from require import (  # noqa: F401
-    pytest_make_collect_report, pytest_runtest_makereport, require, require_module, require_root, require_tool)
+# The skip rule (require.py, loaded as a plugin by pytest.ini): fail with the reason unless
+# STARLING_TEST_ALLOW_SKIP=1.
+from require import require, require_module, require_root, require_tool  # noqa: F401
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target" / "release" / "starling")

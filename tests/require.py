@@ -3,9 +3,10 @@
 A test that cannot run what it tests (not root, no FUSE, no nft, no numpy, a
 missing tool) FAILS with the reason. Only `STARLING_TEST_ALLOW_SKIP=1` (see
 README.md, "Tests") turns such failures into skips, for a developer who knows
-what they are leaving out. `pytest_runtest_makereport` below enforces the same
-rule for any skip that bypasses `require` (pytest.skip, skipif, importorskip):
-both conftests import it.
+what they are leaving out. The hooks below enforce the same rule for any skip
+that bypasses `require` (pytest.skip, skipif, importorskip, a module skipped at
+collection): pytest.ini loads this module as a plugin (`-p require`) for every
+test directory.
 """
 import importlib
 import os

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import require_module, require_root
+from require import require_module, require_root  # tests/require.py (pytest.ini puts tests/ on the path)
 
 starling = require_module("starling", "build and install it: make python (scripts/build-python.sh)")
 
