@@ -6,16 +6,19 @@
 //! library (`RESTORER_ELF`).
 //!
 //! Link layout: PIC code (so no 32-bit absolute relocations) linked as a
-//! static non-PIE executable at `RESTORER_BASE`, far from where Linux places
-//! PIE executables (0x55…/0x56…), non-PIE ones (0x400000), the mmap area and
-//! stacks (0x7f…). Its address is therefore fixed and known before restore;
-//! the restorer checks it against every template region and refuses on
-//! collision.
+//! static non-PIE executable at `abi::RESTORER_BASE`, far from where Linux
+//! places PIE executables (0x55…/0x56…), non-PIE ones (0x400000), the mmap
+//! area and stacks (0x7f…). Its address is therefore fixed and known before
+//! restore; the restorer checks it against every region and refuses on
+//! collision, and a capture leaves a previous restorer's pages there out.
 
 use std::path::PathBuf;
 use std::process::Command;
 
-const RESTORER_BASE: &str = "0x3f0000000000";
+#[path = "../image/src/abi/mod.rs"]
+// The abi layer is shared with the library (`feature = "std"` adds serde there).
+#[allow(dead_code, unexpected_cfgs)]
+mod abi;
 
 fn main() {
     let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
@@ -23,7 +26,7 @@ fn main() {
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let src = manifest.join("src/restorer.rs");
     println!("cargo:rerun-if-changed={}", src.display());
-    println!("cargo:rerun-if-changed={}", manifest.join("src/plan.rs").display());
+    println!("cargo:rerun-if-changed={}", manifest.join("../image/src/abi").display());
     let bin = out.join("starling-restorer-static");
     let status = Command::new(&rustc)
         .args(["--edition", "2021", "--crate-type", "bin", "--crate-name", "starling_restorer_static"])
@@ -31,7 +34,7 @@ fn main() {
         .args(["-C", "target-cpu=x86-64", "-C", "codegen-units=1", "-C", "strip=symbols"])
         .args(["-C", "link-arg=-nostartfiles", "-C", "link-arg=-nostdlib", "-C", "link-arg=-static",
                "-C", "link-arg=-no-pie", "-C", "link-arg=-Wl,--build-id=none"])
-        .arg("-C").arg(format!("link-arg=-Wl,--image-base={RESTORER_BASE}"))
+        .arg("-C").arg(format!("link-arg=-Wl,--image-base={:#x}", abi::RESTORER_BASE))
         .arg("-o").arg(&bin)
         .arg(&src)
         .status()

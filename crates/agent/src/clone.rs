@@ -24,42 +24,25 @@
 //!   to the client in a `CloneStats` message.
 
 use anyhow::{anyhow, Context, Result};
-use starling_fork::descriptor::{Descriptor, RegionKind};
 use starling_fork::fault::{FaultHandler, FaultStats};
+use starling_fork::image::{Descriptor, PlanOptions, Region, RegionKind};
 use starling_fork::page_server::PageClient;
+use starling_fork::restore::{Restore, Serve};
 use starling_proto::conn::Outgoing;
-use starling_fork::local::RestorerRecord;
-use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId};
+use starling_proto::{CloneSpec, Msg, Stream, TaskId};
 use starling_sandbox::TaskProgram;
 use std::net::SocketAddr;
-use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 use std::sync::Arc;
 
-/// Fixed descriptor numbers the restorer expects.
-const PLAN_FD: i32 = 3;
-const HANDLER_FD: i32 = 4;
-
-/// The fault handlers of a clone task's clones, running while the sandbox runs.
+/// The restore of a clone task's clones, running while the sandbox runs.
 pub(crate) struct CloneRun {
     /// The task's clones: IDs `first .. first + count`.
     first: u32,
     count: u32,
-    /// Closing it (the write end of a pipe every handler polls) stops them.
-    stop: Option<OwnedFd>,
-    /// Reads the restorer's records and starts a handler per clone.
-    control: Option<std::thread::JoinHandle<Control>>,
+    restore: Restore,
     /// The agent's "last clone's page distribution" (shown by `starling status`).
     distribution: DistributionReport,
-}
-
-/// What the control thread saw: a handler per clone that registered memory,
-/// each clone's exit status, and a protocol error if any.
-#[derive(Default)]
-struct Control {
-    handlers: Vec<(u32, Arc<FaultStats>, std::thread::JoinHandle<starling_fork::Result<()>>)>,
-    statuses: std::collections::HashMap<u32, ExitStatus>,
-    error: Option<String>,
 }
 
 /// Where the agent keeps the last clone's page distribution mode.
@@ -92,7 +75,7 @@ fn rooted(desc: &Descriptor, root: &Path) -> Descriptor {
     d
 }
 
-fn root_file_paths(regions: &mut [starling_fork::descriptor::Region], root: &Path) {
+fn root_file_paths(regions: &mut [Region], root: &Path) {
     for r in regions {
         if let RegionKind::File { path, .. } = &mut r.kind {
             *path = root.join(path.trim_start_matches('/')).to_string_lossy().into_owned();
@@ -100,9 +83,10 @@ fn root_file_paths(regions: &mut [starling_fork::descriptor::Region], root: &Pat
     }
 }
 
-/// Decode and check the clone spec, start the control thread (which starts
-/// a fault handler per clone as its userfaultfd arrives), and return the
-/// program (restorer + plan + handler socket) the sandbox must run.
+/// Fetch and check the clone spec's descriptor, start the restore (whose
+/// control thread starts a fault handler per clone as its userfaultfd
+/// arrives), and return the program (restorer + plan + handler socket) the
+/// sandbox must run.
 pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionReport) -> Result<(TaskProgram, CloneRun)> {
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| anyhow!("bad page server address {:?}", spec.page_server))?;
@@ -112,116 +96,52 @@ pub(crate) fn prepare(spec: &CloneSpec, root: &Path, distribution: DistributionR
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
     let desc = Descriptor::decode(&encoded).context("the clone's process descriptor")?;
     let (first, count) = (spec.clone_id, 1 + spec.local_forks);
-    let plan = starling_fork::local::plan_memfd(&desc, first, count)?;
-    let (ours, theirs) = starling_fork::local::handler_socketpair()?;
-    let program = starling_fork::local::restorer_program()?;
-    let (stop_r, stop_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)?;
-    let stop_r = Arc::new(stop_r);
     let handler_desc = Arc::new(rooted(&desc, root));
     let report = distribution.clone();
-    let control = std::thread::Builder::new()
-        .name(format!("clone-ctl-{first}"))
-        .spawn(move || {
-            let mut seen = Control::default();
-            loop {
-                match starling_fork::local::recv_record(&ours) {
-                    // Every restorer process has ended (or closed the socket).
-                    Ok(None) => break,
-                    Ok(Some(RestorerRecord::Userfaultfd { clone_id, fd })) => {
-                        if !(first..first + count).contains(&clone_id) || seen.handlers.iter().any(|h| h.0 == clone_id) {
-                            seen.error = Some(format!("restorer sent a userfaultfd for clone {clone_id}"));
-                            continue;
-                        }
-                        let stats = Arc::new(FaultStats::default());
-                        let (desc, stop, stats2, report) = (handler_desc.clone(), stop_r.clone(), stats.clone(), report.clone());
-                        let handler = std::thread::Builder::new().name(format!("clone-fault-{clone_id}")).spawn(
-                            move || -> starling_fork::Result<()> {
-                                let client = PageClient::connect(server)?;
-                                let h = FaultHandler::new(fd, &desc, client, stats2.clone());
-                                report_mode(&report, clone_id, &stats2);
-                                h.run(stop.as_fd())
-                            },
-                        );
-                        match handler {
-                            Ok(h) => seen.handlers.push((clone_id, stats, h)),
-                            Err(e) => seen.error = Some(format!("starting the fault handler of clone {clone_id}: {e}")),
-                        }
-                    }
-                    Ok(Some(RestorerRecord::Exited { clone_id, status })) => {
-                        seen.statuses.insert(clone_id, status);
-                    }
-                    Err(e) => {
-                        seen.error = Some(e.to_string());
-                        break;
-                    }
-                }
-            }
-            seen
-        })
-        .context("starting the clone's control thread")?;
-    Ok((
-        TaskProgram { program, fds: vec![(PLAN_FD, plan), (HANDLER_FD, theirs)] },
-        CloneRun { first, count, stop: Some(stop_w), control: Some(control), distribution },
-    ))
+    let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
+        let client = PageClient::connect(server)?;
+        let h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
+        report_mode(&report, clone_id, &stats);
+        h.run(stop)
+    });
+    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true };
+    let (program, restore) = Restore::start(&desc, plan, serve)?;
+    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution }))
 }
 
 impl CloneRun {
     /// After the sandbox ended: stop the handlers, then send each clone's
     /// status and counters.
-    pub(crate) fn finish(mut self, task: TaskId, tx: &Outgoing) {
-        self.stop.take();
-        let seen = match self.control.take().map(|c| c.join()) {
-            Some(Ok(seen)) => seen,
-            _ => {
-                log::warn!("task {task}: clone control thread panicked");
-                Control::default()
-            }
-        };
+    pub(crate) fn finish(self, task: TaskId, tx: &Outgoing) {
         let say = |msg: String| {
             let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data: msg.into_bytes() });
         };
-        if let Some(e) = &seen.error {
-            say(format!("starling: clones {}..{}: restorer channel: {e}\n", self.first, self.first + self.count - 1));
+        let (first, last) = (self.first, self.first + self.count - 1);
+        let (outcomes, channel) = self.restore.finish();
+        if let Some(e) = channel {
+            say(format!("starling: clones {first}..{last}: {e}\n"));
         }
-        let mut counters = std::collections::HashMap::new();
-        for (id, stats, handler) in seen.handlers {
-            match handler.join() {
-                Ok(Ok(())) => {}
-                Ok(Err(e)) => say(format!("starling: clone {id}: fault handler: {e}\n")),
-                Err(_) => log::warn!("task {task}: fault handler of clone {id} panicked"),
+        for o in outcomes {
+            if let Some(e) = &o.handler_error {
+                say(format!("starling: {e}\n"));
             }
             // A fetch that timed out mid-run may have switched it to unicast.
-            report_mode(&self.distribution, id, &stats);
-            counters.insert(id, stats.snapshot().to_vec());
+            let stats = FaultStats::default();
+            stats.mode.store(u8::try_from(o.counters.mode).unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
+            report_mode(&self.distribution, o.clone_id, &stats);
+            let _ = tx.blocking_send(Msg::CloneStats { task, clone_id: o.clone_id, status: o.status, counters: o.counters });
         }
-        for id in self.first..self.first + self.count {
-            let _ = tx.blocking_send(Msg::CloneStats {
-                task,
-                clone_id: id,
-                status: seen.statuses.get(&id).copied(),
-                counters: counters.remove(&id).unwrap_or_else(|| vec![0; starling_fork::fault::COUNTERS]),
-            });
-        }
-    }
-}
-
-impl Drop for CloneRun {
-    fn drop(&mut self) {
-        // Not finished (the sandbox failed to start): stopping the handlers is
-        // enough; the control thread ends once the restorer's end of the
-        // socket is gone.
-        self.stop.take();
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use starling_fork::descriptor::PageRuns;
+    use starling_fork::image::PageRuns;
 
     #[test]
     fn handler_sees_file_paths_under_the_task_root() {
-        let region = |kind| starling_fork::descriptor::Region {
+        let region = |kind| Region {
             start: 0x1000,
             end: 0x2000,
             prot: 1,

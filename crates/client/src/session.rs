@@ -37,7 +37,7 @@ pub enum TaskEvent {
     Lost(String),
     /// One clone of a clone task ended (clone tasks only, before `Finished`):
     /// its status if its restorer reported one, and its fault-handler counters.
-    CloneStats { clone_id: u32, status: Option<ExitStatus>, counters: Vec<u64> },
+    CloneStats { clone_id: u32, status: Option<ExitStatus>, counters: starling_proto::CloneCounters },
 }
 
 impl TaskEvent {

@@ -12,13 +12,15 @@
 //! * `local`: clones on this machine ([`crate::local`]), up to
 //!   [`MAX_LOCAL_CLONES`]; used by the restore-correctness suite.
 
-use crate::descriptor::{dump, Descriptor};
+use crate::dump::dump;
+use crate::Descriptor;
+use starling_image::abi::counters::CloneCounters;
 use crate::cluster::{CloneState, ClusterClones, ClusterLink};
 use crate::local::LocalClone;
 use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
-use crate::descriptor::PageClass;
-use crate::{ForkError, Result};
+use crate::PageClass;
+use crate::{ForkError, Result, UsageError};
 use std::sync::atomic::{AtomicU32, Ordering};
 
 /// Most clones a local ticket grants (this machine's memory and PIDs are finite).
@@ -74,10 +76,10 @@ pub fn backend_is_local() -> Result<bool> {
 impl Ticket {
     pub fn request(n: i32, hierarchical: bool) -> Result<Ticket> {
         if n < 1 {
-            return Err(ForkError::Other(format!("ticket for {n} clones")));
+            return Err(UsageError::TicketSize(n).into());
         }
         if current_clone_id() != 0 {
-            return Err(ForkError::Other("a clone cannot request tickets (no nested clones yet)".into()));
+            return Err(UsageError::NestedTicket.into());
         }
         if backend_is_local()? {
             let allocation = (n as u32).min(MAX_LOCAL_CLONES);
@@ -107,10 +109,10 @@ impl Ticket {
     /// Fork: 0 in the parent, the clone ID (1..=allocation) in each clone.
     pub fn clone_now(&mut self) -> Result<u32> {
         if current_clone_id() != 0 {
-            return Err(ForkError::Other("a clone cannot clone (no nested clones yet)".into()));
+            return Err(UsageError::NestedClone.into());
         }
         if self.used {
-            return Err(ForkError::Other("ticket already used".into()));
+            return Err(UsageError::TicketUsed.into());
         }
         self.used = true;
         // Flush stdio so buffered output is not duplicated into every clone.
@@ -181,9 +183,9 @@ impl Ticket {
 
     fn active(&mut self) -> Result<&mut Active> {
         if current_clone_id() != 0 {
-            return Err(ForkError::Other("only the parent can join or kill".into()));
+            return Err(UsageError::NotParent.into());
         }
-        self.active.as_mut().ok_or_else(|| ForkError::Other("ticket has no clones".into()))
+        self.active.as_mut().ok_or(ForkError::Usage(UsageError::NoClones))
     }
 
     /// Wait for every clone, then release the template and the page server.
@@ -272,10 +274,10 @@ impl Ticket {
     /// events, distribution mode (`starling_mcdist::Mode` as a number), pages
     /// installed from multicast without asking] (`FaultStats::snapshot`).
     /// Cluster clones report them when they end.
-    pub fn clone_stats(&self, id: i32) -> Option<[u64; crate::fault::COUNTERS]> {
+    pub fn clone_stats(&self, id: i32) -> Option<CloneCounters> {
         let id = u32::try_from(id).ok()?;
         match &self.active.as_ref()?.clones {
-            Clones::Local(cs) => Some(cs.iter().find(|c| c.id == id)?.stats.snapshot()),
+            Clones::Local(cs) => cs.iter().find(|c| c.id == id)?.counters(),
             Clones::Cluster(c) => c.stats(id),
         }
     }

@@ -34,13 +34,13 @@
 use crate::{ForkError, Result};
 use starling_client::session::{Session, SessionOptions, TaskEvent};
 use starling_proto::conn::Outgoing;
-use crate::descriptor::{Descriptor, FdKind, RegionKind};
+use crate::Descriptor;
+use starling_image::abi::counters::CloneCounters;
+use starling_image::{FdKind, RegionKind};
 use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId, WirePath};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
-/// Counters reported per clone (as `FaultStats::snapshot`).
-pub const STATS_COUNTERS: usize = crate::fault::COUNTERS;
 
 /// Where a clone is in its life.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,7 +152,7 @@ struct CloneSlot {
     host: String,
     task: Option<TaskId>,
     state: CloneState,
-    stats: Option<[u64; STATS_COUNTERS]>,
+    stats: Option<CloneCounters>,
 }
 
 #[derive(Default)]
@@ -300,13 +300,9 @@ impl ClusterClones {
                     match ev {
                         TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
                         TaskEvent::CloneStats { clone_id, status, counters } => {
-                            let mut st = [0u64; STATS_COUNTERS];
-                            for (o, c) in st.iter_mut().zip(counters) {
-                                *o = c;
-                            }
                             let mut slots = shared2.slots.lock().unwrap();
                             if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
-                                s.stats = Some(st);
+                                s.stats = Some(counters);
                                 if let Some(status) = status {
                                     s.state = CloneState::from(status);
                                 }
@@ -373,7 +369,7 @@ impl ClusterClones {
         self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).map(|s| s.state.clone())
     }
 
-    pub fn stats(&self, id: u32) -> Option<[u64; STATS_COUNTERS]> {
+    pub fn stats(&self, id: u32) -> Option<CloneCounters> {
         self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).and_then(|s| s.stats)
     }
 

@@ -25,7 +25,10 @@
 //! (mremap of registered memory, e.g. realloc) are followed by translating
 //! the new addresses back to the template's.
 
-use crate::descriptor::{Descriptor, PageClass, RegionKind};
+use crate::{Descriptor, PageClass, PageProtocolError};
+use starling_image::abi::counters::CloneCounters;
+use starling_image::abi::plan::MapKind;
+use starling_image::RegionKind;
 use crate::page_server::PageClient;
 use crate::{ForkError, Result, PAGE_SIZE};
 use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
@@ -44,9 +47,6 @@ const ST_ZERO: u8 = 0;
 const ST_FILE: u8 = 1;
 const ST_FETCH: u8 = 2;
 const ST_DONE: u8 = 3;
-
-/// Number of values in [`FaultStats::snapshot`].
-pub const COUNTERS: usize = 8;
 
 /// Counters of one handler (shared with whoever wants to report them).
 #[derive(Default, Debug)]
@@ -70,20 +70,19 @@ impl FaultStats {
         Mode::from_u8(self.mode.load(Ordering::Relaxed))
     }
 
-    /// [faults, pages fetched, zero, file, fetch requests, remove events,
-    /// mode (a [`Mode`] as a number), pages multicast without asking].
-    pub fn snapshot(&self) -> [u64; COUNTERS] {
+    /// The counters now, by name.
+    pub fn snapshot(&self) -> CloneCounters {
         let c = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        [
-            c(&self.faults),
-            c(&self.pages_fetched),
-            c(&self.pages_zero),
-            c(&self.pages_file),
-            c(&self.fetch_requests),
-            c(&self.events_remove),
-            self.mode.load(Ordering::Relaxed) as u64,
-            c(&self.pages_multicast_unsolicited),
-        ]
+        CloneCounters {
+            faults: c(&self.faults),
+            pages_fetched: c(&self.pages_fetched),
+            pages_zero: c(&self.pages_zero),
+            pages_file: c(&self.pages_file),
+            fetch_requests: c(&self.fetch_requests),
+            events_remove: c(&self.events_remove),
+            mode: u64::from(self.mode.load(Ordering::Relaxed)),
+            pages_multicast_unsolicited: c(&self.pages_multicast_unsolicited),
+        }
     }
 }
 
@@ -147,6 +146,21 @@ impl Shared {
     }
 }
 
+/// Pages this host already holds for a restore, by image address (a
+/// migration's pre-copied pages).
+pub trait LocalPages: Send + Sync {
+    fn page(&self, addr: u64) -> Option<&[u8]>;
+}
+
+/// What a drain moved.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct DrainReport {
+    /// Pages installed from those held here.
+    pub local_pages: u64,
+    /// Pages fetched from the page server.
+    pub remote_pages: u64,
+}
+
 /// Options of [`FaultHandler::new_with`].
 #[derive(Debug, Clone)]
 pub struct FaultOptions {
@@ -173,6 +187,9 @@ impl FaultOptions {
 
 pub struct FaultHandler {
     shared: Arc<Shared>,
+    /// Pages this host already holds (a migration's pre-copy), served
+    /// without asking the page server.
+    local: Option<Arc<dyn LocalPages>>,
     files: HashMap<String, std::fs::File>,
     client: PageClient,
     /// The multicast receiver, while multicast works.
@@ -200,13 +217,16 @@ const PARKED_RETRY_MS: i32 = 1;
 /// is fetched again on its next fault.
 const MAX_HELD_PAGES: usize = 4096;
 
-/// Installs pages other clones asked for (runs on the receive thread).
-struct CloneSink {
+/// Installs pages nobody is faulting on: pages other clones asked for (the
+/// multicast receive thread) or a migration's remaining pages (the drain).
+struct Installer {
     shared: Arc<Shared>,
     stats: Arc<FaultStats>,
+    /// Count installs as multicast pages this clone did not ask for.
+    unsolicited: bool,
 }
 
-impl PageSink for CloneSink {
+impl PageSink for Installer {
     fn offer(&self, pages: &[(u64, Fetched)]) -> Vec<bool> {
         let mut out = vec![false; pages.len()];
         let mut new_installs = 0u64;
@@ -285,7 +305,9 @@ impl PageSink for CloneSink {
         drop(moved);
         // Multicast pages another clone asked for still arrived from the
         // template into this clone: they count as fetched, too.
-        self.stats.pages_multicast_unsolicited.fetch_add(new_installs, Ordering::Relaxed);
+        if self.unsolicited {
+            self.stats.pages_multicast_unsolicited.fetch_add(new_installs, Ordering::Relaxed);
+        }
         self.stats.pages_fetched.fetch_add(new_installs, Ordering::Relaxed);
         out
     }
@@ -324,7 +346,7 @@ impl FaultHandler {
         let regions: Vec<HandlerRegion> = desc
             .regions
             .iter()
-            .filter(|r| crate::plan::region_plan_kind(r) == starling_restorer::plan::REGION_ANON_REGISTER)
+            .filter(|r| starling_image::map_kind(r) == MapKind::AnonRegister)
             .map(|r| HandlerRegion {
                 start: r.start,
                 end: r.end,
@@ -342,7 +364,33 @@ impl FaultHandler {
         let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
         let mc = start_receiver(&shared, &mut client, &stats, &opts);
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
-        FaultHandler { shared, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![] }
+        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![] }
+    }
+
+    /// Serve pages held here (see [`LocalPages`]) without asking the page server.
+    pub fn with_local_pages(mut self, local: Arc<dyn LocalPages>) -> FaultHandler {
+        self.local = Some(local);
+        self
+    }
+
+    /// Start a thread that puts every page still to fetch in place — those
+    /// held here first, then the rest from the page server over `client` —
+    /// while the handler serves faults, and calls `done` once the page
+    /// server holds nothing the process still needs (live migration's
+    /// post-copy push: then the source can go). Pages of ranges the process
+    /// moved (mremap) are fetched and held for their fault.
+    pub fn spawn_drain(
+        &self,
+        mut client: PageClient,
+        done: Box<dyn FnOnce(Result<DrainReport>) + Send>,
+    ) -> Result<std::thread::JoinHandle<()>> {
+        let shared = self.shared.clone();
+        let local = self.local.clone();
+        let installer = Installer { shared: shared.clone(), stats: self.stats.clone(), unsolicited: false };
+        std::thread::Builder::new()
+            .name("drain".into())
+            .spawn(move || done(drain(&shared, local.as_deref(), &installer, &mut client)))
+            .map_err(|e| ForkError::io("start the drain thread", e))
     }
 
     /// How this handler gets its pages.
@@ -463,7 +511,7 @@ impl FaultHandler {
         self.installed(addr, self.shared.uffd.copy(addr, page), "UFFDIO_COPY")
     }
 
-    fn installed(&self, addr: u64, r: std::result::Result<(), i32>, what: &str) -> Result<Install> {
+    fn installed(&self, addr: u64, r: std::result::Result<(), i32>, what: &'static str) -> Result<Install> {
         match r {
             Ok(()) => Ok(Install::New),
             // EAGAIN: a change of the clone's memory map is unread; nothing
@@ -473,7 +521,7 @@ impl FaultHandler {
                 self.shared.uffd.wake(addr, PAGE_SIZE);
                 Ok(Install::Present)
             }
-            Err(e) => Err(ForkError::Other(format!("{what} {addr:#x}: errno {e}"))),
+            Err(errno) => Err(ForkError::Uffd { what, addr, errno }),
         }
     }
 
@@ -493,7 +541,9 @@ impl FaultHandler {
             }
             ST_FILE => {
                 let region = &self.shared.regions[ri];
-                let (path, off) = region.file.clone().ok_or_else(|| ForkError::Other("file page without file".into()))?;
+                let (path, off) = region.file.clone().ok_or_else(|| {
+                    starling_image::DescriptorError::Invalid(format!("file page at {t:#x} of a region without a file"))
+                })?;
                 let file_off = off + (t - region.start);
                 let mut page = vec![0u8; PAGE_SIZE as usize];
                 if !self.files.contains_key(&path) {
@@ -578,7 +628,7 @@ impl FaultHandler {
                 self.shared.uffd.wake(dst, PAGE_SIZE);
                 Install::Present
             }
-            Fetched::Unreadable => return Err(ForkError::Other(format!("template page {tmpl:#x} unreadable"))),
+            Fetched::Unreadable => return Err(ForkError::PageUnreadable(tmpl)),
         };
         if done == Install::Retry {
             self.shared.hold(tmpl, page);
@@ -588,8 +638,22 @@ impl FaultHandler {
         Ok(done)
     }
 
-    /// Pages from the multicast group, or by unicast if multicast fails.
+    /// Pages held here, else from the multicast group, or by unicast if
+    /// multicast fails.
     fn fetch(&mut self, tmpl_addrs: &[u64]) -> Result<Vec<Fetched>> {
+        let Some(local) = self.local.clone() else { return self.fetch_remote(tmpl_addrs) };
+        let mut out: Vec<Option<Fetched>> = tmpl_addrs.iter().map(|&a| local.page(a).map(|p| Fetched::Data(p.to_vec()))).collect();
+        let missing: Vec<u64> = tmpl_addrs.iter().zip(&out).filter(|(_, f)| f.is_none()).map(|(&a, _)| a).collect();
+        if !missing.is_empty() {
+            let mut remote = self.fetch_remote(&missing)?.into_iter();
+            for slot in out.iter_mut().filter(|f| f.is_none()) {
+                *slot = remote.next();
+            }
+        }
+        Ok(out.into_iter().map(|f| f.unwrap_or(Fetched::Unreadable)).collect())
+    }
+
+    fn fetch_remote(&mut self, tmpl_addrs: &[u64]) -> Result<Vec<Fetched>> {
         if let Some(rx) = &self.mc {
             match rx.fetch(tmpl_addrs) {
                 Ok(r) => return Ok(r),
@@ -604,10 +668,71 @@ impl FaultHandler {
     }
 }
 
+/// The drain's loop (see [`FaultHandler::spawn_drain`]).
+fn drain(shared: &Shared, local: Option<&dyn LocalPages>, installer: &Installer, client: &mut PageClient) -> Result<DrainReport> {
+    const RUN: usize = 256;
+    let mut report = DrainReport::default();
+    loop {
+        let mut left = false;
+        for (ri, region) in shared.regions.iter().enumerate() {
+            let mut pi = 0;
+            while pi < region.state.len() {
+                // A run of pages still to fetch, not held.
+                let mut run = Vec::new();
+                while pi < region.state.len() && run.len() < RUN {
+                    let addr = region.start + pi as u64 * PAGE_SIZE;
+                    let wanted = shared.state(ri, pi) == ST_FETCH && !shared.held().contains_key(&addr);
+                    pi += 1;
+                    if wanted {
+                        run.push(addr);
+                    } else if !run.is_empty() {
+                        break;
+                    }
+                }
+                if run.is_empty() {
+                    continue;
+                }
+                left = true;
+                let mut pages = Vec::with_capacity(run.len());
+                let mut remote = Vec::new();
+                for &a in &run {
+                    match local.and_then(|l| l.page(a)) {
+                        Some(p) => pages.push((a, Fetched::Data(p.to_vec()))),
+                        None => remote.push(a),
+                    }
+                }
+                report.local_pages += pages.len() as u64;
+                for batch in remote.chunks(crate::page_server::MAX_BATCH as usize) {
+                    let got = client.fetch(batch)?;
+                    report.remote_pages += batch.len() as u64;
+                    pages.extend(batch.iter().copied().zip(got.into_iter().map(Fetched::from)));
+                }
+                pages.sort_by_key(|p| p.0);
+                if let Some((a, _)) = pages.iter().find(|p| matches!(p.1, Fetched::Unreadable)) {
+                    return Err(ForkError::PageUnreadable(*a));
+                }
+                installer.offer(&pages);
+                // What could not go in now (a moved range, or refused while a
+                // map change is unread) is kept here for its fault.
+                let mut held = shared.held();
+                for (a, p) in pages {
+                    let still = shared.locate(a).is_some_and(|(r, i)| shared.state(r, i) == ST_FETCH);
+                    if still && matches!(p, Fetched::Data(_) | Fetched::Zero) {
+                        held.insert(a, p);
+                    }
+                }
+            }
+        }
+        if !left {
+            return Ok(report);
+        }
+    }
+}
+
 /// Join the ticket's multicast group if the page server offers one and it
 /// works here; record the outcome in `stats.mode`.
 fn start_receiver(shared: &Arc<Shared>, client: &mut PageClient, stats: &Arc<FaultStats>, opts: &FaultOptions) -> Option<Receiver> {
-    let sink = Arc::new(CloneSink { shared: shared.clone(), stats: stats.clone() });
+    let sink = Arc::new(Installer { shared: shared.clone(), stats: stats.clone(), unsolicited: true });
     let (rx, mode) = join_group(client, opts, sink);
     stats.mode.store(mode as u8, Ordering::Relaxed);
     rx
@@ -659,8 +784,8 @@ impl PageSink for NoSink {
 /// the ticket asks at about the same moment and one transmission answers
 /// them all — else over TCP. Returns the bytes and how they came.
 pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
-    if len == 0 || len as u64 > crate::descriptor::MAX_DESCRIPTOR_BYTES {
-        return Err(ForkError::Protocol(format!("descriptor of {len} bytes")));
+    if len == 0 || len as u64 > starling_image::MAX_DESCRIPTOR_BYTES {
+        return Err(PageProtocolError::DescriptorLength(len).into());
     }
     let addrs = crate::page_server::descriptor_pages(len);
     let mut client = PageClient::connect(server)?;
@@ -692,12 +817,12 @@ pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &
         match p {
             Fetched::Data(d) if d.len() == PAGE_SIZE as usize => bytes.extend_from_slice(&d),
             Fetched::Zero => bytes.resize(bytes.len() + PAGE_SIZE as usize, 0),
-            _ => return Err(ForkError::Protocol("descriptor page unreadable".into())),
+            _ => return Err(PageProtocolError::DescriptorUnreadable.into()),
         }
     }
     bytes.truncate(len);
     if starling_proto::Hash::of(&bytes).0 != *hash {
-        return Err(ForkError::Protocol("descriptor does not match its hash".into()));
+        return Err(PageProtocolError::DescriptorHash.into());
     }
     Ok((bytes, mode))
 }

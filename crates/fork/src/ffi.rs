@@ -6,6 +6,7 @@
 
 use crate::api::Ticket;
 use crate::ForkError;
+use starling_image::abi::counters::CloneCounter;
 use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_longlong, CString};
 
@@ -112,9 +113,11 @@ pub unsafe extern "C" fn sf_clone_status(t: *const SfTicket, id: c_int) -> c_int
     t.clone_status(id).unwrap_or(-1)
 }
 
-/// Extension: counters of clone `id`'s fault handler; `which`: 0 faults,
-/// 1 pages fetched from the page server, 2 zero-filled, 3 read from files,
-/// 4 fetch requests, 5 remove/unmap events. -1 if unknown.
+/// Extension: counters of clone `id`'s fault handler; `which` is a
+/// `starling_image::abi::counters::CloneCounter` (`SF_CLONE_STAT_*`): 0
+/// faults, 1 pages fetched from the page server, 2 zero-filled, 3 read from
+/// files, 4 fetch requests, 5 remove/unmap events, 6 distribution mode, 7
+/// pages multicast without asking. -1 if unknown.
 ///
 /// # Safety
 /// As `sf_ticket_allocation`.
@@ -122,8 +125,8 @@ pub unsafe extern "C" fn sf_clone_status(t: *const SfTicket, id: c_int) -> c_int
 pub unsafe extern "C" fn sf_clone_stat(t: *const SfTicket, id: c_int, which: c_int) -> c_longlong {
     // SAFETY: per the contract.
     let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
-    match (t.clone_stats(id), usize::try_from(which)) {
-        (Some(s), Ok(w)) if w < s.len() => s[w] as c_longlong,
+    match (t.clone_stats(id), CloneCounter::from_index(which)) {
+        (Some(s), Some(c)) => c_longlong::try_from(s.get(c)).unwrap_or(c_longlong::MAX),
         _ => -1,
     }
 }

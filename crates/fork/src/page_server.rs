@@ -32,7 +32,7 @@
 //! frozen while the parent goes on). All-zero pages are answered with the
 //! one-byte ZERO tag.
 
-use crate::{ForkError, Result, PAGE_SIZE};
+use crate::{ForkError, PageProtocolError, Result, PAGE_SIZE};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use starling_mcdist::{Sender, SenderConfig, Switch};
@@ -401,17 +401,17 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
             continue;
         }
         if hdr[..4] != REQ_MAGIC {
-            return Err(ForkError::Protocol("bad request magic".into()));
+            return Err(PageProtocolError::RequestMagic.into());
         }
         let count = u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes"));
         if count == 0 || count > MAX_BATCH {
-            return Err(ForkError::Protocol(format!("batch of {count} pages")));
+            return Err(PageProtocolError::BatchSize(count as usize).into());
         }
         let mut raw = vec![0u8; count as usize * 8];
         rd.read_exact(&mut raw).map_err(|e| ForkError::io("read page addresses", e))?;
         let addrs: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
         if let Some(bad) = addrs.iter().find(|&&a| !image.serves(a)) {
-            return Err(ForkError::Protocol(format!("page {bad:#x} not served")));
+            return Err(PageProtocolError::NotServed(*bad).into());
         }
         stats.requests.fetch_add(1, Ordering::Relaxed);
         stats.pages_requested.fetch_add(addrs.len() as u64, Ordering::Relaxed);
@@ -516,7 +516,7 @@ impl PageClient {
         let mut r = [0u8; 4 + 1 + 8 + 6 + 6];
         self.rd.read_exact(&mut r).map_err(io)?;
         if r[..4] != MCDIST_REPLY_MAGIC {
-            return Err(ForkError::Protocol("bad mcdist reply".into()));
+            return Err(PageProtocolError::McdistReply.into());
         }
         let v4 = |o: usize| {
             SocketAddrV4::new(Ipv4Addr::new(r[o], r[o + 1], r[o + 2], r[o + 3]), u16::from_le_bytes([r[o + 4], r[o + 5]]))
@@ -537,14 +537,14 @@ impl PageClient {
                     sender,
                 })
             }
-            m => return Err(ForkError::Protocol(format!("bad mcdist mode {m}"))),
+            m => return Err(PageProtocolError::McdistMode(m).into()),
         })
     }
 
     /// Fetch a batch of page addresses (1..=MAX_BATCH).
     pub fn fetch(&mut self, addrs: &[u64]) -> Result<Vec<PageReply>> {
         if addrs.is_empty() || addrs.len() > MAX_BATCH as usize {
-            return Err(ForkError::Protocol(format!("batch of {} pages", addrs.len())));
+            return Err(PageProtocolError::BatchSize(addrs.len()).into());
         }
         let io = |e| ForkError::io("page server", e);
         self.wr.write_all(&REQ_MAGIC).map_err(io)?;
@@ -556,7 +556,7 @@ impl PageClient {
         let mut hdr = [0u8; 8];
         self.rd.read_exact(&mut hdr).map_err(io)?;
         if hdr[..4] != REPLY_MAGIC || u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes")) as usize != addrs.len() {
-            return Err(ForkError::Protocol("bad reply header".into()));
+            return Err(PageProtocolError::ReplyHeader.into());
         }
         let mut out = Vec::with_capacity(addrs.len());
         for _ in addrs {
@@ -570,7 +570,7 @@ impl PageClient {
                     PageReply::Data(page)
                 }
                 TAG_UNREADABLE => PageReply::Unreadable,
-                t => return Err(ForkError::Protocol(format!("bad page tag {t}"))),
+                t => return Err(PageProtocolError::PageTag(t).into()),
             });
         }
         Ok(out)

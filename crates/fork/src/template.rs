@@ -1,73 +1,66 @@
 //! The template: a frozen `fork()` child holding the caller's state.
 //!
 //! [`fork_template`] calls libc `fork()` (so `pthread_atfork` handlers run as
-//! usual). The child records a *resume point* inside this module's frame — a
-//! setjmp-like snapshot of the callee-saved registers, rsp, rip, MXCSR and
-//! the x87 control word — then records what only it can read about itself
-//! exactly (signal dispositions and mask, fs base, clear-tid address, robust
-//! list, rseq area, alternate signal stack, brk), sends that
+//! usual). The child records a *resume point* inside this module's frame —
+//! the callee-saved registers, rsp and rip into the image's [`GpRegs`], and
+//! the FPU state with `fxsave64` — then records what only it can read about
+//! itself exactly (signal dispositions and mask, fs base, clear-tid address,
+//! robust list, rseq area, alternate signal stack, brk), sends that
 //! [`TemplateRecord`] to the parent over a pipe, and freezes blocked in
-//! `read()` on another pipe. It never leaves that frame: when a clone jumps
-//! to the resume point, the snapshot routine "returns" the clone ID instead
-//! of 0 and the clone returns out of [`fork_template`] as
-//! [`ForkOutcome::Clone`].
+//! `read()` on another pipe. It never leaves that frame: a restored clone
+//! resumes at the resume point with its clone ID in rax (the restorer's
+//! `rt_sigreturn` frame), so the save routine "returns" the ID instead of 0
+//! and the clone returns out of [`fork_template`] as [`ForkOutcome::Clone`].
 
-use crate::{ForkError, KernelSigaction, ResumeContext, Result};
+use crate::{ForkError, Result};
+use starling_image::abi::regs::{FxSave, GpRegs, USER_CS, USER_EFLAGS, USER_SS};
+use starling_image::abi::signal::{Sigaction, SigactionTable};
+use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
-// Save a resume point into `*rdi` and return 0. A restorer that loads the
-// context and jumps to `rip` with eax = id makes this call return `id`.
-// Offsets match `ResumeContext` (repr(C), nine u64s; MXCSR in the low half of
-// the last one, the x87 control word right after it).
+// Save a resume point and return 0: callee-saved registers, the stack
+// pointer after return and the return address into `*rdi` (a `GpRegs`:
+// `user_regs_struct` offsets), the FPU state into `*rsi` (an `FxSave`). A
+// thread resumed from these registers with eax = id returns `id` from here.
 core::arch::global_asm!(
     ".globl starling_fork_save_resume_point",
     ".type starling_fork_save_resume_point,@function",
     "starling_fork_save_resume_point:",
-    "mov [rdi + 0], rbx",
-    "mov [rdi + 8], rbp",
-    "mov [rdi + 16], r12",
-    "mov [rdi + 24], r13",
-    "mov [rdi + 32], r14",
-    "mov [rdi + 40], r15",
-    "lea rax, [rsp + 8]",
-    "mov [rdi + 48], rax",
+    "mov [rdi + 0], r15",
+    "mov [rdi + 8], r14",
+    "mov [rdi + 16], r13",
+    "mov [rdi + 24], r12",
+    "mov [rdi + 32], rbp",
+    "mov [rdi + 40], rbx",
     "mov rax, [rsp]",
-    "mov [rdi + 56], rax",
-    "mov qword ptr [rdi + 64], 0",
-    "stmxcsr [rdi + 64]",
-    "fnstcw [rdi + 68]",
+    "mov [rdi + 128], rax",
+    "lea rax, [rsp + 8]",
+    "mov [rdi + 152], rax",
+    "fxsave64 [rsi]",
     "xor eax, eax",
     "ret",
 );
 
 extern "C" {
     /// Returns 0 after saving; returns the clone ID when resumed by a restorer.
-    fn starling_fork_save_resume_point(ctx: *mut ResumeContext) -> u32;
+    fn starling_fork_save_resume_point(regs: *mut GpRegs, fpu: *mut FxSave) -> u32;
 }
 
 const RECORD_MAGIC: u64 = u64::from_le_bytes(*b"STRLTMPL");
 /// rseq signature glibc uses on x86-64.
 pub const RSEQ_SIG: u32 = 0x5305_3053;
 
-/// What the template records about itself before freezing. Sent raw over a
-/// pipe to the parent: both sides are the same binary, so the layout agrees.
+/// What the template records about itself before freezing: the image's
+/// per-thread state and dispositions, plus what only the pipe protocol
+/// needs. Sent raw over a pipe to the parent: both sides are the same
+/// binary, so the layout agrees.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct TemplateRecord {
     pub magic: u64,
-    pub resume: ResumeContext,
-    pub fs_base: u64,
-    pub tid_address: u64,
-    pub robust_head: u64,
-    pub robust_len: u64,
-    pub rseq_addr: u64,
-    pub rseq_len: u64,
-    pub rseq_sig: u64,
-    pub sigmask: u64,
-    pub altstack_sp: u64,
-    pub altstack_flags: u64,
-    pub altstack_size: u64,
-    pub sigactions: [KernelSigaction; 64],
+    pub thread: ThreadCore,
+    pub fpu: FxSave,
+    pub sigactions: SigactionTable,
     pub brk: u64,
     /// The fd the template is frozen on: not part of the clone's fd table.
     pub freeze_fd: u64,
@@ -77,9 +70,11 @@ impl TemplateRecord {
     /// An all-zero record (what a process that is not a template "recorded").
     pub fn zeroed() -> Self {
         TemplateRecord {
-            magic: 0, resume: ResumeContext::default(), fs_base: 0, tid_address: 0, robust_head: 0,
-            robust_len: 0, rseq_addr: 0, rseq_len: 0, rseq_sig: 0, sigmask: 0, altstack_sp: 0,
-            altstack_flags: 0, altstack_size: 0, sigactions: [KernelSigaction::default(); 64], brk: 0,
+            magic: 0,
+            thread: ThreadCore::default(),
+            fpu: FxSave::zeroed(),
+            sigactions: SigactionTable::default(),
+            brk: 0,
             freeze_fd: 0,
         }
     }
@@ -194,7 +189,7 @@ fn template_child(state_w: RawFd, freeze_r: RawFd, parent_pid: i32) -> u32 {
     // from this frame but the return value is used, and the callee-saved
     // registers the caller relies on are restored by the restorer exactly as
     // saved here.
-    let id = unsafe { starling_fork_save_resume_point(&mut record.resume) };
+    let id = unsafe { starling_fork_save_resume_point(&mut record.thread.regs, &mut record.fpu) };
     if id != 0 {
         return id;
     }
@@ -202,42 +197,47 @@ fn template_child(state_w: RawFd, freeze_r: RawFd, parent_pid: i32) -> u32 {
 }
 
 fn raw_syscall_record(record: &mut TemplateRecord) {
+    let t = &mut record.thread;
+    t.regs.cs = USER_CS;
+    t.regs.ss = USER_SS;
+    t.regs.eflags = USER_EFLAGS;
     // SAFETY (whole function): each syscall writes only into fields of
     // `record` or locals passed by pointer with the sizes the kernel expects.
     unsafe {
-        libc::syscall(libc::SYS_arch_prctl, 0x1003 /* ARCH_GET_FS */, &mut record.fs_base as *mut u64);
+        t.tid = libc::getpid() as u64;
+        libc::syscall(libc::SYS_arch_prctl, 0x1003 /* ARCH_GET_FS */, &mut t.regs.fs_base as *mut u64);
+        libc::syscall(libc::SYS_arch_prctl, 0x1004 /* ARCH_GET_GS */, &mut t.regs.gs_base as *mut u64);
         let mut tid_addr: u64 = 0;
         if libc::prctl(libc::PR_GET_TID_ADDRESS, &mut tid_addr as *mut u64) == 0 {
-            record.tid_address = tid_addr;
+            t.tid_address = tid_addr;
         }
         let mut head: u64 = 0;
         let mut len: usize = 0;
         if libc::syscall(libc::SYS_get_robust_list, 0, &mut head as *mut u64, &mut len as *mut usize) == 0 {
-            record.robust_head = head;
-            record.robust_len = len as u64;
+            t.robust = RobustList { head, len: len as u64 };
         }
-        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_BLOCK, std::ptr::null::<u64>(), &mut record.sigmask as *mut u64, 8);
-        for sig in 1..=64usize {
-            let mut act = KernelSigaction::default();
-            if libc::syscall(libc::SYS_rt_sigaction, sig, std::ptr::null::<KernelSigaction>(), &mut act as *mut KernelSigaction, 8) == 0 {
-                record.sigactions[sig - 1] = act;
+        libc::syscall(libc::SYS_rt_sigprocmask, libc::SIG_BLOCK, std::ptr::null::<u64>(), &mut t.sigmask as *mut u64, 8);
+        for (i, slot) in record.sigactions.0.iter_mut().enumerate() {
+            let mut act = Sigaction::default();
+            if libc::syscall(libc::SYS_rt_sigaction, i + 1, std::ptr::null::<Sigaction>(), &mut act as *mut Sigaction, 8) == 0 {
+                *slot = act;
             }
         }
         let mut ss: libc::stack_t = std::mem::zeroed();
         if libc::sigaltstack(std::ptr::null(), &mut ss) == 0 && ss.ss_flags & libc::SS_DISABLE == 0 {
-            record.altstack_sp = ss.ss_sp as u64;
-            record.altstack_flags = ss.ss_flags as u64;
-            record.altstack_size = ss.ss_size as u64;
+            t.altstack = AltStack { sp: ss.ss_sp as u64, flags: ss.ss_flags as u64, size: ss.ss_size as u64 };
         }
         record.brk = libc::sbrk(0) as u64;
         // glibc (≥ 2.35) registers an rseq area at thread pointer + __rseq_offset.
         let off = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_offset".as_ptr()) as *const isize;
         let size = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_size".as_ptr()) as *const u32;
         if !off.is_null() && !size.is_null() && *size > 0 {
-            record.rseq_addr = (record.fs_base as i64 + *off as i64) as u64;
-            // glibc registers at least the original 32-byte ABI size.
-            record.rseq_len = (*size as u64).max(32);
-            record.rseq_sig = RSEQ_SIG as u64;
+            t.rseq = Rseq {
+                addr: (t.regs.fs_base as i64 + *off as i64) as u64,
+                // glibc registers at least the original 32-byte ABI size.
+                len: (*size as u64).max(32),
+                sig: RSEQ_SIG as u64,
+            };
         }
     }
 }

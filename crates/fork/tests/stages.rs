@@ -1,6 +1,7 @@
 //! Stage tests: descriptor encoding/validation, dump refusals, page server.
 
-use starling_fork::descriptor::{dump, Descriptor, PageClass};
+use starling_fork::dump::dump;
+use starling_fork::{Descriptor, PageClass};
 use starling_fork::page_server::{PageClient, PageReply, PageServer};
 use starling_fork::template::TemplateRecord;
 use starling_fork::ForkError;
@@ -50,7 +51,7 @@ fn descriptor_roundtrip_and_rejects_bad_bytes() {
     let d = dump(pid, &TemplateRecord::zeroed());
     reap(pid);
     let d = d.expect("dump a plain child");
-    assert!(d.regions.iter().any(|r| matches!(r.kind, starling_fork::descriptor::RegionKind::Vdso)));
+    assert!(d.regions.iter().any(|r| matches!(r.kind, starling_fork::image::RegionKind::Vdso)));
     let bytes = d.encode();
     assert_eq!(Descriptor::decode(&bytes).expect("decode"), d);
     let mut trailing = bytes.clone();

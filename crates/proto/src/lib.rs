@@ -24,6 +24,8 @@ pub mod conn;
 pub use frame::{read_frame, write_frame, FrameReader, FrameWriter};
 pub use msg::*;
 pub use types::*;
+/// A clone's fault-handler counters, as `CloneStats` carries them (defined with the process image).
+pub use starling_image::abi::counters::CloneCounters;
 
 /// Frame magic: identifies a starling peer.
 pub const MAGIC: [u8; 4] = *b"STRL";

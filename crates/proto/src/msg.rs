@@ -2,7 +2,7 @@
 //! variants that make sense for its role and answers others with `Error`.
 
 use crate::types::*;
-use crate::{ProtoError, MAX_PATH};
+use crate::{CloneCounters, ProtoError, MAX_PATH};
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -103,9 +103,9 @@ pub enum Msg {
     /// Agent → client: one clone of a clone task ended: its exit status when
     /// the restorer reported one (a hierarchical task holds several clones;
     /// `Finished` carries only the first one's), and its fault-handler
-    /// counters (`starling_fork::fault::FaultStats` order). Sent once per
-    /// clone after the task's processes ended, before `Finished`.
-    CloneStats { task: TaskId, clone_id: u32, status: Option<ExitStatus>, counters: Vec<u64> },
+    /// counters. Sent once per clone after the task's processes ended,
+    /// before `Finished`.
+    CloneStats { task: TaskId, clone_id: u32, status: Option<ExitStatus>, counters: CloneCounters },
     /// Client → agent: changes committed (paths that conflicted were saved beside).
     Committed { task: TaskId, conflicts: Vec<WirePath> },
 
@@ -211,7 +211,6 @@ impl Msg {
                 changes.iter().try_for_each(|c| c.validate())?;
                 accessed.iter().try_for_each(|p| p.validate())
             }
-            Msg::CloneStats { counters, .. } => check_bytes("clone counters", counters.len(), 64),
             Msg::Push { recipes, chunks } => {
                 check_bytes("pushed chunks", chunks.len(), MAX_BATCH)?;
                 recipes.iter().try_for_each(|r| r.validate())

@@ -206,12 +206,14 @@ fn clone_status(py: Python<'_>, ticket: PyRef<'_, Ticket>, id: i32) -> PyResult<
     describe_status(py, ticket.core.clone_status(id))
 }
 
-/// Fault-handler counters of clone `id` after it ran, as a dict
-/// (faults, pages fetched/zero/file, fetch requests, remove events), or None.
+/// Fault-handler counters of clone `id` after it ran, as a dict by name
+/// (faults, pages_fetched, pages_zero, pages_file, fetch_requests,
+/// events_remove, mode, pages_multicast_unsolicited), or None.
 #[pyfunction]
 fn clone_stats(ticket: PyRef<'_, Ticket>, id: i32) -> Option<std::collections::BTreeMap<&'static str, u64>> {
-    let names = ["faults", "pages_fetched", "pages_zero", "pages_file", "fetch_requests", "remove_events"];
-    ticket.core.clone_stats(id).map(|v| names.into_iter().zip(v).collect())
+    use starling_fork::image::abi::counters::CloneCounter;
+    let c = ticket.core.clone_stats(id)?;
+    Some(CloneCounter::ALL.iter().map(|&k| (k.name(), c.get(k))).collect())
 }
 
 /// This process's clone ID: 0 unless it is a clone.

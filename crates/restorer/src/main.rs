@@ -2,7 +2,7 @@
 //!
 //! `starling-restorer --extract PATH` writes the static executable to PATH
 //! (mode 0755). Without arguments it execs the static restorer in place,
-//! keeping fds 0-4 (plan on fd 3, handler socket on fd 4).
+//! keeping fds 0-4 (see `starling_image::abi::restorer`).
 
 use std::io::Write;
 use std::os::unix::fs::PermissionsExt;
@@ -21,7 +21,7 @@ fn main() {
         return;
     }
     if args.len() != 1 {
-        eprintln!("usage: starling-restorer [--extract PATH]   (plan on fd 3, handler socket on fd 4)");
+        eprintln!("usage: starling-restorer [--extract PATH]   (plan on fd 3, handler socket on fd 4: starling_image::abi::restorer)");
         std::process::exit(2);
     }
     let err = exec_embedded();

@@ -1,37 +1,46 @@
 //! starling's restorer: a static, no-libc program that turns itself into a
-//! clone of a frozen template process.
+//! process described by a restore plan — a clone of a remote-fork template,
+//! or a migrated process with all its threads.
 //!
 //! It is compiled by `build.rs` straight with `rustc` (`panic=abort`, linked
-//! `-static -nostartfiles -no-pie` at a fixed high address, see
-//! `RESTORER_BASE` there) because a `no_std` binary needs `panic=abort`, which
-//! a workspace profile cannot set per package on stable Rust.
+//! `-static -nostartfiles -no-pie` at `abi::RESTORER_BASE`) because a
+//! `no_std` binary needs `panic=abort`, which a workspace profile cannot set
+//! per package on stable Rust. The plan's records are the process image's
+//! `repr(C)` layer (`crates/image/src/abi`), compiled into this binary.
 //!
-//! Inputs (set up by whoever starts it, e.g. `starling_fork::local`):
-//! * fd 3: the restore plan (see `plan.rs`), read to EOF;
-//! * fd 4: a unix stream socket to the fault handler, which receives the
-//!   clone's userfaultfd over SCM_RIGHTS;
-//! * fds 0-2: the clone's stdio.
+//! Inputs (`abi::restorer`): the plan on `PLAN_FD`, read to EOF; a
+//! seqpacket socket to the fault handler on `HANDLER_FD`; the process's
+//! stdio on 0-2.
 //!
-//! Steps: (1) optional PID namespace: unshare, an init with PID 1, and the
-//! clone with `set_tid` = the template's PID; (2) in the clone: move off the
-//! kernel-made stack onto a static one, unmap it, move vDSO/vvar to the
-//! template's addresses; (3) map every region at its exact address; (4)
-//! create a userfaultfd, register the regions with data to fetch, pass it to
-//! the handler; (5) restore fds, cwd, umask, rlimits, credentials, signals,
-//! fs base, robust list, clear-tid address, rseq; (6) load the resume
-//! context and jump, with the clone ID as the return value.
+//! Steps: (1) block every signal; optionally a PID namespace: unshare, an
+//! init with PID 1, and the process with `set_tid` = its PID (PID 1 forks
+//! several for a hierarchical clone ticket); (2) move off the kernel-made
+//! stack onto a static one, unmap it, move vDSO/vvar to the image's
+//! addresses; (3) map every region at its exact address; (4) create a
+//! userfaultfd, register the regions with data to fetch, pass it to the
+//! handler; (5) restore fds, cwd, umask, rlimits, sigactions; (6) create the
+//! other threads with `clone3` `set_tid` = their TIDs; every thread restores
+//! its own fs/gs base, robust list, clear-tid address, rseq and credentials
+//! and queues its pending signals, then waits at a barrier while the leader
+//! arms the interval timers; (7) each thread resumes with `rt_sigreturn` on
+//! a frame holding its registers, FPU state, signal mask and altstack.
 //!
-//! Failures before the jump exit with a code from `plan::EXIT_*`.
+//! Failures before the process resumes exit with an `abi::restorer::RestorerExit` code.
 
 #![no_std]
 #![no_main]
 
-#[path = "plan.rs"]
+#[path = "../../image/src/abi/mod.rs"]
 #[allow(dead_code)]
-mod plan;
+mod abi;
 
+use abi::plan::*;
+use abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES, USER_CS, USER_SS};
+use abi::restorer::{Record, RecordTag, RestorerExit, HANDLER_FD, PLAN_FD, RECORD_SIZE};
+use abi::signal::{SigInfo, Sigaction};
+use abi::PAGE_SIZE as PAGE;
 use core::arch::{asm, global_asm};
-use plan::*;
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 // ---------------------------------------------------------------------------
 // raw system calls
@@ -46,27 +55,34 @@ mod nr {
     pub const MUNMAP: usize = 11;
     pub const RT_SIGACTION: usize = 13;
     pub const RT_SIGPROCMASK: usize = 14;
+    pub const RT_SIGRETURN: usize = 15;
     pub const IOCTL: usize = 16;
     pub const MREMAP: usize = 25;
     pub const DUP2: usize = 33;
+    pub const SETITIMER: usize = 38;
+    pub const GETPID: usize = 39;
+    pub const KILL: usize = 62;
     pub const SENDMSG: usize = 46;
     pub const EXIT: usize = 60;
     pub const WAIT4: usize = 61;
     pub const FCNTL: usize = 72;
     pub const CHDIR: usize = 80;
     pub const UMASK: usize = 95;
-    pub const GETTID: usize = 186;
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
     pub const SETRESGID: usize = 119;
-    pub const SIGALTSTACK: usize = 131;
+    pub const RT_SIGTIMEDWAIT: usize = 128;
+    pub const RT_SIGQUEUEINFO: usize = 129;
     pub const PRCTL: usize = 157;
     pub const ARCH_PRCTL: usize = 158;
+    pub const GETTID: usize = 186;
+    pub const FUTEX: usize = 202;
     pub const SET_TID_ADDRESS: usize = 218;
     pub const EXIT_GROUP: usize = 231;
     pub const UNSHARE: usize = 272;
     pub const SET_ROBUST_LIST: usize = 273;
     pub const PIPE2: usize = 293;
+    pub const RT_TGSIGQUEUEINFO: usize = 297;
     pub const PRLIMIT64: usize = 302;
     pub const USERFAULTFD: usize = 323;
     pub const RSEQ: usize = 334;
@@ -136,8 +152,9 @@ fn write_num(fd: i32, mut v: u64, hex: bool) {
     write_all(fd, &tmp[i..]);
 }
 
-/// Print "starling-restorer: <what> <value> (errno <e>)" on stderr and exit.
-fn die(code: i32, what: &str, value: u64, err: isize) -> ! {
+/// Print "starling-restorer: <what> 0x<value> (errno <e>)" on stderr and exit
+/// the whole thread group with `code`.
+fn die(code: RestorerExit, what: &str, value: u64, err: isize) -> ! {
     write_all(2, b"starling-restorer: ");
     write_all(2, what.as_bytes());
     write_all(2, b" 0x");
@@ -145,7 +162,7 @@ fn die(code: i32, what: &str, value: u64, err: isize) -> ! {
     write_all(2, b" (errno ");
     write_num(2, (-err) as u64, false);
     write_all(2, b")\n");
-    exit_group(code)
+    exit_group(code as i32)
 }
 
 // ---------------------------------------------------------------------------
@@ -210,29 +227,34 @@ pub extern "C" fn rust_eh_personality() {}
 
 #[panic_handler]
 fn on_panic(_: &core::panic::PanicInfo) -> ! {
-    die(EXIT_BAD_PLAN, "internal panic", 0, 0)
+    die(RestorerExit::BadPlan, "internal panic", 0, 0)
 }
 
 // ---------------------------------------------------------------------------
 // static storage: the restorer never allocates
 
-const PAGE: u64 = 4096;
 const STACK_BYTES: usize = 256 * 1024;
+/// Stack of each further thread while it restores itself.
+const THREAD_STACK_BYTES: usize = 16 * 1024;
 
 #[repr(C, align(4096))]
 struct Aligned<const N: usize>([u8; N]);
 
-/// Our own stack, inside our image, so that the kernel-made stack (placed at
-/// a random address that may collide with the template's) can be unmapped.
+/// The leader's stack, inside our image, so that the kernel-made stack
+/// (placed at a random address that may collide with the image's) can be
+/// unmapped.
 static mut STACK: Aligned<STACK_BYTES> = Aligned([0; STACK_BYTES]);
-/// The plan, read from fd 3.
+/// One stack per further thread (untouched ones cost no memory).
+static mut THREAD_STACKS: Aligned<{ THREAD_STACK_BYTES * MAX_THREADS as usize }> =
+    Aligned([0; THREAD_STACK_BYTES * MAX_THREADS as usize]);
+/// The plan, read from `PLAN_FD`.
 static mut PLAN: Aligned<PLAN_MAX_BYTES> = Aligned([0; PLAN_MAX_BYTES]);
 /// Our /proc/self/maps.
 static mut MAPS: Aligned<65536> = Aligned([0; 65536]);
-/// Parking lot for the host vDSO/vvar while they move to the template's
+/// Parking lot for the host vDSO/vvar while they move to the image's
 /// addresses (mremap onto it replaces these pages; they are never touched).
 static mut PARKING: Aligned<{ 16 * 4096 }> = Aligned([0; 16 * 4096]);
-/// Path buffer for NUL-terminating plan strings.
+/// Path buffer for NUL-terminating plan strings (leader only).
 static mut PATHBUF: Aligned<4096> = Aligned([0; 4096]);
 
 extern "C" {
@@ -255,44 +277,53 @@ global_asm!(
     main = sym restorer_main,
 );
 
-// Load a `ResumeContext` (rdi) and jump to its rip with eax = clone id (esi).
-// Everything the SysV ABI lets the callee rely on is restored: callee-saved
-// registers, rsp, MXCSR and the x87 control word.
+// `clone3(args, size)` for a thread: in the child (rax = 0, on the stack the
+// args name) call `entry(arg)`, which never returns. r8/r9 carry entry and
+// arg across the syscall (only rcx and r11 are clobbered; the child starts
+// with the parent's other registers).
 global_asm!(
-    ".globl starling_restorer_jump",
-    "starling_restorer_jump:",
-    "mov rbx, [rdi + 0]",
-    "mov rbp, [rdi + 8]",
-    "mov r12, [rdi + 16]",
-    "mov r13, [rdi + 24]",
-    "mov r14, [rdi + 32]",
-    "mov r15, [rdi + 40]",
-    "ldmxcsr [rdi + 64]",
-    "fldcw [rdi + 68]",
-    "mov rsp, [rdi + 48]",
-    "mov rax, [rdi + 56]",
-    "mov r11, rax",
-    "mov eax, esi",
-    "xor ecx, ecx",
-    "xor edx, edx",
-    "xor esi, esi",
-    "xor edi, edi",
-    "xor r8d, r8d",
-    "xor r9d, r9d",
-    "xor r10d, r10d",
-    "cld",
-    "jmp r11",
+    ".globl starling_restorer_clone_thread",
+    "starling_restorer_clone_thread:",
+    "mov r8, rdx",
+    "mov r9, rcx",
+    "mov eax, {clone3}",
+    "syscall",
+    "test rax, rax",
+    "jnz 1f",
+    "xor ebp, ebp",
+    "and rsp, -16",
+    "mov rdi, r9",
+    "call r8",
+    "ud2",
+    "1:",
+    "ret",
+    clone3 = const nr::CLONE3,
+);
+
+// Resume: make rsp point at the frame's `uc` (where `rt_sigreturn` expects
+// it: the return address slot of a signal handler has been popped) and
+// return from the "signal".
+global_asm!(
+    ".globl starling_restorer_sigreturn",
+    "starling_restorer_sigreturn:",
+    "mov rsp, rdi",
+    "mov eax, {sigreturn}",
+    "syscall",
+    "ud2",
+    sigreturn = const nr::RT_SIGRETURN,
 );
 
 extern "C" {
-    fn starling_restorer_jump(ctx: *const ResumeContext, id: u32) -> !;
+    fn starling_restorer_clone_thread(args: *const CloneArgs, size: usize, entry: extern "C" fn(u64) -> !, arg: u64) -> isize;
+    fn starling_restorer_sigreturn(uc: *const Ucontext) -> !;
 }
 
 // ---------------------------------------------------------------------------
+// the plan
 
 fn plan_bytes() -> &'static [u8] {
-    // SAFETY: PLAN is only written by `read_plan` before any reader exists;
-    // the restorer is single-threaded.
+    // SAFETY: PLAN is only written by `read_plan`, before any reader exists
+    // and before any other thread.
     unsafe { &(*core::ptr::addr_of!(PLAN)).0 }
 }
 
@@ -300,18 +331,18 @@ fn read_plan() -> usize {
     let mut got = 0usize;
     loop {
         if got == PLAN_MAX_BYTES {
-            die(EXIT_BAD_PLAN, "plan too large, limit", PLAN_MAX_BYTES as u64, 0);
+            die(RestorerExit::BadPlan, "plan too large, limit", PLAN_MAX_BYTES as u64, 0);
         }
         // SAFETY: writes at most PLAN_MAX_BYTES - got bytes into our static buffer.
         let n = unsafe {
             let base = core::ptr::addr_of_mut!(PLAN) as *mut u8;
-            sys!(nr::READ, 3, base.add(got), PLAN_MAX_BYTES - got)
+            sys!(nr::READ, PLAN_FD, base.add(got), PLAN_MAX_BYTES - got)
         };
         if n < 0 {
             if n == -4 {
                 continue;
             }
-            die(EXIT_BAD_PLAN, "read plan fd 3", 3, n);
+            die(RestorerExit::BadPlan, "read plan fd", PLAN_FD as u64, n);
         }
         if n == 0 {
             break;
@@ -319,65 +350,114 @@ fn read_plan() -> usize {
         got += n as usize;
     }
     // SAFETY: close takes an integer.
-    unsafe { sys!(nr::CLOSE, 3) };
+    unsafe { sys!(nr::CLOSE, PLAN_FD) };
     got
 }
 
 fn header() -> &'static PlanHeader {
-    // SAFETY: validated by `validate_plan` (size, alignment of the static buffer).
+    // SAFETY: validated by `validate_plan` (size; the static buffer is page aligned).
     unsafe { &*(plan_bytes().as_ptr() as *const PlanHeader) }
+}
+
+/// A table of `count` records of type T at `off`, checked by `validate_plan`.
+fn table<T>(off: u64, count: u64) -> &'static [T] {
+    // SAFETY: bounds and alignment checked in `validate_plan`; T is a plan
+    // record made of u64s, valid for any bytes.
+    unsafe { core::slice::from_raw_parts(plan_bytes().as_ptr().add(off as usize) as *const T, count as usize) }
+}
+
+fn threads() -> &'static [PlanThread] {
+    table(header().threads_off, header().n_threads)
+}
+
+fn regions() -> &'static [PlanRegion] {
+    table(header().regions_off, header().n_regions)
+}
+
+fn fds() -> &'static [PlanFd] {
+    table(header().fds_off, header().n_fds)
+}
+
+fn signals() -> &'static [PlanSignal] {
+    table(header().signals_off, header().n_signals)
+}
+
+/// The bytes a blob reference names (checked by `validate_plan`).
+fn blob(r: BlobRef) -> &'static [u8] {
+    let start = (header().blob_off + r.off) as usize;
+    &plan_bytes()[start..start + r.len as usize]
+}
+
+fn blob_ok(r: BlobRef) -> bool {
+    r.off.checked_add(r.len).is_some_and(|e| e <= header().blob_len)
 }
 
 fn validate_plan(len: usize) {
     if len < HEADER_SIZE {
-        die(EXIT_BAD_PLAN, "plan shorter than header", len as u64, 0);
+        die(RestorerExit::BadPlan, "plan shorter than header", len as u64, 0);
     }
     let h = header();
     if h.magic != PLAN_MAGIC || h.version != PLAN_VERSION || h.total_len != len as u64 {
-        die(EXIT_BAD_PLAN, "plan magic/version/length mismatch", h.version, 0);
+        die(RestorerExit::BadPlan, "plan magic/version/length mismatch", h.version, 0);
     }
     let in_bounds = |off: u64, count: u64, size: usize| -> bool {
         count <= (len as u64) && off % 8 == 0
-            && off.checked_add(count.saturating_mul(size as u64)).map_or(false, |e| e <= len as u64)
+            && off.checked_add(count.saturating_mul(size as u64)).is_some_and(|e| e <= len as u64)
     };
-    if !in_bounds(h.regions_off, h.n_regions, REGION_SIZE) || !in_bounds(h.fds_off, h.n_fds, FD_SIZE)
-        || !in_bounds(h.strings_off, h.strings_len, 1)
+    if !in_bounds(h.threads_off, h.n_threads, THREAD_SIZE)
+        || !in_bounds(h.regions_off, h.n_regions, REGION_SIZE)
+        || !in_bounds(h.fds_off, h.n_fds, FD_SIZE)
+        || !in_bounds(h.signals_off, h.n_signals, SIGNAL_SIZE)
+        || !in_bounds(h.blob_off, h.blob_len, 1)
+        || h.blob_off % 64 != 0
     {
-        die(EXIT_BAD_PLAN, "plan tables out of bounds", len as u64, 0);
+        die(RestorerExit::BadPlan, "plan tables out of bounds", len as u64, 0);
+    }
+    if h.n_threads == 0 || h.n_threads > MAX_THREADS {
+        die(RestorerExit::BadPlan, "thread count", h.n_threads, 0);
     }
     let several = h.clone_count > 1;
-    if h.clone_count == 0 || h.clone_count > MAX_CLONES_PER_RESTORE || (several && h.flags & PLAN_FLAG_NEW_PIDNS == 0) {
-        die(EXIT_BAD_PLAN, "clone count", h.clone_count, 0);
+    if h.clone_count == 0 || h.clone_count > MAX_CLONES_PER_RESTORE
+        || (several && (h.flags & PLAN_FLAG_NEW_PIDNS == 0 || h.n_threads != 1))
+    {
+        die(RestorerExit::BadPlan, "clone count", h.clone_count, 0);
+    }
+    if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || h.groups.len % 4 != 0 {
+        die(RestorerExit::BadPlan, "cwd/groups out of bounds", 0, 0);
+    }
+    for t in threads() {
+        if !blob_ok(t.fpu) || (t.fpu.off % 64) != 0 || (t.fpu.len as usize) < FXSAVE_BYTES {
+            die(RestorerExit::BadPlan, "thread FPU area", t.core.tid, 0);
+        }
+    }
+    if threads()[0].core.tid != h.process.pid {
+        die(RestorerExit::BadPlan, "leader tid is not the pid", threads()[0].core.tid, 0);
+    }
+    for r in regions() {
+        if !blob_ok(r.path) || r.map_kind().is_none() {
+            die(RestorerExit::BadPlan, "region", r.start, 0);
+        }
+    }
+    for f in fds() {
+        if !blob_ok(f.path) || f.restore_kind().is_none() {
+            die(RestorerExit::BadPlan, "fd", f.fd, 0);
+        }
     }
 }
 
-fn regions() -> &'static [PlanRegion] {
-    let h = header();
-    // SAFETY: bounds and alignment checked in `validate_plan`; PlanRegion is plain u64s.
-    unsafe {
-        core::slice::from_raw_parts(plan_bytes().as_ptr().add(h.regions_off as usize) as *const PlanRegion, h.n_regions as usize)
+/// A plan string copied into PATHBUF with a terminating NUL (leader only,
+/// before any other thread exists).
+fn cstr(r: BlobRef) -> *const u8 {
+    if r.len >= 4095 {
+        die(RestorerExit::BadPlan, "string too long", r.off, 0);
     }
-}
-
-fn fds() -> &'static [PlanFd] {
-    let h = header();
-    // SAFETY: bounds and alignment checked in `validate_plan`; PlanFd is plain u64s.
-    unsafe { core::slice::from_raw_parts(plan_bytes().as_ptr().add(h.fds_off as usize) as *const PlanFd, h.n_fds as usize) }
-}
-
-/// A plan string copied into PATHBUF with a terminating NUL.
-fn cstr(off: u64, len: u64) -> *const u8 {
-    let h = header();
-    if len >= 4095 || off.checked_add(len).map_or(true, |e| e > h.strings_len) {
-        die(EXIT_BAD_PLAN, "string out of bounds", off, 0);
-    }
-    let src = &plan_bytes()[(h.strings_off + off) as usize..(h.strings_off + off + len) as usize];
-    // SAFETY: single-threaded; PATHBUF is only used through this function and
-    // each result is consumed before the next call.
+    let src = blob(r);
+    // SAFETY: single-threaded here; PATHBUF is only used through this
+    // function and each result is consumed before the next call.
     unsafe {
         let dst = core::ptr::addr_of_mut!(PATHBUF) as *mut u8;
-        core::ptr::copy_nonoverlapping(src.as_ptr(), dst, len as usize);
-        *dst.add(len as usize) = 0;
+        core::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len());
+        *dst.add(src.len()) = 0;
         dst
     }
 }
@@ -417,82 +497,130 @@ fn fork_process(pid: Option<u64>) -> isize {
     unsafe { sys!(nr::CLONE3, &args as *const CloneArgs, core::mem::size_of::<CloneArgs>()) }
 }
 
-/// Reap one child (any: we may be a PID-ns init and inherit orphans):
-/// (pid, raw wait status), or None when there is no child left.
-fn reap_one() -> Option<(isize, i32)> {
-    loop {
-        let mut status: i32 = 0;
-        // SAFETY: status is a live i32; wait4(-1, ...) reaps any child.
-        let r = unsafe { sys!(nr::WAIT4, -1isize, &mut status as *mut i32, 0, 0) };
-        if r == -4 {
-            continue;
-        }
-        return if r < 0 { None } else { Some((r, status)) };
-    }
-}
-
 /// A raw wait status as an exit code (128+sig for a signal).
 fn exit_code(status: i32) -> i32 {
     let sig = status & 0x7f;
     if sig == 0 { (status >> 8) & 0xff } else { 128 + sig }
 }
 
-/// Wait for `child` and return its exit code.
-fn wait_for(child: isize) -> i32 {
+/// Signals passed on towards the restored process (the sandbox's own
+/// relayed set: HUP INT QUIT USR1 USR2 ALRM TERM CONT WINCH).
+const RELAYED: u64 = bit(1) | bit(2) | bit(3) | bit(10) | bit(12) | bit(14) | bit(15) | bit(18) | bit(28);
+const SIGCHLD: u64 = 17;
+
+const fn bit(sig: u64) -> u64 {
+    1 << (sig - 1)
+}
+
+/// Wait for the next relayed signal or SIGCHLD (all are blocked):
+/// its number, or 0 if interrupted.
+fn next_signal() -> u64 {
+    let set = RELAYED | bit(SIGCHLD);
+    let mut info = [0u64; 16];
+    // SAFETY: rt_sigtimedwait reads an 8-byte set and writes a 128-byte siginfo.
+    let r = unsafe { sys!(nr::RT_SIGTIMEDWAIT, &set as *const u64, info.as_mut_ptr(), 0, 8) };
+    if r > 0 { r as u64 } else { 0 }
+}
+
+/// Reap one ended child without blocking: (pid, raw status).
+fn reap_nohang() -> Option<(isize, i32)> {
+    let mut status: i32 = 0;
+    // SAFETY: status is a live i32; WNOHANG (1) never blocks.
+    let r = unsafe { sys!(nr::WAIT4, -1isize, &mut status as *mut i32, 1, 0) };
+    (r > 0).then_some((r, status))
+}
+
+/// The original process, once it started the PID namespace's init: pass
+/// the signals it gets on to `child` (the sandbox relays the user's
+/// Ctrl-C and SIGTERM to it), and exit with `child`'s code when it ends.
+fn relay_until_exit(child: isize) -> ! {
     loop {
-        match reap_one() {
-            None => return EXIT_PIDNS,
-            Some((pid, status)) if pid == child => return exit_code(status),
-            Some(_) => {}
+        let sig = next_signal();
+        if sig != SIGCHLD && sig != 0 {
+            // SAFETY: kill with integer arguments, to our own child.
+            unsafe { sys!(nr::KILL, child, sig) };
+            continue;
+        }
+        while let Some((pid, status)) = reap_nohang() {
+            if pid == child {
+                exit_group(exit_code(status));
+            }
+        }
+        if sig == 0 && reap_one_blocking_none() {
+            exit_group(RestorerExit::PidNamespace as i32);
         }
     }
 }
 
-/// The handler socket's descriptor as the restorer is started with it
-/// (the clones move their copy out of the way of the template's fds).
-const HANDLER_SOCK: i32 = 4;
-
-/// Which of the plan's clones this process is (0: the first, with the
-/// template's PID). Set in each clone right after the fork that made it.
-static CLONE_INDEX: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(0);
-
-fn clone_index() -> u64 {
-    CLONE_INDEX.load(core::sync::atomic::Ordering::Relaxed)
+/// True when there is no child left at all.
+fn reap_one_blocking_none() -> bool {
+    // SAFETY: wait4 with WNOHANG on any child; ECHILD (-10) means none.
+    unsafe { sys!(nr::WAIT4, -1isize, 0, 1, 0) == -10 }
 }
 
-/// The ID of the clone this process becomes.
+/// Which of the plan's processes this one is (0: the first, with the
+/// image's PID). Set in each right after the fork that made it.
+static CLONE_INDEX: AtomicU64 = AtomicU64::new(0);
+
+fn clone_index() -> u64 {
+    CLONE_INDEX.load(Ordering::Relaxed)
+}
+
+/// The clone ID of this process (the plan's `clone_id` + its index).
 fn my_clone_id() -> u64 {
     header().clone_id + clone_index()
 }
 
-/// Tell the handler that a clone ended (one record; best effort: the
-/// handler may already be gone when the whole task is being killed).
-fn send_exit(sock: i32, clone_id: u64, status: i32) {
-    send_record(sock, [RECORD_EXIT, clone_id, status as u32 as u64], None);
+/// Send one record over the handler socket, with `fd` attached
+/// (SCM_RIGHTS) when given. Returns sendmsg's result.
+fn send_record(sock: i32, rec: Record, fd: Option<i32>) -> isize {
+    let iov = Iovec { base: &rec as *const Record as u64, len: RECORD_SIZE as u64 };
+    // cmsghdr: len(u64)=20, level(i32)=SOL_SOCKET, type(i32)=SCM_RIGHTS, fd, pad
+    let control = [20u64, 1 | (1 << 32), fd.unwrap_or(0) as u32 as u64];
+    let msg = Msghdr {
+        name: 0, namelen: 0, _pad: 0, iov: &iov as *const Iovec as u64, iovlen: 1,
+        control: if fd.is_some() { control.as_ptr() as u64 } else { 0 },
+        controllen: if fd.is_some() { 24 } else { 0 },
+        flags: 0, _pad2: 0,
+    };
+    loop {
+        // SAFETY: msg and everything it points to are live locals;
+        // MSG_NOSIGNAL: a gone handler is an error, not a SIGPIPE.
+        let r = unsafe { sys!(nr::SENDMSG, sock, &msg as *const Msghdr, 0x4000) };
+        if r != -4 {
+            return r;
+        }
+    }
 }
 
-/// Become PID 1 of a new PID namespace and start the plan's clones in it:
-/// the first with the template's PID (so glibc's cached TID is right), the
+/// Tell the handler that a process ended (best effort: the handler may
+/// already be gone when the whole task is being killed).
+fn send_exit(sock: i32, clone_id: u64, status: i32) {
+    send_record(sock, Record { tag: RecordTag::Exited as u64, clone_id, value: status as u32 as u64 }, None);
+}
+
+/// Become PID 1 of a new PID namespace and start the plan's processes in
+/// it: the first with the image's PID (so glibc's cached TID is right), the
 /// others with the next free PIDs — each a fork of this process, which has
-/// done nothing clone-specific yet, so every clone then restores itself from
-/// the same plan (a host restores once per ticket; no page is fetched twice
-/// for the forks because nothing has been fetched yet). PID 1 reaps them,
-/// reports each one's status on the handler socket, and exits with the first
-/// clone's code once all have ended.
-fn enter_pid_namespace(template_pid: u64, count: u64) {
+/// done nothing process-specific yet, so every one then restores itself
+/// from the same plan (a host restores once per ticket; no page is fetched
+/// twice for the forks because nothing has been fetched yet). PID 1 reaps
+/// them, reports each one's status on the handler socket, and exits with
+/// the first one's code once all have ended.
+fn enter_pid_namespace(pid: u64, count: u64) {
     const CLONE_NEWPID: usize = 0x2000_0000;
     // SAFETY: unshare takes flags only; it affects our future children.
     let r = unsafe { sys!(nr::UNSHARE, CLONE_NEWPID) };
     if r < 0 {
-        die(EXIT_PIDNS, "unshare(CLONE_NEWPID)", 0, r);
+        die(RestorerExit::PidNamespace, "unshare(CLONE_NEWPID)", 0, r);
     }
     let init = fork_process(Some(1));
     if init < 0 {
-        die(EXIT_PIDNS, "clone3 init set_tid", 1, init);
+        die(RestorerExit::PidNamespace, "clone3 init set_tid", 1, init);
     }
     if init > 0 {
-        // The original process: relay the namespace's result.
-        exit_group(wait_for(init));
+        // The original process: relay signals in, and the namespace's result out.
+        relay_until_exit(init);
     }
     // PID 1 of the new namespace. Die with our parent (the launcher).
     // SAFETY: prctl with integer arguments.
@@ -501,34 +629,48 @@ fn enter_pid_namespace(template_pid: u64, count: u64) {
     let mut pids = [0isize; MAX_CLONES_PER_RESTORE as usize];
     let mut running = 0u64;
     for i in 0..count {
-        let pid = fork_process(if i == 0 { Some(template_pid) } else { None });
-        if pid == 0 {
-            CLONE_INDEX.store(i, core::sync::atomic::Ordering::Relaxed);
+        let child = fork_process(if i == 0 { Some(pid) } else { None });
+        if child == 0 {
+            CLONE_INDEX.store(i, Ordering::Relaxed);
             // SAFETY: prctl with integer arguments.
             unsafe { sys!(nr::PRCTL, 1, 9) };
             return;
         }
-        if pid < 0 {
+        if child < 0 {
             if i == 0 {
-                die(EXIT_PIDNS, "clone3 set_tid template pid", template_pid, pid);
+                die(RestorerExit::PidNamespace, "clone3 set_tid pid", pid, child);
             }
-            // This clone never ran: report it as having exited with the
+            // This one never ran: report it as having exited with the
             // restorer's PID-namespace failure code.
-            send_exit(HANDLER_SOCK, first + i, EXIT_PIDNS << 8);
+            send_exit(HANDLER_FD, first + i, (RestorerExit::PidNamespace as i32) << 8);
             continue;
         }
-        pids[i as usize] = pid;
+        pids[i as usize] = child;
         running += 1;
     }
-    let mut first_code = EXIT_PIDNS;
+    let mut first_code = RestorerExit::PidNamespace as i32;
     while running > 0 {
-        let Some((pid, status)) = reap_one() else { break };
-        if let Some(i) = pids[..count as usize].iter().position(|&p| p == pid) {
-            send_exit(HANDLER_SOCK, first + i as u64, status);
-            if i == 0 {
-                first_code = exit_code(status);
+        let sig = next_signal();
+        if sig != SIGCHLD && sig != 0 {
+            for &p in pids[..count as usize].iter().filter(|&&p| p > 0) {
+                // SAFETY: kill with integer arguments, to our own child.
+                unsafe { sys!(nr::KILL, p, sig) };
             }
-            running -= 1;
+            continue;
+        }
+        // Orphans re-parented to us are reaped too.
+        while let Some((child, status)) = reap_nohang() {
+            if let Some(i) = pids[..count as usize].iter().position(|&p| p == child) {
+                send_exit(HANDLER_FD, first + i as u64, status);
+                if i == 0 {
+                    first_code = exit_code(status);
+                }
+                pids[i] = 0;
+                running -= 1;
+            }
+        }
+        if sig == 0 && reap_one_blocking_none() {
+            break;
         }
     }
     exit_group(first_code)
@@ -561,7 +703,7 @@ fn for_each_own_mapping(mut f: impl FnMut(&MapsLine)) {
     // SAFETY: open of a NUL-terminated literal path.
     let fd = unsafe { sys!(nr::OPEN, b"/proc/self/maps\0".as_ptr(), 0 /* O_RDONLY */) };
     if fd < 0 {
-        die(EXIT_VDSO, "open /proc/self/maps", 0, fd);
+        die(RestorerExit::Vdso, "open /proc/self/maps", 0, fd);
     }
     let mut len = 0usize;
     // SAFETY: MAPS is only used here; single-threaded.
@@ -574,7 +716,7 @@ fn for_each_own_mapping(mut f: impl FnMut(&MapsLine)) {
         }
         len += n as usize;
         if len == buf.len() {
-            die(EXIT_VDSO, "own maps too large", len as u64, 0);
+            die(RestorerExit::Vdso, "own maps too large", len as u64, 0);
         }
     }
     // SAFETY: closing our own fd.
@@ -627,10 +769,10 @@ fn fix_own_mappings() {
     }
     let mut targets = [(0u64, 0u64); 3];
     for r in regions() {
-        let slot = match r.kind {
-            REGION_VVAR => 0,
-            REGION_VVAR_VCLOCK => 1,
-            REGION_VDSO => 2,
+        let slot = match r.map_kind() {
+            Some(MapKind::Vvar) => 0,
+            Some(MapKind::VvarVclock) => 1,
+            Some(MapKind::Vdso) => 2,
             _ => continue,
         };
         targets[slot] = (r.start, r.end);
@@ -646,11 +788,11 @@ fn fix_own_mappings() {
         }
         let len = e - s;
         if park_off + len > 16 * PAGE {
-            die(EXIT_VDSO, "vdso/vvar larger than parking", len, 0);
+            die(RestorerExit::Vdso, "vdso/vvar larger than parking", len, 0);
         }
         let r = mremap_fixed(s, len, parking + park_off);
         if r < 0 {
-            die(EXIT_VDSO, "park vdso/vvar", s, r);
+            die(RestorerExit::Vdso, "park vdso/vvar", s, r);
         }
         parked[i] = parking + park_off;
         park_off += len;
@@ -668,11 +810,11 @@ fn fix_own_mappings() {
             continue;
         }
         if te - ts != e - s {
-            die(EXIT_VDSO, "vdso/vvar size differs from template's (different kernel?)", ts, 0);
+            die(RestorerExit::Vdso, "vdso/vvar size differs from template's (different kernel?)", ts, 0);
         }
         let r = mremap_fixed(parked[i], e - s, ts);
         if r < 0 {
-            die(EXIT_VDSO, "move vdso/vvar to template address", ts, r);
+            die(RestorerExit::Vdso, "move vdso/vvar to template address", ts, r);
         }
     }
 }
@@ -680,8 +822,8 @@ fn fix_own_mappings() {
 // ---------------------------------------------------------------------------
 // step 3/4: regions and userfaultfd
 
-fn open_path(off: u64, len: u64, flags: u64) -> isize {
-    let p = cstr(off, len);
+fn open_path(path: BlobRef, flags: u64) -> isize {
+    let p = cstr(path);
     // SAFETY: p is a NUL-terminated path in PATHBUF.
     unsafe { sys!(nr::OPEN, p, flags | 0o2000000 /* O_CLOEXEC */, 0) }
 }
@@ -697,20 +839,20 @@ fn map_regions() {
         (core::ptr::addr_of!(__executable_start) as u64, core::ptr::addr_of!(_end) as u64);
     for r in regions() {
         if r.end <= r.start || r.start % PAGE != 0 || r.end % PAGE != 0 {
-            die(EXIT_BAD_PLAN, "bad region", r.start, 0);
+            die(RestorerExit::BadPlan, "bad region", r.start, 0);
         }
         if r.start < own_end + PAGE && r.end + PAGE > own_start {
-            die(EXIT_COLLISION, "template region collides with the restorer image at", r.start, 0);
+            die(RestorerExit::Collision, "region collides with the restorer image at", r.start, 0);
         }
         let len = r.end - r.start;
-        let res = match r.kind {
-            REGION_VVAR | REGION_VVAR_VCLOCK | REGION_VDSO => continue,
-            REGION_FILE_PRIVATE | REGION_FILE_SHARED => {
-                let shared = r.kind == REGION_FILE_SHARED;
+        let res = match r.map_kind() {
+            Some(MapKind::Vvar | MapKind::VvarVclock | MapKind::Vdso) => continue,
+            Some(kind @ (MapKind::FilePrivate | MapKind::FileShared)) => {
+                let shared = kind == MapKind::FileShared;
                 let writable = shared && (r.prot & 2) != 0;
-                let fd = open_path(r.path_off, r.path_len, if writable { 2 } else { 0 });
+                let fd = open_path(r.path, if writable { 2 } else { 0 });
                 if fd < 0 {
-                    die(EXIT_MAP, "open file of region", r.start, fd);
+                    die(RestorerExit::Map, "open file of region", r.start, fd);
                 }
                 let flags = if shared { MAP_SHARED } else { MAP_PRIVATE } | MAP_FIXED_NOREPLACE;
                 // SAFETY: maps a file at an address no mapping of ours uses (NOREPLACE).
@@ -719,7 +861,7 @@ fn map_regions() {
                 unsafe { sys!(nr::CLOSE, fd) };
                 m
             }
-            REGION_ANON_REGISTER | REGION_ANON_PLAIN => {
+            Some(MapKind::AnonRegister | MapKind::AnonPlain) => {
                 let mut flags = MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE;
                 if r.flags & REGION_FLAG_GROWSDOWN != 0 {
                     flags |= MAP_GROWSDOWN;
@@ -727,10 +869,10 @@ fn map_regions() {
                 // SAFETY: anonymous mapping at an address no mapping of ours uses (NOREPLACE).
                 unsafe { sys!(nr::MMAP, r.start, len, r.prot, flags, -1isize, 0) }
             }
-            _ => die(EXIT_BAD_PLAN, "unknown region kind", r.kind, 0),
+            None => die(RestorerExit::BadPlan, "unknown region kind", r.map, 0),
         };
         if res < 0 || res as u64 != r.start {
-            die(EXIT_MAP, "mmap region", r.start, res);
+            die(RestorerExit::Map, "mmap region", r.start, res);
         }
     }
 }
@@ -756,17 +898,18 @@ const UFFD_FEATURE_EVENT_REMAP: u64 = 1 << 2;
 const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
 const UFFD_FEATURE_EVENT_UNMAP: u64 = 1 << 6;
 
-/// Create the userfaultfd, register the regions that need fetching, and
+/// Create the userfaultfd, register the regions that need filling, and
 /// return the fd (or -1 if no region needs it).
 fn register_regions() -> isize {
-    if !regions().iter().any(|r| r.kind == REGION_ANON_REGISTER) {
+    let registered = || regions().iter().filter(|r| r.map_kind() == Some(MapKind::AnonRegister));
+    if registered().next().is_none() {
         return -1;
     }
     // SAFETY: userfaultfd takes flags only (O_CLOEXEC|O_NONBLOCK; kernel-mode
     // faults must be handled too, so no UFFD_USER_MODE_ONLY).
     let uffd = unsafe { sys!(nr::USERFAULTFD, 0o2000000 | 0o4000) };
     if uffd < 0 {
-        die(EXIT_UFFD, "userfaultfd", 0, uffd);
+        die(RestorerExit::Userfaultfd, "userfaultfd", 0, uffd);
     }
     let mut api = UffdioApi {
         api: 0xAA,
@@ -776,14 +919,14 @@ fn register_regions() -> isize {
     // SAFETY: UFFDIO_API reads and writes the struct we pass.
     let r = unsafe { sys!(nr::IOCTL, uffd, UFFDIO_API, &mut api as *mut UffdioApi) };
     if r < 0 {
-        die(EXIT_UFFD, "UFFDIO_API", api.features, r);
+        die(RestorerExit::Userfaultfd, "UFFDIO_API", api.features, r);
     }
-    for reg in regions().iter().filter(|r| r.kind == REGION_ANON_REGISTER) {
+    for reg in registered() {
         let mut rg = UffdioRegister { start: reg.start, len: reg.end - reg.start, mode: 1 /* MISSING */, ioctls: 0 };
         // SAFETY: UFFDIO_REGISTER reads and writes the struct we pass.
         let r = unsafe { sys!(nr::IOCTL, uffd, UFFDIO_REGISTER, &mut rg as *mut UffdioRegister) };
         if r < 0 {
-            die(EXIT_UFFD, "UFFDIO_REGISTER", reg.start, r);
+            die(RestorerExit::Userfaultfd, "UFFDIO_REGISTER", reg.start, r);
         }
     }
     uffd
@@ -808,33 +951,11 @@ struct Msghdr {
     _pad2: u32,
 }
 
-/// Send one record `[tag, clone id, value]` over the handler socket, with
-/// `fd` attached (SCM_RIGHTS) when given. Returns sendmsg's result.
-fn send_record(sock: i32, rec: [u64; 3], fd: Option<i32>) -> isize {
-    let iov = Iovec { base: rec.as_ptr() as u64, len: RECORD_SIZE as u64 };
-    // cmsghdr: len(u64)=20, level(i32)=SOL_SOCKET, type(i32)=SCM_RIGHTS, fd, pad
-    let control = [20u64, 1 | (1 << 32), fd.unwrap_or(0) as u32 as u64];
-    let msg = Msghdr {
-        name: 0, namelen: 0, _pad: 0, iov: &iov as *const Iovec as u64, iovlen: 1,
-        control: if fd.is_some() { control.as_ptr() as u64 } else { 0 },
-        controllen: if fd.is_some() { 24 } else { 0 },
-        flags: 0, _pad2: 0,
-    };
-    loop {
-        // SAFETY: msg and everything it points to are live locals;
-        // MSG_NOSIGNAL: a gone handler is an error, not a SIGPIPE.
-        let r = unsafe { sys!(nr::SENDMSG, sock, &msg as *const Msghdr, 0x4000) };
-        if r != -4 {
-            return r;
-        }
-    }
-}
-
-/// Send the clone's userfaultfd (and its ID) to the handler.
-fn send_fd(sock: i32, fd: i32, id: u64) {
-    let r = send_record(sock, [RECORD_UFFD, id, 0], Some(fd));
+/// Send the process's userfaultfd (and its clone ID) to the handler.
+fn send_uffd(sock: i32, fd: i32, id: u64) {
+    let r = send_record(sock, Record { tag: RecordTag::Userfaultfd as u64, clone_id: id, value: 0 }, Some(fd));
     if r < 0 {
-        die(EXIT_UFFD, "send userfaultfd to handler", sock as u64, r);
+        die(RestorerExit::Userfaultfd, "send userfaultfd to handler", sock as u64, r);
     }
 }
 
@@ -845,7 +966,7 @@ fn move_fd_above(fd: i32, min: i32) -> i32 {
     // SAFETY: F_DUPFD_CLOEXEC (1030) duplicates our own fd.
     let n = unsafe { sys!(nr::FCNTL, fd, 1030, min) };
     if n < 0 {
-        die(EXIT_FD, "move restorer fd", fd as u64, n);
+        die(RestorerExit::Fd, "move restorer fd", fd as u64, n);
     }
     // SAFETY: closing the old number, now duplicated.
     unsafe { sys!(nr::CLOSE, fd) };
@@ -856,57 +977,58 @@ fn restore_fds(keep_above: i32) {
     let mut next_free_check = 0u64;
     for f in fds() {
         if f.fd >= keep_above as u64 {
-            die(EXIT_BAD_PLAN, "fd number out of range", f.fd, 0);
+            die(RestorerExit::BadPlan, "fd number out of range", f.fd, 0);
         }
         // Close everything between the previous plan fd and this one.
         if f.fd > next_free_check {
-            // SAFETY: close_range on fd numbers the clone must not have.
+            // SAFETY: close_range on fd numbers the process must not have.
             unsafe { sys!(nr::CLOSE_RANGE, next_free_check, f.fd - 1, 0) };
         }
         next_free_check = f.fd + 1;
         let target = f.fd as i32;
-        let opened: isize = match f.kind {
-            FD_INHERIT => continue,
-            FD_REOPEN => {
-                let p = cstr(f.path_off, f.path_len);
+        let kind = f.restore_kind();
+        let opened: isize = match kind {
+            Some(FdRestore::Inherit) => continue,
+            Some(FdRestore::Reopen) => {
+                let p = cstr(f.path);
                 // strip O_CREAT|O_EXCL|O_TRUNC (0o100|0o200|0o1000): the file exists, keep its data.
                 let flags = f.open_flags & !(0o100 | 0o200 | 0o1000);
                 // SAFETY: p is a NUL-terminated path in PATHBUF.
                 unsafe { sys!(nr::OPEN, p, flags, 0) }
             }
-            FD_PIPE_READ_EOF | FD_PIPE_WRITE_EPIPE => {
+            Some(FdRestore::PipeReadEof | FdRestore::PipeWriteEpipe) => {
                 let mut p = [0i32; 2];
                 // SAFETY: pipe2 writes two ints into p.
                 let r = unsafe { sys!(nr::PIPE2, p.as_mut_ptr(), 0) };
                 if r < 0 {
                     r
                 } else {
-                    let (keep, drop) = if f.kind == FD_PIPE_READ_EOF { (p[0], p[1]) } else { (p[1], p[0]) };
+                    let (keep, drop) = if kind == Some(FdRestore::PipeReadEof) { (p[0], p[1]) } else { (p[1], p[0]) };
                     // SAFETY: closing the end the placeholder must not have.
                     unsafe { sys!(nr::CLOSE, drop) };
                     keep as isize
                 }
             }
-            _ => die(EXIT_BAD_PLAN, "unknown fd kind", f.kind, 0),
+            None => die(RestorerExit::BadPlan, "unknown fd kind", f.kind, 0),
         };
         if opened < 0 {
-            die(EXIT_FD, "reopen fd", f.fd, opened);
+            die(RestorerExit::Fd, "reopen fd", f.fd, opened);
         }
         if opened as i32 != target {
-            // SAFETY: dup2 onto the template's fd number, then drop the temporary.
+            // SAFETY: dup2 onto the image's fd number, then drop the temporary.
             unsafe {
                 let r = sys!(nr::DUP2, opened, target);
                 if r < 0 {
-                    die(EXIT_FD, "dup2 fd", f.fd, r);
+                    die(RestorerExit::Fd, "dup2 fd", f.fd, r);
                 }
                 sys!(nr::CLOSE, opened);
             }
         }
-        if f.kind == FD_REOPEN && f.offset != 0 {
+        if kind == Some(FdRestore::Reopen) && f.offset != 0 {
             // SAFETY: lseek(SEEK_SET) on our fd.
             let r = unsafe { sys!(nr::LSEEK, target, f.offset, 0) };
             if r < 0 {
-                die(EXIT_FD, "lseek fd", f.fd, r);
+                die(RestorerExit::Fd, "lseek fd", f.fd, r);
             }
         }
     }
@@ -914,149 +1036,359 @@ fn restore_fds(keep_above: i32) {
 
 fn restore_process_state() {
     let h = header();
-    if h.cwd_len > 0 {
-        let p = cstr(h.cwd_off, h.cwd_len);
+    if h.cwd.len > 0 {
+        let p = cstr(h.cwd);
         // SAFETY: p is NUL-terminated.
         let r = unsafe { sys!(nr::CHDIR, p) };
         if r < 0 {
-            die(EXIT_THREAD_STATE, "chdir", 0, r);
+            die(RestorerExit::ThreadState, "chdir", 0, r);
         }
     }
+    let p = &h.process;
     // SAFETY: umask takes an integer.
-    unsafe { sys!(nr::UMASK, h.umask & 0o777) };
-    for i in 0..N_RLIMITS {
-        if h.rlimit_valid & (1 << i) != 0 {
-            // Raising a hard limit needs CAP_SYS_RESOURCE: failures are tolerated.
-            // SAFETY: prlimit64(0 = self) reads a [u64; 2].
-            unsafe { sys!(nr::PRLIMIT64, 0, i, h.rlimits[i].as_ptr(), 0) };
-        }
+    unsafe { sys!(nr::UMASK, p.umask & 0o777) };
+    for (i, lim) in p.rlimits.iter().enumerate() {
+        // Raising a hard limit needs CAP_SYS_RESOURCE: failures are tolerated.
+        // SAFETY: prlimit64(0 = self) reads a struct rlimit64 (two u64s).
+        unsafe { sys!(nr::PRLIMIT64, 0, i, lim as *const abi::process::Rlimit, 0) };
     }
     // Attempt the exact mm layout (brk, arg/env areas). Needs CAP_SYS_RESOURCE;
     // without it glibc's malloc falls back to mmap when brk cannot grow.
+    let mm = &p.mm;
     let mut map = [0u64; 13];
-    let mm = &h.mm;
     map[..11].copy_from_slice(&[mm.start_code, mm.end_code, mm.start_data, mm.end_data, mm.start_brk, mm.brk,
         mm.start_stack, mm.arg_start, mm.arg_end, mm.env_start, mm.env_end]);
     map[12] = (u32::MAX as u64) << 32; // auxv_size = 0, exe_fd = -1
     // SAFETY: PR_SET_MM(35) / PR_SET_MM_MAP(14) reads a struct prctl_mm_map of 104 bytes.
     unsafe { sys!(nr::PRCTL, 35, 14, map.as_ptr(), 104, 0) };
-}
-
-fn restore_signals() {
-    let h = header();
-    if h.altstack_sp != 0 {
-        let ss = [h.altstack_sp, h.altstack_flags, h.altstack_size];
-        // SAFETY: sigaltstack reads a stack_t {sp, flags(i32)+pad, size}.
-        unsafe { sys!(nr::SIGALTSTACK, ss.as_ptr(), 0) };
-    }
-    for (i, act) in h.sigactions.iter().enumerate() {
+    for (i, act) in h.sigactions.0.iter().enumerate() {
         let sig = i + 1;
         if sig == 9 || sig == 19 || act.handler == 0 && act.flags == 0 {
             continue;
         }
         // SAFETY: rt_sigaction reads a kernel sigaction; handler addresses
-        // point into the restored template memory.
-        unsafe { sys!(nr::RT_SIGACTION, sig, act as *const KernelSigaction, 0, 8) };
+        // point into the restored memory.
+        unsafe { sys!(nr::RT_SIGACTION, sig, act as *const Sigaction, 0, 8) };
     }
 }
 
-fn restore_thread_state() {
-    let h = header();
-    // SAFETY: ARCH_SET_FS (0x1002) sets our fs base; the restorer itself
-    // never uses fs-relative addressing (no TLS in a no_std static binary).
-    let r = unsafe { sys!(nr::ARCH_PRCTL, 0x1002, h.fs_base) };
-    if r < 0 {
-        die(EXIT_THREAD_STATE, "ARCH_SET_FS", h.fs_base, r);
+// ---------------------------------------------------------------------------
+// step 6: threads
+
+/// Further threads that finished restoring themselves (the leader waits
+/// for all of them).
+static READY: AtomicU32 = AtomicU32::new(0);
+/// Set to 1 by the leader once every thread may resume.
+static GO: AtomicU32 = AtomicU32::new(0);
+/// Where the handler socket was moved to (above the image's fds).
+static HANDLER_SOCK: core::sync::atomic::AtomicI32 = core::sync::atomic::AtomicI32::new(-1);
+
+const FUTEX_WAIT_PRIVATE: usize = 128;
+const FUTEX_WAKE_PRIVATE: usize = 129;
+
+fn futex_wait(word: &AtomicU32, while_value: u32) {
+    while word.load(Ordering::Acquire) == while_value {
+        // SAFETY: FUTEX_WAIT on a live static word; returns at once if it changed.
+        unsafe { sys!(nr::FUTEX, word as *const AtomicU32, FUTEX_WAIT_PRIVATE, while_value, 0, 0, 0) };
     }
-    if h.robust_head != 0 {
-        // SAFETY: registers the template's robust list head (restored memory).
-        let r = unsafe { sys!(nr::SET_ROBUST_LIST, h.robust_head, h.robust_len) };
+}
+
+fn futex_wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a live static word.
+    unsafe { sys!(nr::FUTEX, word as *const AtomicU32, FUTEX_WAKE_PRIVATE, i32::MAX, 0, 0, 0) };
+}
+
+/// Create threads 1.. with their TIDs (when the plan has a PID namespace),
+/// each starting in [`thread_main`] on its own restorer stack.
+fn create_threads() {
+    const CLONE_THREAD_FLAGS: u64 = 0x100 /* VM */ | 0x200 /* FS */ | 0x400 /* FILES */
+        | 0x800 /* SIGHAND */ | 0x10000 /* THREAD */ | 0x40000 /* SYSVSEM */;
+    let with_tids = header().flags & PLAN_FLAG_NEW_PIDNS != 0;
+    let stacks = core::ptr::addr_of_mut!(THREAD_STACKS) as u64;
+    for (i, t) in threads().iter().enumerate().skip(1) {
+        let tid = [t.core.tid as i32];
+        let args = CloneArgs {
+            flags: CLONE_THREAD_FLAGS, pidfd: 0, child_tid: 0, parent_tid: 0, exit_signal: 0,
+            stack: stacks + ((i - 1) * THREAD_STACK_BYTES) as u64,
+            stack_size: THREAD_STACK_BYTES as u64,
+            tls: 0,
+            set_tid: if with_tids { tid.as_ptr() as u64 } else { 0 },
+            set_tid_size: if with_tids { 1 } else { 0 },
+            cgroup: 0,
+        };
+        // SAFETY: a thread on its own static stack slot (one per index,
+        // never shared), entering `thread_main`, which never returns.
+        let r = unsafe {
+            starling_restorer_clone_thread(&args, core::mem::size_of::<CloneArgs>(), thread_main, i as u64)
+        };
         if r < 0 {
-            die(EXIT_THREAD_STATE, "set_robust_list", h.robust_head, r);
+            die(RestorerExit::Threads, "clone3 thread set_tid", t.core.tid, r);
         }
     }
-    if h.tid_address != 0 && clone_index() != 0 {
+}
+
+extern "C" fn thread_main(index: u64) -> ! {
+    restore_own_thread(index as usize);
+    READY.fetch_add(1, Ordering::Release);
+    futex_wake_all(&READY);
+    futex_wait(&GO, 0);
+    resume(index as usize)
+}
+
+/// What every thread restores for itself: kernel state is per thread.
+fn restore_own_thread(index: usize) {
+    let t = &threads()[index].core;
+    let leader = index == 0;
+    // SAFETY (fs/gs): ARCH_SET_FS (0x1002) / ARCH_SET_GS (0x1001) set this
+    // thread's bases; the restorer never uses fs/gs-relative addressing
+    // (no TLS in a no_std static binary).
+    let r = unsafe { sys!(nr::ARCH_PRCTL, 0x1002, t.regs.fs_base) };
+    if r < 0 {
+        die(RestorerExit::ThreadState, "ARCH_SET_FS", t.regs.fs_base, r);
+    }
+    if t.regs.gs_base != 0 {
+        // SAFETY: as above.
+        unsafe { sys!(nr::ARCH_PRCTL, 0x1001, t.regs.gs_base) };
+    }
+    if t.robust.head != 0 {
+        // SAFETY: registers the image's robust list head (restored memory).
+        let r = unsafe { sys!(nr::SET_ROBUST_LIST, t.robust.head, t.robust.len) };
+        if r < 0 {
+            die(RestorerExit::ThreadState, "set_robust_list", t.robust.head, r);
+        }
+    }
+    if leader && t.tid_address != 0 && clone_index() != 0 {
         // A further clone is a fork of the first and has its own TID. The
         // TID address is glibc's cached TID in the thread control block
         // (`set_tid_address(&pd->tid)`): fork() has the kernel write the new
         // TID there (CLONE_CHILD_SETTID), so do the same. The page is in
         // restored memory: this write faults it in through the handler.
-        // SAFETY: gettid takes no arguments; tid_address is the template's
+        // SAFETY: gettid takes no arguments; tid_address is the image's
         // 4-byte pd->tid, mapped by `map_regions`.
         unsafe {
             let tid = sys!(nr::GETTID);
-            core::ptr::write_volatile(h.tid_address as *mut i32, tid as i32);
+            core::ptr::write_volatile(t.tid_address as *mut i32, tid as i32);
         }
     }
-    if h.tid_address != 0 {
-        // SAFETY: the kernel clears/wakes this address at exit, as in the template.
-        unsafe { sys!(nr::SET_TID_ADDRESS, h.tid_address) };
+    if t.tid_address != 0 {
+        // SAFETY: the kernel clears/wakes this address at exit, as before.
+        unsafe { sys!(nr::SET_TID_ADDRESS, t.tid_address) };
     }
-    if h.rseq_addr != 0 {
-        // SAFETY: registers the template's rseq area (in restored memory,
+    if t.rseq.addr != 0 {
+        // SAFETY: registers the image's rseq area (in restored memory,
         // faults on it are served by the handler).
-        let mut r = unsafe { sys!(nr::RSEQ, h.rseq_addr, h.rseq_len, 0, h.rseq_sig) };
-        if r == -22 && h.rseq_len != 32 {
+        let mut r = unsafe { sys!(nr::RSEQ, t.rseq.addr, t.rseq.len, 0, t.rseq.sig) };
+        if r == -22 && t.rseq.len != 32 {
             // SAFETY: as above, with the original ABI size.
-            r = unsafe { sys!(nr::RSEQ, h.rseq_addr, 32, 0, h.rseq_sig) };
+            r = unsafe { sys!(nr::RSEQ, t.rseq.addr, 32, 0, t.rseq.sig) };
         }
         if r < 0 {
-            die(EXIT_THREAD_STATE, "rseq", h.rseq_addr, r);
+            die(RestorerExit::ThreadState, "rseq", t.rseq.addr, r);
+        }
+    }
+    restore_credentials();
+    // SAFETY: getpid/gettid take no arguments.
+    let (pid, tid) = unsafe { (sys!(nr::GETPID), sys!(nr::GETTID)) };
+    for s in signals().iter().filter(|s| s.tid == t.tid) {
+        // Queued by the thread itself: only then may a kernel si_code be
+        // given (rt_tgsigqueueinfo refuses it towards another thread).
+        // SAFETY: reads a 128-byte siginfo from the plan.
+        unsafe { sys!(nr::RT_TGSIGQUEUEINFO, pid, tid, s.info.signo(), &s.info as *const SigInfo) };
+    }
+}
+
+/// Credentials are per thread in the kernel: each thread sets its own.
+fn restore_credentials() {
+    let h = header();
+    let c = &h.process.creds;
+    let groups = blob(h.groups);
+    // SAFETY: credential syscalls with integer arguments and a gid_t array
+    // in the plan.
+    unsafe {
+        let r = sys!(nr::SETGROUPS, groups.len() / 4, groups.as_ptr());
+        if r < 0 && !c.is_root() {
+            die(RestorerExit::ThreadState, "setgroups", groups.len() as u64 / 4, r);
+        }
+        let r = sys!(nr::SETRESGID, c.rgid, c.egid, c.sgid);
+        if r < 0 {
+            die(RestorerExit::ThreadState, "setresgid", c.egid, r);
+        }
+        let r = sys!(nr::SETRESUID, c.ruid, c.euid, c.suid);
+        if r < 0 {
+            die(RestorerExit::ThreadState, "setresuid", c.euid, r);
         }
     }
 }
 
-fn drop_credentials() {
+/// The leader, after its own thread state: wait for every thread, then the
+/// process-wide state that must come last (interval timers, the shared
+/// signal queue), then let all resume.
+fn release_threads() {
     let h = header();
-    if h.uid == 0 && h.gid == 0 {
-        return;
-    }
-    // SAFETY: credential syscalls with integer/NULL arguments.
-    unsafe {
-        sys!(nr::SETGROUPS, 0, 0);
-        let r = sys!(nr::SETRESGID, h.gid, h.gid, h.gid);
-        if r < 0 {
-            die(EXIT_THREAD_STATE, "setresgid", h.gid, r);
+    let others = (h.n_threads - 1) as u32;
+    loop {
+        let ready = READY.load(Ordering::Acquire);
+        if ready >= others {
+            break;
         }
-        let r = sys!(nr::SETRESUID, h.uid, h.uid, h.uid);
-        if r < 0 {
-            die(EXIT_THREAD_STATE, "setresuid", h.uid, r);
+        futex_wait(&READY, ready);
+    }
+    // Dropping to another user cleared the dumpable flag; the program had it.
+    // SAFETY: prctl(PR_SET_DUMPABLE, 1) with integer arguments.
+    unsafe { sys!(nr::PRCTL, 4, 1) };
+    for (which, t) in h.process.itimers.iter().enumerate() {
+        if t.armed() {
+            // SAFETY: setitimer reads a struct itimerval (four u64s).
+            unsafe { sys!(nr::SETITIMER, which, t as *const abi::process::ITimer, 0) };
         }
     }
+    // SAFETY: getpid takes no arguments.
+    let pid = unsafe { sys!(nr::GETPID) };
+    for s in signals().iter().filter(|s| s.tid == 0) {
+        // SAFETY: reads a 128-byte siginfo from the plan; queued to our own
+        // process, which may carry a kernel si_code.
+        unsafe { sys!(nr::RT_SIGQUEUEINFO, pid, s.info.signo(), &s.info as *const SigInfo) };
+    }
+    // Tell the handler the process is about to run (a migration's switch
+    // point), then let go of the socket: the program must not inherit it.
+    let sock = HANDLER_SOCK.load(Ordering::Relaxed);
+    send_record(sock, Record { tag: RecordTag::Running as u64, clone_id: my_clone_id(), value: 0 }, None);
+    // SAFETY: closing our own descriptor; no other thread uses it.
+    unsafe { sys!(nr::CLOSE, sock) };
+    GO.store(1, Ordering::Release);
+    futex_wake_all(&GO);
+}
+
+// ---------------------------------------------------------------------------
+// step 7: resume
+
+/// The kernel's `struct sigcontext` (x86-64).
+#[repr(C)]
+#[derive(Default)]
+struct Sigcontext {
+    r8: u64, r9: u64, r10: u64, r11: u64, r12: u64, r13: u64, r14: u64, r15: u64,
+    rdi: u64, rsi: u64, rbp: u64, rbx: u64, rdx: u64, rax: u64, rcx: u64, rsp: u64, rip: u64,
+    eflags: u64,
+    cs: u16, gs: u16, fs: u16, ss: u16,
+    err: u64, trapno: u64, oldmask: u64, cr2: u64,
+    fpstate: u64,
+    reserved: [u64; 8],
+}
+
+/// The kernel's `stack_t`.
+#[repr(C)]
+#[derive(Default)]
+struct StackT {
+    sp: u64,
+    flags: i32,
+    _pad: i32,
+    size: u64,
+}
+
+/// The kernel's `struct ucontext` (x86-64; the sigset is the kernel's 8 bytes).
+#[repr(C)]
+#[derive(Default)]
+struct Ucontext {
+    flags: u64,
+    link: u64,
+    stack: StackT,
+    mcontext: Sigcontext,
+    sigmask: u64,
+}
+
+/// `struct rt_sigframe`: `rt_sigreturn` reads the ucontext at rsp and checks
+/// that the whole frame (siginfo included) is accessible.
+#[repr(C)]
+struct RtSigframe {
+    pretcode: u64,
+    uc: Ucontext,
+    info: [u64; 16],
+}
+
+const UC_FP_XSTATE: u64 = 1;
+const UC_SIGCONTEXT_SS: u64 = 2;
+const UC_STRICT_RESTORE_SS: u64 = 4;
+const SS_DISABLE: i32 = 2;
+
+/// Resume thread `index` with all its registers, FPU state, signal mask
+/// and altstack, by returning from a signal frame that holds them.
+fn resume(index: usize) -> ! {
+    let t = &threads()[index];
+    let g: &GpRegs = &t.core.regs;
+    let mut rax = g.rax;
+    if index == 0 && header().flags & PLAN_FLAG_CLONE_ID_IN_RAX != 0 {
+        rax = my_clone_id();
+    }
+    let fpu = blob(t.fpu);
+    let xstate = fpu.len() > FXSAVE_BYTES
+        && u32::from_le_bytes([fpu[FPX_SW_BYTES_OFFSET], fpu[FPX_SW_BYTES_OFFSET + 1], fpu[FPX_SW_BYTES_OFFSET + 2], fpu[FPX_SW_BYTES_OFFSET + 3]])
+            == FP_XSTATE_MAGIC1;
+    let a = &t.core.altstack;
+    let frame = RtSigframe {
+        pretcode: 0,
+        uc: Ucontext {
+            flags: UC_SIGCONTEXT_SS | UC_STRICT_RESTORE_SS | if xstate { UC_FP_XSTATE } else { 0 },
+            link: 0,
+            stack: if a.sp != 0 {
+                StackT { sp: a.sp, flags: a.flags as i32, _pad: 0, size: a.size }
+            } else {
+                StackT { sp: 0, flags: SS_DISABLE, _pad: 0, size: 0 }
+            },
+            mcontext: Sigcontext {
+                r8: g.r8, r9: g.r9, r10: g.r10, r11: g.r11, r12: g.r12, r13: g.r13, r14: g.r14, r15: g.r15,
+                rdi: g.rdi, rsi: g.rsi, rbp: g.rbp, rbx: g.rbx, rdx: g.rdx, rax, rcx: g.rcx,
+                rsp: g.rsp, rip: g.rip, eflags: g.eflags,
+                cs: USER_CS as u16, gs: 0, fs: 0, ss: USER_SS as u16,
+                fpstate: fpu.as_ptr() as u64,
+                ..Sigcontext::default()
+            },
+            sigmask: t.core.sigmask,
+        },
+        info: [0; 16],
+    };
+    // SAFETY: the frame lives on this thread's restorer stack until the
+    // kernel has read it; every address the registers name was mapped (and
+    // is filled on demand); the FPU area is 64-byte aligned in the plan.
+    unsafe { starling_restorer_sigreturn(&frame.uc) }
 }
 
 // ---------------------------------------------------------------------------
 
 extern "C" fn restorer_main() -> ! {
+    // Nothing may interrupt a half-restored process; each thread's own mask
+    // comes back with its frame.
+    let all: u64 = !0;
+    // SAFETY: rt_sigprocmask(SIG_SETMASK) reads an 8-byte kernel sigset.
+    unsafe { sys!(nr::RT_SIGPROCMASK, 2, &all as *const u64, 0, 8) };
     let len = read_plan();
     validate_plan(len);
     let h = header();
     if h.flags & PLAN_FLAG_NEW_PIDNS != 0 {
-        enter_pid_namespace(h.template_pid, h.clone_count);
+        enter_pid_namespace(h.process.pid, h.clone_count);
     }
-    // From here on we are the process that becomes the clone.
+    // From here on we are the process being restored.
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
-    let handler_sock = move_fd_above(HANDLER_SOCK, keep_above);
+    let handler_sock = move_fd_above(HANDLER_FD, keep_above);
+    HANDLER_SOCK.store(handler_sock, Ordering::Relaxed);
     fix_own_mappings();
     map_regions();
     let uffd = register_regions();
     if uffd >= 0 {
-        send_fd(handler_sock, uffd as i32, my_clone_id());
+        send_uffd(handler_sock, uffd as i32, my_clone_id());
         // SAFETY: the handler holds its own reference to the userfaultfd.
         unsafe { sys!(nr::CLOSE, uffd) };
     }
     restore_fds(keep_above);
-    // SAFETY: close_range of everything above the template's fds (including
-    // the handler socket, no longer needed).
-    unsafe { sys!(nr::CLOSE_RANGE, max_fd + 1, u32::MAX, 0) };
+    // SAFETY: close_range of everything above the image's fds but the
+    // handler socket (closed right before the threads resume).
+    unsafe {
+        sys!(nr::CLOSE_RANGE, max_fd + 1, handler_sock - 1, 0);
+        sys!(nr::CLOSE_RANGE, handler_sock + 1, u32::MAX, 0);
+    }
     restore_process_state();
-    restore_signals();
-    restore_thread_state();
-    drop_credentials();
-    // SAFETY: sets the template's signal mask (8-byte kernel sigset).
-    unsafe { sys!(nr::RT_SIGPROCMASK, 2 /* SIG_SETMASK */, &h.sigmask as *const u64, 0, 8) };
-    // SAFETY: the context comes from the template's resume point; all memory
-    // it refers to has been mapped (and is fetched on demand).
-    unsafe { starling_restorer_jump(&h.resume, my_clone_id() as u32) }
+    create_threads();
+    restore_own_thread(0);
+    release_threads();
+    resume(0)
 }

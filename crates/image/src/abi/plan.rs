@@ -1,0 +1,206 @@
+//! The restore plan: the flat input of the no-libc restorer.
+//!
+//! The serde descriptor (`starling_image::Descriptor`) is what travels
+//! between hosts. On the restoring host it is validated and lowered into this
+//! plan (`starling_image::lower`), whose records are `repr(C)` so the
+//! restorer reads them in place, without an allocator or a deserializer.
+//! The records embed the same state types as the descriptor ([`ThreadCore`],
+//! [`ProcessCore`], [`SigactionTable`], …): nothing is re-declared.
+//!
+//! Layout of a plan: [`PlanHeader`] | [`PlanThread`] × n | [`PlanRegion`] × n
+//! | [`PlanFd`] × n | [`PlanSignal`] × n | blob. Table offsets are from the
+//! start of the plan; [`BlobRef`]s from the start of the blob, which starts
+//! at a multiple of [`FPU_ALIGN`] (FPU areas inside it are aligned so, for
+//! `rt_sigreturn`).
+
+use super::process::ProcessCore;
+use super::regs::FPU_ALIGN;
+use super::signal::{SigInfo, SigactionTable};
+use super::thread::ThreadCore;
+
+/// "STRLPLAN" little-endian.
+pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
+/// Bumped on every layout change.
+pub const PLAN_VERSION: u64 = 3;
+/// Largest plan the restorer accepts (its static read buffer).
+pub const PLAN_MAX_BYTES: usize = 8 << 20;
+/// Most threads one process can have restored (the restorer's stacks).
+pub const MAX_THREADS: u64 = 512;
+/// Most clones one restorer starts (`clone_count`): a host's cores, bounded.
+pub const MAX_CLONES_PER_RESTORE: u64 = 256;
+
+/// Plan flag: create a new PID namespace so the process gets its PID (and
+/// its threads their TIDs).
+pub const PLAN_FLAG_NEW_PIDNS: u64 = 1;
+/// Plan flag: the leader resumes with its clone ID in rax, which the
+/// template's resume point returns (remote fork). Without it the registers
+/// are restored as captured (migration).
+pub const PLAN_FLAG_CLONE_ID_IN_RAX: u64 = 2;
+
+/// A byte range of the plan's blob.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlobRef {
+    pub off: u64,
+    pub len: u64,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PlanHeader {
+    pub magic: u64,
+    pub version: u64,
+    pub total_len: u64,
+    pub flags: u64,
+    /// ID of the first clone this plan restores (0 for a migration).
+    pub clone_id: u64,
+    /// How many processes (clone IDs `clone_id ..`): the first gets the
+    /// image's PID; each further one is a fork of it made at the restore
+    /// point (hierarchical tickets). Needs `PLAN_FLAG_NEW_PIDNS` when > 1,
+    /// and a single thread.
+    pub clone_count: u64,
+    pub n_threads: u64,
+    pub threads_off: u64,
+    pub n_regions: u64,
+    pub regions_off: u64,
+    pub n_fds: u64,
+    pub fds_off: u64,
+    pub n_signals: u64,
+    pub signals_off: u64,
+    pub blob_off: u64,
+    pub blob_len: u64,
+    pub cwd: BlobRef,
+    /// Supplementary groups: `u32`s.
+    pub groups: BlobRef,
+    pub process: ProcessCore,
+    pub sigactions: SigactionTable,
+}
+
+/// One thread; the first is the thread group leader (TID = PID).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PlanThread {
+    pub core: ThreadCore,
+    /// FXSAVE/XSAVE area (aligned to [`FPU_ALIGN`]); an XSAVE area is
+    /// followed by `FP_XSTATE_MAGIC2`.
+    pub fpu: BlobRef,
+}
+
+/// How the restorer maps a region.
+#[repr(u64)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MapKind {
+    /// The file, `MAP_PRIVATE`; no userfaultfd (MISSING mode cannot cover it).
+    FilePrivate = 1,
+    /// Anonymous, registered with the userfaultfd: the handler fills it.
+    AnonRegister = 2,
+    /// Anonymous, all pages zero: nothing to fetch.
+    AnonPlain = 3,
+    /// The file, `MAP_SHARED`.
+    FileShared = 4,
+    /// The host's `[vvar]`, moved to the image's address.
+    Vvar = 5,
+    VvarVclock = 6,
+    Vdso = 7,
+}
+
+impl MapKind {
+    pub const fn from_u64(v: u64) -> Option<MapKind> {
+        Some(match v {
+            1 => MapKind::FilePrivate,
+            2 => MapKind::AnonRegister,
+            3 => MapKind::AnonPlain,
+            4 => MapKind::FileShared,
+            5 => MapKind::Vvar,
+            6 => MapKind::VvarVclock,
+            7 => MapKind::Vdso,
+            _ => return None,
+        })
+    }
+}
+
+/// Region flag: the stack (mapped `MAP_GROWSDOWN`).
+pub const REGION_FLAG_GROWSDOWN: u64 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlanRegion {
+    pub start: u64,
+    pub end: u64,
+    /// PROT_* bits.
+    pub prot: u64,
+    /// A [`MapKind`].
+    pub map: u64,
+    pub flags: u64,
+    pub file_offset: u64,
+    pub path: BlobRef,
+}
+
+impl PlanRegion {
+    pub const fn map_kind(&self) -> Option<MapKind> {
+        MapKind::from_u64(self.map)
+    }
+}
+
+/// How the restorer gives the process one of its descriptors.
+#[repr(u64)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FdRestore {
+    /// Keep the descriptor the restorer was started with (stdio).
+    Inherit = 1,
+    /// `open(path, flags)`, then `lseek(offset)`.
+    Reopen = 2,
+    /// Placeholder: read end of a pipe whose writer is gone (reads EOF).
+    PipeReadEof = 3,
+    /// Placeholder: write end of a pipe whose reader is gone (EPIPE).
+    PipeWriteEpipe = 4,
+}
+
+impl FdRestore {
+    pub const fn from_u64(v: u64) -> Option<FdRestore> {
+        Some(match v {
+            1 => FdRestore::Inherit,
+            2 => FdRestore::Reopen,
+            3 => FdRestore::PipeReadEof,
+            4 => FdRestore::PipeWriteEpipe,
+            _ => return None,
+        })
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlanFd {
+    pub fd: u64,
+    /// A [`FdRestore`].
+    pub kind: u64,
+    pub open_flags: u64,
+    pub offset: u64,
+    pub path: BlobRef,
+}
+
+impl PlanFd {
+    pub const fn restore_kind(&self) -> Option<FdRestore> {
+        FdRestore::from_u64(self.kind)
+    }
+}
+
+/// A signal to queue again before the threads resume.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct PlanSignal {
+    /// The thread it is queued for; 0: the process (shared queue).
+    pub tid: u64,
+    pub info: SigInfo,
+}
+
+pub const HEADER_SIZE: usize = core::mem::size_of::<PlanHeader>();
+pub const THREAD_SIZE: usize = core::mem::size_of::<PlanThread>();
+pub const REGION_SIZE: usize = core::mem::size_of::<PlanRegion>();
+pub const FD_SIZE: usize = core::mem::size_of::<PlanFd>();
+pub const SIGNAL_SIZE: usize = core::mem::size_of::<PlanSignal>();
+
+/// Round `n` up to the FPU alignment (blob offsets of FPU areas).
+pub const fn align_fpu(n: u64) -> u64 {
+    (n + FPU_ALIGN - 1) & !(FPU_ALIGN - 1)
+}

@@ -1,0 +1,289 @@
+//! The descriptor: a process's state, serde/bincode, as it travels between
+//! hosts. Page contents are not in it: each page is classified ([`PageClass`])
+//! and comes from the page server, the host's copy of a file, or zero.
+
+use crate::abi::process::ProcessCore;
+use crate::abi::regs::{FP_XSTATE_MAGIC1, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
+use crate::abi::signal::{SigInfo, SigactionTable};
+use crate::abi::thread::ThreadCore;
+use crate::abi::plan::MAX_THREADS;
+use crate::PAGE_SIZE;
+use serde::{Deserialize, Serialize};
+use std::string::{String, ToString};
+use std::vec::Vec;
+use std::format;
+
+pub const DESCRIPTOR_VERSION: u32 = 2;
+/// Upper bound accepted by [`Descriptor::decode`].
+pub const MAX_DESCRIPTOR_BYTES: u64 = 64 << 20;
+/// Largest FPU area accepted (XSAVE with AMX is ~11 KiB).
+pub const MAX_FPU_BYTES: usize = 64 << 10;
+
+/// Why a descriptor was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum DescriptorError {
+    #[error("descriptor of {0} bytes exceeds the limit")]
+    TooLarge(usize),
+    #[error("undecodable descriptor: {0}")]
+    Decode(String),
+    #[error("descriptor version {0}, expected {DESCRIPTOR_VERSION}")]
+    Version(u32),
+    #[error("malformed descriptor: {0}")]
+    Invalid(String),
+}
+
+/// How a restored process obtains one page.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PageClass {
+    /// Never touched (or below a stack pointer): zero-fill locally.
+    Zero,
+    /// Unmodified page of a private file mapping: read from the host's copy.
+    File,
+    /// Anonymous or copy-on-written: from the page server.
+    Fetch,
+}
+
+/// Run-length encoded page classes of one region.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq, Default)]
+pub struct PageRuns(pub Vec<(PageClass, u32)>);
+
+impl PageRuns {
+    pub fn push(&mut self, class: PageClass) {
+        match self.0.last_mut() {
+            Some((c, n)) if *c == class && *n < u32::MAX => *n += 1,
+            _ => self.0.push((class, 1)),
+        }
+    }
+    /// `n` pages of one class.
+    pub fn uniform(class: PageClass, n: u64) -> PageRuns {
+        let mut r = PageRuns::default();
+        let mut left = n;
+        while left > 0 {
+            let k = left.min(u64::from(u32::MAX));
+            r.0.push((class, u32::try_from(k).unwrap_or(u32::MAX)));
+            left -= k;
+        }
+        r
+    }
+    pub fn pages(&self) -> u64 {
+        self.0.iter().map(|&(_, n)| u64::from(n)).sum()
+    }
+    pub fn count(&self, class: PageClass) -> u64 {
+        self.0.iter().filter(|(c, _)| *c == class).map(|&(_, n)| u64::from(n)).sum()
+    }
+    /// One class per page.
+    pub fn expand(&self) -> Vec<PageClass> {
+        let mut v = Vec::with_capacity(usize::try_from(self.pages()).unwrap_or(0));
+        for &(c, n) in &self.0 {
+            v.extend(core::iter::repeat(c).take(n as usize));
+        }
+        v
+    }
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum RegionKind {
+    /// Private anonymous memory (including `[heap]`, `[stack]`, `[anon:…]`).
+    Anonymous { name: String },
+    /// Shared anonymous memory: the restored process gets a private copy of
+    /// its content at capture time.
+    SharedAnonymous { name: String },
+    File { path: String, offset: u64, inode: u64 },
+    Vvar,
+    VvarVclock,
+    Vdso,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Region {
+    pub start: u64,
+    pub end: u64,
+    /// PROT_READ=1 | PROT_WRITE=2 | PROT_EXEC=4.
+    pub prot: u8,
+    pub shared: bool,
+    pub growsdown: bool,
+    pub kind: RegionKind,
+    pub pages: PageRuns,
+}
+
+impl Region {
+    pub fn len(&self) -> u64 {
+        self.end - self.start
+    }
+    pub fn is_empty(&self) -> bool {
+        self.end == self.start
+    }
+    pub fn describe(&self) -> String {
+        let name = match &self.kind {
+            RegionKind::Anonymous { name } | RegionKind::SharedAnonymous { name } => name.as_str(),
+            RegionKind::File { path, .. } => path.as_str(),
+            RegionKind::Vvar => "[vvar]",
+            RegionKind::VvarVclock => "[vvar_vclock]",
+            RegionKind::Vdso => "[vdso]",
+        };
+        format!("{:x}-{:x} {}", self.start, self.end, name)
+    }
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum FdKind {
+    /// Regular file or directory: reopened by path with its flags and offset.
+    Reopen { path: String, flags: u32, offset: u64 },
+    PipeRead,
+    PipeWrite,
+    Socket,
+    /// Character/block device, anon inode (eventfd, epoll…), deleted file.
+    Other { target: String },
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct FdEntry {
+    pub fd: i32,
+    pub kind: FdKind,
+}
+
+/// One thread: its fixed-size state, its FPU area and its own queue.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ThreadState {
+    pub core: ThreadCore,
+    /// A 512-byte FXSAVE area, or an XSAVE area as `PTRACE_GETREGSET
+    /// NT_X86_XSTATE` returns it followed by `FP_XSTATE_MAGIC2`.
+    pub fpu: Vec<u8>,
+    /// Signals queued for this thread.
+    pub pending: Vec<SigInfo>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct ProcessState {
+    pub core: ProcessCore,
+    /// Working directory, as the process sees it.
+    pub cwd: String,
+    pub groups: Vec<u32>,
+    /// Signals queued for the process (shared queue).
+    pub pending: Vec<SigInfo>,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Descriptor {
+    pub version: u32,
+    pub regions: Vec<Region>,
+    pub fds: Vec<FdEntry>,
+    /// The thread group leader first (its TID is the PID).
+    pub threads: Vec<ThreadState>,
+    pub sigactions: SigactionTable,
+    pub process: ProcessState,
+}
+
+impl Descriptor {
+    /// The process ID it had (and gets again where a PID namespace allows).
+    pub fn pid(&self) -> i32 {
+        i32::try_from(self.process.core.pid).unwrap_or(0)
+    }
+
+    pub fn encode(&self) -> Vec<u8> {
+        bincode::serialize(self).expect("descriptor types always serialize")
+    }
+
+    /// Decode and validate a descriptor from a peer.
+    pub fn decode(bytes: &[u8]) -> Result<Self, DescriptorError> {
+        use bincode::Options;
+        if bytes.len() as u64 > MAX_DESCRIPTOR_BYTES {
+            return Err(DescriptorError::TooLarge(bytes.len()));
+        }
+        let d: Descriptor = bincode::DefaultOptions::new()
+            .with_fixint_encoding()
+            .with_limit(MAX_DESCRIPTOR_BYTES)
+            .reject_trailing_bytes()
+            .deserialize(bytes)
+            .map_err(|e| DescriptorError::Decode(e.to_string()))?;
+        d.validate()?;
+        Ok(d)
+    }
+
+    /// Structural checks the plan and the restorer rely on.
+    pub fn validate(&self) -> Result<(), DescriptorError> {
+        let bad = |detail: String| Err(DescriptorError::Invalid(detail));
+        if self.version != DESCRIPTOR_VERSION {
+            return Err(DescriptorError::Version(self.version));
+        }
+        let pid = self.process.core.pid;
+        if pid <= 1 || pid > 1 << 22 {
+            return bad(format!("pid {pid}"));
+        }
+        let mut prev_end = 0;
+        for r in &self.regions {
+            if r.start % PAGE_SIZE != 0 || r.end % PAGE_SIZE != 0 || r.end <= r.start || r.start < prev_end {
+                return bad(format!("region {} unaligned, empty or out of order", r.describe()));
+            }
+            if r.pages.pages() != r.len() / PAGE_SIZE {
+                return bad(format!("region {} page classes do not cover it", r.describe()));
+            }
+            if let RegionKind::File { path, .. } = &r.kind {
+                if !path.starts_with('/') || path.contains('\0') || path.len() >= 4096 {
+                    return bad(format!("region {} path", r.describe()));
+                }
+            }
+            prev_end = r.end;
+        }
+        if self.threads.is_empty() || self.threads.len() as u64 > MAX_THREADS {
+            return bad(format!("{} threads", self.threads.len()));
+        }
+        if self.threads[0].core.tid != pid {
+            return bad(format!("leader tid {} is not the pid {pid}", self.threads[0].core.tid));
+        }
+        for t in &self.threads {
+            if t.core.tid == 0 || t.core.tid > 1 << 22 {
+                return bad(format!("thread id {}", t.core.tid));
+            }
+            if t.fpu.len() < FXSAVE_BYTES || t.fpu.len() > MAX_FPU_BYTES {
+                return bad(format!("thread {}: FPU area of {} bytes", t.core.tid, t.fpu.len()));
+            }
+            if t.fpu.len() > FXSAVE_BYTES {
+                let magic = u32::from_le_bytes(t.fpu[FPX_SW_BYTES_OFFSET..FPX_SW_BYTES_OFFSET + 4].try_into().unwrap_or([0; 4]));
+                if magic != FP_XSTATE_MAGIC1 {
+                    return bad(format!("thread {}: XSAVE area without its magic", t.core.tid));
+                }
+            }
+        }
+        let mut tids: Vec<u64> = self.threads.iter().map(|t| t.core.tid).collect();
+        tids.sort_unstable();
+        if tids.windows(2).any(|w| w[0] == w[1]) {
+            return bad("duplicate thread ids".to_string());
+        }
+        if self.process.cwd.contains('\0') || self.process.cwd.len() >= 4096 {
+            return bad("cwd".to_string());
+        }
+        if self.process.groups.len() > 65536 {
+            return bad("groups".to_string());
+        }
+        let mut prev_fd = -1;
+        for f in &self.fds {
+            if f.fd <= prev_fd || f.fd > 1 << 20 {
+                return bad(format!("fd {} out of order/range", f.fd));
+            }
+            if let FdKind::Reopen { path, .. } = &f.kind {
+                if path.contains('\0') || path.len() >= 4096 {
+                    return bad(format!("fd {} path", f.fd));
+                }
+            }
+            prev_fd = f.fd;
+        }
+        Ok(())
+    }
+
+    /// Number of pages of each class over all regions: (zero, file, fetch).
+    pub fn page_totals(&self) -> (u64, u64, u64) {
+        let mut t = (0, 0, 0);
+        for r in &self.regions {
+            t.0 += r.pages.count(PageClass::Zero);
+            t.1 += r.pages.count(PageClass::File);
+            t.2 += r.pages.count(PageClass::Fetch);
+        }
+        t
+    }
+
+    pub fn region_at(&self, addr: u64) -> Option<&Region> {
+        let i = self.regions.partition_point(|r| r.end <= addr);
+        self.regions.get(i).filter(|r| r.start <= addr)
+    }
+}

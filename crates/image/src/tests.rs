@@ -1,0 +1,128 @@
+//! Unit tests: the plan a descriptor lowers to, read back through the abi
+//! records as the restorer reads them; descriptor validation; counters.
+
+use crate::abi::counters::{CloneCounter, CloneCounters};
+use crate::abi::plan::*;
+use crate::abi::process::ProcessCore;
+use crate::abi::regs::FXSAVE_BYTES;
+use crate::abi::signal::{SigInfo, SigactionTable};
+use crate::abi::thread::ThreadCore;
+use crate::*;
+use std::vec;
+use std::vec::Vec;
+use std::string::ToString;
+
+fn thread(tid: u64, fpu_len: usize) -> ThreadState {
+    let mut fpu = vec![0u8; fpu_len];
+    if fpu_len > FXSAVE_BYTES {
+        fpu[464..468].copy_from_slice(&crate::abi::regs::FP_XSTATE_MAGIC1.to_le_bytes());
+    }
+    fpu[0] = tid as u8; // tells the areas apart
+    ThreadState { core: ThreadCore { tid, ..ThreadCore::default() }, fpu, pending: vec![] }
+}
+
+fn descriptor() -> Descriptor {
+    let mut info = [0u64; 16];
+    info[0] = 10; // SIGUSR1
+    Descriptor {
+        version: DESCRIPTOR_VERSION,
+        regions: vec![
+            Region { start: 0x1000, end: 0x3000, prot: 3, shared: false, growsdown: false,
+                     kind: RegionKind::Anonymous { name: "[heap]".to_string() },
+                     pages: PageRuns(vec![(PageClass::Zero, 1), (PageClass::Fetch, 1)]) },
+            Region { start: 0x10000, end: 0x11000, prot: 5, shared: false, growsdown: false,
+                     kind: RegionKind::File { path: "/usr/lib/x.so".to_string(), offset: 0x2000, inode: 9 },
+                     pages: PageRuns(vec![(PageClass::File, 1)]) },
+        ],
+        fds: vec![
+            FdEntry { fd: 1, kind: FdKind::PipeWrite },
+            FdEntry { fd: 5, kind: FdKind::Reopen { path: "/data/in".to_string(), flags: 2, offset: 77 } },
+            FdEntry { fd: 6, kind: FdKind::Socket },
+        ],
+        threads: vec![thread(42, 832), thread(43, FXSAVE_BYTES)],
+        sigactions: SigactionTable::default(),
+        process: ProcessState {
+            core: ProcessCore { pid: 42, umask: 0o027, ..ProcessCore::default() },
+            cwd: "/home/u".to_string(),
+            groups: vec![100, 27],
+            pending: vec![SigInfo(info)],
+        },
+    }
+}
+
+fn read<T: Copy>(plan: &[u8], off: u64) -> T {
+    assert!(off as usize + core::mem::size_of::<T>() <= plan.len());
+    // SAFETY: bounds checked above; T is a plan record of u64s.
+    unsafe { core::ptr::read_unaligned(plan.as_ptr().add(off as usize).cast::<T>()) }
+}
+
+#[test]
+fn lowered_plan_reads_back_as_the_restorer_reads_it() {
+    let d = descriptor();
+    d.validate().expect("valid");
+    let opts = PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true };
+    let plan = lower(&d, opts);
+    let h: PlanHeader = read(&plan, 0);
+    assert_eq!((h.magic, h.version, h.total_len), (PLAN_MAGIC, PLAN_VERSION, plan.len() as u64));
+    assert_eq!(h.flags, PLAN_FLAG_NEW_PIDNS | PLAN_FLAG_CLONE_ID_IN_RAX);
+    assert_eq!((h.clone_id, h.n_threads, h.n_regions, h.n_fds, h.n_signals), (3, 2, 2, 2, 1));
+    assert_eq!(h.blob_off % 64, 0);
+    assert_eq!(h.process.pid, 42);
+    let blob = |r: BlobRef| &plan[(h.blob_off + r.off) as usize..(h.blob_off + r.off + r.len) as usize];
+    assert_eq!(blob(h.cwd), b"/home/u");
+    assert_eq!(blob(h.groups), [100u32.to_le_bytes(), 27u32.to_le_bytes()].concat().as_slice());
+    for (i, want) in [(0u64, (42u64, 832u64)), (1, (43, 512))] {
+        let t: PlanThread = read(&plan, h.threads_off + i * THREAD_SIZE as u64);
+        assert_eq!((t.core.tid, t.fpu.len), want);
+        assert_eq!((h.blob_off + t.fpu.off) % 64, 0, "FPU area {i} aligned for XRSTOR");
+        assert_eq!(blob(t.fpu)[0], want.0 as u8);
+    }
+    let heap: PlanRegion = read(&plan, h.regions_off);
+    assert_eq!(heap.map_kind(), Some(MapKind::AnonRegister));
+    let lib: PlanRegion = read(&plan, h.regions_off + REGION_SIZE as u64);
+    assert_eq!((lib.map_kind(), lib.file_offset), (Some(MapKind::FilePrivate), 0x2000));
+    assert_eq!(blob(lib.path), b"/usr/lib/x.so");
+    let stdout: PlanFd = read(&plan, h.fds_off);
+    assert_eq!((stdout.fd, stdout.restore_kind()), (1, Some(FdRestore::Inherit)));
+    let file: PlanFd = read(&plan, h.fds_off + FD_SIZE as u64);
+    assert_eq!((file.fd, file.restore_kind(), file.offset, file.open_flags), (5, Some(FdRestore::Reopen), 77, 2));
+    assert_eq!(blob(file.path), b"/data/in");
+    let sig: PlanSignal = read(&plan, h.signals_off);
+    assert_eq!((sig.tid, sig.info.signo()), (0, 10));
+}
+
+#[test]
+fn validation_refuses_inconsistent_threads() {
+    let mut d = descriptor();
+    d.threads[0].core.tid = 7;
+    assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("leader")));
+    let mut d = descriptor();
+    d.threads[1].core.tid = 42;
+    assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("duplicate")));
+    let mut d = descriptor();
+    d.threads[1].fpu.truncate(100);
+    assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("FPU")));
+    let mut d = descriptor();
+    d.threads[0].fpu[464] = 0; // XSAVE area without its magic
+    assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("magic")));
+}
+
+#[test]
+fn descriptor_round_trips_and_refuses_trailing_bytes() {
+    let d = descriptor();
+    let bytes = d.encode();
+    assert_eq!(Descriptor::decode(&bytes).expect("decode"), d);
+    let mut longer = bytes.clone();
+    longer.push(0);
+    assert!(matches!(Descriptor::decode(&longer), Err(DescriptorError::Decode(_))));
+}
+
+#[test]
+fn counters_by_index_follow_the_c_abi() {
+    let c = CloneCounters { faults: 1, pages_fetched: 2, pages_zero: 3, pages_file: 4, fetch_requests: 5,
+                            events_remove: 6, mode: 7, pages_multicast_unsolicited: 8 };
+    let got: Vec<u64> = (0..8).map(|i| c.get(CloneCounter::from_index(i).expect("index"))).collect();
+    assert_eq!(got, vec![1, 2, 3, 4, 5, 6, 7, 8]);
+    assert_eq!(CloneCounter::from_index(8), None);
+    assert_eq!(CloneCounter::from_index(-1), None);
+}

@@ -1,0 +1,357 @@
+//! Capture: a frozen process's complete image, read from outside.
+//!
+//! Threads: registers (`PTRACE_GETREGS`, with a system call the thread was
+//! in prepared for restart, as `rt_sigreturn` does none), XSAVE area,
+//! signal mask, queued signals, rseq and robust-list registrations via
+//! ptrace; clear-tid address and altstack by injected calls. Process:
+//! dispositions, interval timers and brk by injected calls; memory, fds,
+//! credentials, limits and cwd from `/proc` (`starling_fork::dump`). Paths
+//! are made relative to the task's root (the process runs chrooted there).
+//!
+//! What cannot move is refused before anything is frozen ([`precheck`]) and
+//! again at capture: a child process, a POSIX timer, a descriptor that is
+//! not a regular file, directory, sandbox device or stdio pipe.
+
+use crate::freeze::Frozen;
+use crate::inject::Injector;
+use crate::ptrace;
+use crate::{MigrateError, Result};
+use starling_fork::dump::{dump_process, dump_regions, RegionOptions};
+use starling_image::abi::process::{ITimer, TimeVal};
+use starling_image::abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FP_XSTATE_MAGIC2, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
+use starling_image::abi::signal::{Sigaction, SigactionTable};
+use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
+use starling_image::{Descriptor, FdEntry, FdKind, ProcessState, RegionKind, ThreadState, DESCRIPTOR_VERSION};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+
+/// Where the process lives and how to classify its pages.
+#[derive(Debug, Clone)]
+pub struct CaptureOptions {
+    /// The directory the process is chrooted into (`/` if none): paths in
+    /// the image are relative to it.
+    pub root: PathBuf,
+    /// Fetch-avoidance heuristics for the page classes.
+    pub heuristics: bool,
+}
+
+/// Devices a task sandbox provides in its `/dev` (name, major, minor): a
+/// descriptor open on one of them is reopened by name on the target.
+const SANDBOX_DEVICES: [(&str, u64, u64); 5] = [("null", 1, 3), ("zero", 1, 5), ("full", 1, 7), ("random", 1, 8), ("urandom", 1, 9)];
+
+fn read(path: &str) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| MigrateError::Proc { path: path.to_string(), source: e })
+}
+
+/// A path of the agent's as the process sees it (under `root`).
+fn inside(root: &Path, path: &str) -> Option<String> {
+    if root == Path::new("/") {
+        return Some(path.to_string());
+    }
+    let rest = Path::new(path).strip_prefix(root).ok()?;
+    Some(format!("/{}", rest.to_string_lossy()))
+}
+
+/// The ID of thread `tid` of `pid` in its own (innermost) PID namespace.
+fn ns_id(pid: i32, tid: i32) -> Result<u64> {
+    let status = read(&format!("/proc/{pid}/task/{tid}/status"))?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("NSpid:"))
+        .and_then(|v| v.split_whitespace().last()?.parse().ok())
+        .ok_or_else(|| MigrateError::Unmovable(format!("thread {tid}: no NSpid in its status")))
+}
+
+/// Refuse what cannot move, without stopping the process.
+pub fn precheck(pid: i32, root: &Path) -> Result<()> {
+    let children = children(pid)?;
+    if !children.is_empty() {
+        return Err(MigrateError::Unmovable(format!(
+            "process {pid} has child processes ({}): moving process trees is not supported yet",
+            children.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
+        )));
+    }
+    let timers = std::fs::read_to_string(format!("/proc/{pid}/timers")).unwrap_or_default();
+    if !timers.trim().is_empty() {
+        return Err(MigrateError::Unmovable("the process uses POSIX timers (timer_create), which cannot move yet".into()));
+    }
+    classify_fds(pid, root).map(drop)
+}
+
+/// Processes whose parent is `pid`.
+fn children(pid: i32) -> Result<Vec<i32>> {
+    let mut out = Vec::new();
+    for t in crate::freeze::threads(pid)? {
+        let path = format!("/proc/{pid}/task/{t}/children");
+        if let Ok(s) = std::fs::read_to_string(&path) {
+            out.extend(s.split_whitespace().filter_map(|c| c.parse::<i32>().ok()));
+            continue;
+        }
+        // Without CONFIG_PROC_CHILDREN: look at every process's parent.
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Some(p) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+            let ppid = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(1)?.parse::<i32>().ok());
+            if ppid == Some(pid) {
+                out.push(p);
+            }
+        }
+        break;
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+/// The process's descriptors as the image carries them, or the first one
+/// that cannot move.
+pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
+    let dir = format!("/proc/{pid}/fd");
+    let mut fds: Vec<i32> = std::fs::read_dir(&dir)
+        .map_err(|e| MigrateError::Proc { path: dir.clone(), source: e })?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    fds.sort_unstable();
+    let mut out = Vec::new();
+    for fd in fds {
+        let link = format!("{dir}/{fd}");
+        let Ok(target) = std::fs::read_link(&link) else { continue }; // closed meanwhile
+        let target = target.to_string_lossy().into_owned();
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{fd}")).unwrap_or_default();
+        let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+        let flags = field("flags:").and_then(|v| u32::from_str_radix(v, 8).ok()).unwrap_or(0);
+        let offset = field("pos:").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let refuse = |what: &str| Err(MigrateError::UnmovableFd { fd, target: target.clone(), what: what.to_string() });
+        let kind = if target.starts_with("pipe:") {
+            if fd > 2 {
+                return refuse("a pipe: processes connected by pipes cannot move yet");
+            }
+            if flags & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32 { FdKind::PipeWrite } else { FdKind::PipeRead }
+        } else if target.starts_with("socket:") {
+            return refuse("a socket: network connections cannot move");
+        } else if target.ends_with(" (deleted)") {
+            return refuse("a deleted file");
+        } else {
+            let meta = std::fs::metadata(&link).map_err(|e| MigrateError::Proc { path: link.clone(), source: e })?;
+            let ft = meta.file_type();
+            if ft.is_char_device() {
+                let (major, minor) = (libc::major(meta.rdev()) as u64, libc::minor(meta.rdev()) as u64);
+                match SANDBOX_DEVICES.iter().find(|d| (d.1, d.2) == (major, minor)) {
+                    Some(d) => FdKind::Reopen { path: format!("/dev/{}", d.0), flags, offset: 0 },
+                    None => return refuse("a device"),
+                }
+            } else if ft.is_file() || ft.is_dir() {
+                match inside(root, &target) {
+                    Some(path) => FdKind::Reopen { path, flags, offset },
+                    None => return refuse("a file outside the task's file view"),
+                }
+            } else if target.starts_with("anon_inode:") {
+                return refuse("a kernel object (eventfd, epoll, timerfd, signalfd, inotify…) that cannot move yet");
+            } else {
+                return refuse("of a kind that cannot move");
+            }
+        };
+        out.push(FdEntry { fd, kind });
+    }
+    Ok(out)
+}
+
+/// A system call the thread was in, prepared for `rt_sigreturn` (which
+/// does not restart calls): the kernel's own restart decision, applied now
+/// (CRIU's `compel_get_task_regs`).
+pub fn prepare_restart(r: &mut GpRegs) {
+    const ERESTARTSYS: i64 = -512;
+    const ERESTARTNOINTR: i64 = -513;
+    const ERESTARTNOHAND: i64 = -514;
+    const ERESTART_RESTARTBLOCK: i64 = -516;
+    if (r.orig_rax as i64) < 0 {
+        return;
+    }
+    match r.rax as i64 {
+        ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND => {
+            r.rax = r.orig_rax;
+            r.rip -= 2;
+        }
+        // The restart block is kernel state that does not move: the call
+        // returns EINTR (a relative sleep reports what is left if asked).
+        ERESTART_RESTARTBLOCK => r.rax = (-i64::from(libc::EINTR)) as u64,
+        _ => {}
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// The XCR0 feature mask of this CPU (what XSAVE areas here may hold).
+fn xcr0() -> u64 {
+    let (lo, hi): (u32, u32);
+    // SAFETY: xgetbv(0) reads XCR0; every x86-64 CPU that XSAVEs has it,
+    // and we only call it for an area larger than FXSAVE (so XSAVE is on).
+    unsafe { core::arch::asm!("xgetbv", in("ecx") 0, out("eax") lo, out("edx") hi, options(nomem, nostack)) };
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+/// A thread's FPU area as a signal frame carries it: an XSAVE area with
+/// its software bytes and `FP_XSTATE_MAGIC2` after it, or a plain FXSAVE.
+pub fn fpu_area(mut x: Vec<u8>) -> Vec<u8> {
+    if x.len() <= FXSAVE_BYTES {
+        x.resize(FXSAVE_BYTES, 0);
+        return x;
+    }
+    let sw = FPX_SW_BYTES_OFFSET;
+    let size = if u32_at(&x, sw) == FP_XSTATE_MAGIC1 { u32_at(&x, sw + 16) as usize } else { x.len() };
+    let size = size.clamp(FXSAVE_BYTES, x.len());
+    x.truncate(size);
+    // magic1, extended_size (area + magic2), xfeatures, xstate_size.
+    x[sw..sw + 4].copy_from_slice(&FP_XSTATE_MAGIC1.to_le_bytes());
+    x[sw + 4..sw + 8].copy_from_slice(&u32::try_from(size + 4).unwrap_or(u32::MAX).to_le_bytes());
+    if u64::from_le_bytes(x[sw + 8..sw + 16].try_into().expect("8 bytes")) == 0 {
+        x[sw + 8..sw + 16].copy_from_slice(&xcr0().to_le_bytes());
+    }
+    x[sw + 16..sw + 20].copy_from_slice(&u32::try_from(size).unwrap_or(u32::MAX).to_le_bytes());
+    x.extend_from_slice(&FP_XSTATE_MAGIC2.to_le_bytes());
+    x
+}
+
+/// What the injected calls read, before the injection is cleaned up.
+struct Inside {
+    threads: Vec<ThreadState>,
+    sigactions: SigactionTable,
+    itimers: [ITimer; 3],
+    brk: u64,
+}
+
+fn read_inside(f: &Frozen) -> Result<Inside> {
+    let mut inj = Injector::new(f)?;
+    let scratch = inj.scratch()?;
+    let u64_at = |inj: &Injector<'_>, addr: u64| -> Result<u64> {
+        Ok(u64::from_le_bytes(inj.read(addr, 8)?.try_into().expect("8 bytes")))
+    };
+    let mut threads = Vec::with_capacity(f.tids.len());
+    for &tid in &f.tids {
+        let mut regs = ptrace::get_regs(tid)?;
+        prepare_restart(&mut regs);
+        let fpu = fpu_area(ptrace::get_xstate(tid)?);
+        let sigmask = ptrace::get_sigmask(tid)?;
+        let mut pending = Vec::new();
+        if let Some(i) = f.caught.get(&tid) {
+            pending.push(*i);
+        }
+        pending.extend(ptrace::pending(tid, false)?);
+        let (addr, len, sig) = ptrace::rseq(tid)?;
+        let (head, rlen) = ptrace::robust_list(tid)?;
+        inj.call(tid, libc::SYS_prctl, [libc::PR_GET_TID_ADDRESS as u64, scratch, 0, 0, 0, 0])?;
+        let tid_address = u64_at(&inj, scratch)?;
+        inj.call(tid, libc::SYS_sigaltstack, [0, scratch + 8, 0, 0, 0, 0])?;
+        let ss = inj.read(scratch + 8, 24)?;
+        let ss_flags = u64::from(u32_at(&ss, 8));
+        let altstack = if ss_flags & libc::SS_DISABLE as u64 != 0 {
+            AltStack::default()
+        } else {
+            AltStack {
+                sp: u64::from_le_bytes(ss[0..8].try_into().expect("8 bytes")),
+                flags: ss_flags,
+                size: u64::from_le_bytes(ss[16..24].try_into().expect("8 bytes")),
+            }
+        };
+        let core = ThreadCore {
+            tid: ns_id(f.pid, tid)?,
+            regs,
+            tid_address,
+            robust: RobustList { head, len: rlen },
+            rseq: Rseq { addr, len, sig },
+            sigmask,
+            altstack,
+        };
+        threads.push(ThreadState { core, fpu, pending });
+    }
+    let pid = f.pid;
+    let mut sigactions = SigactionTable::default();
+    for (i, slot) in sigactions.0.iter_mut().enumerate() {
+        inj.call(pid, libc::SYS_rt_sigaction, [i as u64 + 1, 0, scratch, 8, 0, 0])?;
+        let b = inj.read(scratch, 32)?;
+        let w = |k: usize| u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+        *slot = Sigaction { handler: w(0), flags: w(1), restorer: w(2), mask: w(3) };
+    }
+    let mut itimers = [ITimer::default(); 3];
+    for (which, slot) in itimers.iter_mut().enumerate() {
+        inj.call(pid, libc::SYS_getitimer, [which as u64, scratch, 0, 0, 0, 0])?;
+        let b = inj.read(scratch, 32)?;
+        let w = |k: usize| u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+        *slot = ITimer { interval: TimeVal { sec: w(0), usec: w(1) }, value: TimeVal { sec: w(2), usec: w(3) } };
+    }
+    let brk = inj.call(pid, libc::SYS_brk, [0; 6])?;
+    inj.finish()?;
+    Ok(Inside { threads, sigactions, itimers, brk })
+}
+
+/// The complete image of a frozen process.
+pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
+    let pid = f.pid;
+    precheck(pid, &opts.root)?;
+    let inside_state = read_inside(f)?;
+    let leader_rsp = inside_state.threads[0].core.regs.rsp;
+    let region_opts = RegionOptions { heuristics: opts.heuristics, stack_pointer: leader_rsp, own_write_tracking: true };
+    let mut regions = dump_regions(pid, region_opts)?;
+    for r in &mut regions {
+        if let RegionKind::File { path, .. } = &mut r.kind {
+            *path = inside(&opts.root, path).ok_or_else(|| {
+                MigrateError::Unmovable(format!("a mapping of {path}, outside the task's file view"))
+            })?;
+        }
+    }
+    let (mut core, cwd, groups) = dump_process(pid, inside_state.brk)?;
+    core.pid = inside_state.threads[0].core.tid;
+    core.itimers = inside_state.itimers;
+    let cwd = inside(&opts.root, &cwd).unwrap_or_else(|| "/".to_string());
+    let d = Descriptor {
+        version: DESCRIPTOR_VERSION,
+        regions,
+        fds: classify_fds(pid, &opts.root)?,
+        threads: inside_state.threads,
+        sigactions: inside_state.sigactions,
+        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)? },
+    };
+    d.validate()?;
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restart_is_prepared_as_the_kernel_would() {
+        let mut r = GpRegs { orig_rax: 202, rax: (-512i64) as u64, rip: 0x1002, ..GpRegs::default() };
+        prepare_restart(&mut r);
+        assert_eq!((r.rax, r.rip), (202, 0x1000), "ERESTARTSYS: the call runs again");
+        let mut r = GpRegs { orig_rax: 35, rax: (-516i64) as u64, rip: 0x2002, ..GpRegs::default() };
+        prepare_restart(&mut r);
+        assert_eq!((r.rax as i64, r.rip), (-4, 0x2002), "RESTARTBLOCK: EINTR");
+        let mut r = GpRegs { orig_rax: u64::MAX, rax: (-512i64) as u64, rip: 0x3002, ..GpRegs::default() };
+        prepare_restart(&mut r);
+        assert_eq!(r.rip, 0x3002, "not in a system call: untouched");
+    }
+
+    #[test]
+    fn xsave_area_gets_signal_frame_bytes() {
+        let mut x = vec![0u8; 1024];
+        x[FPX_SW_BYTES_OFFSET..FPX_SW_BYTES_OFFSET + 4].copy_from_slice(&FP_XSTATE_MAGIC1.to_le_bytes());
+        x[FPX_SW_BYTES_OFFSET + 8] = 7; // xfeatures x87|SSE|AVX
+        x[FPX_SW_BYTES_OFFSET + 16..FPX_SW_BYTES_OFFSET + 20].copy_from_slice(&832u32.to_le_bytes());
+        let f = fpu_area(x);
+        assert_eq!(f.len(), 836);
+        assert_eq!(u32_at(&f, 832), FP_XSTATE_MAGIC2);
+        assert_eq!(u32_at(&f, FPX_SW_BYTES_OFFSET + 4), 836, "extended size");
+        assert_eq!(fpu_area(vec![1u8; 300]).len(), FXSAVE_BYTES);
+    }
+
+    #[test]
+    fn paths_are_made_relative_to_the_root() {
+        let root = Path::new("/var/lib/starling/tasks/7/root");
+        assert_eq!(inside(root, "/var/lib/starling/tasks/7/root/home/u/x").as_deref(), Some("/home/u/x"));
+        assert_eq!(inside(root, "/etc/passwd"), None);
+        assert_eq!(inside(Path::new("/"), "/etc/passwd").as_deref(), Some("/etc/passwd"));
+    }
+}

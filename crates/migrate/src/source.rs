@@ -1,0 +1,237 @@
+//! The source side: pre-copy while the process runs, freeze, hand over,
+//! serve what the target still lacks, and end the process here.
+
+use crate::capture::{capture, precheck, CaptureOptions};
+use crate::dirty::DirtyTracker;
+use crate::freeze::Frozen;
+use crate::inject::Injector;
+use crate::wire::{self, ToSource, ToTarget};
+use crate::{MigrateError, Result};
+use starling_fork::dump::{dump_regions, RegionOptions};
+use starling_fork::page_server::{PageServer, PageServerOptions};
+use starling_image::{PageClass, Region, RegionKind, PAGE_SIZE};
+use std::collections::HashSet;
+use std::io::BufWriter;
+use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::time::Instant;
+
+/// Pages per `Pages` frame (1 MiB).
+const BATCH_PAGES: usize = 256;
+
+#[derive(Debug, Clone)]
+pub struct SourceOptions {
+    pub capture: CaptureOptions,
+    /// Pre-copy rounds after the first full copy (P.Haul: 8).
+    pub max_rounds: u32,
+    /// A round that found at most this many written pages ends pre-copy.
+    pub converged_pages: usize,
+    /// Written pages found at the freeze are sent during it when at most
+    /// this many (1 MiB); more are left for the target to fetch.
+    pub freeze_send_pages: usize,
+    /// Address the page server listens on (reachable by the target).
+    pub page_server_ip: IpAddr,
+}
+
+impl SourceOptions {
+    pub fn new(capture: CaptureOptions, page_server_ip: IpAddr) -> SourceOptions {
+        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip }
+    }
+}
+
+/// What the caller adds to a migration (its task's files, its I/O).
+pub trait SourceHooks {
+    /// Before pre-copy: what the target prepares from (sent first).
+    fn prepare(&mut self) -> std::result::Result<Vec<u8>, String>;
+    /// The process is frozen: stop its I/O here, and what else must travel.
+    fn at_freeze(&mut self) -> std::result::Result<Vec<u8>, String>;
+    /// The target runs the process now.
+    fn resumed(&mut self);
+}
+
+/// What a migration did, as the source saw it.
+#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+pub struct SourceReport {
+    pub threads: usize,
+    /// Pre-copy rounds after the first copy.
+    pub rounds: u32,
+    /// Pages of the process to move at the first copy (its resident
+    /// anonymous footprint).
+    pub footprint_pages: u64,
+    pub precopy_pages: u64,
+    /// Pages sent while frozen.
+    pub freeze_pages: u64,
+    /// Pages the target fetched from the page server afterwards.
+    pub postcopy_pages: u64,
+    /// Bytes of page data and frames sent, page-server replies included.
+    pub bytes: u64,
+    /// Freeze → the target reports the process running.
+    pub pause_ms: f64,
+    /// Start → the source holds nothing.
+    pub total_ms: f64,
+}
+
+/// Pages of `regions` the image would fetch (anonymous or written).
+fn fetch_pages(regions: &[Region]) -> Vec<u64> {
+    let mut out = Vec::new();
+    for r in regions {
+        let mut addr = r.start;
+        for &(class, n) in &r.pages.0 {
+            if class == PageClass::Fetch {
+                out.extend((0..u64::from(n)).map(|i| addr + i * PAGE_SIZE));
+            }
+            addr += u64::from(n) * PAGE_SIZE;
+        }
+    }
+    out
+}
+
+/// Read `addrs` from `pid` and send them in batches; returns bytes sent.
+fn send_pages(pid: i32, addrs: &[u64], w: &mut BufWriter<TcpStream>) -> Result<u64> {
+    let mut bytes = 0;
+    let mut buf = vec![0u8; BATCH_PAGES * PAGE_SIZE as usize];
+    for batch in addrs.chunks(BATCH_PAGES) {
+        let data = &mut buf[..batch.len() * PAGE_SIZE as usize];
+        let local = [libc::iovec { iov_base: data.as_mut_ptr().cast(), iov_len: data.len() }];
+        let remote: Vec<libc::iovec> =
+            batch.iter().map(|&a| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE_SIZE as usize }).collect();
+        // SAFETY: reads into our own buffer of exactly the requested size.
+        let n = unsafe { libc::process_vm_readv(pid, local.as_ptr(), 1, remote.as_ptr(), remote.len() as libc::c_ulong, 0) };
+        if n != data.len() as isize {
+            // A page went away (unmapped meanwhile): send what is there page
+            // by page; a missing one is simply not staged.
+            let mut addrs_ok = Vec::new();
+            let mut ok = Vec::new();
+            for (i, &a) in batch.iter().enumerate() {
+                let page = &mut data[i * PAGE_SIZE as usize..(i + 1) * PAGE_SIZE as usize];
+                let l = [libc::iovec { iov_base: page.as_mut_ptr().cast(), iov_len: page.len() }];
+                let r = [libc::iovec { iov_base: a as *mut libc::c_void, iov_len: page.len() }];
+                // SAFETY: as above, one page.
+                if unsafe { libc::process_vm_readv(pid, l.as_ptr(), 1, r.as_ptr(), 1, 0) } == page.len() as isize {
+                    addrs_ok.push(a);
+                    ok.extend_from_slice(page);
+                }
+            }
+            if n < 0 && addrs_ok.is_empty() && !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+                return Err(MigrateError::Gone(pid));
+            }
+            bytes += ok.len() as u64;
+            wire::send(w, &ToTarget::Pages { addrs: addrs_ok, data: ok })?;
+            continue;
+        }
+        bytes += data.len() as u64;
+        wire::send(w, &ToTarget::Pages { addrs: batch.to_vec(), data: data.to_vec() })?;
+    }
+    Ok(bytes)
+}
+
+/// Writable private memory: what the process can change while it runs.
+fn writable_ranges(regions: &[Region]) -> Vec<(u64, u64)> {
+    regions
+        .iter()
+        .filter(|r| r.prot & 2 != 0 && !r.shared && matches!(r.kind, RegionKind::Anonymous { .. } | RegionKind::File { .. }))
+        .map(|r| (r.start, r.end))
+        .collect()
+}
+
+/// Move process `pid` to the target at the other end of `stream`.
+///
+/// Before the freeze any failure leaves the process running here; after the
+/// target reported it running, the process here is killed whatever happens
+/// (it must never run twice).
+pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mut dyn SourceHooks) -> Result<SourceReport> {
+    let start = Instant::now();
+    let mut report = SourceReport::default();
+    precheck(pid, &opts.capture.root)?;
+    let mut reader = stream.try_clone().map_err(wire::WireError::Io)?;
+    let mut w = BufWriter::with_capacity(1 << 20, stream);
+    let payload = hooks.prepare().map_err(|reason| MigrateError::Hook { stage: "prepare", reason })?;
+    wire::send(&mut w, &ToTarget::Prepare { payload })?;
+
+    let region_opts = RegionOptions { heuristics: opts.capture.heuristics, stack_pointer: 0, own_write_tracking: true };
+    // Arm write tracking (a short freeze to inject the userfaultfd).
+    let tracker = {
+        let untracked = RegionOptions { own_write_tracking: false, ..region_opts };
+        let f = Frozen::freeze(pid)?;
+        let ranges = writable_ranges(&dump_regions(pid, untracked)?);
+        let inj = Injector::new(&f)?;
+        let t = DirtyTracker::arm(&f, &inj, &ranges)?;
+        inj.finish()?;
+        f.thaw()?;
+        t
+    };
+    // Round 0: everything there is to fetch.
+    let first = fetch_pages(&dump_regions(pid, region_opts)?);
+    report.footprint_pages = first.len() as u64;
+    report.bytes += send_pages(pid, &first, &mut w)?;
+    report.precopy_pages += first.len() as u64;
+    let mut sent: HashSet<u64> = first.into_iter().collect();
+    // Rounds: what was written meanwhile, until it stops shrinking.
+    let mut previous = usize::MAX;
+    while report.rounds < opts.max_rounds {
+        let written = tracker.scan()?;
+        report.rounds += 1;
+        report.bytes += send_pages(pid, &written, &mut w)?;
+        report.precopy_pages += written.len() as u64;
+        sent.extend(written.iter().copied());
+        let grew = previous != usize::MAX && written.len() * 10 > previous * 11;
+        if written.len() <= opts.converged_pages || grew {
+            break;
+        }
+        previous = written.len();
+    }
+
+    // Freeze: from here the pause runs.
+    let f = Frozen::freeze(pid)?;
+    let frozen_at = Instant::now();
+    report.threads = f.tids.len();
+    let written = tracker.scan()?;
+    let desc = capture(&f, &opts.capture)?;
+    let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
+    // Pages the target holds that are no longer what the process has:
+    // written since they were sent, or in memory nobody tracked.
+    let needed = fetch_pages(&desc.regions);
+    let mut fresh: Vec<u64> = written.iter().copied().filter(|a| sent.contains(a)).collect();
+    fresh.extend(needed.iter().copied().filter(|&a| sent.contains(&a) && !tracker.tracks(a)));
+    fresh.sort_unstable();
+    fresh.dedup();
+    let stale = if fresh.len() <= opts.freeze_send_pages {
+        report.bytes += send_pages(pid, &fresh, &mut w)?;
+        report.freeze_pages = fresh.len() as u64;
+        Vec::new()
+    } else {
+        fresh
+    };
+    let served: Vec<(u64, u64)> =
+        desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new() };
+    let mut server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
+    wire::send(
+        &mut w,
+        &ToTarget::Image { descriptor: desc.encode(), stale, page_server: server.addr().to_string(), payload },
+    )?;
+    drop(tracker);
+
+    // The target restores; until it says so, the process is still ours.
+    match wire::recv::<ToSource>(&mut reader) {
+        Ok(ToSource::Resumed) => {}
+        Ok(ToSource::Failed { reason }) => return Err(MigrateError::TargetFailed(reason)),
+        Ok(other) => return Err(MigrateError::TargetFailed(format!("unexpected {other:?}"))),
+        Err(e) => return Err(MigrateError::TargetFailed(e.to_string())),
+    }
+    report.pause_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
+    hooks.resumed();
+    // It runs there now: whatever happens next, it must not run here again.
+    let end = wire::recv::<ToSource>(&mut reader);
+    let served = server.wire_stats();
+    report.postcopy_pages = served.pages_served;
+    report.bytes += served.bytes_tcp;
+    server.stop();
+    f.kill();
+    report.total_ms = start.elapsed().as_secs_f64() * 1e3;
+    match end {
+        Ok(ToSource::Complete { .. }) => Ok(report),
+        Ok(ToSource::Failed { reason }) => Err(MigrateError::LostAfterSwitch(reason)),
+        Ok(other) => Err(MigrateError::LostAfterSwitch(format!("unexpected {other:?}"))),
+        Err(e) => Err(MigrateError::LostAfterSwitch(e.to_string())),
+    }
+}

@@ -1,0 +1,123 @@
+//! The target side: stage the pre-copied pages, take the image, and serve
+//! the restored process (staged pages here, the rest from the source's page
+//! server, all of it pushed in the background until the source holds
+//! nothing).
+
+use crate::staging::Staging;
+use crate::wire::{self, ToSource, ToTarget};
+use crate::{MigrateError, Result};
+use starling_fork::fault::{FaultHandler, FaultOptions};
+use starling_fork::page_server::PageClient;
+use starling_fork::restore::Serve;
+use starling_image::Descriptor;
+use std::io::BufReader;
+use std::net::{SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
+
+/// A migration whose image has arrived.
+pub struct Incoming {
+    pub descriptor: Descriptor,
+    /// The source's caller's payload (sent at the freeze).
+    pub payload: Vec<u8>,
+    /// The source's page server (the frozen process's memory).
+    pub page_server: SocketAddr,
+    pub staged: Arc<Staging>,
+    replies: Arc<Mutex<TcpStream>>,
+}
+
+/// Called when the process cannot go on here (its source went away before
+/// every page arrived): the caller ends it and reports it lost.
+pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
+
+/// Receive a migration on `stream` until its image: `on_prepare` gets the
+/// source's first payload at once (to prepare while pages arrive).
+pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
+    let replies = Arc::new(Mutex::new(stream.try_clone().map_err(wire::WireError::Io)?));
+    let mut r = BufReader::with_capacity(1 << 20, stream);
+    let mut staging = Staging::default();
+    let fail = |reason: String| {
+        let _ = wire::send(&mut *replies.lock().unwrap_or_else(|p| p.into_inner()), &ToSource::Failed { reason });
+    };
+    loop {
+        match wire::recv::<ToTarget>(&mut r)? {
+            ToTarget::Prepare { payload } => {
+                if let Err(reason) = on_prepare(payload) {
+                    fail(reason.clone());
+                    return Err(MigrateError::Hook { stage: "prepare", reason });
+                }
+            }
+            ToTarget::Pages { addrs, data } => {
+                if !staging.add(&addrs, data) {
+                    let reason = "a pages frame whose bytes do not match its addresses".to_string();
+                    fail(reason.clone());
+                    return Err(MigrateError::TargetFailed(reason));
+                }
+            }
+            ToTarget::Image { descriptor, stale, page_server, payload } => {
+                let descriptor = match Descriptor::decode(&descriptor) {
+                    Ok(d) => d,
+                    Err(e) => {
+                        fail(e.to_string());
+                        return Err(e.into());
+                    }
+                };
+                let page_server = page_server.parse().map_err(|_| {
+                    fail(format!("bad page server address {page_server:?}"));
+                    MigrateError::TargetFailed(format!("bad page server address {page_server:?}"))
+                })?;
+                staging.invalidate(&stale);
+                return Ok(Incoming { descriptor, payload, page_server, staged: Arc::new(staging), replies });
+            }
+        }
+    }
+}
+
+impl Incoming {
+    /// The fault-handler function for the restore (`starling_fork::restore`):
+    /// staged pages from here, the rest from the source, and a drain that
+    /// tells the source `Complete` once nothing is left there. `desc` is the
+    /// descriptor as the handler sees files (under the task's root).
+    pub fn serve(&self, desc: Descriptor, prefetch: usize, on_lost: OnLost) -> Serve {
+        let desc = Arc::new(desc);
+        let (staged, server, replies) = (self.staged.clone(), self.page_server, self.replies.clone());
+        Arc::new(move |_id, uffd, stats, stop| {
+            let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch };
+            let h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server)?, stats, opts)
+                .with_local_pages(staged.clone());
+            let (replies2, lost2) = (replies.clone(), on_lost.clone());
+            h.spawn_drain(
+                PageClient::connect(server)?,
+                Box::new(move |r| {
+                    let mut s = replies2.lock().unwrap_or_else(|p| p.into_inner());
+                    match r {
+                        Ok(rep) => {
+                            let done = ToSource::Complete { local_pages: rep.local_pages, remote_pages: rep.remote_pages };
+                            if let Err(e) = wire::send(&mut *s, &done) {
+                                log::warn!("migration: telling the source it is done: {e}");
+                            }
+                        }
+                        Err(e) => {
+                            let _ = wire::send(&mut *s, &ToSource::Failed { reason: e.to_string() });
+                            lost2(format!("its memory could not be moved from the source host: {e}"));
+                        }
+                    }
+                }),
+            )?;
+            let r = h.run(stop);
+            if let Err(e) = &r {
+                on_lost(format!("its memory could not be fetched from the source host: {e}"));
+            }
+            r
+        })
+    }
+
+    /// Tell the source the process runs here now.
+    pub fn resumed(&self) -> Result<()> {
+        Ok(wire::send(&mut *self.replies.lock().unwrap_or_else(|p| p.into_inner()), &ToSource::Resumed)?)
+    }
+
+    /// Tell the source the restore failed (it keeps the process).
+    pub fn failed(&self, reason: &str) {
+        let _ = wire::send(&mut *self.replies.lock().unwrap_or_else(|p| p.into_inner()), &ToSource::Failed { reason: reason.to_string() });
+    }
+}

@@ -1,0 +1,80 @@
+//! The frames between a migration's source and target, on one TCP
+//! connection: `"SFMG"`, a `u32` little-endian length, a bincode body.
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+use std::io::{Read, Write};
+
+const MAGIC: [u8; 4] = *b"SFMG";
+/// Largest frame accepted (an `Image` carries the caller's payload: the
+/// task's written files, among others).
+pub const MAX_FRAME: u32 = 1 << 30;
+
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a migration frame")]
+    Magic,
+    #[error("frame of {0} bytes")]
+    TooLarge(u32),
+    #[error("undecodable frame: {0}")]
+    Decode(String),
+}
+
+/// Source → target.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ToTarget {
+    /// First: what the target's caller needs to prepare (its payload).
+    Prepare { payload: Vec<u8> },
+    /// Pages and their bytes (`addrs.len()` × 4096), copied while the
+    /// process runs or at the freeze.
+    Pages { addrs: Vec<u64>, data: Vec<u8> },
+    /// The process is frozen: its encoded descriptor, pages sent before
+    /// that it wrote since (the target fetches them instead), the page
+    /// server holding its memory, the caller's payload.
+    Image { descriptor: Vec<u8>, stale: Vec<u64>, page_server: String, payload: Vec<u8> },
+}
+
+/// Target → source.
+#[derive(Debug, Serialize, Deserialize)]
+pub enum ToSource {
+    /// The process runs on the target.
+    Resumed,
+    /// The source holds nothing the process needs any more.
+    Complete { local_pages: u64, remote_pages: u64 },
+    /// The target gave up (before `Resumed`: the source keeps the process).
+    Failed { reason: String },
+}
+
+pub fn send<T: Serialize>(w: &mut impl Write, frame: &T) -> Result<(), WireError> {
+    let body = bincode::serialize(frame).map_err(|e| WireError::Decode(e.to_string()))?;
+    let len = u32::try_from(body.len()).ok().filter(|&l| l <= MAX_FRAME).ok_or(WireError::TooLarge(u32::MAX))?;
+    let mut head = [0u8; 8];
+    head[..4].copy_from_slice(&MAGIC);
+    head[4..].copy_from_slice(&len.to_le_bytes());
+    w.write_all(&head)?;
+    w.write_all(&body)?;
+    w.flush()?;
+    Ok(())
+}
+
+pub fn recv<T: DeserializeOwned>(r: &mut impl Read) -> Result<T, WireError> {
+    let mut head = [0u8; 8];
+    r.read_exact(&mut head)?;
+    if head[..4] != MAGIC {
+        return Err(WireError::Magic);
+    }
+    let len = u32::from_le_bytes(head[4..].try_into().expect("4 bytes"));
+    if len > MAX_FRAME {
+        return Err(WireError::TooLarge(len));
+    }
+    let mut body = vec![0u8; len as usize];
+    r.read_exact(&mut body)?;
+    use bincode::Options;
+    bincode::DefaultOptions::new()
+        .with_fixint_encoding()
+        .with_limit(u64::from(MAX_FRAME))
+        .reject_trailing_bytes()
+        .deserialize(&body)
+        .map_err(|e| WireError::Decode(e.to_string()))
+}
