@@ -66,7 +66,6 @@ class Daemons:
         for _, p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for _, p in self.procs:
             try:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
