@@ -4,7 +4,7 @@ PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 BIN := target/release/starling
 
-.PHONY: all build python demo test unit-test integration-test bench clean
+.PHONY: all build python demo test unit-test integration-test bench-tables bench clean
 
 all: build
 
@@ -22,7 +22,7 @@ demo: build
 
 # Everything CI runs: unit tests, then end-to-end tests against real embedded clusters
 # (exec, faults, WAN links, remote fork, multicast, Python).
-test: build python unit-test integration-test
+test: build python bench-tables unit-test integration-test
 
 unit-test:
 	$(CARGO) test --release --workspace
@@ -30,12 +30,18 @@ unit-test:
 integration-test: build python
 	$(PYTEST) -v tests/ crates/python/tests
 
-# Benchmarks (not part of `test`): tables on stdout, JSON and PNG in bench/out/.
+# The benchmark tables in bench/README.md must be what bench/out/*.json gives (no hand-typed figure).
+bench-tables:
+	$(PYTHON) bench/tables.py --check
+
+# Benchmarks (not part of `test`): tables on stdout, JSON and PNG in bench/out/, then the
+# README tables regenerated from the JSON.
 bench: build
 	$(PYTHON) bench/exec_bench.py
 	$(PYTHON) bench/ucop_bench.py
 	$(PYTHON) bench/fork_bench.py
 	$(PYTHON) bench/mcdist_bench.py
+	$(PYTHON) bench/tables.py
 
 clean:
 	-$(BIN) down

@@ -40,6 +40,8 @@ import sys
 import tempfile
 import time
 
+from provenance import provenance
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
 OUT = ROOT / "bench/out"
@@ -276,6 +278,7 @@ def main():
     if not os.path.exists(STARLING):
         sys.exit("exec_bench: build first: cargo build --release --workspace")
     OUT.mkdir(parents=True, exist_ok=True)
+    ran_on = provenance()  # at the start: the tree the run measures
     work = pathlib.Path(tempfile.mkdtemp(prefix="starling-exec-bench-", dir="/var/tmp"))
     snapshot_binary(work)
     try:
@@ -300,10 +303,10 @@ def main():
         x = build[k]
         rts = f"{x['rt_per_launch_mean']:.2f}" if x.get("rt_per_launch_mean") else "-"
         print(f"{k:<8} {x['wall_s']:>7.2f} {x['launches'] or '-':>8} {rts:>10}")
-    doc = {"instance": INSTANCE, "hosts": a.hosts, "repeat": a.repeat, "jobs": a.jobs, "exec_true": true_rows,
+    doc = {"provenance": ran_on, "instance": INSTANCE, "hosts": a.hosts, "repeat": a.repeat, "jobs": a.jobs, "exec_true": true_rows,
            "lua_build": build, "note": "emulated hosts share this machine's cores; lan = no link relay (no byte counters)"}
     (OUT / "exec.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {OUT / 'exec.json'}")
+    print(f"wrote {OUT / 'exec.json'} (python3 bench/tables.py puts it into bench/README.md)")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -43,6 +43,8 @@ import subprocess
 import sys
 import time
 
+from provenance import provenance
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench/out"
 INSTANCE = "6"
@@ -183,6 +185,8 @@ def main():
     build_dir = pathlib.Path(a.starling_dir).resolve()
     starling = str(build_dir / "starling")
     OUT.mkdir(parents=True, exist_ok=True)
+    ran_on = provenance()  # at the start: the tree the run measures
+    ran_on["binaries"] = str(build_dir)
     exe = build(build_dir)
     print(f"instance {os.environ['STARLING_INSTANCE']}, {a.hosts} hosts, binaries from {build_dir}", flush=True)
     sh(starling, "down", timeout=120)
@@ -258,13 +262,13 @@ def main():
               f"{big['cpu_floor_ms'] / one['clone_time_ms']:.2f} ({net / big['cores'] / one['clone_time_ms']:.2f} "
               f"without the background) against clone-time({lo})")
 
-    doc = {"instance": os.environ["STARLING_INSTANCE"], "hosts": a.hosts, "heap_mib": a.heap_mib, "probes": a.probes,
+    doc = {"provenance": ran_on, "instance": os.environ["STARLING_INSTANCE"], "hosts": a.hosts, "heap_mib": a.heap_mib, "probes": a.probes,
            "repeat": a.repeat, "warmup": a.warmup, "settle_ms": a.settle_ms, "modes": modes, "cores": rows[0]["cores"], "rows": rows,
            "warmup_runs": warmups,
            "ratio_32_over_1": ratios.get("spread", next(iter(ratios.values()), None)),
            "ratio_32_over_1_by_mode": ratios}
     (OUT / "fork.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {OUT / 'fork.json'}")
+    print(f"wrote {OUT / 'fork.json'} (python3 bench/tables.py puts it into bench/README.md)")
     plot(rows, modes, a)
 
 

@@ -40,6 +40,8 @@ import subprocess
 import sys
 import time
 
+from provenance import provenance
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
 OUT = ROOT / "bench/out"
@@ -231,6 +233,7 @@ def main():
     ap.add_argument("--keep", action="store_true", help="leave the cluster up (and reuse a running one)")
     a = ap.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
+    ran_on = provenance()  # at the start: the tree the run measures
     exe = build(pathlib.Path("/var/tmp/starling-bench") / f"mcdist-{os.environ.get('STARLING_INSTANCE', '0')}")
     if not (a.keep and sh(STARLING, "status").returncode == 0):
         sh(STARLING, "down", timeout=120)
@@ -261,13 +264,13 @@ def main():
     rat = ratios(rows)
     for k, v in rat.items():
         print(f"{k}: bytes(32)/bytes(1) = {v['bytes_32_over_1']:.2f}   clone-time(32)/clone-time(1) = {v['clone_time_32_over_1']:.2f}")
-    doc = {"hosts": a.hosts, "data_mib": a.data_mib, "scratch_mib": a.scratch_mib, "bridge": bridge(),
+    doc = {"provenance": ran_on, "hosts": a.hosts, "data_mib": a.data_mib, "scratch_mib": a.scratch_mib, "bridge": bridge(),
            "bytes_on_the_wire": "sender-side: TCP page-server reply bytes + est. TCP/IP headers, plus multicast "
                                 "datagram bytes + IP/UDP headers (sf_ticket_stat SF_STAT_BYTES_WIRE); "
                                 "bridge_tx_bytes = tx_bytes delta of the cluster bridge (includes head traffic)",
            "rows": rows, "ratios": rat}
     (OUT / "mcdist.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {OUT / 'mcdist.json'}")
+    print(f"wrote {OUT / 'mcdist.json'} (python3 bench/tables.py puts it into bench/README.md)")
     plots(doc)
 
 

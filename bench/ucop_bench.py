@@ -56,6 +56,7 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import exec_bench  # noqa: E402
+from provenance import provenance  # noqa: E402
 from exec_bench import (OUT, ROOT, args_env_bytes, clean_build_dir, cluster_down, cluster_up,  # noqa: E402
                         fmt_bytes, lua_make_cmd, lua_sources, measure, median_run, starling_env)
 
@@ -306,11 +307,14 @@ def main():
     links = a.links.split(",")
     configs = a.configs.split(",")
     OUT.mkdir(parents=True, exist_ok=True)
+    ran_on = provenance()  # at the start: the tree the run measures
+    resumed_from = None
     work = pathlib.Path(tempfile.mkdtemp(prefix="starling-ucop-bench-", dir="/var/tmp"))
     exec_bench.snapshot_binary(work)
     results, checks, local = {}, {}, None
     if a.from_json:
         prev = json.loads(pathlib.Path(a.from_json).read_text())
+        resumed_from = prev.get("provenance", "unknown")  # the rows kept from it ran on that
         local = prev["local"]
         results = {l: {c: v for c, v in r.items() if "error" not in v} for l, r in prev["results"].items()}
     try:
@@ -328,7 +332,7 @@ def main():
                     continue
                 print(f"{link}: {c} ...", flush=True)
                 results[link][c] = guarded(b.config, link, c)
-                (OUT / "ucop.partial.json").write_text(json.dumps({"local": local, "results": results}, indent=1))
+                (OUT / "ucop.partial.json").write_text(json.dumps({"provenance": ran_on, "local": local, "results": results}, indent=1))
             if link == "coffee-shop" or link == links[-1]:
                 checks["warm_launch"] = guarded(b.warm_launch, link) | {"link": link, "rtt_ms": RTT_MS.get(link)}
             if "relay-cache-off" in configs and "relay-cache-off" not in results[link]:
@@ -369,7 +373,7 @@ def main():
         verdicts["second_host_zero_wan_bytes_up"] = s["h2"]["bytes_up"] is not None and s["h2"]["bytes_up"] < 16 * 1024
         print(f"16 MiB file read on h1 then h2: WAN up h1 {fmt_bytes(s['h1']['bytes_up'])}, h2 {fmt_bytes(s['h2']['bytes_up'])} "
               f"(target ~0, i.e. only the launch): {'met' if verdicts['second_host_zero_wan_bytes_up'] else 'NOT met'}")
-    doc = {"instance": "4", "hosts": a.hosts, "repeat": a.repeat, "tiles": a.tiles, "width": a.width, "height": a.height,
+    doc = {"provenance": ran_on, "resumed_from_provenance": resumed_from, "instance": "4", "hosts": a.hosts, "repeat": a.repeat, "tiles": a.tiles, "width": a.width, "height": a.height,
            "jobs": a.jobs, "links": links, "configs": configs, "local": local, "results": results, "checks": checks,
            "verdicts": verdicts,
            "notes": {"lan+counters": "link relay with no shaping (0 ms, unlimited), so bytes can be counted",
@@ -377,7 +381,7 @@ def main():
                      "round_trips": "launches + file requests answered by the client during the tasks",
                      "hosts": "emulated hosts share this machine's cores"}}
     (OUT / "ucop.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {OUT / 'ucop.json'}")
+    print(f"wrote {OUT / 'ucop.json'} (python3 bench/tables.py puts it into bench/README.md)")
     plot(results, local, links, [c for c in CONFIGS if any(c in results[l] for l in links)])
 
 

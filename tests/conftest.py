@@ -7,6 +7,10 @@ import time
 
 import pytest
 
+# The skip rule (require.py, loaded as a plugin by pytest.ini): fail with the reason unless
+# STARLING_TEST_ALLOW_SKIP=1.
+from require import require, require_module, require_root, require_tool  # noqa: F401
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target" / "release" / "starling")
 
@@ -24,6 +28,30 @@ def status():
     return json.loads(starling("status", "--json").stdout)
 
 
+def wait_for(predicate, what, timeout=120.0, interval=0.1):
+    """Poll `predicate` until it returns something truthy and return that; fail naming `what` after
+    `timeout` seconds. Tests wait for events this way instead of sleeping: the deadline only bounds a
+    hang and is far beyond what a 4x slower machine needs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = predicate()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def cores_by_host(st=None):
+    """{host name: cores} as the running cluster reports them (never assume this machine's count)."""
+    return {h["name"]: h["cores"] for h in (st or status())["hosts"]}
+
+
+def running_tasks(st=None):
+    """Cores held by running tasks, summed over the hosts (the head's own count)."""
+    return sum(h.get("running", 0) for h in (st or status())["hosts"])
+
+
 def up(hosts=4):
     starling("down", check=False)
     r = starling("up", "--hosts", str(hosts), check=False, timeout=120)
@@ -38,6 +66,8 @@ def down():
 @pytest.fixture(scope="session")
 def cluster():
     """A 4-host embedded cluster for the whole session (destructive tests make their own)."""
+    require_root("an embedded cluster (namespaces, FUSE, overlayfs)")
+    require(pathlib.Path(STARLING).exists(), f"{STARLING} missing: build it (cargo build --release --workspace)")
     st = up(4)
     yield st
     down()

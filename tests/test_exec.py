@@ -2,6 +2,7 @@
 import hashlib
 import os
 import pathlib
+import select
 import signal
 import subprocess
 import sys
@@ -54,20 +55,35 @@ def test_killed_by_signal(cluster):
     assert r.returncode == 128 + signal.SIGTERM
 
 
+def start_until_ready(script):
+    """`starling exec -- sh -c SCRIPT`, returned once the task printed `ready` (it runs remotely by then)."""
+    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    line = readline_within(p.stdout, 120)
+    assert line == b"ready\n", (line, p.stderr.read() if p.poll() is not None else b"")
+    return p
+
+
+def readline_within(f, timeout):
+    """One line of a pipe, or a test failure after `timeout` s (a hang must not hang the suite)."""
+    ready, _, _ = select.select([f], [], [], timeout)
+    if not ready:
+        pytest.fail(f"no line within {timeout} s")
+    return f.readline()
+
+
 def test_ctrl_c_is_forwarded(cluster):
-    p = subprocess.Popen([STARLING, "exec", "--", "sleep", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(2)
+    p = start_until_ready("echo ready; exec sleep 600")
     p.send_signal(signal.SIGINT)
-    rc = p.wait(timeout=15)
+    rc = p.wait(timeout=120)
     assert rc == 128 + signal.SIGINT
 
 
 def test_sigterm_is_forwarded(cluster):
-    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "trap 'echo got-term; exit 7' TERM; sleep 60 & wait"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(2)
+    # The trap is set before `ready` is printed: the signal cannot arrive before it.
+    p = start_until_ready("trap 'echo got-term; exit 7' TERM; echo ready; sleep 600 & wait")
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=15)
+    out, _ = p.communicate(timeout=120)
     assert p.returncode == 7 and b"got-term" in out
 
 
@@ -80,14 +96,16 @@ def test_stdin_100mb_through_sha256sum(cluster, workdir):
 
 
 def test_stdout_streams_live(cluster):
-    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "echo first; sleep 4; echo second"], stdout=subprocess.PIPE)
-    t0 = time.time()
-    line = p.stdout.readline()
-    first_at = time.time() - t0
+    # The task prints its second line only after reading a line that the test sends only after
+    # it got the first: without live streaming neither side ever gets further (failed by the deadline).
+    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "echo first; read reply; echo \"second $reply\""],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert readline_within(p.stdout, 120) == b"first\n"
+    p.stdin.write(b"after-first\n")
+    p.stdin.close()
     rest = p.stdout.read()
-    p.wait(timeout=30)
-    assert line == b"first\n" and rest == b"second\n"
-    assert first_at < 3.5, f"first line arrived after {first_at:.1f}s: output is not streamed"
+    p.wait(timeout=120)
+    assert rest == b"second after-first\n" and p.returncode == 0
 
 
 def test_configuration_transparency(cluster, workdir):
@@ -178,12 +196,13 @@ def test_writes_overwrites_deletes_renames(cluster, workdir):
 def test_conflict_keeps_local_change(cluster, workdir):
     f = workdir / "shared.txt"
     f.write_text("v1\n")
-    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "cat shared.txt; sleep 3; echo task > shared.txt"],
-                         cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.5)
+    # The task writes only after the test edited the file here (it waits for a line on stdin).
+    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "cat shared.txt; read go; echo task > shared.txt"],
+                         cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = readline_within(p.stdout, 120)
     f.write_text("local edit\n")
-    out, err = p.communicate(timeout=60)
-    assert out == b"v1\n", "the task saw the file as it was at launch"
+    out, err = p.communicate(input=b"go\n", timeout=120)
+    assert first + out == b"v1\n", "the task saw the file as it was at launch"
     assert f.read_text() == "local edit\n", "the local change is never overwritten"
     assert (workdir / "shared.txt.starling-conflict").read_text() == "task\n"
     assert b"conflict" in err and b"shared.txt" in err
@@ -192,12 +211,12 @@ def test_conflict_keeps_local_change(cluster, workdir):
 def test_changes_while_running_are_not_seen(cluster, workdir):
     f = workdir / "input.txt"
     f.write_text("before\n")
-    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "cat input.txt; sleep 3; cat input.txt"],
-                         cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.5)
-    f.write_text("after, longer\n")
-    out, _ = p.communicate(timeout=60)
-    assert out == b"before\nbefore\n"
+    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "cat input.txt; read go; cat input.txt"],
+                         cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = readline_within(p.stdout, 120)
+    f.write_text("after, longer\n")  # changed here after the task's first read, before its second
+    out, _ = p.communicate(input=b"go\n", timeout=120)
+    assert first + out == b"before\nbefore\n"
 
 
 def build_lua(dest, src, cc_prefix=None, jobs=8):

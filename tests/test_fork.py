@@ -17,12 +17,15 @@ import time
 
 import pytest
 
-from conftest import ROOT, STARLING, sh, starling, status, up
+from conftest import ROOT, STARLING, cores_by_host, require, require_module, running_tasks, sh, starling, status, up, wait_for
 
 SUITE = ROOT / "crates/fork/tests/c"
 FORK = ROOT / "tests/fork"
 LIB = ROOT / "target/release/libstarling.a"
 BIN = pathlib.Path("/var/tmp/starling-tests/fork-bin")
+# The restore-correctness suite (crates/fork/tests/c), run on the cluster in both ticket modes.
+SUITE_PROGRAMS = ["heap", "stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen",
+                  "shared_maps", "mremap", "pipes_sockets", "altstack_rlimits", "dontfork"]
 
 
 def cc(src, out, *extra):
@@ -37,10 +40,10 @@ def progs():
     assert LIB.exists(), "build it: cargo build --release -p starling-capi"
     BIN.mkdir(parents=True, exist_ok=True)
     p = {}
-    for name in ["heap", "stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen"]:
+    for name in SUITE_PROGRAMS:
         p["suite/" + name] = cc(SUITE / f"{name}.c", BIN / f"suite-{name}", "-include", str(FORK / "on_other_host.h"))
     sh("cc", "-shared", "-fPIC", str(SUITE / "plugin.c"), "-o", str(BIN / "libsfplugin.so"))
-    for name in ["lazy_heap", "pairscores", "linger", "files_home", "unclonable", "statuses"]:
+    for name in ["lazy_heap", "pairscores", "linger", "files_home", "unclonable", "statuses", "shared_view"]:
         p[name] = cc(FORK / f"{name}.c", BIN / name, "-Wall")
     return p
 
@@ -53,19 +56,38 @@ def run(prog, *args, env=None, timeout=180, cwd=None):
                           cwd=cwd or "/var/tmp")
 
 
-def running_tasks():
-    return sum(h.get("running", 0) for h in status()["hosts"])
-
-
-def wait_idle(limit=10.0):
-    t0 = time.time()
-    while running_tasks() and time.time() - t0 < limit:
+def wait_idle(limit=120.0):
+    """Cores still held by tasks once every task has ended, or after `limit` s (the head frees a
+    task's cores when its end reaches it, so this polls rather than expecting 0 at once)."""
+    deadline = time.monotonic() + limit
+    while running_tasks() and time.monotonic() < deadline:
         time.sleep(0.2)
     return running_tasks()
 
 
+def expected_grant(n, hierarchical, free=None):
+    """[(host, clones)] the head grants for a ticket of `n` on an idle cluster, computed here from the
+    hosts' core counts as `starling status` reports them (README: hierarchical fills each host's
+    cores first; spread goes round-robin), hosts with the most free cores first, then by name."""
+    free = dict(free or cores_by_host())
+    order = sorted(free, key=lambda h: (-free[h], int(h[1:]) if h[1:].isdigit() else h))
+    out = {}
+    if hierarchical:
+        for h in order:
+            k = min(free[h], n - sum(out.values()))
+            if k > 0:
+                out[h] = k
+    else:
+        while sum(out.values()) < n and any(free[h] for h in order):
+            for h in order:
+                if free[h] and sum(out.values()) < n:
+                    free[h] -= 1
+                    out[h] = out.get(h, 0) + 1
+    return out
+
+
 @pytest.mark.parametrize("mode", ["spread", "hierarchical"])
-@pytest.mark.parametrize("name", ["stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen", "heap"])
+@pytest.mark.parametrize("name", SUITE_PROGRAMS)
 def test_restore_suite_on_other_hosts(cluster, progs, name, mode):
     """Each program checks its kind of state inside 2 clones. spread: two
     restores on two hosts; hierarchical: both clones on one host, one
@@ -76,7 +98,7 @@ def test_restore_suite_on_other_hosts(cluster, progs, name, mode):
     hosts = re.findall(r"clone (\d+) on host (h\d+)", out)
     assert len(hosts) == 2, out
     distinct = {h for _, h in hosts}
-    assert len(distinct) == (1 if mode == "hierarchical" else 2), out
+    assert len(distinct) == len(expected_grant(2, mode == "hierarchical")), out
     assert "runs on the parent's host" not in out
     if name == "heap":
         # Every check inside the clones passed; the parent's bound on pages
@@ -112,28 +134,30 @@ def test_clones_send_pair_scores_back_over_tcp(cluster, progs):
 @pytest.mark.parametrize("hierarchical", [0, 1])
 def test_every_clone_reports_its_own_status(cluster, progs, hierarchical):
     """sf_clone_status per clone: exit codes 10+id, clone 3 killed (128+9).
-    Hierarchical: 2 clones per host (2 cores each), one task per host whose
-    restorer forks the second clone: its own PID, glibc's TID right."""
+    Hierarchical: each host's clones are one task whose restorer forks all
+    but the first: each its own PID, glibc's TID right. Placement is checked
+    against what the hosts' core counts (from `starling status`) imply."""
     assert wait_idle() == 0
+    want = expected_grant(6, bool(hierarchical))
+    m = sum(want.values())
+    require(m >= 3, f"the cluster has {m} cores; this test needs 3 (clone 3 is the killed one)")
     r = run(progs["statuses"], 6, hierarchical)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "GRANTED 6" in r.stdout, r.stdout
+    assert f"GRANTED {m}\n" in r.stdout, (want, r.stdout)
     statuses = dict(re.findall(r"STATUS (\d+) (-?\d+)", r.stdout))
-    assert statuses == {str(i): str(137 if i == 3 else 10 + i) for i in range(1, 7)}, r.stdout
+    assert statuses == {str(i): str(137 if i == 3 else 10 + i) for i in range(1, m + 1)}, r.stdout
     clones = re.findall(r"CLONE (\d+) host (h\d+) pid (\d+) tid (\d+)", r.stdout)
-    assert len(clones) == 6, r.stdout
+    assert len(clones) == m, r.stdout
     assert all(pid == tid for _, _, pid, tid in clones), r.stdout
     by_host = {}
     for cid, host, pid, _ in clones:
         by_host.setdefault(host, []).append((int(cid), pid))
+    assert {h: len(v) for h, v in by_host.items()} == want, (want, by_host)
     if hierarchical:
-        assert sorted(len(v) for v in by_host.values()) == [2, 2, 2], by_host
         for v in by_host.values():
             ids = sorted(c for c, _ in v)
-            assert ids[1] == ids[0] + 1, "a host holds consecutive clone ids"
-            assert v[0][1] != v[1][1], "the forked clone has its own PID"
-    else:
-        assert len(by_host) == 4, "spread over all 4 hosts first"
+            assert ids == list(range(ids[0], ids[0] + len(ids))), "a host holds consecutive clone ids"
+            assert len({pid for _, pid in v}) == len(v), "each forked clone has its own PID"
     assert wait_idle() == 0, "every core is released"
 
 
@@ -142,6 +166,55 @@ def test_files_clones_write_come_home(cluster, progs, workdir):
     assert r.returncode == 0, r.stdout + r.stderr
     for i in (1, 2, 3):
         assert (workdir / f"result-{i}.txt").read_text() == f"clone {i} of 3\n"
+
+
+def test_hierarchical_clones_share_one_file_view(cluster, progs, workdir):
+    """All of one host's cores in a hierarchical ticket: the clones see each other's files while
+    they run (one view), and everything they wrote is home after join."""
+    assert wait_idle() == 0
+    cores = cores_by_host()
+    k = max(cores.values())
+    require(k >= 2, f"sharing needs 2 clones on one host; the hosts have {cores} cores")
+    assert len(expected_grant(k, True)) == 1, "the head puts the whole ticket on one host"
+    r = run(progs["shared_view"], k, workdir, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"GRANTED {k}\n" in r.stdout, r.stdout
+    hosts = dict(re.findall(r"CLONE (\d+) (h\d+)", r.stdout))
+    assert sorted(hosts, key=int) == [str(i) for i in range(1, k + 1)] and len(set(hosts.values())) == 1, r.stdout
+    assert dict(re.findall(r"STATUS (\d+) (-?\d+)", r.stdout)) == {str(i): "0" for i in range(1, k + 1)}, r.stdout
+    for i in range(1, k + 1):
+        assert (workdir / f"from-{i}").read_text() == f"{i * 1000 + 7}\n"
+        assert (workdir / f"seen-{i}").read_text() == f"{k}\n"
+    assert not [p.name for p in workdir.iterdir() if "starling-conflict" in p.name]
+
+
+@pytest.mark.parametrize("busy", [0, 1])
+def test_ticket_grants_only_free_cores(cluster, progs, workdir, busy):
+    """A ticket for more clones than there are free cores is granted the free cores (README:
+    m = sf_ticket_allocation(t) granted by free cores), and exactly m clones run. busy=1: one core
+    is held by a running `starling exec` task first."""
+    assert wait_idle() == 0
+    total = sum(cores_by_host().values())
+    holder = None
+    if busy:
+        holder = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "echo holding; read done"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        assert holder.stdout.readline() == b"holding\n", holder.stderr.read()
+        assert running_tasks() == 1
+    try:
+        free = total - busy
+        require(free >= 1, f"the cluster has {total} cores")
+        r = run(progs["files_home"], total + 3, workdir)
+    finally:
+        if holder:
+            holder.communicate(b"\n", timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"clones={free} missing_or_failed=0" in r.stdout, (total, busy, r.stdout)
+    made = sorted(p.name for p in workdir.iterdir() if p.name.startswith("result-"))
+    assert made == sorted(f"result-{i}.txt" for i in range(1, free + 1))
+    for i in range(1, free + 1):
+        assert (workdir / f"result-{i}.txt").read_text() == f"clone {i} of {free}\n"
+    assert wait_idle() == 0
 
 
 def test_unclonable_state_fails_and_launches_nothing(cluster, progs):
@@ -155,10 +228,9 @@ def test_unclonable_state_fails_and_launches_nothing(cluster, progs):
 @pytest.mark.parametrize("mode", ["spread", "hier"])
 def test_sf_kill_kills_every_clone(cluster, progs, mode):
     """Hierarchical: 3 clones are 2 tasks (2 + 1); killing a task kills the clone its restorer forked too."""
-    t0 = time.time()
-    r = run(progs["linger"], 3, 60, "kill", mode)
+    # The clones would sleep 10 minutes and then exit 7: status 137 can only come from sf_kill.
+    r = run(progs["linger"], 3, 600, "kill", mode, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert time.time() - t0 < 20
     states = re.findall(r"STATE (\d+) (\d+) (-?\d+)", r.stdout)
     assert len(states) == 3 and all(s == "2" and st == str(128 + 9) for _, s, st in states), r.stdout
 
@@ -211,19 +283,16 @@ def start_linger(progs, n, secs):
     return p, lines
 
 
-def test_parent_kill9_kills_clones_within_a_second(cluster, progs):
+def test_parent_kill9_kills_clones(cluster, progs):
     assert wait_idle() == 0
-    p, _ = start_linger(progs, 3, 60)
+    # The clones sleep 10 minutes: if they are gone well before, their parent's death ended them.
+    p, _ = start_linger(progs, 3, 600)
     before = sandboxes()
     assert len(before) >= 3
     p.kill()
-    t0 = time.time()
-    while set(before) & set(sandboxes()) and time.time() - t0 < 5:
-        time.sleep(0.02)
-    elapsed = time.time() - t0
     p.wait()
-    assert not set(before) & set(sandboxes()), "clones survived their parent"
-    assert elapsed < 1.0, f"clones took {elapsed:.2f}s to die"
+    wait_for(lambda: not set(before) & set(sandboxes()), "the clones to die with their parent", timeout=120)
+    assert wait_idle() == 0, "their cores are free again"
 
 
 def test_lost_host_is_reported_by_join(progs):
@@ -249,8 +318,8 @@ def test_lost_host_is_reported_by_join(progs):
 def test_python_monte_carlo_clones_on_other_hosts(cluster):
     """The QuantLib pattern from Python: numpy arrays built before the fork, 4 clones on other
     hosts price slices, the parent collates; equal to a local run and within 1% of Black-Scholes."""
-    pytest.importorskip("numpy")
-    pytest.importorskip("starling")
+    require_module("numpy", "make python (scripts/build-python.sh installs it)")
+    require_module("starling", "make python")
     out = pathlib.Path("/var/tmp/starling-tests/mc")
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

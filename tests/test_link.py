@@ -6,13 +6,16 @@ import hashlib
 import json
 import os
 import pathlib
+import select
 import shutil
+import socket
 import subprocess
+import sys
 import time
 
 import pytest
 
-from conftest import STARLING
+from conftest import STARLING, wait_for
 
 INSTANCE = "2"
 STATE = pathlib.Path("/var/lib/starling-2")
@@ -116,6 +119,8 @@ def test_changed_file_is_never_seen_stale(job, work, client_cache):
 
 
 def test_cache_evicted_mid_job(work, client_cache):
+    """Every cache (head relay, hosts) is wiped while a job runs: task 0 read the file before, the
+    other tasks read it after (each waits, connected to this test, until the wipe is done)."""
     e = env(client_cache)
     up("lan", e)
     big = work / "big.bin"
@@ -124,19 +129,85 @@ def test_cache_evicted_mid_job(work, client_cache):
     want = hashlib.sha256(data).hexdigest()
     # Warm every cache with it first.
     assert st(["exec", "--", "sha256sum", "big.bin"], e, cwd=work).stdout.decode().split()[0] == want
+    head_ip = json.loads(st(["status", "--json"], e).stdout)["head"].rsplit(":", 1)[0]
+    gate = socket.create_server((head_ip, 0))
+    port = gate.getsockname()[1]
+    wait = f"import socket; s = socket.create_connection(('{head_ip}', {port}), timeout=600); s.settimeout(600); s.recv(1)"
     p = subprocess.Popen(
-        [STARLING, "run", "-n", "6", "--quiet", "--", "sh", "-c", "sleep $((STARLING_TASK % 3 * 2)); sha256sum big.bin"],
+        [STARLING, "run", "-n", "6", "--quiet", "--", "sh", "-c",
+         f'[ "$STARLING_TASK" = 0 ] || {sys.executable} -c "{wait}"; sha256sum big.bin'],
         cwd=work, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    time.sleep(1.0)
-    wiped = 0
-    for cache in [STATE / "head" / "cache"] + sorted((STATE / "hosts").glob("h*/state/cache")):
-        for sub in ["chunks", "files", "recipes"]:
-            for f in (cache / sub).rglob("*"):
-                if f.is_file():
-                    f.unlink()
-                    wiped += 1
-    assert wiped > 0, "the caches held the file"
-    out, err = p.communicate(timeout=300)
+    waiting = []
+    try:
+        gate.settimeout(300)
+        waiting.append(gate.accept()[0])  # a task of the job is running and has not read the file yet
+        ready, _, _ = select.select([p.stdout], [], [], 300)
+        assert ready, "task 0 never printed its sum"
+        first = p.stdout.readline().decode()
+        assert first.split()[0] == want, first
+        wiped = 0
+        for cache in [STATE / "head" / "cache"] + sorted((STATE / "hosts").glob("h*/state/cache")):
+            for sub in ["chunks", "files", "recipes"]:
+                for f in (cache / sub).rglob("*"):
+                    if f.is_file():
+                        f.unlink()
+                        wiped += 1
+        assert wiped > 0, "the caches held the file"
+        # Release the tasks waiting now and every one that starts later.
+        gate.settimeout(5)
+        while p.poll() is None:
+            for c in waiting:
+                c.sendall(b"g")
+                c.close()
+            waiting = []
+            try:
+                waiting.append(gate.accept()[0])
+            except socket.timeout:
+                pass
+        out, err = p.communicate(timeout=300)
+    finally:
+        for c in waiting:
+            c.close()
+        gate.close()
+        if p.poll() is None:
+            p.kill()
     assert p.returncode == 0, err.decode()
-    sums = [l.split()[0] for l in out.decode().splitlines()]
+    sums = [first.split()[0]] + [l.split()[0] for l in out.decode().splitlines()]
     assert sums == [want] * 6
+
+
+def link_counters():
+    return json.loads((pathlib.Path(f"/run/starling-{INSTANCE}") / "link.json").read_text())["counters"]
+
+
+def test_custom_link_profile_is_applied(work, client_cache):
+    """`starling up --link RTT_MS,UP_KBIT,DOWN_KBIT` with values no preset has: a launch takes at
+    least one RTT, an upload and a download take at least their size over the given rate (up and
+    down differ, so swapping them fails), and the link's own counters saw the bytes. Lower bounds
+    only: a slower machine makes every time longer, never shorter."""
+    rtt_ms, up_kbit, down_kbit = 50, 2400, 4800
+    e = env(client_cache)
+    up(f"{rtt_ms},{up_kbit},{down_kbit}", e)
+    assert json.loads(st(["status", "--json"], e).stdout)["network"]["link"] == f"{rtt_ms},{up_kbit},{down_kbit}"
+    t0 = time.monotonic()
+    assert st(["exec", "--", "true"], e, cwd=work).returncode == 0
+    assert time.monotonic() - t0 >= rtt_ms / 1000, "a launch took less than one round trip"
+
+    payload = os.urandom(300_000)  # incompressible, in no cache yet
+    (work / "upload.bin").write_bytes(payload)
+    before = link_counters()
+    t0 = time.monotonic()
+    r = st(["exec", "--", "wc", "-c", "upload.bin"], e, cwd=work)
+    took = time.monotonic() - t0
+    assert r.stdout == b"300000 upload.bin\n", r.stderr.decode()
+    assert took >= len(payload) * 8 / (up_kbit * 1000), f"300 kB went up in {took:.2f} s: faster than {up_kbit} kbit/s"
+    # The relay writes its counters periodically: wait for them to show the bytes.
+    wait_for(lambda: link_counters()["bytes_up"] - before["bytes_up"] >= len(payload), "the link to count 300 kB up")
+
+    before = link_counters()
+    t0 = time.monotonic()
+    r = st(["exec", "--", "head", "-c", "600000", "/dev/urandom"], e, cwd=work)
+    took = time.monotonic() - t0
+    assert len(r.stdout) == 600_000, r.stderr.decode()
+    assert took >= 600_000 * 8 / (down_kbit * 1000), f"600 kB came down in {took:.2f} s: faster than {down_kbit} kbit/s"
+    wait_for(lambda: link_counters()["bytes_down"] - before["bytes_down"] >= 600_000, "the link to count 600 kB down")

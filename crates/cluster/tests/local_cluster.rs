@@ -1,14 +1,19 @@
-//! End-to-end tests of the emulated cluster (need root, iproute2 and nsenter; skipped otherwise).
+//! End-to-end tests of the emulated cluster (need root, iproute2 and nsenter: they fail without them
+//! unless STARLING_TEST_ALLOW_SKIP=1, see tests/require.rs).
 //!
 //! This binary has its own `main` (harness = false) because it doubles as the `starling` executable `up`
 //! starts: `head` (a TCP listener standing in for the real head), `__host-boot` (the real boot code) and a
 //! few probes run inside hosts. Hosts run `sleep infinity` instead of the agent. The tests use their own
 //! bridge, namespace and veth names, subnet, and state/run directories, so they never touch a real cluster.
 
+use std::io::{BufRead, BufReader};
 use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode};
-use std::time::Duration;
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+#[path = "../../../tests/require.rs"]
+mod require;
 
 use starling_cluster::{
     down_with, host_dir, load_state, procs, up_with, ClusterState, NetConfig, UpOptions, UpOverrides, HOST_STATE_MOUNT,
@@ -219,31 +224,26 @@ fn test_lifecycle(f: &mut Vec<String>) {
         check(persistent.exists(), &format!("{}: state dir is STATE/hosts/{}/state", h.name, h.name), f);
     }
 
-    // Host to host: TCP h2 -> h1, multicast h1 -> h2 and h3.
+    // Host to host: TCP h2 -> h1, multicast h1 -> h2 and h3. Each probe that waits says on stdout
+    // when it is ready (listening, joined) before the other side starts.
     let (h1, h2, h3) = (&state.hosts[0], &state.hosts[1], &state.hosts[2]);
-    let listener = Command::new("nsenter")
-        .args(["-t", &h1.boot_pid.to_string(), "-m", "-u", "-n", "--", &me(), "__probe-accept"])
-        .spawn()
-        .expect("spawn listener");
-    std::thread::sleep(Duration::from_millis(300));
+    let listener = spawn_ready(h1.boot_pid, "__probe-accept", "listening", f);
     let (ok, _) = in_host(h2.boot_pid, &[&me(), "__probe-connect", &format!("{}:{PROBE_PORT}", h1.ip)]);
     check(ok, "h2 reaches h1 over TCP", f);
-    wait_child(listener, "h1 accepted the connection", f);
+    if let Some(listener) = listener {
+        wait_child(listener, "h1 accepted the connection", f);
+    }
 
-    let receivers: Vec<_> = [h2, h3]
-        .iter()
-        .map(|h| {
-            Command::new("nsenter")
-                .args(["-t", &h.boot_pid.to_string(), "-m", "-u", "-n", "--", &me(), "__probe-mcast-recv"])
-                .spawn()
-                .expect("spawn receiver")
-        })
-        .collect();
-    std::thread::sleep(Duration::from_millis(300));
+    let mut receivers = Vec::new();
+    for h in [h2, h3] {
+        receivers.push((spawn_ready(h.boot_pid, "__probe-mcast-recv", "joined", f), h));
+    }
     let (ok, _) = in_host(h1.boot_pid, &[&me(), "__probe-mcast-send"]);
     check(ok, "h1 sends multicast", f);
-    for (r, h) in receivers.into_iter().zip([h2, h3]) {
-        wait_child(r, &format!("{} received h1's multicast", h.name), f);
+    for (r, h) in receivers {
+        if let Some(r) = r {
+            wait_child(r, &format!("{} received h1's multicast", h.name), f);
+        }
     }
 
     // Crash one host, then tear down.
@@ -299,7 +299,7 @@ fn test_down_without_record(f: &mut Vec<String>) {
     };
     let _ = Command::new("kill").args(["-9", &state.head_pid.to_string()]).status();
     let _ = std::fs::remove_file(d.run.join("cluster.json"));
-    std::thread::sleep(Duration::from_millis(100));
+    check(wait_until(|| !procs::is_alive(state.head_pid)), "the head died of kill -9", f);
     check(load_state(&d.run).is_none(), "no running cluster without the record", f);
     let refused = up(&options(&d, 1));
     check(refused.as_ref().is_err_and(|e| format!("{e}").contains("leftovers")), "up refuses while leftovers exist", f);
@@ -369,16 +369,54 @@ fn test_failed_boot_cleans_up(f: &mut Vec<String>) {
     let _ = std::fs::remove_dir_all(&d.base);
 }
 
-fn wait_child(mut child: std::process::Child, what: &str, f: &mut Vec<String>) {
-    for _ in 0..100 {
-        if let Ok(Some(status)) = child.try_wait() {
-            return check(status.success(), what, f);
+/// Generous deadline of every wait here: it only bounds a hang (a 4x slower machine needs far less).
+const HANG: Duration = Duration::from_secs(120);
+
+/// Poll `done` until it holds or HANG passes; whether it held.
+fn wait_until(mut done: impl FnMut() -> bool) -> bool {
+    let t0 = Instant::now();
+    while !done() {
+        if t0.elapsed() > HANG {
+            return false;
         }
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
+/// Start probe `role` in host `pid` and return it once it printed `ready` (it is then listening or
+/// joined), or record a failure and return None.
+fn spawn_ready(pid: u32, role: &str, ready: &str, f: &mut Vec<String>) -> Option<Child> {
+    let mut child = Command::new("nsenter")
+        .args(["-t", &pid.to_string(), "-m", "-u", "-n", "--", &me(), role])
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn probe");
+    let mut line = String::new();
+    // The probe exits (closing stdout) if it cannot get ready, so this read cannot hang.
+    let _ = BufReader::new(child.stdout.take().expect("piped")).read_line(&mut line);
+    if line.trim() == ready {
+        Some(child)
+    } else {
+        let _ = child.kill();
+        let _ = child.wait();
+        check(false, &format!("{role} in pid {pid}'s host got ready (said {line:?})"), f);
+        None
+    }
+}
+
+fn wait_child(mut child: Child, what: &str, f: &mut Vec<String>) {
+    let mut status = None;
+    let ended = wait_until(|| {
+        status = child.try_wait().ok().flatten();
+        status.is_some()
+    });
+    if ended {
+        return check(status.is_some_and(|s| s.success()), what, f);
     }
     let _ = child.kill();
     let _ = child.wait();
-    check(false, &format!("{what} (timed out)"), f);
+    check(false, &format!("{what} (no end within {HANG:?})"), f);
 }
 
 /// Roles this binary plays when started by `up` or by a test inside a host.
@@ -397,29 +435,34 @@ fn role(args: &[String]) -> Option<ExitCode> {
             std::thread::sleep(Duration::from_secs(3600));
         },
         "__host-boot" => starling_cluster::host_boot_main(&args[2..]),
-        "__probe-connect" => {
-            let addr = args.get(2)?.parse().ok()?;
-            ok(TcpStream::connect_timeout(&addr, Duration::from_secs(3)).is_ok())
-        }
-        "__probe-accept" => {
-            let listener = TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, PROBE_PORT)).ok()?;
-            ok(listener.accept().is_ok())
-        }
+        // A probe that cannot set up fails (it must never fall through to the tests below).
+        "__probe-connect" => ok(args
+            .get(2)
+            .and_then(|a| a.parse().ok())
+            .is_some_and(|addr| TcpStream::connect_timeout(&addr, Duration::from_secs(30)).is_ok())),
+        "__probe-accept" => ok(TcpListener::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, PROBE_PORT)).is_ok_and(|l| {
+            println!("listening");
+            l.accept().is_ok()
+        })),
         "__probe-mcast-recv" => {
-            let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, MCAST_PORT)).ok()?;
-            sock.join_multicast_v4(&MCAST_GROUP, &Ipv4Addr::UNSPECIFIED).ok()?;
-            sock.set_read_timeout(Some(Duration::from_secs(4))).ok()?;
-            let mut buf = [0u8; 64];
-            ok(sock.recv(&mut buf).is_ok_and(|n| &buf[..n] == b"starling-mcast"))
+            let joined = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, MCAST_PORT)).ok().filter(|sock| {
+                sock.join_multicast_v4(&MCAST_GROUP, &Ipv4Addr::UNSPECIFIED).is_ok()
+                    && sock.set_read_timeout(Some(Duration::from_secs(60))).is_ok()
+            });
+            ok(joined.is_some_and(|sock| {
+                println!("joined");
+                let mut buf = [0u8; 64];
+                sock.recv(&mut buf).is_ok_and(|n| &buf[..n] == b"starling-mcast")
+            }))
         }
         "__probe-mcast-send" => {
-            let sock = UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)).ok()?;
-            // Several sends: the receivers may still be joining.
-            let sent = (0..10).all(|_| {
-                std::thread::sleep(Duration::from_millis(100));
-                sock.send_to(b"starling-mcast", SocketAddrV4::new(MCAST_GROUP, MCAST_PORT)).is_ok()
-            });
-            ok(sent)
+            // The receivers have joined; several sends in case one datagram is lost.
+            ok(UdpSocket::bind(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0)).is_ok_and(|sock| {
+                (0..10).all(|_| {
+                    std::thread::sleep(Duration::from_millis(100));
+                    sock.send_to(b"starling-mcast", SocketAddrV4::new(MCAST_GROUP, MCAST_PORT)).is_ok()
+                })
+            }))
         }
         _ => None,
     }
@@ -430,8 +473,10 @@ fn main() -> ExitCode {
     if let Some(code) = role(&args) {
         return code;
     }
-    if !nix::unistd::Uid::effective().is_root() || Command::new("nsenter").arg("--version").output().is_err() {
-        println!("local_cluster: skipped (needs root, iproute2 and nsenter)");
+    if !(require::root("the emulated cluster (namespaces, mounts, bridge)")
+        && require::tool("nsenter", "--version", "util-linux")
+        && require::tool("ip", "-V", "iproute2"))
+    {
         return ExitCode::SUCCESS;
     }
     // Whatever an earlier, interrupted run of these tests left (found by the tests' names).

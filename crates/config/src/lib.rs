@@ -721,12 +721,18 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// `vars` as the environment, `file` as the config file (none: an
+    /// empty one, so /etc/starling/config.toml cannot decide the outcome).
     fn load(vars: &[(&str, &str)], file: Option<&str>) -> Result<Config, ConfigError> {
-        let vars: HashMap<String, OsString> = vars.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let mut vars: HashMap<String, OsString> = vars.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+        vars.entry(CONFIG_ENV.into()).or_insert_with(|| "/dev/null".into());
         let env = move |k: &str| vars.get(k).cloned();
-        let dir = std::env::temp_dir().join(format!("starling-config-test-{}", std::process::id()));
+        // Tests run in parallel: a directory of its own per call.
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("starling-config-test-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join(format!("{}.toml", file.map(|f| f.len()).unwrap_or(0)));
+        let path = dir.join("config.toml");
         if let Some(text) = file {
             std::fs::write(&path, text).unwrap();
         }

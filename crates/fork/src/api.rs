@@ -22,7 +22,7 @@ use crate::local::LocalClone;
 use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
 use crate::PageClass;
-use crate::{ForkError, Result};
+use crate::{ForkError, Result, UsageError};
 use starling_config::{Backend as BackendSetting, Config, ForkSettings, Multicast};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -71,9 +71,9 @@ pub struct Ticket {
 impl Ticket {
     /// Reserve up to `n` clones where `config.fork.backend` says.
     pub fn request(n: i32, hierarchical: bool, config: &Config) -> Result<Ticket> {
-        let requested = u32::try_from(n).ok().filter(|n| *n >= 1).ok_or(ForkError::BadCount(n))?;
+        let requested = u32::try_from(n).ok().filter(|n| *n >= 1).ok_or(UsageError::TicketSize(n))?;
         if current_clone_id() != 0 {
-            return Err(ForkError::InClone("request tickets"));
+            return Err(UsageError::NestedTicket.into());
         }
         let settings = config.fork.clone();
         let (allocation, backend) = match settings.backend {
@@ -98,10 +98,10 @@ impl Ticket {
     /// Fork: 0 in the parent, the clone ID (1..=allocation) in each clone.
     pub fn clone_now(&mut self) -> Result<u32> {
         if current_clone_id() != 0 {
-            return Err(ForkError::InClone("clone"));
+            return Err(UsageError::NestedClone.into());
         }
         if self.used {
-            return Err(ForkError::TicketUsed);
+            return Err(UsageError::TicketUsed.into());
         }
         self.used = true;
         // Flush stdio so buffered output is not duplicated into every clone.
@@ -174,9 +174,9 @@ impl Ticket {
 
     fn active(&mut self) -> Result<&mut Active> {
         if current_clone_id() != 0 {
-            return Err(ForkError::InClone("join or kill"));
+            return Err(UsageError::NotParent.into());
         }
-        self.active.as_mut().ok_or(ForkError::NoClones)
+        self.active.as_mut().ok_or(ForkError::Usage(UsageError::NoClones))
     }
 
     /// Wait for every clone, then release the template and the page server.

@@ -31,8 +31,7 @@
 //! Each clone's exit status and fault-handler counters come back in a
 //! `CloneStats` message when its task ended.
 
-use crate::Descriptor;
-use crate::{ForkError, Result};
+use crate::{Descriptor, ForkError, Result};
 use starling_config::Config;
 use starling_image::abi::counters::CloneCounters;
 use starling_image::{FdKind, RegionKind};

@@ -79,11 +79,11 @@ const PM_UFFD_WP: u64 = 1 << 57;
 /// How [`dump_regions`] classifies pages.
 #[derive(Debug, Clone, Copy)]
 pub struct RegionOptions {
-    /// Fetch-avoidance heuristics (`fork.heuristics`). Without them every
-    /// readable page of a private mapping is classified `Fetch`: nothing is
-    /// zero-filled locally or read from the host's file copy, so every page
-    /// a clone touches comes from the page server (SnowFlock's "no
-    /// heuristics" runs, for benchmarks).
+    /// Fetch-avoidance heuristics (setting `fork.heuristics`, default on).
+    /// Off, every readable page of a private mapping is classified `Fetch`:
+    /// nothing is zero-filled locally or read from the host's file copy, so
+    /// every page a clone touches comes from the page server (SnowFlock's
+    /// "no heuristics" runs, for benchmarks).
     pub heuristics: bool,
     /// The stack pointer of the thread that runs on `[stack]`: its pages
     /// wholly below it (and the red zone) are dead, so zero. Ignored when it
@@ -184,6 +184,10 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
                 .read_exact_at(&mut raw, m.start / PAGE_SIZE * 8)
                 .map_err(|e| ForkError::io(format!("read pagemap of {desc}"), e))?;
             let is_file = matches!(kind, RegionKind::File { .. });
+            // fork() copies no page table entries of shared mappings: a template's pagemap
+            // shows shared anonymous pages as absent even where the parent wrote data. The page
+            // server reads them through the shared object, so every readable one is fetched.
+            let shared_anonymous = matches!(kind, RegionKind::SharedAnonymous { .. });
             // Pages of the stack wholly below its thread's stack pointer
             // minus the red zone are dead.
             let dead_stack_below = if m.name == "[stack]" && (m.start..m.end).contains(&opts.stack_pointer) {
@@ -197,7 +201,7 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
                 // A write-protect marker on a page never populated is no page.
                 let marker = opts.own_write_tracking && e & PM_SWAPPED != 0 && e & PM_UFFD_WP != 0;
                 let swapped = e & PM_SWAPPED != 0 && !marker;
-                let class = if !opts.heuristics && prot & 1 != 0 {
+                let class = if (!opts.heuristics || shared_anonymous) && prot & 1 != 0 {
                     // Heuristics off: the page server serves every readable page.
                     PageClass::Fetch
                 } else if addr + PAGE_SIZE <= dead_stack_below {

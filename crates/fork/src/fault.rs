@@ -196,8 +196,10 @@ pub struct FaultHandler {
     mc: Option<Receiver>,
     stats: Arc<FaultStats>,
     prefetch: usize,
-    /// (new start, len, template start) after REMAP events.
-    remaps: Vec<(u64, u64, u64)>,
+    /// (clone start, len, template start) after REMAP events, latest last; a template start of
+    /// `None` marks the range a REMAP moved away from (the kernel then sends an UNMAP for it,
+    /// which must not discard the moved pages).
+    remaps: Vec<(u64, u64, Option<u64>)>,
     /// Faulting addresses (in the clone) whose page the kernel refused with
     /// EAGAIN. Their threads are left asleep and served again once the
     /// pending map change has been read (see [`FaultHandler::run`]): woken
@@ -449,13 +451,14 @@ impl FaultHandler {
         }
     }
 
-    fn translate(&self, addr: u64) -> u64 {
+    /// The template address behind clone address `addr`; `None` if its memory moved away.
+    fn translate(&self, addr: u64) -> Option<u64> {
         for &(new, len, old) in self.remaps.iter().rev() {
             if addr >= new && addr < new + len {
-                return old + (addr - new);
+                return old.map(|old| old + (addr - new));
             }
         }
-        addr
+        Some(addr)
     }
 
     fn locate(&self, tmpl_addr: u64) -> Option<(usize, usize)> {
@@ -466,7 +469,10 @@ impl FaultHandler {
         let mut held = self.shared.held();
         let mut a = start & !(PAGE_SIZE - 1);
         while a < end {
-            let t = self.translate(a);
+            let Some(t) = self.translate(a) else {
+                a += PAGE_SIZE;
+                continue;
+            };
             if let Some((ri, pi)) = self.locate(t) {
                 self.shared.set_state(ri, pi, state);
             }
@@ -486,8 +492,9 @@ impl FaultHandler {
                 self.mark_range(start, end, ST_ZERO);
             }
             Event::Remap { from, to, len } => {
-                let old = self.translate(from);
-                self.remaps.push((to, len, old));
+                let Some(old) = self.translate(from) else { return };
+                self.remaps.push((from, len, None));
+                self.remaps.push((to, len, Some(old)));
                 moved.push((old, len));
             }
             Event::Pagefault { .. } | Event::Fork | Event::Unknown(_) => {}
@@ -521,8 +528,7 @@ impl FaultHandler {
     /// Serve a fault at `addr` (page aligned, in the clone); returns how its
     /// page went in (`Retry`: not yet, park the fault).
     fn serve_fault(&mut self, addr: u64) -> Result<Install> {
-        let t = self.translate(addr);
-        let Some((ri, pi)) = self.locate(t) else {
+        let Some((t, (ri, pi))) = self.translate(addr).and_then(|t| Some((t, self.locate(t)?))) else {
             // Registered memory outside the descriptor (grown stack): zero.
             self.stats.pages_zero.fetch_add(1, Ordering::Relaxed);
             return self.zero(addr);

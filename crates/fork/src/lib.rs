@@ -64,15 +64,8 @@ pub enum ForkError {
     Handler { clone: u32, #[source] source: Box<ForkError> },
     #[error("fault handler of clone {0} panicked")]
     HandlerPanicked(u32),
-    #[error("a ticket is for 1 or more clones, not {0}")]
-    BadCount(i32),
-    /// What a clone tried that only the parent may do.
-    #[error("a clone cannot {0} (no nested clones yet)")]
-    InClone(&'static str),
-    #[error("ticket already used")]
-    TicketUsed,
-    #[error("ticket has no clones")]
-    NoClones,
+    #[error(transparent)]
+    Usage(#[from] UsageError),
     /// `sf_join`: which clones did not exit 0.
     #[error("{0}")]
     Unsuccessful(String),
@@ -143,6 +136,23 @@ pub enum RestorerChannelError {
     UnexpectedUffd(u32),
     #[error("recvmsg: {0}")]
     Recv(nix::errno::Errno),
+}
+
+/// A call the API does not allow in this state.
+#[derive(Debug, thiserror::Error)]
+pub enum UsageError {
+    #[error("a clone cannot clone (no nested clones yet)")]
+    NestedClone,
+    #[error("a clone cannot request tickets (no nested clones yet)")]
+    NestedTicket,
+    #[error("ticket for {0} clones")]
+    TicketSize(i32),
+    #[error("ticket already used")]
+    TicketUsed,
+    #[error("only the parent can join or kill")]
+    NotParent,
+    #[error("ticket has no clones")]
+    NoClones,
 }
 
 impl ForkError {

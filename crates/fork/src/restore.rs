@@ -235,8 +235,14 @@ fn restorer_memfd() -> Result<RawFd> {
         f.write_all(starling_restorer::RESTORER_ELF).map_err(|e| e.kind())?;
         // Keep it at a high number: a launch moves the plan and socket to
         // fds 3 and 4 (and temporaries at 100+) before exec'ing this path.
+        // Above 4 is what matters: a process whose RLIMIT_NOFILE is below
+        // 1001 (EINVAL for 1000) gets the lowest free fd from 5 on instead.
         // SAFETY: F_DUPFD_CLOEXEC on our own fd; the result is owned below.
-        let high = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 1000) };
+        let mut high = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 1000) };
+        if high < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
+            // SAFETY: as above.
+            high = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, 5) };
+        }
         if high < 0 {
             return Err(std::io::Error::last_os_error().kind());
         }

@@ -4,6 +4,7 @@
 //! every clone checks its state and exits 0, the parent joins and checks the
 //! statuses (and, for the heap, the number of pages fetched).
 
+use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -44,7 +45,8 @@ fn build(name: &str) -> PathBuf {
     out
 }
 
-fn run(name: &str, args: &[&str]) -> String {
+/// Build and run a suite program on the local backend; (success, stdout, stderr).
+fn run_program(name: &str, args: &[&str]) -> (bool, String, String) {
     let exe = build(name);
     let mut child = Command::new(&exe)
         .args(args)
@@ -54,22 +56,37 @@ fn run(name: &str, args: &[&str]) -> String {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("spawn test program");
+    // Readers drain the pipes while we wait, so a chatty program cannot block on a full pipe.
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().expect("piped")));
+    let err = drain(Box::new(child.stderr.take().expect("piped")));
+    // A bound on a hang only: every program ends in seconds.
     let start = Instant::now();
-    loop {
-        if child.try_wait().expect("try_wait").is_some() {
-            break;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
         }
-        if start.elapsed() > Duration::from_secs(120) {
+        if start.elapsed() > Duration::from_secs(600) {
             let _ = child.kill();
-            panic!("{name} timed out");
+            panic!("{name} did not end within 10 minutes");
         }
         std::thread::sleep(Duration::from_millis(20));
-    }
-    let out = child.wait_with_output().expect("output");
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    };
+    let (stdout, stderr) = (out.join().expect("stdout reader"), err.join().expect("stderr reader"));
     println!("--- {name} stdout:\n{stdout}--- {name} stderr:\n{stderr}");
-    assert!(out.status.success(), "{name} failed: {:?}\n{stderr}", out.status);
+    (status.success(), stdout, stderr)
+}
+
+/// Run a suite program whose clones check their state: it must exit 0 and report PASS.
+fn run(name: &str, args: &[&str]) -> String {
+    let (ok, stdout, stderr) = run_program(name, args);
+    assert!(ok, "{name} failed\n{stderr}");
     assert!(stdout.contains(&format!("PASS {name}")), "{name} did not report PASS");
     stdout
 }
@@ -113,4 +130,80 @@ fn dlopen_library() {
 #[test]
 fn threads_on_cached_stacks_while_faulting() {
     run("cached_stack_threads", &[]);
+}
+
+/// MAP_SHARED: a shared file mapping stays the (shared) file; shared anonymous memory is a private copy.
+#[test]
+fn shared_file_and_anonymous_mappings() {
+    run("shared_maps", &[]);
+}
+
+/// Memory moved with mremap, in the parent before cloning and in the clone before fetching.
+#[test]
+fn mremapped_memory() {
+    run("mremap", &[]);
+}
+
+/// Pipes become EOF/EPIPE placeholders at their fd numbers; sockets are closed.
+#[test]
+fn pipe_placeholders_and_closed_sockets() {
+    run("pipes_sockets", &[]);
+}
+
+/// The alternate signal stack (the handler runs on it) and soft/hard rlimits.
+#[test]
+fn sigaltstack_and_rlimits() {
+    run("altstack_rlimits", &[]);
+}
+
+/// Run `refused MODE`: sf_clone must fail, naming the mapping at the address the program mapped.
+fn assert_refused(mode: &str, reason_words: &[&str]) {
+    let (ok, stdout, stderr) = run_program("refused", &[mode]);
+    assert!(ok, "refused {mode} exited non-zero: {stdout}{stderr}");
+    assert!(!stdout.contains("CLONE RAN"), "a clone ran: {stdout}");
+    let start = stdout.lines().find_map(|l| l.strip_prefix("MAPPING ")).expect("MAPPING line").trim().to_string();
+    let error = stdout.lines().find_map(|l| l.strip_prefix("REFUSED: ")).expect("REFUSED line").to_lowercase();
+    assert!(error.contains(&start), "the error names another mapping than {start}: {error}");
+    assert!(reason_words.iter().any(|w| error.contains(w)), "the error gives no reason among {reason_words:?}: {error}");
+}
+
+/// VM_DONTCOPY mappings (a perf_event ring buffer, MADV_DONTFORK memory) are absent, as after fork.
+#[test]
+fn dontcopy_mappings_are_absent_as_after_fork() {
+    run("dontfork", &[]);
+}
+
+/// Puts `/proc/sys/vm/nr_hugepages` back as it was when dropped.
+struct HugePages(Option<String>);
+
+impl Drop for HugePages {
+    fn drop(&mut self) {
+        if let Some(before) = &self.0 {
+            let _ = std::fs::write("/proc/sys/vm/nr_hugepages", before);
+        }
+    }
+}
+
+/// A hugetlb mapping. The test reserves one 2 MiB huge page if none is free, as an admin would
+/// (`sysctl vm.nr_hugepages`), and gives it back afterwards.
+#[test]
+fn hugetlb_mapping_is_refused() {
+    let free = |text: &str| {
+        text.lines().find_map(|l| l.strip_prefix("HugePages_Free:")).and_then(|v| v.trim().parse::<u64>().ok())
+    };
+    let meminfo = std::fs::read_to_string("/proc/meminfo").expect("read /proc/meminfo");
+    let _restore = match free(&meminfo) {
+        Some(n) if n > 0 => HugePages(None),
+        Some(_) => {
+            let before = std::fs::read_to_string("/proc/sys/vm/nr_hugepages").expect("read nr_hugepages");
+            let more = before.trim().parse::<u64>().expect("nr_hugepages is a number") + 1;
+            let guard = HugePages(Some(before));
+            std::fs::write("/proc/sys/vm/nr_hugepages", more.to_string()).expect("reserve a huge page (needs root)");
+            let now = std::fs::read_to_string("/proc/meminfo").expect("read /proc/meminfo");
+            assert!(free(&now).is_some_and(|n| n > 0), "the kernel gave no huge page (memory too fragmented?)");
+            guard
+        }
+        None => panic!("no HugePages_Free in /proc/meminfo: this kernel has no hugetlbfs"),
+    };
+    assert_refused("hugetlb", &["huge"]);
 }

@@ -6,18 +6,34 @@ use starling_fork::page_server::{PageClient, PageReply, PageServer};
 use starling_fork::template::TemplateRecord;
 use starling_fork::ForkError;
 
-/// Fork a child that runs `setup` and then sleeps; returns its pid.
+/// Fork a child that runs `setup` and then sleeps; returns its pid once `setup` is done (the child
+/// says so over a pipe: no guessing how long it takes).
 fn sleeping_child(setup: impl FnOnce()) -> i32 {
-    // SAFETY: the child only runs `setup` (simple syscalls) and pause()s.
+    let mut ready = [0i32; 2];
+    // SAFETY: pipe writes two fds into the array.
+    assert_eq!(unsafe { libc::pipe(ready.as_mut_ptr()) }, 0);
+    // SAFETY: the child only runs `setup` (simple syscalls), writes one byte and pause()s.
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
         setup();
+        // SAFETY: one byte from a local to the pipe's write end.
+        unsafe { libc::write(ready[1], [1u8].as_ptr().cast(), 1) };
         loop {
             // SAFETY: pause blocks until a signal; we are killed by the parent.
             unsafe { libc::pause() };
         }
     }
+    let mut byte = [0u8; 1];
+    // SAFETY: the parent closes its copy of the write end, then blocks reading one byte (EOF if
+    // the child died first, which the assertion reports).
+    let n = unsafe {
+        libc::close(ready[1]);
+        let n = libc::read(ready[0], byte.as_mut_ptr().cast(), 1);
+        libc::close(ready[0]);
+        n
+    };
+    assert_eq!(n, 1, "the child died during its setup");
     pid
 }
 
@@ -32,7 +48,6 @@ fn reap(pid: i32) {
 #[test]
 fn descriptor_roundtrip_and_rejects_bad_bytes() {
     let pid = sleeping_child(|| {});
-    std::thread::sleep(std::time::Duration::from_millis(100));
     let d = dump(pid, &TemplateRecord::zeroed(), true);
     reap(pid);
     let d = d.expect("dump a plain child");
@@ -63,13 +78,66 @@ fn dump_refuses_mapping_of_deleted_file() {
             libc::unlink(cpath.as_ptr());
         }
     });
-    std::thread::sleep(std::time::Duration::from_millis(200));
     let r = dump(pid, &TemplateRecord::zeroed(), true);
     reap(pid);
     match r {
         Err(ForkError::Unclonable { mapping, reason }) => {
             assert!(mapping.contains("sf-deleted-"), "{mapping}");
             assert!(reason.contains("deleted"), "{reason}");
+        }
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+/// A device/IO mapping (VM_IO|VM_PFNMAP, smaps "io pf") is refused, naming it. Made here with a
+/// perf_event ring buffer mapped by the child itself (these machines have no /dev/mem or device
+/// BAR; through sf_clone a perf buffer never reaches the template, being VM_DONTCOPY as well).
+#[test]
+fn dump_refuses_device_io_mapping() {
+    let (report_r, report_w) = {
+        let mut p = [0i32; 2];
+        // SAFETY: pipe writes two fds into the array.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        (p[0], p[1])
+    };
+    let pid = sleeping_child(move || {
+        // struct perf_event_attr, first version (64 bytes): type u32, size u32, config u64, rest 0.
+        let mut attr = [0u64; 8];
+        attr[0] = 1 /* PERF_TYPE_SOFTWARE */ | (64u64 << 32);
+        attr[1] = 9; // PERF_COUNT_SW_DUMMY
+        // SAFETY: perf_event_open on ourselves with that attr, then mmap of its ring buffer; the
+        // address (0 on failure) goes to the parent over the pipe.
+        unsafe {
+            let fd = libc::syscall(libc::SYS_perf_event_open, attr.as_ptr(), 0, -1, -1, 0) as i32;
+            let m = if fd < 0 {
+                libc::MAP_FAILED
+            } else {
+                libc::mmap(std::ptr::null_mut(), 2 * 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+            };
+            let addr = if m == libc::MAP_FAILED { 0u64 } else { m as u64 };
+            libc::write(report_w, (&addr as *const u64).cast(), 8);
+        }
+    });
+    let mut addr = 0u64;
+    // SAFETY: read the 8-byte address the child wrote before it said it was ready; close our ends.
+    let n = unsafe {
+        let n = libc::read(report_r, (&mut addr as *mut u64).cast(), 8);
+        libc::close(report_r);
+        libc::close(report_w);
+        n
+    };
+    if n != 8 || addr == 0 {
+        reap(pid);
+        panic!("the child could not map a perf_event ring buffer (perf_event_open needs root)");
+    }
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let r = dump(pid, &TemplateRecord::zeroed(), true);
+    reap(pid);
+    assert!(smaps.contains(" pf ") && smaps.contains(" io "), "the ring buffer is not VM_IO|VM_PFNMAP here:\n{smaps}");
+    match r {
+        Err(ForkError::Unclonable { mapping, reason }) => {
+            assert!(mapping.starts_with(&format!("{addr:x}-")), "{mapping} is not the ring buffer at {addr:x}");
+            assert!(reason.contains("VM_IO") || reason.contains("VM_PFNMAP"), "{reason}");
         }
         other => panic!("expected a refusal, got {other:?}"),
     }

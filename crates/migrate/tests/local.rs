@@ -16,18 +16,13 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 
+#[path = "../../../tests/require.rs"]
+mod require;
+
 /// Root is needed (ptrace of another process's threads, PID namespaces,
-/// `set_tid`): fail with the reason unless skipping is allowed.
+/// `set_tid`): fail with the reason unless skipping is allowed (tests/require.rs).
 fn require_root() -> bool {
-    // SAFETY: geteuid has no arguments.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var_os("STARLING_TEST_ALLOW_SKIP").is_some() {
-        eprintln!("skipped: needs root (STARLING_TEST_ALLOW_SKIP is set)");
-        return false;
-    }
-    panic!("this test needs root (ptrace, PID namespaces); set STARLING_TEST_ALLOW_SKIP=1 to skip it");
+    require::root("live migration (ptrace, PID namespaces, set_tid)")
 }
 
 fn build(name: &str) -> PathBuf {

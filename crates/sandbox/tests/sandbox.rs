@@ -127,7 +127,7 @@ fn run(spec: &SandboxSpec) -> Output {
         })
     };
     let (out, err) = (read_all(stdout), read_all(stderr));
-    let status = wait_deadline(&mut sandbox, Duration::from_secs(20));
+    let status = wait_deadline(&mut sandbox, Duration::from_secs(120));
     Output { status, stdout: out.join().unwrap(), stderr: err.join().unwrap() }
 }
 
@@ -212,7 +212,7 @@ fn signals_are_forwarded_to_the_task() {
         // Signals the inits cannot relay are refused, not misdelivered.
         assert_eq!(sandbox.signal(libc::SIGSTOP).unwrap_err().kind(), std::io::ErrorKind::InvalidInput);
         sandbox.signal(libc::SIGTERM).unwrap();
-        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(10)), ExitStatus::Signal(libc::SIGTERM));
+        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(120)), ExitStatus::Signal(libc::SIGTERM));
         assert!(sandbox.signal(libc::SIGTERM).is_err(), "no signal after the end");
 
         // A trap sees it, and its exit code comes back exactly.
@@ -221,7 +221,7 @@ fn signals_are_forwarded_to_the_task() {
         let mut stdout = BufReader::new(stdout);
         await_ready(&mut stdout);
         sandbox.signal(libc::SIGUSR1).unwrap();
-        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(10)), ExitStatus::Code(42));
+        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(120)), ExitStatus::Code(42));
         let mut rest = String::new();
         stdout.read_to_string(&mut rest).unwrap();
         assert_eq!(rest, "got-usr1\n");
@@ -231,7 +231,7 @@ fn signals_are_forwarded_to_the_task() {
         let mut stdout = BufReader::new(stdout);
         await_ready(&mut stdout);
         sandbox.signal(libc::SIGKILL).unwrap();
-        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(10)), ExitStatus::Signal(libc::SIGKILL));
+        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(120)), ExitStatus::Signal(libc::SIGKILL));
         // Every holder of the stdout pipe (the background sleep too) is gone.
         let mut rest = String::new();
         stdout.read_to_string(&mut rest).unwrap();
@@ -374,11 +374,14 @@ fn bad_specs_are_refused_before_starting_anything() {
 #[test]
 fn pidfd_becomes_readable_when_the_sandbox_ends() {
     with_root(|root| {
-        let Started { mut sandbox, .. } = start(&spec(root, &["sh", "-c", "sleep 0.3; exit 5"]));
+        // The task runs until the test creates /tmp/go in its root.
+        let script = "while [ ! -e /tmp/go ]; do sleep 0.01; done; exit 5";
+        let Started { mut sandbox, .. } = start(&spec(root, &["sh", "-c", script]));
         let pidfd = sandbox.pidfd().expect("pidfd on this kernel").try_clone_to_owned().unwrap();
         let mut fds = [nix::poll::PollFd::new(pidfd.as_fd(), nix::poll::PollFlags::POLLIN)];
         assert_eq!(nix::poll::poll(&mut fds, nix::poll::PollTimeout::ZERO).unwrap(), 0, "not readable while running");
-        let n = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(10_000u16)).unwrap();
+        fs::write(root.join("tmp/go"), b"").unwrap();
+        let n = nix::poll::poll(&mut fds, nix::poll::PollTimeout::from(60_000u16)).unwrap();
         assert_eq!(n, 1);
         assert_eq!(sandbox.try_wait().unwrap(), Some(ExitStatus::Code(5)));
         assert_eq!(sandbox.wait().unwrap(), ExitStatus::Code(5));
@@ -434,15 +437,16 @@ fn killing_the_agent_with_sigkill_kills_its_tasks() {
                     }
                 }
             }
-            assert!(t0.elapsed() < Duration::from_secs(10), "task never started");
+            assert!(t0.elapsed() < Duration::from_secs(120), "task never started");
             std::thread::sleep(Duration::from_millis(10));
         };
         assert!(alive(task));
         agent.0.kill().unwrap();
         agent.0.wait().unwrap();
+        // The task would sleep 1000 s: gone well before that means its agent's death ended it.
         let t0 = Instant::now();
         while alive(task) || alive(outer) {
-            assert!(t0.elapsed() < Duration::from_secs(1), "task {task} outlived its agent by a second");
+            assert!(t0.elapsed() < Duration::from_secs(120), "task {task} outlived its agent");
             std::thread::sleep(Duration::from_millis(10));
         }
     })
@@ -456,7 +460,8 @@ fn when_the_task_exits_the_rest_of_its_namespace_is_killed() {
         let t0 = Instant::now();
         let o = sh(root, "sleep 1000 & echo started; exit 4");
         assert_eq!((o.status, o.stdout.as_str()), (ExitStatus::Code(4), "started\n"));
-        assert!(t0.elapsed() < Duration::from_secs(10), "the background process outlived the task");
+        // It would sleep 1000 s: run() returning well before means it was killed with the task.
+        assert!(t0.elapsed() < Duration::from_secs(300), "the background process outlived the task");
     })
 }
 

@@ -12,13 +12,17 @@ use std::sync::Arc;
 
 use starling_view::{mount, scan_upper, DirSource, Lookup, Overlay, Source, UpperEntry, WirePath};
 
-fn is_root() -> bool {
-    if nix::unistd::geteuid().is_root() {
-        true
-    } else {
-        eprintln!("skipping: needs root");
-        false
-    }
+#[path = "../../../tests/require.rs"]
+mod require;
+
+/// Root, /dev/fuse and overlayfs: without them these tests fail (see tests/require.rs).
+fn can_mount() -> bool {
+    require::root("mounting FUSE and overlayfs")
+        && require::path("/dev/fuse", "the FUSE device (modprobe fuse)")
+        && require::require(
+            std::fs::read_to_string("/proc/filesystems").is_ok_and(|f| f.contains("overlay")),
+            "overlayfs not in /proc/filesystems (modprobe overlay)",
+        )
 }
 
 fn wp(s: &str) -> WirePath {
@@ -56,7 +60,7 @@ fn errno_of(r: io::Result<impl Sized>) -> Option<i32> {
 
 #[test]
 fn view_shows_source_attrs_contents_and_listings() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();
@@ -151,7 +155,7 @@ fn view_shows_source_attrs_contents_and_listings() {
 
 #[test]
 fn bindings_are_immutable_and_preload_answers_locally() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();
@@ -223,7 +227,7 @@ fn shape(e: &UpperEntry) -> (String, &'static str) {
 
 #[test]
 fn overlay_changes_are_scanned_from_upper() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();
@@ -316,7 +320,7 @@ fn overlay_changes_are_scanned_from_upper() {
 
 #[test]
 fn a_chrooted_shell_runs_inside_the_overlay() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();
@@ -372,7 +376,7 @@ fn a_chrooted_shell_runs_inside_the_overlay() {
 
 #[test]
 fn without_passthrough_the_daemon_serves_reads() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();
@@ -387,18 +391,30 @@ fn without_passthrough_the_daemon_serves_reads() {
     assert!(stats.fallback_reads > 0, "{stats:?}");
 }
 
-/// Wraps a source; lookups of "/slow" wait until the gate opens (or 5 s pass).
+/// Wraps a source; a lookup of "/slow" says it has started, then waits until the gate opens (or
+/// 120 s pass, which it records: a bound on a hang, not a timing).
 struct SlowSource {
     inner: DirSource,
-    gate: std::sync::Mutex<bool>,
+    state: std::sync::Mutex<SlowState>,
     cv: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct SlowState {
+    entered: bool,
+    open: bool,
+    timed_out: bool,
 }
 
 impl Source for SlowSource {
     fn lookup(&self, path: &WirePath) -> io::Result<Lookup> {
         if path.as_bytes() == b"/slow" {
-            let open = self.gate.lock().unwrap();
-            let _unused = self.cv.wait_timeout_while(open, std::time::Duration::from_secs(5), |open| !*open).unwrap();
+            let mut st = self.state.lock().unwrap();
+            st.entered = true;
+            self.cv.notify_all();
+            let (mut st, waited) =
+                self.cv.wait_timeout_while(st, std::time::Duration::from_secs(120), |st| !st.open).unwrap();
+            st.timed_out = waited.timed_out();
         }
         self.inner.lookup(path)
     }
@@ -412,7 +428,7 @@ impl Source for SlowSource {
 
 #[test]
 fn a_slow_lookup_does_not_block_other_requests() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();
@@ -420,33 +436,36 @@ fn a_slow_lookup_does_not_block_other_requests() {
     write_mode(&fx.src.join("fast.txt"), b"fast", 0o644);
     let source = Arc::new(SlowSource {
         inner: DirSource::new(&fx.src, &fx.cache).unwrap(),
-        gate: std::sync::Mutex::new(false),
+        state: std::sync::Mutex::new(SlowState::default()),
         cv: std::sync::Condvar::new(),
     });
     let view = mount(source.clone(), &fx.mnt).unwrap();
     fs::metadata(&fx.mnt).unwrap(); // bind "/" first
     let slow_path = fx.mnt.join("slow");
-    let slow = std::thread::spawn(move || {
-        let r = fs::read(slow_path);
-        (r.map_err(|e| e.to_string()), std::time::Instant::now())
-    });
-    std::thread::sleep(std::time::Duration::from_millis(200)); // let it get stuck in the source
-    let t0 = std::time::Instant::now();
+    let slow = std::thread::spawn(move || fs::read(slow_path).map_err(|e| e.to_string()));
+    // Wait until the slow lookup is stuck in the source.
+    let st = source.state.lock().unwrap();
+    let (st, waited) = source.cv.wait_timeout_while(st, std::time::Duration::from_secs(120), |st| !st.entered).unwrap();
+    assert!(!waited.timed_out(), "the slow lookup never reached the source");
+    drop(st);
     // Same directory as the stuck lookup: needs FUSE_PARALLEL_DIROPS as well as several threads.
+    // With the gate still shut, this can only return if it did not queue behind the slow lookup.
     assert_eq!(fs::read(fx.mnt.join("fast.txt")).unwrap(), b"fast");
-    let fast_done = std::time::Instant::now();
-    assert!(fast_done - t0 < std::time::Duration::from_secs(2), "fast lookup waited {:?}", fast_done - t0);
-    *source.gate.lock().unwrap() = true;
+    {
+        let st = source.state.lock().unwrap();
+        assert!(!st.open && !st.timed_out, "the fast lookup waited for the slow one");
+    }
+    assert!(!slow.is_finished(), "the slow lookup ended before the gate opened");
+    source.state.lock().unwrap().open = true;
     source.cv.notify_all();
-    let (slow_result, slow_done) = slow.join().unwrap();
-    assert_eq!(slow_result.unwrap(), b"slow");
-    assert!(fast_done < slow_done);
+    assert_eq!(slow.join().unwrap().unwrap(), b"slow");
+    assert!(!source.state.lock().unwrap().timed_out);
     drop(view);
 }
 
 #[test]
 fn unmounting_the_view_under_a_live_overlay_detaches_lazily() {
-    if !is_root() {
+    if !can_mount() {
         return;
     }
     let fx = fixture();

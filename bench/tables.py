@@ -1,0 +1,239 @@
+#!/usr/bin/env python3
+"""Tables of benchmark figures, generated from bench/out/*.json (never typed by hand).
+
+    python3 bench/tables.py           # rewrite every marked section of bench/README.md and README.md
+    python3 bench/tables.py --check   # exit 1 if a section differs from what the JSON gives (CI)
+    python3 bench/tables.py --print fork   # one table on stdout
+
+A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
+the renderers below (exec, ucop, fork, mcdist). Each starts with what the run was made on: the
+commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
+record, see bench/provenance.py; JSON from before that shows "unknown").
+"""
+import argparse
+import json
+import pathlib
+import re
+import signal
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "out"
+DOCS = [ROOT / "bench" / "README.md", ROOT / "README.md"]
+
+
+def load(name):
+    return json.loads((OUT / f"{name}.json").read_text())
+
+
+def fmt_bytes(n):
+    if n is None:
+        return "-"
+    if n < 10 * 1024:
+        return f"{n} B"
+    if n < 10 * 1024 * 1024:
+        return f"{n / 1024:.1f} KiB"
+    return f"{n / 1048576:.1f} MiB"
+
+
+def dash(v, fmt="{}"):
+    return "-" if v is None else fmt.format(v)
+
+
+def table(header, rows, align=None):
+    """A Markdown table; `align` per column: 'l' or 'r' (default: first column left, rest right)."""
+    align = align or ["l"] + ["r"] * (len(header) - 1)
+    sep = ["---" if a == "l" else "--:" for a in align]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(sep) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def provenance_line(doc):
+    p = doc.get("provenance")
+    if not p:
+        return "Ran on: commit unknown, tree unknown, date unknown, machine unknown (JSON from before provenance was recorded)."
+    commit = p.get("commit")
+    commit = f"`{commit[:12]}`" if commit else "unknown"
+    clean = {True: "clean tree", False: "uncommitted changes", None: "tree unknown"}[p.get("tree_clean")]
+    m = p.get("machine") or {}
+    machine = f"{dash(m.get('cores'))} cores, kernel {dash(m.get('kernel'))}"
+    if m.get("cpu"):
+        machine += f", {m['cpu']}"
+    if m.get("mem_gib"):
+        machine += f", {m['mem_gib']} GiB"
+    return f"Ran on: commit {commit} ({clean}), {p.get('date') or 'date unknown'}, {machine}."
+
+
+# ---------------------------------------------------------------- renderers
+
+def render_exec(doc):
+    rows = []
+    for link, r in doc["exec_true"].items():
+        for c in ("cold", "warm"):
+            x = r[c]
+            rows.append([link, c, f"{x['wall_s'] * 1000:.0f}", fmt_bytes(x["bytes_up"]), fmt_bytes(x["bytes_down"]),
+                         dash(x.get("rt_per_launch_max")), dash(x.get("flights_up"))])
+    out = [provenance_line(doc), "", "`starling exec -- true`:", "",
+           table(["link", "cache", "wall ms", "WAN up", "WAN down", "crit RTs", "flights up"], rows, list("llrrrrr"))]
+    b = doc["lua_build"]
+    same = "byte-identical to local" if b.get("identical") else "NOT identical to local"
+    out += ["", f"Lua 5.4 build, `make -j{doc['jobs']}`, {doc['hosts']} hosts, lan ({b['files']} output files, "
+                f"cluster builds {same}):", ""]
+    rows = []
+    for k in ("local", "cold", "warm"):
+        x = b[k]
+        rts = f"{x['rt_per_launch_mean']:.2f}" if x.get("rt_per_launch_mean") else "-"
+        rows.append([k, f"{x['wall_s']:.2f}", x["launches"] or "-", rts])
+    out.append(table(["build", "wall s", "launches", "RTs/launch"], rows))
+    return "\n".join(out)
+
+
+UCOP_SCENARIOS = [("pov_unchanged", "POV-Ray, warm"), ("pov_changed", "POV-Ray, mesh edited"),
+                  ("make_unchanged", "make, warm"), ("make_changed", "make, lvm.c edited")]
+
+
+def render_ucop(doc):
+    res, local = doc["results"], doc["local"]
+    links = doc.get("links") or list(res)
+    head = provenance_line(doc)
+    resumed = doc.get("resumed_from_provenance")
+    if resumed:
+        kept = provenance_line({"provenance": resumed} if isinstance(resumed, dict) else {})
+        head += " Resumed (`--from`): the rows kept from the earlier run — " + kept[0].lower() + kept[1:]
+    out = [head, "",
+           f"POV-Ray {doc['width']}x{doc['height']}, {doc['tiles']} tiles; Lua `make -j{doc['jobs']}`; "
+           f"{doc['hosts']} hosts; {doc['repeat']} run(s) per cell."]
+    for key, title in UCOP_SCENARIOS:
+        rows = []
+        for link in links:
+            for c, r in res.get(link, {}).items():
+                if "error" in r:
+                    rows.append([link, c, "failed: " + r["error"].splitlines()[0][:60]] + [""] * 6)
+                    continue
+                x = r[key]
+                rows.append([link, c, f"{x['wall_s']:.2f}", fmt_bytes(x["bytes_up"]), fmt_bytes(x["bytes_down"]),
+                             dash(x.get("round_trips")), x.get("launches") or "-", dash(x.get("flights_up")),
+                             fmt_bytes(x.get("pushed_bytes"))])
+        rows.append(["(any)", "local (no starling)", f"{local[key]['wall_s']:.2f}"] + [""] * 6)
+        out += ["", f"{title}:", "",
+                table(["link", "config", "wall s", "WAN up", "WAN down", "RTs", "launches", "flights", "pushed"], rows,
+                      list("llrrrrrrr"))]
+    checks, verdicts = doc.get("checks", {}), doc.get("verdicts", {})
+    met = lambda k: "met" if verdicts.get(k) else "NOT met"
+    lines = []
+    w = checks.get("warm_launch")
+    if w:
+        for name in ("exec_true", "pov"):
+            x = w[name]
+            budget = 16 * 1024 + x["args_env_bytes"]
+            lines.append(f"* warm unchanged launch ({name}, {w['link']}): {x.get('round_trips')} round trip(s) (target 1: "
+                         f"{met(name + '_round_trips_eq_1')}); WAN up {x['bytes_up']} B against 16 KiB + args/env "
+                         f"({x['args_env_bytes']} B) = {budget} B: {met(name + '_bytes_up_le_16KiB_plus_args')}")
+        if w.get("rtt_ms"):
+            t = w["exec_true"]["wall_s"] * 1000
+            lines.append(f"* `exec -- true`, warm, {w['link']}: median {t:.0f} ms against 1.5 × RTT = "
+                         f"{1.5 * w['rtt_ms']:.0f} ms: {met('exec_true_under_1_5_rtt')} (runs, s: {w['exec_true'].get('wall_s_all')})")
+    s = checks.get("second_host")
+    if s and "h2" in s:
+        lines.append(f"* a 16 MiB file read on h1 then h2: WAN up {fmt_bytes(s['h1']['bytes_up'])} then "
+                     f"{fmt_bytes(s['h2']['bytes_up'])} (target ~0: only the launch): {met('second_host_zero_wan_bytes_up')}")
+    if lines:
+        out += ["", "Target checks:", ""] + lines
+    return "\n".join(out)
+
+
+def render_fork(doc):
+    rows = []
+    for x in doc["rows"]:
+        rows.append([x["mode"], x["clones"], f"{x['clone_time_ms']:.1f}", f"{x['first_clone_ms']:.1f}",
+                     f"{x['sf_clone_call_ms']:.1f}", f"{x['cpu_ms']:.0f}", f"{x['cpu_ms_per_clone']:.1f}",
+                     f"{x['cpu_floor_ms']:.1f}", f"{x['background_cores']:.2f}", x.get("runs_late_clones", x.get("late_clones")),
+                     x["descriptor_bytes"], f"{x['pages_fetched_mean']:.0f}", x["parent_rss_kib"] // 4,
+                     f"{x['fault_median_us']:.0f}", f"{x['fault_p99_us']:.0f}"])
+    out = [provenance_line(doc), "",
+           f"{doc['hosts']} hosts, heap {doc['heap_mib']} MiB, {doc['probes']} probes per clone, settle "
+           f"{doc['settle_ms']} ms, median of {doc['repeat']} per row, {doc['cores']} cores on the machine.", "",
+           table(["mode", "clones", "clone ms", "first ms", "sf_clone ms", "cpu ms", "cpu/clone", "floor ms", "bg cores",
+                  "late", "desc B", "fetched/clone", "resident pg", "fault med us", "fault p99 us"], rows,
+                 ["l"] + ["r"] * 14), ""]
+    for mode in doc["modes"]:
+        by = {x["clones"]: x for x in doc["rows"] if x["mode"] == mode}
+        if len(by) < 2:
+            continue
+        lo, hi = min(by), max(by)
+        one, big = by[lo], by[hi]
+        out.append(f"* {mode}: clone-time({hi}) / clone-time({lo}) = {big['clone_time_ms'] / one['clone_time_ms']:.2f} "
+                   f"({big['clone_time_ms']:.1f} / {one['clone_time_ms']:.1f} ms); creating {hi} clones used "
+                   f"{big['cpu_ms']:.0f} ms of machine CPU ({big['cpu_ms_per_clone']:.1f} ms/clone), which on "
+                   f"{big['cores']} cores needs at least {big['cpu_floor_ms']:.0f} ms: a CPU-bound floor of "
+                   f"{big['cpu_floor_ms'] / one['clone_time_ms']:.2f} for the ratio")
+    return "\n".join(out)
+
+
+def render_mcdist(doc):
+    rows = []
+    for x in doc["rows"]:
+        rows.append([x["workload"], "on" if x["heuristics"] else "off", x["mode"], x["clones"], f"{x['clone_time_ms']:.0f}",
+                     f"{x['completion_s']:.2f}", x["pages_requested"], x["pages_served"], f"{x['bytes_wire'] / 1e6:.1f}",
+                     f"{x['bridge_tx_bytes'] / 1e6:.1f}", x["rate_cuts"]])
+    out = [provenance_line(doc), "",
+           f"{doc['hosts']} hosts, {doc['data_mib']} MiB dataset, {doc['scratch_mib']} MiB scratch.", "",
+           table(["workload", "heur", "mode", "N", "clone ms", "done s", "requested", "served", "wire MB", "bridge MB", "cuts"],
+                 rows, list("lll") + ["r"] * 8), ""]
+    for k, v in doc.get("ratios", {}).items():
+        out.append(f"* {k}: bytes(32) / bytes(1) = {v['bytes_32_over_1']:.2f}, "
+                   f"clone-time(32) / clone-time(1) = {v['clone_time_32_over_1']:.2f}")
+    return "\n".join(out)
+
+
+RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist}
+
+SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
+
+
+def render(name):
+    return RENDERERS[name](load(name))
+
+
+def regenerate(text, where):
+    def repl(m):
+        name = m.group(2)
+        if name not in RENDERERS:
+            sys.exit(f"{where}: unknown table {name!r} (known: {', '.join(RENDERERS)})")
+        return m.group(1) + render(name) + "\n" + m.group(4)
+    return SECTION.sub(repl, text)
+
+
+def main():
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `tables.py --print x | head` ends quietly
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="fail if a marked section is not what the JSON gives")
+    ap.add_argument("--print", dest="print_name", choices=sorted(RENDERERS), help="print one table and exit")
+    a = ap.parse_args()
+    if a.print_name:
+        print(render(a.print_name))
+        return 0
+    stale = []
+    for doc in DOCS:
+        if not doc.exists():
+            continue
+        text = doc.read_text()
+        new = regenerate(text, doc)
+        if new == text:
+            continue
+        rel = doc.relative_to(ROOT)
+        if a.check:
+            stale.append(str(rel))
+        else:
+            doc.write_text(new)
+            print(f"rewrote the tables in {rel}")
+    if stale:
+        print(f"stale benchmark tables in {', '.join(stale)}: run python3 bench/tables.py (they come from bench/out/*.json)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
