@@ -33,6 +33,7 @@ use crate::page_server::PageClient;
 use crate::{ForkError, Result, PAGE_SIZE};
 use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
@@ -206,6 +207,10 @@ pub struct FaultHandler {
     /// now, they would fault again at once, and faults are read before
     /// events, so the handler would spin on refusals.
     parked: Vec<u64>,
+    /// Readable once the drain (see [`FaultHandler::spawn_drain`]) has put
+    /// every page from the page server in place: the handler then fills the
+    /// file pages still missing and lets go of the process.
+    drained: Option<OwnedFd>,
 }
 
 /// How long the handler waits before serving parked faults again when no
@@ -364,7 +369,7 @@ impl FaultHandler {
         let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
         let mc = start_receiver(&shared, &mut client, &stats, &opts);
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
-        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![] }
+        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![], drained: None }
     }
 
     /// Serve pages held here (see [`LocalPages`]) without asking the page server.
@@ -379,17 +384,35 @@ impl FaultHandler {
     /// server holds nothing the process still needs (live migration's
     /// post-copy push: then the source can go). Pages of ranges the process
     /// moved (mremap) are fetched and held for their fault.
+    ///
+    /// Once the drain has succeeded, [`FaultHandler::run`] fills the file
+    /// pages not yet read, returns and closes the userfaultfd: the process
+    /// is then an ordinary one again (no registered range, nothing served
+    /// from here), so it can be moved once more.
     pub fn spawn_drain(
-        &self,
+        &mut self,
         mut client: PageClient,
         done: Box<dyn FnOnce(Result<DrainReport>) + Send>,
     ) -> Result<std::thread::JoinHandle<()>> {
         let shared = self.shared.clone();
         let local = self.local.clone();
         let installer = Installer { shared: shared.clone(), stats: self.stats.clone(), unsolicited: false };
+        let (drained_r, drained_w) = crate::restore::pipe()?;
+        self.drained = Some(drained_r);
         std::thread::Builder::new()
             .name("drain".into())
-            .spawn(move || done(drain(&shared, local.as_deref(), &installer, &mut client)))
+            .spawn(move || {
+                let r = drain(&shared, local.as_deref(), &installer, &mut client);
+                drop(installer);
+                drop(shared);
+                // A byte on success; after a failure the pipe just closes and
+                // the handler keeps serving what it can until it is stopped.
+                let ok = r.is_ok();
+                done(r);
+                if ok {
+                    let _ = std::fs::File::from(drained_w).write_all(&[1]);
+                }
+            })
             .map_err(|e| ForkError::io("start the drain thread", e))
     }
 
@@ -399,15 +422,18 @@ impl FaultHandler {
     }
 
     /// Serve faults until `stop` becomes readable (or hangs up).
+    /// Also returns once a drain has put everything in place and nothing is
+    /// left to serve (see [`FaultHandler::spawn_drain`]).
     pub fn run(mut self, stop: BorrowedFd<'_>) -> Result<()> {
         loop {
             let mut fds = [
                 libc::pollfd { fd: self.shared.uffd.raw(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.drained.as_ref().map_or(-1, |d| d.as_raw_fd()), events: libc::POLLIN, revents: 0 },
             ];
             let timeout = if self.parked.is_empty() { -1 } else { PARKED_RETRY_MS };
-            // SAFETY: polls two fds we hold for the duration of the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+            // SAFETY: polls three fds we hold for the duration of the call (a negative fd is ignored).
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
             if n < 0 {
                 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                     continue;
@@ -416,6 +442,13 @@ impl FaultHandler {
             }
             if fds[1].revents != 0 {
                 return Ok(());
+            }
+            if fds[2].revents != 0 {
+                let mut byte = [0u8; 1];
+                let succeeded = self.drained.take().is_some_and(|d| matches!(std::fs::File::from(d).read(&mut byte), Ok(1)));
+                if succeeded && self.release()? {
+                    return Ok(());
+                }
             }
             if fds[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
                 return Ok(());
@@ -449,6 +482,36 @@ impl FaultHandler {
                 }
             }
         }
+    }
+
+    /// After a successful drain: put the file pages not read yet in place,
+    /// then say whether the process can be let go (its userfaultfd closed:
+    /// every range unregistered, later faults are the kernel's own, and
+    /// untouched anonymous pages read as zero as they would have). Not while
+    /// anything is parked or held, or after the process moved memory
+    /// (`remaps`): those pages are still this handler's to serve.
+    fn release(&mut self) -> Result<bool> {
+        if !self.parked.is_empty() || !self.remaps.is_empty() || !self.shared.held().is_empty() {
+            return Ok(false);
+        }
+        for ri in 0..self.shared.regions.len() {
+            let region = &self.shared.regions[ri];
+            let (start, pages) = (region.start, region.state.len());
+            for pi in 0..pages {
+                match self.shared.state(ri, pi) {
+                    ST_FILE => {
+                        let addr = start + pi as u64 * PAGE_SIZE;
+                        if self.serve_fault(addr)? == Install::Retry {
+                            return Ok(false);
+                        }
+                    }
+                    ST_FETCH => return Ok(false),
+                    _ => {}
+                }
+            }
+        }
+        log::debug!("fault handler: every page in place, releasing the process");
+        Ok(true)
     }
 
     /// The template address behind clone address `addr`; `None` if its memory moved away.

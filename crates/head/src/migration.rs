@@ -248,7 +248,7 @@ impl Head {
             let message = if moving.switched {
                 format!("task {task} moved to {} but the move did not complete: {why}", moving.to)
             } else {
-                format!("task {task} was not moved and runs on on {}: {why}", moving.from)
+                format!("task {task} was not moved and runs on {}: {why}", moving.from)
             };
             let _ = r.send(Msg::MigrateReply { task, result: Err(message) }).await;
         }

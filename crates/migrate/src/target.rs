@@ -119,7 +119,7 @@ impl Incoming {
         let (staged, server, replies) = (self.staged.clone(), self.page_server, self.replies.clone());
         Arc::new(move |_id, uffd, stats, stop| {
             let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch };
-            let h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server)?, stats, opts)
+            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server)?, stats, opts)
                 .with_local_pages(staged.clone());
             let (replies2, lost2) = (replies.clone(), on_lost.clone());
             h.spawn_drain(
