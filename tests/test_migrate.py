@@ -228,3 +228,18 @@ def test_target_killed_mid_migration_leaves_the_task_running_on_its_source(fresh
     ref_rc, ref = local([progs["phases"], steps, phases, workdir / "reference.bin", heap], "\n")
     assert (rc, moved) == (ref_rc, ref), f"the task did not run on undisturbed; stderr: {err}"
     assert out.read_bytes() == block_file(steps * phases)
+
+
+def test_a_signal_sent_to_the_client_reaches_the_moved_task(cluster, progs, workdir):
+    """SIGTERM to `starling exec` after the move ends the task where it now runs: exit 128+15."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    out = workdir / "signalled.bin"
+    t = Task([progs["phases"], 2, 3, out, 16], hosts[0], workdir)
+    t.read_until("phase 0 done")
+    task = t.id(str(out))
+    migrate(task, hosts[1])
+    t.p.send_signal(15)
+    t.p.wait(timeout=300)  # stdin stays open until then: an EOF would end the task its own way
+    rc, _, err = t.finish()
+    assert rc == 128 + 15, f"exit {rc}: {err}"
+    wait_for(lambda: ps_row(task) is None, "the signalled task to leave ps")
