@@ -243,3 +243,30 @@ def test_a_signal_sent_to_the_client_reaches_the_moved_task(cluster, progs, work
     rc, _, err = t.finish()
     assert rc == 128 + 15, f"exit {rc}: {err}"
     wait_for(lambda: ps_row(task) is None, "the signalled task to leave ps")
+
+
+def test_a_task_that_ends_while_it_moves_ends_the_move_cleanly(cluster, progs, workdir):
+    """The copy is slowed (tbf on the target's veth) and the task is let finish during it: the move
+    reports that the task ended, the task's exit status and output are its own, and the target's
+    cores are free again."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    src, dst = hosts[0], hosts[1]
+    veth = f"stv{os.environ.get('STARLING_INSTANCE', '')}-{dst}"
+    sh("tc", "qdisc", "replace", "dev", veth, "root", "tbf", "rate", "8mbit", "burst", "64kb", "latency", "400ms")
+    try:
+        out = workdir / "ends.bin"
+        t = Task([progs["phases"], 2, 2, out, 64], src, workdir)
+        t.read_until("phase 0 done")
+        task = t.id(str(out))
+        mover = subprocess.Popen([STARLING, "migrate", str(task), "--to", dst], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        wait_for(lambda: (ps_row(task) or {}).get("state", "").startswith("moving"), "the move to start")
+        t.send("\n")
+        rc, moved, _ = t.finish()
+        _, err = mover.communicate(timeout=300)
+    finally:
+        sh("tc", "qdisc", "del", "dev", veth, "root", check=False)
+    assert mover.returncode != 0 and "ended" in err, err
+    ref_rc, ref = local([progs["phases"], 2, 2, workdir / "reference.bin", 64], "\n")
+    assert (rc, moved) == (ref_rc, ref)
+    wait_for(lambda: all(h["running"] == 0 for h in status()["hosts"]), "every core free again (the target's too)")

@@ -440,12 +440,14 @@ fn restore_here(
     prepared: Prepared,
 ) -> Result<(), (AgentError, bool)> {
     let early = |e: AgentError| (e, false);
+    let t0 = Instant::now();
     let h: Handover = decode(&incoming.payload).map_err(|e| early(AgentError::Migration(e)))?;
     let Prepared { spec, view, age } = prepared;
     view.preload(h.bindings);
     view.preload_listings(h.listings);
     let overlay = starling_view::Overlay::mount(&dir.join("view"), dir).map_err(|e| early(io_step(Step::MountOverlay)(e)))?;
     apply_upper(overlay.root(), h.upper).map_err(|e| early(AgentError::Migration(format!("writing the task's files: {e}"))))?;
+    let t_files = Instant::now();
 
     // From here the task is this host's: register it before the head lets
     // its input through (which happens after the switch).
@@ -478,10 +480,22 @@ fn restore_here(
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
     let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };
+    let t_plan = Instant::now();
     let mut child = starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w)
         .map_err(|e| early(io_step(Step::StartSandbox)(e)))?;
     pid_slot.store(child.pid(), Ordering::SeqCst);
-    if !restore.wait_running(0) {
+    let t_spawned = Instant::now();
+    let running = restore.wait_running(0);
+    let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+    let t_running = Instant::now();
+    log::info!(
+        "task {task}: restore: overlay + files {:.1} ms, plan {:.1} ms, sandbox {:.1} ms, restorer to running {:.1} ms",
+        ms(t0, t_files),
+        ms(t_files, t_plan),
+        ms(t_plan, t_spawned),
+        ms(t_spawned, t_running)
+    );
+    if !running {
         let st = child.wait();
         let (_, channel) = restore.finish();
         return Err(early(AgentError::Migration(format!(

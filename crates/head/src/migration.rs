@@ -46,7 +46,7 @@ pub(crate) struct Moving {
     /// The target's task messages before the switch.
     held_output: Vec<Msg>,
     /// The route points at the target now.
-    switched: bool,
+    pub(crate) switched: bool,
     started: Instant,
 }
 
@@ -251,6 +251,27 @@ impl Head {
                 format!("task {task} was not moved and runs on {}: {why}", moving.from)
             };
             let _ = r.send(Msg::MigrateReply { task, result: Err(message) }).await;
+        }
+    }
+
+    /// The task ended while it was moving (before the source's last word):
+    /// the target forgets it and whoever asked for the move is told.
+    pub(crate) async fn move_outlived(&self, task: TaskId, moving: Option<Moving>) {
+        let Some(m) = moving else { return };
+        log::info!("migration {}: task {task} ended during its move {} -> {}", m.id, m.from, m.to);
+        if !m.switched {
+            let target = self.state.lock().unwrap().hosts.get(&m.to).map(|h| h.tx.clone());
+            if let Some(t) = target {
+                let _ = t.send(Msg::MigrateAbort { migration: m.id }).await;
+            }
+        }
+        if let Some(r) = m.requester {
+            let why = if m.switched {
+                format!("task {task} moved to {} and ended there before the move completed", m.to)
+            } else {
+                format!("task {task} ended on {} before it could move", m.from)
+            };
+            let _ = r.send(Msg::MigrateReply { task, result: Err(why) }).await;
         }
     }
 

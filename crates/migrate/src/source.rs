@@ -191,8 +191,11 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     let frozen_at = Instant::now();
     report.threads = f.tids.len();
     let written = tracker.scan()?;
+    let scanned_at = Instant::now();
     let desc = capture(&f, &opts.capture)?;
+    let captured_at = Instant::now();
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
+    let handed_at = Instant::now();
     // Pages the target holds that are no longer what the process has:
     // written since they were sent, or in memory nobody tracked.
     let needed = fetch_pages(&desc.regions);
@@ -215,6 +218,15 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
         &mut w,
         &ToTarget::Image { descriptor: desc.encode(), stale, page_server: server.addr().to_string(), payload },
     )?;
+    let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+    let sent_at = Instant::now();
+    log::info!(
+        "pid {pid}: frozen: dirty scan {:.1} ms, capture {:.1} ms, hand-over {:.1} ms, last pages + image {:.1} ms",
+        ms(frozen_at, scanned_at),
+        ms(scanned_at, captured_at),
+        ms(captured_at, handed_at),
+        ms(handed_at, sent_at)
+    );
     drop(tracker);
 
     finish(f, &mut reader, server, hooks, frozen_at, start, report)
