@@ -270,3 +270,39 @@ def test_a_task_that_ends_while_it_moves_ends_the_move_cleanly(cluster, progs, w
     ref_rc, ref = local([progs["phases"], 2, 2, workdir / "reference.bin", 64], "\n")
     assert (rc, moved) == (ref_rc, ref)
     wait_for(lambda: all(h["running"] == 0 for h in status()["hosts"]), "every core free again (the target's too)")
+
+
+def test_a_remote_fork_clone_moves_twice_and_its_parent_joins_it(cluster, workdir):
+    """A clone (memory partly still at its parent's page server) is moved to another host and on to a
+    third: its memory becomes its own first, its output reaches the parent's stdout, sf_join sees it
+    exit 0 (the status comes from the host it ended on)."""
+    lib = ROOT / "target/release/libstarling.a"
+    assert lib.exists(), "build it: cargo build --release -p starling-capi"
+    BIN.mkdir(parents=True, exist_ok=True)
+    prog = BIN / "clone_steps"
+    r = sh("cc", "-O1", "-I", str(ROOT / "include"), str(ROOT / "tests/migrate/clone_steps.c"), str(lib),
+           "-lpthread", "-ldl", "-lm", "-o", str(prog), check=False)
+    assert r.returncode == 0, r.stderr
+    steps = 150
+    p = subprocess.Popen([str(prog), str(steps)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
+    lines = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in p.stdout] + [lines.put(None)], daemon=True).start()
+    assert lines.get(timeout=300) == "clone ready\n"
+    task = wait_for(lambda: next((r["task"] for r in ps() if "starling-clone" in r["command"]), None), "the clone in ps")
+    first = ps_row(task)["host"]
+    others = [h["name"] for h in status()["hosts"] if h["name"] != first]
+    for to in others[:2]:
+        report = migrate(task, to)
+        assert report["to"] == to
+        assert ps_row(task)["host"] == to
+    rc = p.wait(timeout=600)
+    out = []
+    while (line := lines.get(timeout=60)) is not None:
+        out.append(line)
+    M = 2**64
+    data = lambda j: (j * 2654435761 + 12345) % M  # noqa: E731
+    want = [f"clone step {i} {(i + 1) * sum(data(j) for j in range(i * 1000, i * 1000 + 1000)) % M}\n"
+            for i in range(steps)]
+    got = [l for l in out if l.startswith("clone step")]
+    assert got == want, f"the moved clone's output differs; stderr: {p.stderr.read()}"
+    assert out[-1] == "join 0\n" and rc == 0, out[-3:]

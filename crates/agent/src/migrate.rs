@@ -45,6 +45,8 @@ use std::time::{Duration, Instant};
 const CONNECT_WAIT: Duration = Duration::from_secs(60);
 /// How long a source waits for the head to hold the task's input.
 const HOLD_WAIT: Duration = Duration::from_secs(30);
+/// How long a clone may take to fetch the rest of its memory before it moves.
+const MATERIALIZE_WAIT: Duration = Duration::from_secs(600);
 
 /// Sent before pre-copy.
 #[derive(Serialize, Deserialize)]
@@ -54,6 +56,8 @@ struct Prepare {
     listings: Vec<(WirePath, Vec<DirEntry>)>,
     /// Seconds the task has run.
     age_seconds: f64,
+    /// Files it maps (paths in its view), read ahead by the target.
+    mapped: Vec<String>,
 }
 
 /// A node of the task's overlay upper, with a file's bytes.
@@ -133,8 +137,11 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
         (t.stdin.clone(), t.life.clone())
     };
     let live = life.live.lock().unwrap().clone().ok_or("the task has not started yet")?;
-    if live.spec.clone.is_some() {
-        return Err("remote-fork clones cannot move yet".into());
+    if let Some(m) = &live.materialize {
+        // A clone started here has part of its memory still at its parent's
+        // page server: fetch all of it first, so what moves is an ordinary
+        // process. (A clone moved here had it all fetched after its move.)
+        m.request(MATERIALIZE_WAIT).map_err(|why| format!("the clone's memory could not be made its own: {why}"))?;
     }
     let pid = live.process()?;
     let stream = TcpStream::connect_timeout(
@@ -256,6 +263,7 @@ impl SourceHooks for Source {
             bindings: self.live.view.bindings().into_iter().collect(),
             listings: self.live.view.listings(),
             age_seconds: self.live.started.elapsed().as_secs_f64(),
+            mapped: starling_migrate::capture::mapped_files(self.pid, &self.live.root),
         })
     }
 
@@ -406,6 +414,14 @@ fn receive(
         let view = starling_view::mount_with(source, &view_dir, starling_view::ViewOptions::default()).map_err(|e| e.to_string())?;
         view.preload(p.bindings);
         view.preload_listings(p.listings);
+        // Bring the mapped files' bytes to this host before the freeze (an
+        // open assembles a file in the host cache): the restore maps them
+        // during the pause.
+        for path in p.mapped {
+            if let Err(e) = std::fs::File::open(view_dir.join(path.trim_start_matches('/'))) {
+                log::debug!("task {task}: reading {path} ahead: {e}");
+            }
+        }
         prepared = Some(Prepared { spec: p.spec, view: Arc::new(view), age: Duration::from_secs_f64(p.age_seconds.max(0.0)) });
         Ok(())
     });
@@ -519,6 +535,7 @@ fn restore_here(
         depth: 4,
         started: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
         earlier_accessed: h.accessed,
+        materialize: None,
     });
     *life.live.lock().unwrap() = Some(live.clone());
     let sandbox_status = child.wait().map_err(|e| (io_step(Step::WaitTask)(e), true))?;
@@ -527,6 +544,11 @@ fn restore_here(
     // only sees the restorer's relayed code).
     let (outcomes, _) = restore.finish();
     let status = outcomes.first().and_then(|o| o.status).unwrap_or(sandbox_status);
+    if let Some(c) = &live.spec.clone {
+        // A moved clone's parent learns its end as a clone's (its counters
+        // stayed with the host it was cloned on).
+        let _ = tx.blocking_send(Msg::CloneStats { task, clone_id: c.clone_id, status: Some(status), counters: Default::default() });
+    }
     end_task(agent, task, tx, &life, &live, overlay, status).map_err(|e| (e, true))
 }
 

@@ -211,6 +211,55 @@ pub struct FaultHandler {
     /// every page from the page server in place: the handler then fills the
     /// file pages still missing and lets go of the process.
     drained: Option<OwnedFd>,
+    /// A request to fetch everything and let go of the process (see
+    /// [`Materialize`]), with the page server to fetch from.
+    materialize: Option<(Materialize, SocketAddr)>,
+}
+
+/// Asks a fault handler to put every page still at the page server in
+/// place and then let go of its process (see [`FaultHandler::spawn_drain`]):
+/// a remote-fork clone that is about to move becomes an ordinary process
+/// first, whose memory is all its own.
+#[derive(Clone)]
+pub struct Materialize(Arc<MaterializeInner>);
+
+struct MaterializeInner {
+    /// Readable when asked (a byte), polled by the handler.
+    asked_r: OwnedFd,
+    asked_w: Mutex<std::fs::File>,
+    outcome: Mutex<Option<std::result::Result<(), String>>>,
+    changed: std::sync::Condvar,
+}
+
+impl Materialize {
+    pub fn new() -> Result<Materialize> {
+        let (r, w) = crate::restore::pipe()?;
+        Ok(Materialize(Arc::new(MaterializeInner {
+            asked_r: r,
+            asked_w: Mutex::new(std::fs::File::from(w)),
+            outcome: Mutex::new(None),
+            changed: std::sync::Condvar::new(),
+        })))
+    }
+
+    /// Ask, and wait until every page is in place and the handler let go of
+    /// the process, or it says why it cannot (at most `timeout`).
+    pub fn request(&self, timeout: std::time::Duration) -> std::result::Result<(), String> {
+        let inner = &self.0;
+        *inner.outcome.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        inner.asked_w.lock().unwrap_or_else(|p| p.into_inner()).write_all(&[1]).map_err(|e| format!("asking its fault handler: {e}"))?;
+        let guard = inner.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut guard, _) = inner
+            .changed
+            .wait_timeout_while(guard, timeout, |o| o.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        guard.take().unwrap_or_else(|| Err(format!("its memory did not arrive within {} s", timeout.as_secs())))
+    }
+
+    fn answer(&self, outcome: std::result::Result<(), String>) {
+        *self.0.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+        self.0.changed.notify_all();
+    }
 }
 
 /// How long the handler waits before serving parked faults again when no
@@ -369,12 +418,18 @@ impl FaultHandler {
         let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
         let mc = start_receiver(&shared, &mut client, &stats, &opts);
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
-        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![], drained: None }
+        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![], drained: None, materialize: None }
     }
 
     /// Serve pages held here (see [`LocalPages`]) without asking the page server.
     pub fn with_local_pages(mut self, local: Arc<dyn LocalPages>) -> FaultHandler {
         self.local = Some(local);
+        self
+    }
+
+    /// Answer [`Materialize`] requests, fetching from `server`.
+    pub fn with_materialize(mut self, m: Materialize, server: SocketAddr) -> FaultHandler {
+        self.materialize = Some((m, server));
         self
     }
 
@@ -430,10 +485,11 @@ impl FaultHandler {
                 libc::pollfd { fd: self.shared.uffd.raw(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: self.drained.as_ref().map_or(-1, |d| d.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.materialize.as_ref().map_or(-1, |m| m.0 .0.asked_r.as_raw_fd()), events: libc::POLLIN, revents: 0 },
             ];
             let timeout = if self.parked.is_empty() { -1 } else { PARKED_RETRY_MS };
-            // SAFETY: polls three fds we hold for the duration of the call (a negative fd is ignored).
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 3, timeout) };
+            // SAFETY: polls four fds we hold for the duration of the call (a negative fd is ignored).
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 4, timeout) };
             if n < 0 {
                 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                     continue;
@@ -446,9 +502,28 @@ impl FaultHandler {
             if fds[2].revents != 0 {
                 let mut byte = [0u8; 1];
                 let succeeded = self.drained.take().is_some_and(|d| matches!(std::fs::File::from(d).read(&mut byte), Ok(1)));
-                if succeeded && self.release()? {
+                let released = succeeded && self.release()?;
+                if released {
+                    // Let go first (the userfaultfd closes with the last
+                    // reference: the handler's, the multicast receiver's),
+                    // then say so.
+                    let m = self.materialize.take();
+                    drop(self);
+                    if let Some((m, _)) = m {
+                        m.answer(Ok(()));
+                    }
                     return Ok(());
                 }
+                if let Some((m, _)) = &self.materialize {
+                    m.answer(Err(if succeeded {
+                        "it is changing its memory map (mremap, discards): try again".into()
+                    } else {
+                        "its memory could not be fetched from the page server".into()
+                    }));
+                }
+            }
+            if fds[3].revents != 0 {
+                self.start_materialize();
             }
             if fds[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
                 return Ok(());
@@ -481,6 +556,32 @@ impl FaultHandler {
                     self.parked.push(page);
                 }
             }
+        }
+    }
+
+    /// A [`Materialize`] request: start a drain from the page server (its
+    /// end comes back through `drained`).
+    fn start_materialize(&mut self) {
+        let Some((m, server)) = self.materialize.clone() else { return };
+        let mut byte = [0u8; 1];
+        // SAFETY: read(2) of one byte into a local buffer from a pipe we hold.
+        let _ = unsafe { libc::read(m.0.asked_r.as_raw_fd(), byte.as_mut_ptr().cast(), 1) };
+        if self.drained.is_some() {
+            return; // one is under way
+        }
+        let started = PageClient::connect(server).and_then(|client| {
+            let m2 = m.clone();
+            self.spawn_drain(
+                client,
+                Box::new(move |r| {
+                    if let Err(e) = r {
+                        m2.answer(Err(format!("its memory could not be fetched: {e}")));
+                    }
+                }),
+            )
+        });
+        if let Err(e) = started {
+            m.answer(Err(format!("its memory could not be fetched: {e}")));
         }
     }
 

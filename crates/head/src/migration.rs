@@ -67,8 +67,11 @@ impl Head {
             if route.moving.is_some() {
                 return Err(format!("task {task} is already moving"));
             }
-            if route.clone_task {
-                return Err(format!("task {task} is a remote-fork clone: clones cannot move yet"));
+            if route.clone_task && route.cores > 1 {
+                return Err(format!(
+                    "task {task} holds {} clones of a hierarchical ticket: they move only together, which is not supported",
+                    route.cores
+                ));
             }
             let (from, cores) = (route.host.clone(), route.cores);
             let target = match &to {

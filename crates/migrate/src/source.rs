@@ -186,6 +186,7 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
         previous = written.len();
     }
 
+    wait_prepared(&mut reader)?;
     // Freeze: from here the pause runs.
     let f = Frozen::freeze(pid)?;
     let frozen_at = Instant::now();
@@ -200,7 +201,7 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     // written since they were sent, or in memory nobody tracked.
     let needed = fetch_pages(&desc.regions);
     let mut fresh: Vec<u64> = written.iter().copied().filter(|a| sent.contains(a)).collect();
-    fresh.extend(needed.iter().copied().filter(|&a| sent.contains(&a) && !tracker.tracks(a)));
+    fresh.extend(needed.iter().copied().filter(|&a| !tracker.tracks(a) && sent.contains(&a)));
     fresh.sort_unstable();
     fresh.dedup();
     let stale = if fresh.len() <= opts.freeze_send_pages {
@@ -242,6 +243,7 @@ fn stop_and_copy(
     start: Instant,
     mut report: SourceReport,
 ) -> Result<SourceReport> {
+    wait_prepared(reader)?;
     let f = Frozen::freeze(pid)?;
     let frozen_at = Instant::now();
     report.threads = f.tids.len();
@@ -257,6 +259,17 @@ fn stop_and_copy(
     let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale: Vec::new(), page_server: server.addr().to_string(), payload })?;
     finish(f, reader, server, hooks, frozen_at, start, report)
+}
+
+/// Wait until the target has what the restore needs besides memory (its
+/// file view, the mapped files' bytes): that work stays out of the pause.
+fn wait_prepared(reader: &mut TcpStream) -> Result<()> {
+    match wire::recv::<ToSource>(reader) {
+        Ok(ToSource::Prepared) => Ok(()),
+        Ok(ToSource::Failed { reason }) => Err(MigrateError::TargetFailed(reason)),
+        Ok(other) => Err(MigrateError::TargetFailed(format!("unexpected {other:?} before the freeze"))),
+        Err(e) => Err(MigrateError::TargetFailed(e.to_string())),
+    }
 }
 
 /// After the image went: wait for the target to run the process, serve it

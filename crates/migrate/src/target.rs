@@ -63,7 +63,8 @@ impl Replies {
 pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
 
 /// Receive a migration on `stream` until its image: `on_prepare` gets the
-/// source's first payload at once (to prepare while pages arrive).
+/// source's first payload at once (to prepare while pages arrive: pages
+/// wait while it runs) and the source is told `Prepared` when it returns.
 pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
     let replies = Arc::new(Mutex::new(Replies {
         stream: stream.try_clone().map_err(wire::WireError::Io)?,
@@ -82,6 +83,7 @@ pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::re
                     fail(reason.clone());
                     return Err(MigrateError::Hook { stage: "prepare", reason });
                 }
+                replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Prepared)?;
             }
             ToTarget::Pages { addrs, data } => {
                 if !staging.add(&addrs, data) {

@@ -38,6 +38,10 @@ pub enum ToTarget {
 /// Target → source.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToSource {
+    /// The target is ready for the freeze: what the restore needs besides
+    /// memory (its view, the files it maps) is in place. The source does
+    /// not freeze before this.
+    Prepared,
     /// The process runs on the target.
     Resumed,
     /// The source holds nothing the process needs any more.
