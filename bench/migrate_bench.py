@@ -12,7 +12,10 @@ everything, resume: Snowbird's way), in the same run. It reports:
   (freeze -> running on the target);
 * total time (request -> the source holds nothing), pre-copy rounds;
 * bytes moved for memory / the resident footprint at the start (target <= 1.15 at 10 MiB/s),
-  pages sent while it ran, at the freeze, and after the switch.
+  pages sent while it ran, at the freeze, and after the switch;
+* post-copy faults the target served (pre-copied pages from its staging, the rest from the frozen
+  source's page server) and their service time: median and p99, as the upper bounds of their
+  power-of-two microsecond buckets.
 
 Targets: pause <= 100 ms for every size at 10 MiB/s; bytes <= 1.15 x footprint at 10 MiB/s.
 The emulated hosts share this machine's cores (and the copy is a veth on one kernel): the figures
@@ -88,6 +91,9 @@ def run_one(starling, work, size, rate, stop_and_copy, seconds):
         "precopy_pages": report["precopy_pages"],
         "freeze_pages": report["freeze_pages"],
         "postcopy_pages": report["postcopy_pages"],
+        "postcopy_faults": report.get("postcopy_faults"),
+        "fault_p50_us": report.get("fault_p50_us"),
+        "fault_p99_us": report.get("fault_p99_us"),
         "state_bytes": report["state_bytes"],
         "exit": p.returncode,
     }

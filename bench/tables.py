@@ -192,14 +192,16 @@ def render_migrate(doc):
     for x in doc["rows"]:
         rows.append([x["mode"], x["resident_mib"], x["write_mib_s"], f"{x['task_pause_ms']:.1f}", f"{x['source_pause_ms']:.1f}",
                      f"{x['total_ms']:.0f}", x["rounds"], f"{x['bytes_over_footprint']:.3f}", fmt_bytes(x["footprint_bytes"]),
-                     x["precopy_pages"], x["freeze_pages"], x["postcopy_pages"]])
+                     x["precopy_pages"], x["freeze_pages"], x["postcopy_pages"], dash(x.get("postcopy_faults")),
+                     dash(x.get("fault_p50_us"), "≤{}"), dash(x.get("fault_p99_us"), "≤{}")])
     t = doc.get("targets", {})
     ok = {True: "met", False: "NOT met", None: "not measured"}
     return "\n".join([provenance_line(doc), "",
                       f"{doc['hosts']} emulated hosts sharing {doc['cores']} cores; one move h1 -> h2 per row.", "",
                       table(["mode", "MiB", "writes MiB/s", "pause (task) ms", "pause (source) ms", "total ms", "rounds",
-                             "bytes/footprint", "footprint", "pre-copy pg", "freeze pg", "post-copy pg"], rows,
-                            ["l"] + ["r"] * 11), "",
+                             "bytes/footprint", "footprint", "pre-copy pg", "freeze pg", "post-copy pg", "faults after",
+                             "fault p50 µs", "fault p99 µs"], rows,
+                            ["l"] + ["r"] * 14), "",
                       f"* pause <= 100 ms at 10 MiB/s, every size: {ok[t.get('pause_le_100ms_at_10mib_s')]}",
                       f"* bytes moved <= 1.15 x footprint at 10 MiB/s: {ok[t.get('bytes_le_1_15_footprint_at_10mib_s')]}"])
 

@@ -122,6 +122,9 @@ pub(crate) fn send(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) {
         postcopy_pages: r.postcopy_pages,
         memory_bytes: r.bytes,
         state_bytes,
+        postcopy_faults: r.postcopy_faults,
+        fault_p50_us: r.fault_p50_us,
+        fault_p99_us: r.fault_p99_us,
     });
     if let Err(e) = &result {
         log::warn!("task {task}: migration to {to_host}: {e}");

@@ -63,6 +63,44 @@ pub struct FaultStats {
     pub pages_multicast_unsolicited: AtomicU64,
     /// A [`starling_mcdist::Mode`] as u8: how this clone gets its pages.
     pub mode: AtomicU8,
+    /// How long faults took to serve, from the handler reading the fault
+    /// to the page in place: counts per power-of-two microseconds.
+    pub service_us: ServiceTimes,
+}
+
+/// Fault service times as a histogram of power-of-two microsecond buckets
+/// (bucket k: below 2^k µs), enough for a median and a 99th percentile
+/// within a factor of two.
+#[derive(Debug, Default)]
+pub struct ServiceTimes([AtomicU64; 32]);
+
+impl ServiceTimes {
+    pub fn record(&self, took: std::time::Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let k = usize::try_from(u64::BITS - us.leading_zeros()).unwrap_or(31).min(31);
+        self.0[k].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The upper bound (µs) of the bucket holding quantile `q` (0..=1);
+    /// None when nothing was recorded.
+    pub fn quantile_us(&self, q: f64) -> Option<u64> {
+        let counts: Vec<u64> = self.0.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        // The rank of the quantile, counted from 1 (a float rank rounded up).
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        let rank = ((q.clamp(0.0, 1.0) * total as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (k, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Some(1u64 << k);
+            }
+        }
+        None
+    }
 }
 
 impl FaultStats {
@@ -542,8 +580,11 @@ impl FaultHandler {
                     drop(moved);
                     self.stats.faults.fetch_add(1, Ordering::Relaxed);
                     let page = addr & !(PAGE_SIZE - 1);
+                    let started = std::time::Instant::now();
                     if self.serve_fault(page)? == Install::Retry {
                         self.parked.push(page);
+                    } else {
+                        self.stats.service_us.record(started.elapsed());
                     }
                 } else {
                     self.handle_event(ev, &mut moved);

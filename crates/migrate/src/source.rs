@@ -71,6 +71,12 @@ pub struct SourceReport {
     pub pause_ms: f64,
     /// Start → the source holds nothing.
     pub total_ms: f64,
+    /// Faults the target served after the switch, and their service time
+    /// (upper bounds in µs of the median's and the 99th percentile's
+    /// power-of-two buckets).
+    pub postcopy_faults: u64,
+    pub fault_p50_us: Option<u64>,
+    pub fault_p99_us: Option<u64>,
 }
 
 /// Pages of `regions` the image would fetch (anonymous or written).
@@ -301,7 +307,10 @@ fn finish(
     f.kill();
     report.total_ms = start.elapsed().as_secs_f64() * 1e3;
     match end {
-        Ok(ToSource::Complete { .. }) => Ok(report),
+        Ok(ToSource::Complete { faults, fault_p50_us, fault_p99_us, .. }) => {
+            (report.postcopy_faults, report.fault_p50_us, report.fault_p99_us) = (faults, fault_p50_us, fault_p99_us);
+            Ok(report)
+        }
         Ok(ToSource::Failed { reason }) => Err(MigrateError::LostAfterSwitch(reason)),
         Ok(other) => Err(MigrateError::LostAfterSwitch(format!("unexpected {other:?}"))),
         Err(e) => Err(MigrateError::LostAfterSwitch(e.to_string())),

@@ -45,7 +45,9 @@ pub enum ToSource {
     /// The process runs on the target.
     Resumed,
     /// The source holds nothing the process needs any more.
-    Complete { local_pages: u64, remote_pages: u64 },
+    /// With the faults the target served meanwhile and their service time
+    /// (power-of-two µs bounds, see `fault::ServiceTimes`).
+    Complete { local_pages: u64, remote_pages: u64, faults: u64, fault_p50_us: Option<u64>, fault_p99_us: Option<u64> },
     /// The target gave up (before `Resumed`: the source keeps the process).
     Failed { reason: String },
 }
