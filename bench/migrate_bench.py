@@ -66,8 +66,10 @@ def run_one(starling, work, size, rate, stop_and_copy, seconds):
     args = [starling, "migrate", str(task), "--to", "h2", "--json"] + (["--stop-and-copy"] if stop_and_copy else [])
     r = sh(*args)
     if r.returncode != 0:
+        p.kill()
         raise SystemExit(f"migrate failed ({size} MiB, {rate} MiB/s): {r.stdout} {r.stderr}")
     report = json.loads(r.stdout)
+    p.send_signal(15)  # the move is complete (the source holds nothing): the task ends and reports
     rest = []
     while (l := lines.get(timeout=600)) is not None:
         rest.append(l)
@@ -120,7 +122,7 @@ def main():
     rows = []
     try:
         for size in map(int, a.sizes.split(",")):
-            seconds = 6 + size / 100  # long enough for a stop-and-copy of the whole size, and the drain
+            seconds = 3600  # ended by SIGTERM once the move is complete
             for rate in map(int, a.rates.split(",")):
                 for sc in (False, True):
                     row = run_one(starling, work, size, rate, sc, seconds)
