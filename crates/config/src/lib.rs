@@ -40,7 +40,7 @@ pub mod record;
 pub mod roles;
 
 pub use instance::Instance;
-pub use record::{ClusterState, HostRecord, LinkRecord};
+pub use record::{ClusterState, HostRecord, LinkRecord, SlurmRecord};
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
