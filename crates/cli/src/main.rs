@@ -783,6 +783,7 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
         account: a.account,
         listen: a.listen,
         existing_job: existing_job.clone(),
+        conf: std::env::var_os("SLURM_CONF").map(PathBuf::from),
         exe: std::env::current_exe().context("locating the starling binary")?,
         head_args,
     };
@@ -803,7 +804,7 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
     let nodes = loop {
         let registered: Vec<String> =
             rt.block_on(fetch_status(&target)).map(|s| s.hosts.into_iter().map(|h| h.name).collect()).unwrap_or_default();
-        let job = slurm::job_info(&rec.job_id).map_err(|e| fail(format!("asking Slurm about job {}: {e}", rec.job_id)))?;
+        let job = slurm::job_info(rec.conf.as_deref(), &rec.job_id).map_err(|e| fail(format!("asking Slurm about job {}: {e}", rec.job_id)))?;
         let Some(job) = job.clone().filter(|j| j.active()) else {
             let state = job.map_or("gone from squeue".to_string(), |j| j.state);
             return Err(fail(format!("Slurm job {} ended ({state}) before its agents registered", rec.job_id)));

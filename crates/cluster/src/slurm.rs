@@ -42,6 +42,9 @@ pub struct SlurmRequest {
     /// The allocation `starling up` runs in (`$SLURM_JOB_ID`, read by the caller): used instead of
     /// submitting a new job.
     pub existing_job: Option<String>,
+    /// `SLURM_CONF` (read by the caller), kept in the record so `down` from another shell reaches
+    /// the same Slurm.
+    pub conf: Option<PathBuf>,
     /// The starling binary (the nodes run the same path: a shared or identical install).
     pub exe: PathBuf,
     /// Extra arguments appended to `exe head ...`.
@@ -68,9 +71,13 @@ pub enum SlurmError {
     BadListen(String),
 }
 
-/// Run a Slurm command; its stdout, or its error lines as one line.
-fn slurm(tool: &'static str, args: &[&str]) -> Result<String, SlurmError> {
-    let out = match Command::new(tool).args(args).output() {
+/// Run a Slurm command (with `SLURM_CONF=conf` if given); its stdout, or its error lines as one line.
+fn slurm(conf: Option<&Path>, tool: &'static str, args: &[&str]) -> Result<String, SlurmError> {
+    let mut cmd = Command::new(tool);
+    if let Some(c) = conf {
+        cmd.env("SLURM_CONF", c);
+    }
+    let out = match cmd.args(args).output() {
         Ok(o) => o,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err(SlurmError::Missing { tool }),
         Err(source) => return Err(SlurmError::Run { tool, source }),
@@ -147,8 +154,8 @@ impl JobInfo {
 }
 
 /// The job `job_id`, or `None` once Slurm has forgotten it.
-pub fn job_info(job_id: &str) -> Result<Option<JobInfo>, SlurmError> {
-    let out = match slurm("squeue", &["-h", "-j", job_id, "--states=all", "-o", "%T|%r|%N"]) {
+pub fn job_info(conf: Option<&Path>, job_id: &str) -> Result<Option<JobInfo>, SlurmError> {
+    let out = match slurm(conf, "squeue", &["-h", "-j", job_id, "--states=all", "-o", "%T|%r|%N"]) {
         Ok(o) => o,
         Err(SlurmError::Refused { message, .. }) if message.contains("Invalid job id") => return Ok(None),
         Err(e) => return Err(e),
@@ -158,19 +165,19 @@ pub fn job_info(job_id: &str) -> Result<Option<JobInfo>, SlurmError> {
     let state = f.next().unwrap_or_default().to_string();
     let reason = f.next().filter(|r| !r.is_empty() && *r != "None" && *r != "(null)").map(str::to_string);
     let nodelist = f.next().unwrap_or_default().trim();
-    let nodes = if nodelist.is_empty() || nodelist == "(null)" { Vec::new() } else { hostnames(nodelist)? };
+    let nodes = if nodelist.is_empty() || nodelist == "(null)" { Vec::new() } else { hostnames(conf, nodelist)? };
     Ok(Some(JobInfo { state, reason, nodes }))
 }
 
 /// `scontrol show hostnames LIST`.
-pub fn hostnames(list: &str) -> Result<Vec<String>, SlurmError> {
-    Ok(slurm("scontrol", &["show", "hostnames", list])?.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string).collect())
+pub fn hostnames(conf: Option<&Path>, list: &str) -> Result<Vec<String>, SlurmError> {
+    Ok(slurm(conf, "scontrol", &["show", "hostnames", list])?.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string).collect())
 }
 
 /// This machine's address on its route to the Slurm controller (`SlurmctldHost` of `scontrol show
 /// config`): an address the nodes can reach when the controller can reach them.
-fn address_towards_controller() -> Result<IpAddr, SlurmError> {
-    let config = slurm("scontrol", &["show", "config"])?;
+fn address_towards_controller(conf: Option<&Path>) -> Result<IpAddr, SlurmError> {
+    let config = slurm(conf, "scontrol", &["show", "config"])?;
     let value = config
         .lines()
         .find_map(|l| {
@@ -203,7 +210,7 @@ fn address_towards_controller() -> Result<IpAddr, SlurmError> {
 
 /// Where the head listens: `--listen` (an IP, or IP:PORT), else the route to the controller; a
 /// free port unless one is given.
-fn head_listen_addr(listen: Option<&str>) -> Result<SocketAddr> {
+fn head_listen_addr(conf: Option<&Path>, listen: Option<&str>) -> Result<SocketAddr> {
     let (ip, port) = match listen {
         Some(l) => {
             if let Ok(sa) = l.parse::<SocketAddr>() {
@@ -212,7 +219,7 @@ fn head_listen_addr(listen: Option<&str>) -> Result<SocketAddr> {
                 (l.parse::<IpAddr>().map_err(|_| SlurmError::BadListen(l.to_string()))?, 0)
             }
         }
-        None => (address_towards_controller()?, 0),
+        None => (address_towards_controller(conf)?, 0),
     };
     if port != 0 {
         return Ok(SocketAddr::new(ip, port));
@@ -258,11 +265,11 @@ impl LocalCluster {
             });
         }
         // Slurm's commands are there and the controller answers before anything is started.
-        slurm("squeue", &["-h", "-j", "0", "--states=all"]).or_else(|e| match e {
+        slurm(req.conf.as_deref(), "squeue", &["-h", "-j", "0", "--states=all"]).or_else(|e| match e {
             SlurmError::Refused { ref message, .. } if message.contains("Invalid job id") => Ok(String::new()),
             e => Err(e),
         })?;
-        let head_addr = head_listen_addr(req.listen.as_deref())?;
+        let head_addr = head_listen_addr(req.conf.as_deref(), req.listen.as_deref())?;
         match self.slurm_start(req, &exe, head_addr) {
             Ok(s) => Ok(s),
             Err(e) => {
@@ -304,6 +311,9 @@ impl LocalCluster {
         let (job_id, srun_pid, output) = match &req.existing_job {
             Some(job) => {
                 let mut srun = Command::new("srun");
+                if let Some(c) = &req.conf {
+                    srun.env("SLURM_CONF", c);
+                }
                 srun.arg(format!("--jobid={job}"));
                 if let Some(n) = req.nodes {
                     srun.arg(format!("--nodes={n}"));
@@ -343,7 +353,7 @@ impl LocalCluster {
                 }
                 args.push(script_path.display().to_string());
                 let argv: Vec<&str> = args.iter().map(String::as_str).collect();
-                let out = slurm("sbatch", &argv)?;
+                let out = slurm(req.conf.as_deref(), "sbatch", &argv)?;
                 let id = out.trim().split(';').next().unwrap_or_default().to_string();
                 if id.is_empty() || !id.chars().all(|c| c.is_ascii_digit()) {
                     return Err(SlurmError::Unexpected { tool: "sbatch", output: out, expected: "a job id" }.into());
@@ -377,6 +387,7 @@ impl LocalCluster {
                 partition: req.partition.clone(),
                 output,
                 agent_state,
+                conf: req.conf.clone(),
             }),
         };
         state.write(&cluster_file(&self.run_dir))?;
@@ -423,14 +434,15 @@ pub(crate) fn stop(record: &SlurmRecord) -> (Vec<Object>, Vec<String>) {
     if !record.submitted {
         return (removed, problems);
     }
-    match slurm("scancel", &[&record.job_id]) {
+    let conf = record.conf.as_deref();
+    match slurm(conf, "scancel", &[&record.job_id]) {
         Ok(_) => {}
         Err(SlurmError::Refused { message, .. }) if message.contains("already completed") || message.contains("Invalid job id") => {}
         Err(e) => problems.push(e.to_string()),
     }
     let deadline = Instant::now() + CANCEL_TIMEOUT;
     loop {
-        match job_info(&record.job_id) {
+        match job_info(conf, &record.job_id) {
             Ok(Some(j)) if j.active() => {}
             Ok(_) => {
                 removed.push(Object::SlurmJob(record.job_id.clone()));

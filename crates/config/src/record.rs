@@ -60,6 +60,9 @@ pub struct SlurmRecord {
     pub output: PathBuf,
     /// Where each node's agent keeps its state: `DIR/NODE`.
     pub agent_state: PathBuf,
+    /// The `SLURM_CONF` `up` ran with, used by `down` and `status` wherever they run.
+    #[serde(default)]
+    pub conf: Option<PathBuf>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -151,6 +154,7 @@ mod tests {
                 partition: Some("debug".into()),
                 output: "/var/lib/starling/slurm/job-12.out".into(),
                 agent_state: "/var/lib/starling/slurm/nodes".into(),
+                conf: Some("/etc/slurm/slurm.conf".into()),
             }),
         };
         state.write(&path).unwrap();
