@@ -189,6 +189,9 @@ struct UpArgs {
     /// counting the time the job waits in the queue.
     #[arg(long, requires = "slurm", default_value_t = 300, value_name = "SECONDS")]
     wait: u64,
+    /// The head serves Prometheus metrics at http://ADDR/metrics (see `starling head --help`).
+    #[arg(long, value_name = "IP:PORT")]
+    metrics: Option<String>,
 }
 
 fn parse_link(s: &str) -> Result<String, String> {
@@ -301,6 +304,10 @@ struct HeadArgs {
     /// Forward every content request to the client (for measuring the relay cache's effect).
     #[arg(long)]
     no_relay_cache: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (tasks by state, relay cache hits, clones,
+    /// page faults served, per-host cores and load). Example: --metrics 0.0.0.0:9477
+    #[arg(long, value_name = "IP:PORT")]
+    metrics: Option<String>,
 }
 
 fn init_logging(filter: Option<&str>, default: &str) {
@@ -476,6 +483,9 @@ fn run(cli: Cli) -> Result<i32> {
             settings.state = a.state.unwrap_or(settings.state);
             settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
             settings.relay_cache &= !a.no_relay_cache;
+            if a.metrics.is_some() {
+                settings.metrics = a.metrics;
+            }
             runtime().block_on(starling_head::run(settings))?;
             Ok(0)
         }
@@ -725,6 +735,18 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     Ok(0)
 }
 
+/// Arguments `up` gives the head: the relay cache switch and the metrics address.
+fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>) -> Vec<String> {
+    let mut args = Vec::new();
+    if no_relay_cache || !cfg.head.relay_cache {
+        args.push("--no-relay-cache".to_string());
+    }
+    if let Some(m) = metrics.or(cfg.head.metrics.as_deref()) {
+        args.extend(["--metrics".to_string(), m.to_string()]);
+    }
+    args
+}
+
 fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     if a.slurm {
         return up_slurm(cfg, a);
@@ -735,7 +757,7 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let local = LocalCluster::new(cfg.instance);
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
-    let head_args = if a.no_relay_cache || !cfg.head.relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
     let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
@@ -773,7 +795,7 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
         anyhow::bail!("-N must be at least 1");
     }
     let local = LocalCluster::new(cfg.instance);
-    let head_args = if a.no_relay_cache || !cfg.head.relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
     // The edge reads Slurm's environment: inside an allocation, use it.
     let existing_job = std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty());
     let req = SlurmRequest {
