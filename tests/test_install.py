@@ -120,3 +120,13 @@ state = "{BASE}/agent"
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
+
+
+def test_an_agent_without_root_says_so_in_one_line(installed):
+    require_tool("setpriv", "util-linux")
+    r = subprocess.run(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                        str(installed / "bin/starling"), "agent", "--head", "127.0.0.1:1", "--state", str(BASE / "nobody")],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 255
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs root" in lines[0] and "not supported yet" in lines[0], r.stderr

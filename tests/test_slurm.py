@@ -3,7 +3,7 @@ the project's own scripts/slurm-local.sh: every node (sn1, sn2...) is a slurmd i
 UTS namespace, so an agent Slurm starts there is a separate host with its own address and name.
 
 Covered: the script's up (idempotent) and down (nothing left); `up --slurm -N 2` (status names the job
-Slurm lists and its nodes), exec and a `run -n 4` job on the nodes, a remote fork whose clones run
+Slurm lists and its nodes), exec and a `run -n 8` job on the nodes, a remote fork whose clones run
 on two nodes, `down` cancels the job and leaves no process; inside an existing allocation (salloc) the
 allocation is used; Slurm's refusals (no such partition, more nodes than the partition has, munge
 down) come back as one line and leave nothing; a node killed mid-task is reported lost, the task
@@ -124,9 +124,9 @@ def test_up_slurm_runs_exec_run_and_fork_on_the_nodes_and_down_cancels(slurm):
     r = starling("exec", "--", "uname", "-n", cwd=WORK)
     assert r.stdout.strip() in nodes, r.stdout
 
-    r = starling("run", "-n", "4", "--quiet", "--", "sh", "-c", "echo task $STARLING_TASK on $(uname -n)", cwd=WORK)
-    rows = re.findall(r"task (\d) on (\S+)", r.stdout)
-    assert sorted(t for t, _ in rows) == ["0", "1", "2", "3"], r.stdout
+    r = starling("run", "-n", "8", "--quiet", "--", "sh", "-c", "echo task $STARLING_TASK on $(uname -n)", cwd=WORK)
+    rows = re.findall(r"task (\d+) on (\S+)", r.stdout)
+    assert sorted(int(t) for t, _ in rows) == list(range(8)), r.stdout
     assert {h for _, h in rows} <= set(nodes), r.stdout
 
     # A remote fork: two clones, spread over the two nodes (each checks it runs on another host).

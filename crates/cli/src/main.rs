@@ -460,6 +460,14 @@ fn run(cli: Cli) -> Result<i32> {
             if settings.head.is_none() && settings.listen.is_none() {
                 anyhow::bail!("agent needs --head ADDR or --listen ADDR (or agent.head / agent.listen in the config file)");
             }
+            // SAFETY: geteuid has no preconditions and cannot fail.
+            let euid = unsafe { libc::geteuid() };
+            if euid != 0 {
+                anyhow::bail!(
+                    "the agent needs root (it mounts each task's FUSE view and overlay and runs tasks in their own namespaces); \
+                     running as uid {euid}: agents without root are not supported yet — start it as root (or, under Slurm, submit as root)"
+                );
+            }
             let name = settings.name.clone().unwrap_or_else(nix_hostname);
             let cfg = starling_agent::AgentConfig {
                 settings,
