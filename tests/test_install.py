@@ -122,11 +122,11 @@ state = "{BASE}/agent"
                     p.wait()
 
 
-def test_an_agent_without_root_says_so_in_one_line(installed):
+def test_an_agent_without_root_and_without_dev_fuse_names_the_fix_in_one_line(installed):
     require_tool("setpriv", "util-linux")
     r = subprocess.run(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
                         str(installed / "bin/starling"), "agent", "--head", "127.0.0.1:1", "--state", str(BASE / "nobody")],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 255
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs root" in lines[0] and "not supported yet" in lines[0], r.stderr
+    assert len(lines) == 1 and "without root" in lines[0] and "/dev/fuse" in lines[0] and "setfacl" in lines[0], r.stderr

@@ -48,6 +48,8 @@ pub enum AgentError {
     Fork { step: Step, #[source] source: starling_fork::ForkError },
     #[error("taking a moved task: {0}")]
     Migration(String),
+    #[error("this agent runs without root: remote fork onto it is not supported yet (its clones need kernel-mode userfaultfd, which only root has here); run the agent as root")]
+    RootlessClone,
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;
@@ -116,6 +118,10 @@ pub struct AgentConfig {
     /// The starling binary (re-executed as `__sandbox-init`).
     pub exe: PathBuf,
     pub compress: bool,
+    /// Running without root, inside a user namespace of its own where the
+    /// user is 0 (see `starling agent`): tasks run as that user and views
+    /// show the client's files as theirs.
+    pub rootless: bool,
 }
 
 pub(crate) struct TaskCtl {

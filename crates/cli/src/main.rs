@@ -460,14 +460,8 @@ fn run(cli: Cli) -> Result<i32> {
             if settings.head.is_none() && settings.listen.is_none() {
                 anyhow::bail!("agent needs --head ADDR or --listen ADDR (or agent.head / agent.listen in the config file)");
             }
-            // SAFETY: geteuid has no preconditions and cannot fail.
-            let euid = unsafe { libc::geteuid() };
-            if euid != 0 {
-                anyhow::bail!(
-                    "the agent needs root (it mounts each task's FUSE view and overlay and runs tasks in their own namespaces); \
-                     running as uid {euid}: agents without root are not supported yet — start it as root (or, under Slurm, submit as root)"
-                );
-            }
+            // Without root: a user namespace of our own, where we are 0 (before any thread starts).
+            let rootless = enter_rootless_namespace()?;
             let name = settings.name.clone().unwrap_or_else(nix_hostname);
             let cfg = starling_agent::AgentConfig {
                 settings,
@@ -475,6 +469,7 @@ fn run(cli: Cli) -> Result<i32> {
                 fork: cfg.fork,
                 exe: std::env::current_exe().context("locating the starling binary")?,
                 compress: true,
+                rootless,
             };
             runtime().block_on(starling_agent::run(cfg))?;
             Ok(0)
@@ -498,6 +493,44 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// An agent started without root (as Slurm starts job steps) moves into a user namespace and a
+/// mount namespace of its own, where its user is 0: there it may mount each task's FUSE view and
+/// overlay and give tasks their namespaces; the tasks run as that user. Needs `/dev/fuse`
+/// read-write for the user (most distributions ship it so; an admin grants it once otherwise).
+/// Returns whether it did (false: already root). Must run before any thread is started.
+fn enter_rootless_namespace() -> Result<bool> {
+    // SAFETY: geteuid/getegid have no preconditions and cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if uid == 0 {
+        return Ok(false);
+    }
+    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/fuse") {
+        anyhow::bail!(
+            "the agent runs without root (uid {uid}) and cannot open /dev/fuse ({e}): an admin grants it once, \
+             e.g. `setfacl -m u:$(id -un {uid}):rw /dev/fuse` (or run the agent as root)"
+        );
+    }
+    // SAFETY: unshare takes no pointers; the process is single-threaded here (main() has started
+    // no thread yet), which CLONE_NEWUSER requires.
+    if unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS) } != 0 {
+        let e = std::io::Error::last_os_error();
+        anyhow::bail!("the agent runs without root (uid {uid}) and cannot create a user namespace ({e}): this kernel or its settings (user.max_user_namespaces, kernel.unprivileged_userns_clone) forbid it; run the agent as root");
+    }
+    std::fs::write("/proc/self/setgroups", "deny").context("writing /proc/self/setgroups")?;
+    std::fs::write("/proc/self/uid_map", format!("0 {uid} 1")).context("writing /proc/self/uid_map")?;
+    std::fs::write("/proc/self/gid_map", format!("0 {gid} 1")).context("writing /proc/self/gid_map")?;
+    // Our mounts stay ours.
+    // SAFETY: all pointers are NUL-terminated literals or null, as mount(2) allows for MS_PRIVATE.
+    let rc = unsafe {
+        libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+    };
+    if rc != 0 {
+        anyhow::bail!("making the agent's mounts private: {}", std::io::Error::last_os_error());
+    }
+    log::info!("running without root: uid {uid} is 0 in the agent's own user namespace");
+    Ok(true)
 }
 
 /// Hidden `__link --listen A --target B --profile P --stats FILE`: the emulated WAN link relay.
