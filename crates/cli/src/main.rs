@@ -864,10 +864,22 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
         let _ = local.down();
         anyhow::anyhow!("{why} (the job was cancelled and the head stopped){tail}")
     };
+    // The head is asked every 200 ms; Slurm (a shared controller) every 200 ms only until the job
+    // runs, then every 2 s to notice it ending.
+    let mut asked: Option<(std::time::Instant, Option<slurm::JobInfo>)> = None;
     let nodes = loop {
         let registered: Vec<String> =
             rt.block_on(fetch_status(&target)).map(|s| s.hosts.into_iter().map(|h| h.name).collect()).unwrap_or_default();
-        let job = slurm::job_info(rec.conf.as_deref(), &rec.job_id).map_err(|e| fail(format!("asking Slurm about job {}: {e}", rec.job_id)))?;
+        let fresh = match &asked {
+            Some((at, Some(j))) => j.state != "RUNNING" || at.elapsed() >= std::time::Duration::from_secs(2),
+            _ => true,
+        };
+        if fresh {
+            let j = slurm::job_info(rec.conf.as_deref(), &rec.job_id)
+                .map_err(|e| fail(format!("asking Slurm about job {}: {e}", rec.job_id)))?;
+            asked = Some((std::time::Instant::now(), j));
+        }
+        let job = asked.as_ref().and_then(|(_, j)| j.clone());
         let Some(job) = job.clone().filter(|j| j.active()) else {
             let state = job.map_or("gone from squeue".to_string(), |j| j.state);
             return Err(fail(format!("Slurm job {} ended ({state}) before its agents registered", rec.job_id)));
