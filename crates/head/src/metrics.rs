@@ -87,7 +87,7 @@ pub(crate) fn render(head: &Head) -> String {
         "gauge",
         "Tasks by state: running (placed on a host, holding cores), migrating, queued (waiting for cores).",
         &[
-            ("{state=\"running\"}".into(), n(u64::try_from(snap.tasks.len() - moving).unwrap_or(0))),
+            ("{state=\"running\"}".into(), n(u64::try_from(snap.tasks.len().saturating_sub(moving)).unwrap_or(0))),
             ("{state=\"migrating\"}".into(), n(u64::try_from(moving).unwrap_or(0))),
             ("{state=\"queued\"}".into(), n(u64::try_from(snap.queued).unwrap_or(0))),
         ],
@@ -160,20 +160,30 @@ pub(crate) async fn serve(head: Arc<Head>, listener: TcpListener) {
     }
 }
 
-/// Read one request head (up to 8 KiB) and answer it; the connection is closed after.
+/// How long a scraper may take to send its request.
+const REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Read one request head (up to 8 KiB, within [`REQUEST_TIMEOUT`]) and answer it; the connection
+/// is closed after.
 async fn answer(head: &Head, mut sock: TcpStream) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
-    let mut chunk = [0u8; 1024];
-    while !buf.windows(4).any(|w| w == b"\r\n\r\n") && !buf.windows(2).any(|w| w == b"\n\n") {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            break;
+    let read = async {
+        let mut chunk = [0u8; 1024];
+        while !buf.windows(4).any(|w| w == b"\r\n\r\n") && !buf.windows(2).any(|w| w == b"\n\n") {
+            let n = sock.read(&mut chunk).await?;
+            if n == 0 {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+            if buf.len() > 8192 {
+                break;
+            }
         }
-        buf.extend_from_slice(&chunk[..n]);
-        if buf.len() > 8192 {
-            break;
-        }
-    }
+        Ok::<(), std::io::Error>(())
+    };
+    tokio::time::timeout(REQUEST_TIMEOUT, read)
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no request within 10 s"))??;
     let line = String::from_utf8_lossy(&buf);
     let mut words = line.split_whitespace();
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
