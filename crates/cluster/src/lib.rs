@@ -262,7 +262,8 @@ pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState
     let run_dir = absolute(&opts.run_dir)?;
     let _lock = lock_run_dir(&run_dir, false)?;
     if let Some(running) = load_state(&run_dir) {
-        return Err(ClusterError::AlreadyRunning { pid: running.head_pid, addr: running.head_addr, hosts: running.hosts.len() });
+        let hosts = running.slurm.as_ref().map_or(running.hosts.len(), |s| s.nodes.len());
+        return Err(ClusterError::AlreadyRunning { pid: running.head_pid, addr: running.head_addr, hosts });
     }
     let leftovers: Vec<String> = net::list_netns(&net.netns_prefix)
         .into_iter()
