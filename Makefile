@@ -3,8 +3,15 @@ CARGO ?= cargo
 PYTHON ?= python3
 PYTEST ?= $(PYTHON) -m pytest
 BIN := target/release/starling
+# `make install`: the binary, libstarling and its header, and systemd units for `starling head` and
+# `starling agent` (enable one: systemctl enable --now starling-agent). DESTDIR for staging.
+PREFIX ?= /usr/local
+BINDIR ?= $(PREFIX)/bin
+LIBDIR ?= $(PREFIX)/lib
+INCLUDEDIR ?= $(PREFIX)/include
+UNITDIR ?= /etc/systemd/system
 
-.PHONY: all build python demo test unit-test integration-test bench-tables bench clean
+.PHONY: all build python demo test unit-test integration-test bench-tables bench clean install uninstall
 
 all: build
 
@@ -41,7 +48,25 @@ bench: build
 	$(PYTHON) bench/ucop_bench.py
 	$(PYTHON) bench/fork_bench.py
 	$(PYTHON) bench/mcdist_bench.py
+	$(PYTHON) bench/slurm_bench.py
 	$(PYTHON) bench/tables.py
+
+install:
+	@test -x $(BIN) -a -f target/release/libstarling.a || { echo "build first: make build"; exit 1; }
+	install -D -m 0755 $(BIN) $(DESTDIR)$(BINDIR)/starling
+	install -D -m 0644 target/release/libstarling.a $(DESTDIR)$(LIBDIR)/libstarling.a
+	install -D -m 0755 target/release/libstarling.so $(DESTDIR)$(LIBDIR)/libstarling.so
+	install -D -m 0644 include/starling.h $(DESTDIR)$(INCLUDEDIR)/starling.h
+	for u in starling-head starling-agent; do \
+		install -d $(DESTDIR)$(UNITDIR); \
+		sed 's|@BINDIR@|$(BINDIR)|g' packaging/systemd/$$u.service > $(DESTDIR)$(UNITDIR)/$$u.service; \
+		chmod 0644 $(DESTDIR)$(UNITDIR)/$$u.service; \
+	done
+	@echo "installed; configure /etc/starling/config.toml, then: systemctl daemon-reload && systemctl enable --now starling-agent (or starling-head)"
+
+uninstall:
+	rm -f $(DESTDIR)$(BINDIR)/starling $(DESTDIR)$(LIBDIR)/libstarling.a $(DESTDIR)$(LIBDIR)/libstarling.so \
+		$(DESTDIR)$(INCLUDEDIR)/starling.h $(DESTDIR)$(UNITDIR)/starling-head.service $(DESTDIR)$(UNITDIR)/starling-agent.service
 
 clean:
 	-$(BIN) down

@@ -206,7 +206,21 @@ def render_migrate(doc):
                       f"* bytes moved <= 1.15 x footprint at 10 MiB/s: {ok[t.get('bytes_le_1_15_footprint_at_10mib_s')]}"])
 
 
-RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate}
+
+def render_slurm(doc):
+    rows = [[r["mode"], r["hosts"], f"{r['registered_s']:.2f}", f"{r['up_s']:.2f}", f"{r['first_task_s']:.2f}",
+             dash(r.get("step_to_connected_s"), "{:.2f}")] for r in doc["rows"]]
+    out = [provenance_line(doc), "",
+           f"{doc['nodes']} nodes, {doc['repeat']} run(s) per mode (medians); times from the start of `starling up`.", "",
+           table(["mode", "hosts", "all registered s", "up returned s", "first task s", "step → agents connected s"], rows)]
+    s = doc["rows"][0].get("step_to_connected_s")
+    if s is not None:
+        out += ["", f"* Slurm step start → all agents connected: {s:.2f} s (target ≤ 2 s: {'met' if s <= 2 else 'not met'})"]
+    return "\n".join(out)
+
+
+RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
+             "slurm": render_slurm}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -13,17 +13,28 @@ import pytest
 from conftest import STARLING, down, sh, starling, status, up
 
 
+# The instance these tests run on (STARLING_INSTANCE, as `starling` itself reads it): its names
+# (crates/cluster LocalCluster::new), so that the tests never judge nor touch another instance.
+INSTANCE = int(os.environ.get("STARLING_INSTANCE", "").strip() or "0")
+SUFFIX = "" if INSTANCE == 0 else f"-{INSTANCE}"
+RUN_DIR = f"/run/starling{SUFFIX}"
+STATE_DIR = f"/var/lib/starling{SUFFIX}"
+NETNS_PREFIX = "starling-" if INSTANCE == 0 else f"starling{INSTANCE}-"
+BRIDGE = f"stbr{INSTANCE}"
+SUBNET = f"10.213.{INSTANCE}.".encode()
+
+
 def leftovers():
-    """Everything `starling down` of the default instance must remove, as a dict of
-    non-empty findings (other instances, STARLING_INSTANCE=N, are not ours to judge)."""
+    """Everything `starling down` of this instance must remove, as a dict of non-empty findings
+    (other instances are not ours to judge)."""
     found = {}
     netns = sh("ip", "netns", "list", check=False).stdout
-    ns = [l.split()[0] for l in netns.splitlines() if l.startswith("starling-")]
+    ns = [l.split()[0] for l in netns.splitlines() if l.startswith(NETNS_PREFIX)]
     if ns:
         found["netns"] = ns
-    if sh("ip", "link", "show", "stbr0", check=False).returncode == 0:
-        found["bridge"] = "stbr0"
-    mounts = [l for l in open("/proc/self/mountinfo") if "/var/lib/starling/" in l or "/run/starling/" in l]
+    if sh("ip", "link", "show", BRIDGE, check=False).returncode == 0:
+        found["bridge"] = BRIDGE
+    mounts = [l for l in open("/proc/self/mountinfo") if f"{STATE_DIR}/" in l or f"{RUN_DIR}/" in l]
     if mounts:
         found["mounts"] = mounts
     procs = []
@@ -35,8 +46,8 @@ def leftovers():
         except OSError:
             continue
         # Agents of every instance use /var/lib/starling/state inside their own root, so
-        # tell the default instance's processes by its subnet or its head's state dir.
-        ours = any(b"10.213.0." in a or a.startswith(b"/var/lib/starling/head") for a in cmd)
+        # tell this instance's processes by its subnet or its head's state dir.
+        ours = any(SUBNET in a or a.startswith(f"{STATE_DIR}/head".encode()) for a in cmd)
         if cmd and cmd[0].endswith(b"starling") and len(cmd) > 1 and cmd[1] in (b"agent", b"head", b"__host-boot", b"__sandbox-init", b"__link") and ours:
             procs.append((p.name, cmd[:2]))
     if procs:
@@ -88,7 +99,7 @@ def test_down_after_kill9_leaves_nothing(fresh_cluster):
     st = status()
     h1 = next(h for h in st["hosts"] if h["name"] == "h1")
     os.kill(h1["pid"], signal.SIGKILL)
-    state = json.load(open("/run/starling/cluster.json"))
+    state = json.load(open(f"{RUN_DIR}/cluster.json"))
     os.kill(state["head_pid"], signal.SIGKILL)
     p.wait(timeout=120)
     r = starling("down", check=False, timeout=120)

@@ -48,6 +48,8 @@ pub enum AgentError {
     Fork { step: Step, #[source] source: starling_fork::ForkError },
     #[error("taking a moved task: {0}")]
     Migration(String),
+    #[error("this agent runs without root: remote fork onto it is not supported yet (its clones need kernel-mode userfaultfd, which only root has here); run the agent as root")]
+    RootlessClone,
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;
@@ -116,6 +118,10 @@ pub struct AgentConfig {
     /// The starling binary (re-executed as `__sandbox-init`).
     pub exe: PathBuf,
     pub compress: bool,
+    /// Running without root, inside a user namespace of its own where the
+    /// user is 0 (see `starling agent`): tasks run as that user and views
+    /// show the client's files as theirs.
+    pub rootless: bool,
 }
 
 pub(crate) struct TaskCtl {
@@ -375,15 +381,41 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         }
     }
     let head = agent.cfg.settings.head.clone().ok_or(AgentError::NoHead)?;
+    // A lost head is dialled again, ever less often (the process, its cache and its task
+    // directories stay); a connection that was up starts the backoff over.
+    let mut backoff = RECONNECT_MIN;
     loop {
         match TcpStream::connect(&head).await {
             Ok(s) => {
+                backoff = RECONNECT_MIN;
                 if let Err(e) = agent.serve(s).await {
                     log::warn!("head connection: {e}");
                 }
+                log::info!("lost the head {head}; reconnecting (backoff {RECONNECT_MIN:?} to {RECONNECT_MAX:?})");
             }
-            Err(e) => log::debug!("cannot reach head {head}: {e}"),
+            Err(e) => log::debug!("cannot reach head {head}: {e}; next try in {backoff:?}"),
         }
-        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        tokio::time::sleep(backoff).await;
+        backoff = next_backoff(backoff);
+    }
+}
+
+/// First and longest wait between attempts to reach a lost head.
+const RECONNECT_MIN: std::time::Duration = std::time::Duration::from_millis(500);
+const RECONNECT_MAX: std::time::Duration = std::time::Duration::from_secs(8);
+
+/// The wait after `cur`: doubled, at most [`RECONNECT_MAX`].
+fn next_backoff(cur: std::time::Duration) -> std::time::Duration {
+    (cur * 2).min(RECONNECT_MAX)
+}
+
+#[cfg(test)]
+mod reconnect_tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_doubles_up_to_its_bound() {
+        let waits: Vec<u128> = std::iter::successors(Some(RECONNECT_MIN), |d| Some(next_backoff(*d))).take(7).map(|d| d.as_millis()).collect();
+        assert_eq!(waits, [500, 1000, 2000, 4000, 8000, 8000, 8000]);
     }
 }

@@ -132,13 +132,20 @@ pub(crate) fn stdio_pipes() -> Result<Stdio> {
 
 fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing, dir: &Path, port: TaskPort) -> Result<()> {
     let TaskPort { stdin: stdin_rx, pid, pending_signal, life } = port;
+    if agent.cfg.rootless && spec.clone.is_some() {
+        return Err(AgentError::RootlessClone);
+    }
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
     let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
     // A clone's own files are prethrown (its restorer finds them without a
     // round trip), so fewer request loops do: starting each costs a thread
     // and its 16 MiB buffer, which adds up when a ticket starts many clones.
-    let options = starling_view::ViewOptions { threads: if spec.clone.is_some() { 2 } else { 4 }, ..Default::default() };
+    let options = starling_view::ViewOptions {
+        threads: if spec.clone.is_some() { 2 } else { 4 },
+        single_owner: agent.cfg.rootless,
+        ..Default::default()
+    };
     let view = Arc::new(starling_view::mount_with(source, &view_dir, options).map_err(io_step(Step::MountView))?);
     view.preload(spec.prethrow.clone());
     view.preload_listings(spec.listings.clone());
@@ -146,6 +153,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
 
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
     let mut sb = sandbox_spec(&spec, overlay.root());
+    sb.rootless = agent.cfg.rootless;
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
@@ -205,6 +213,7 @@ pub(crate) fn sandbox_spec(spec: &TaskSpec, root: &Path) -> starling_sandbox::Sa
         groups: spec.groups.clone(),
         rlimits: spec.rlimits.clone(),
         hostname: None,
+        rootless: false,
     }
 }
 

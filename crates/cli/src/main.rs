@@ -30,6 +30,7 @@ Quick start (an embedded cluster of emulated hosts on this machine, needs root):
   starling down                  # remove everything
 
   starling up --link coffee-shop # the same, behind an emulated slow link (160 ms RTT, ~1.4 Mbit/s)
+  starling up --slurm -N 4       # or: the hosts are 4 nodes of a Slurm job (agents as a job step)
 
 Programs can also fork themselves onto the cluster: see include/starling.h (C) and `import starling`.
 
@@ -53,6 +54,15 @@ struct Cli {
 enum Cmd {
     /// Start the embedded local cluster: N emulated hosts (each an agent in its own network,
     /// mount and UTS namespace with its own root) plus the head that clients talk to.
+    ///
+    /// With --slurm the hosts are the nodes of a Slurm allocation instead: the head starts here,
+    /// one job is submitted (sbatch --nodes N --ntasks-per-node=1 --exclusive) whose step runs
+    /// `srun --overlap --ntasks-per-node=1 starling agent --head HEAD --name NODE` on every node,
+    /// and `up` returns once every node's agent has registered. Inside an allocation
+    /// ($SLURM_JOB_ID set, e.g. under salloc) its nodes are used as a step of it instead of
+    /// submitting a job. `starling status` shows the job and its nodes; `starling down` cancels it.
+    ///
+    /// Example: starling up --slurm -N 4 --partition batch --time 1:00:00
     Up(UpArgs),
     /// Stop the embedded cluster and remove everything it made (processes, mounts, namespaces,
     /// bridge). Safe after a crash or a kill -9 of any part. Host caches are kept for next time.
@@ -158,6 +168,33 @@ struct UpArgs {
     /// (for measuring what the cache saves).
     #[arg(long)]
     no_relay_cache: bool,
+    /// The hosts are the nodes of a Slurm job (or of the allocation this runs in) instead of
+    /// emulated hosts.
+    #[arg(long, conflicts_with_all = ["hosts", "link"])]
+    slurm: bool,
+    /// Number of Slurm nodes (sbatch --nodes). [default: Slurm's, or the whole allocation]
+    #[arg(short = 'N', long, requires = "slurm", value_name = "NODES")]
+    nodes: Option<u32>,
+    /// Slurm partition (sbatch --partition). [default: Slurm's default partition]
+    #[arg(long, requires = "slurm")]
+    partition: Option<String>,
+    /// Slurm time limit (sbatch --time: MINUTES, HH:MM:SS, D-HH...). [default: the partition's]
+    #[arg(long, requires = "slurm")]
+    time: Option<String>,
+    /// Slurm account to charge (sbatch --account).
+    #[arg(long, requires = "slurm")]
+    account: Option<String>,
+    /// Where the head listens, IP or IP:PORT, reachable from the nodes. [default: this machine's
+    /// address on its route to the Slurm controller, a free port]
+    #[arg(long, requires = "slurm", value_name = "ADDR")]
+    listen: Option<String>,
+    /// Give up (and cancel the job) if not every agent has registered after this many seconds,
+    /// counting the time the job waits in the queue.
+    #[arg(long, requires = "slurm", default_value_t = 300, value_name = "SECONDS")]
+    wait: u64,
+    /// The head serves Prometheus metrics at http://ADDR/metrics (see `starling head --help`).
+    #[arg(long, value_name = "IP:PORT")]
+    metrics: Option<String>,
 }
 
 fn parse_link(s: &str) -> Result<String, String> {
@@ -270,6 +307,10 @@ struct HeadArgs {
     /// Forward every content request to the client (for measuring the relay cache's effect).
     #[arg(long)]
     no_relay_cache: bool,
+    /// Serve Prometheus metrics at http://ADDR/metrics (tasks by state, relay cache hits, clones,
+    /// page faults served, per-host cores and load). Example: --metrics 0.0.0.0:9477
+    #[arg(long, value_name = "IP:PORT")]
+    metrics: Option<String>,
 }
 
 fn init_logging(filter: Option<&str>, default: &str) {
@@ -422,6 +463,8 @@ fn run(cli: Cli) -> Result<i32> {
             if settings.head.is_none() && settings.listen.is_none() {
                 anyhow::bail!("agent needs --head ADDR or --listen ADDR (or agent.head / agent.listen in the config file)");
             }
+            // Without root: a user namespace of our own, where we are 0 (before any thread starts).
+            let rootless = enter_rootless_namespace()?;
             let name = settings.name.clone().unwrap_or_else(nix_hostname);
             let cfg = starling_agent::AgentConfig {
                 settings,
@@ -429,6 +472,7 @@ fn run(cli: Cli) -> Result<i32> {
                 fork: cfg.fork,
                 exe: std::env::current_exe().context("locating the starling binary")?,
                 compress: true,
+                rootless,
             };
             runtime().block_on(starling_agent::run(cfg))?;
             Ok(0)
@@ -445,10 +489,51 @@ fn run(cli: Cli) -> Result<i32> {
             settings.state = a.state.unwrap_or(settings.state);
             settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
             settings.relay_cache &= !a.no_relay_cache;
+            if a.metrics.is_some() {
+                settings.metrics = a.metrics;
+            }
             runtime().block_on(starling_head::run(settings))?;
             Ok(0)
         }
     }
+}
+
+/// An agent started without root (as Slurm starts job steps) moves into a user namespace and a
+/// mount namespace of its own, where its user is 0: there it may mount each task's FUSE view and
+/// overlay and give tasks their namespaces; the tasks run as that user. Needs `/dev/fuse`
+/// read-write for the user (most distributions ship it so; an admin grants it once otherwise).
+/// Returns whether it did (false: already root). Must run before any thread is started.
+fn enter_rootless_namespace() -> Result<bool> {
+    // SAFETY: geteuid/getegid have no preconditions and cannot fail.
+    let (uid, gid) = unsafe { (libc::geteuid(), libc::getegid()) };
+    if uid == 0 {
+        return Ok(false);
+    }
+    if let Err(e) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/fuse") {
+        anyhow::bail!(
+            "the agent runs without root (uid {uid}) and cannot open /dev/fuse ({e}): an admin grants it once, \
+             e.g. `setfacl -m u:$(id -un {uid}):rw /dev/fuse` (or run the agent as root)"
+        );
+    }
+    // SAFETY: unshare takes no pointers; the process is single-threaded here (main() has started
+    // no thread yet), which CLONE_NEWUSER requires.
+    if unsafe { libc::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS) } != 0 {
+        let e = std::io::Error::last_os_error();
+        anyhow::bail!("the agent runs without root (uid {uid}) and cannot create a user namespace ({e}): this kernel or its settings (user.max_user_namespaces, kernel.unprivileged_userns_clone) forbid it; run the agent as root");
+    }
+    std::fs::write("/proc/self/setgroups", "deny").context("writing /proc/self/setgroups")?;
+    std::fs::write("/proc/self/uid_map", format!("0 {uid} 1")).context("writing /proc/self/uid_map")?;
+    std::fs::write("/proc/self/gid_map", format!("0 {gid} 1")).context("writing /proc/self/gid_map")?;
+    // Our mounts stay ours.
+    // SAFETY: all pointers are NUL-terminated literals or null, as mount(2) allows for MS_PRIVATE.
+    let rc = unsafe {
+        libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null())
+    };
+    if rc != 0 {
+        anyhow::bail!("making the agent's mounts private: {}", std::io::Error::last_os_error());
+    }
+    log::info!("running without root: uid {uid} is 0 in the agent's own user namespace");
+    Ok(true)
 }
 
 /// Hidden `__link --listen A --target B --profile P --stats FILE`: the emulated WAN link relay.
@@ -621,15 +706,16 @@ async fn fetch_status(target: &Target) -> Result<starling_proto::ClusterStatus> 
 async fn status(json: bool, target: &Target) -> Result<i32> {
     let st = fetch_status(target).await?;
     let local = target.record.as_ref();
+    let slurm = local.and_then(|l| l.slurm.as_ref());
     let mut network = serde_json::Map::new();
-    if let Some(l) = local {
+    if let Some(l) = local.filter(|_| slurm.is_none()) {
         network.insert("bridge".into(), l.bridge.clone().into());
         network.insert("subnet".into(), l.subnet.clone().into());
     }
     for (k, v) in &st.facts {
         network.insert(k.clone(), v.clone().into());
     }
-    if let Some(l) = local {
+    if let Some(l) = local.filter(|_| slurm.is_none()) {
         let link = l.link.as_ref().map_or("lan", |k| k.profile.as_str()).to_string();
         let desc = starling_link::Profile::parse(&link).map(|p| p.describe()).unwrap_or(link.clone());
         network.insert("link".into(), link.into());
@@ -650,11 +736,26 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
                     "page_distribution": h.page_distribution})
             })
             .collect();
-        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"head": st.head, "network": network, "hosts": hosts}))?);
+        let mut out = serde_json::json!({"head": st.head, "network": network, "hosts": hosts});
+        if let Some(s) = slurm {
+            out["slurm"] = serde_json::json!({"job_id": s.job_id, "nodes": s.nodes, "partition": s.partition,
+                "submitted": s.submitted, "output": s.output});
+        }
+        println!("{}", serde_json::to_string_pretty(&out)?);
         return Ok(0);
     }
     let field = |k: &str| network.get(k).and_then(|v| v.as_str()).unwrap_or("?").to_string();
-    println!("head {}   bridge {}   subnet {}", st.head, field("bridge"), field("subnet"));
+    if let Some(s) = slurm {
+        println!(
+            "head {}   slurm job {} on {}{}",
+            st.head,
+            s.job_id,
+            if s.nodes.is_empty() { "(no nodes yet)".to_string() } else { s.nodes.join(",") },
+            s.partition.as_ref().map_or(String::new(), |p| format!(" (partition {p})"))
+        );
+    } else {
+        println!("head {}   bridge {}   subnet {}", st.head, field("bridge"), field("subnet"));
+    }
     if network.contains_key("link") {
         println!("link {}: {}", field("link"), field("link_detail"));
     }
@@ -678,14 +779,29 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     Ok(0)
 }
 
+/// Arguments `up` gives the head: the relay cache switch and the metrics address.
+fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>) -> Vec<String> {
+    let mut args = Vec::new();
+    if no_relay_cache || !cfg.head.relay_cache {
+        args.push("--no-relay-cache".to_string());
+    }
+    if let Some(m) = metrics.or(cfg.head.metrics.as_deref()) {
+        args.extend(["--metrics".to_string(), m.to_string()]);
+    }
+    args
+}
+
 fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
+    if a.slurm {
+        return up_slurm(cfg, a);
+    }
     if a.hosts == 0 || a.hosts > 64 {
         anyhow::bail!("--hosts must be between 1 and 64");
     }
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let local = LocalCluster::new(cfg.instance);
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
-    let head_args = if a.no_relay_cache || !cfg.head.relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
     let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
@@ -713,5 +829,109 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     }
     println!("starling cluster up: {} hosts, head at {}", state.hosts.len(), state.head_addr);
     rt.block_on(status(false, &target))?;
+    Ok(0)
+}
+
+/// `up --slurm`: start the head, submit the job (or the step), wait until every node's agent registered.
+fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
+    use starling_cluster::slurm::{self, SlurmRequest};
+    if a.nodes == Some(0) {
+        anyhow::bail!("-N must be at least 1");
+    }
+    let local = LocalCluster::new(cfg.instance);
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
+    // The edge reads Slurm's environment: inside an allocation, use it.
+    let existing_job = std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty());
+    let req = SlurmRequest {
+        nodes: a.nodes,
+        partition: a.partition,
+        time: a.time,
+        account: a.account,
+        listen: a.listen,
+        existing_job: existing_job.clone(),
+        conf: std::env::var_os("SLURM_CONF").map(PathBuf::from),
+        exe: std::env::current_exe().context("locating the starling binary")?,
+        head_args,
+    };
+    let state = local.slurm_up(&req)?;
+    let rec = state.slurm.clone().context("internal: the Slurm record is missing")?;
+    let how = if existing_job.is_some() { "a step of the allocation" } else { "submitted" };
+    eprintln!("starling: head at {}; Slurm job {} ({how})", state.head_addr, rec.job_id);
+    let target = Target::embedded(state.clone());
+    let rt = runtime();
+    let started = std::time::Instant::now();
+    let deadline = started + std::time::Duration::from_secs(a.wait);
+    let mut last = String::new();
+    let fail = |why: String| -> anyhow::Error {
+        let tail = slurm::output_tail(&rec).map_or(String::new(), |t| format!("\n{t}"));
+        let _ = local.down();
+        anyhow::anyhow!("{why} (the job was cancelled and the head stopped){tail}")
+    };
+    // The head is asked every 200 ms; Slurm (a shared controller) every 200 ms only until the job
+    // runs, then every 2 s to notice it ending.
+    let mut asked: Option<(std::time::Instant, Option<slurm::JobInfo>)> = None;
+    let nodes = loop {
+        let registered: Vec<String> =
+            rt.block_on(fetch_status(&target)).map(|s| s.hosts.into_iter().map(|h| h.name).collect()).unwrap_or_default();
+        let fresh = match &asked {
+            Some((at, Some(j))) => j.state != "RUNNING" || at.elapsed() >= std::time::Duration::from_secs(2),
+            _ => true,
+        };
+        if fresh {
+            let j = slurm::job_info(rec.conf.as_deref(), &rec.job_id)
+                .map_err(|e| fail(format!("asking Slurm about job {}: {e}", rec.job_id)))?;
+            asked = Some((std::time::Instant::now(), j));
+        }
+        let job = asked.as_ref().and_then(|(_, j)| j.clone());
+        let Some(job) = job.clone().filter(|j| j.active()) else {
+            let state = job.map_or("gone from squeue".to_string(), |j| j.state);
+            return Err(fail(format!("Slurm job {} ended ({state}) before its agents registered", rec.job_id)));
+        };
+        if let Some(why) = job.hopeless() {
+            return Err(fail(format!(
+                "Slurm will not start job {}: pending ({why}): the request exceeds what the partition, account or QOS allows (see `scontrol show partition`)",
+                rec.job_id
+            )));
+        }
+        if let Some(pid) = rec.srun_pid {
+            if !starling_cluster::procs::is_alive(pid) {
+                return Err(fail(format!("the agents' srun (pid {pid}) exited before they registered")));
+            }
+        }
+        // Inside an allocation the step may use fewer nodes than it has.
+        let want = if rec.submitted { job.nodes.len() } else { a.nodes.map_or(job.nodes.len(), |n| usize::try_from(n).unwrap_or(usize::MAX)) };
+        let have = job.nodes.iter().filter(|n| registered.contains(n)).count();
+        let line = match job.state.as_str() {
+            "RUNNING" => format!("Slurm job {} running on {}: {have} of {want} agents registered", rec.job_id, job.nodes.join(",")),
+            s => format!("Slurm job {} {}{}", rec.job_id, s.to_lowercase(), job.reason.as_ref().map_or(String::new(), |r| format!(" ({r})"))),
+        };
+        if job.state == "RUNNING" && want > 0 && have >= want {
+            break job.nodes.into_iter().filter(|n| registered.contains(n)).collect::<Vec<_>>();
+        }
+        if line != last {
+            eprintln!("starling: {line}");
+            last = line;
+        }
+        if std::time::Instant::now() > deadline {
+            let missing: Vec<&String> = job.nodes.iter().filter(|n| !registered.contains(n)).collect();
+            let what = if job.state == "RUNNING" {
+                format!("no agent registered from {}", missing.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(", "))
+            } else {
+                format!("the job is still {}", job.state.to_lowercase())
+            };
+            return Err(fail(format!("not up after {} s: Slurm job {}: {what}", a.wait, rec.job_id)));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
+    let state = local.slurm_record_nodes(nodes.clone())?;
+    println!(
+        "starling cluster up: Slurm job {} on {} ({} agents, {:.1} s), head at {}",
+        rec.job_id,
+        nodes.join(","),
+        nodes.len(),
+        started.elapsed().as_secs_f64(),
+        state.head_addr
+    );
+    rt.block_on(status(false, &Target::embedded(state)))?;
     Ok(0)
 }

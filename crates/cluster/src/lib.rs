@@ -32,6 +32,7 @@ mod boot;
 pub mod mounts;
 mod net;
 pub mod procs;
+pub mod slurm;
 mod sys;
 
 use std::collections::BTreeSet;
@@ -138,6 +139,8 @@ pub enum ClusterError {
     HeadDied(String),
     #[error(transparent)]
     Record(#[from] starling_config::ConfigError),
+    #[error(transparent)]
+    Slurm(#[from] slurm::SlurmError),
     #[error("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))]
     Teardown { problems: Vec<String>, removed: Vec<String> },
 }
@@ -259,7 +262,8 @@ pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState
     let run_dir = absolute(&opts.run_dir)?;
     let _lock = lock_run_dir(&run_dir, false)?;
     if let Some(running) = load_state(&run_dir) {
-        return Err(ClusterError::AlreadyRunning { pid: running.head_pid, addr: running.head_addr, hosts: running.hosts.len() });
+        let hosts = running.slurm.as_ref().map_or(running.hosts.len(), |s| s.nodes.len());
+        return Err(ClusterError::AlreadyRunning { pid: running.head_pid, addr: running.head_addr, hosts });
     }
     let leftovers: Vec<String> = net::list_netns(&net.netns_prefix)
         .into_iter()
@@ -401,6 +405,7 @@ fn start(
         started_at: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
+        slurm: None,
     };
     state.write(&cluster_file(run_dir))?;
     Ok(state)
@@ -517,14 +522,22 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
         if let Some(ip) = r.subnet.split('/').next().and_then(|s| s.parse().ok()) {
             recorded.subnet = ip;
         }
-        // A corrupted record must not make us delete foreign links: same rules as for `up`.
-        if recorded != *cfg && recorded.validate(1).is_ok() {
+        // A corrupted record must not make us delete foreign links: same rules as for `up`. A Slurm
+        // cluster's record names no links at all.
+        if r.slurm.is_none() && recorded != *cfg && recorded.validate(1).is_ok() {
             cfgs.push(recorded);
         }
     }
 
     let mut removed = Removed::default();
     let mut problems = Vec::new();
+
+    // 0. A Slurm cluster's job (or step): Slurm ends the agents on the nodes.
+    if let Some(s) = record.as_ref().and_then(|r| r.slurm.as_ref()) {
+        let (done, failed) = slurm::stop(s);
+        removed.0.extend(done);
+        problems.extend(failed);
+    }
 
     // 1. Processes. Repeat because a dying agent's children may just have forked.
     let recorded_ns: BTreeSet<(u64, u64)> = record.iter().flat_map(|r| r.netns_ids.iter().copied()).collect();
@@ -621,6 +634,10 @@ pub enum Object {
     Bridge(String),
     /// `cluster.json`.
     Record(PathBuf),
+    /// A Slurm job `starling up --slurm` submitted, cancelled and ended.
+    SlurmJob(String),
+    /// The agents' step in an existing allocation, stopped through its `srun`.
+    SlurmStep { job: String, srun_pid: u32 },
 }
 
 impl std::fmt::Display for Object {
@@ -632,6 +649,8 @@ impl std::fmt::Display for Object {
             Object::Veth(v) => write!(f, "deleted veth {v}"),
             Object::Bridge(b) => write!(f, "deleted bridge {b}"),
             Object::Record(r) => write!(f, "removed {}", r.display()),
+            Object::SlurmJob(j) => write!(f, "cancelled Slurm job {j}"),
+            Object::SlurmStep { job, srun_pid } => write!(f, "stopped the agents' step of Slurm job {job} (srun pid {srun_pid})"),
         }
     }
 }
@@ -668,8 +687,11 @@ impl Removed {
             parts.push("link".to_string());
         }
         for o in &self.0 {
-            if let Object::Bridge(b) = o {
-                parts.push(format!("bridge {b}"));
+            match o {
+                Object::Bridge(b) => parts.push(format!("bridge {b}")),
+                Object::SlurmJob(j) => parts.push(format!("Slurm job {j} cancelled")),
+                Object::SlurmStep { job, .. } => parts.push(format!("agents' step of Slurm job {job}")),
+                _ => {}
             }
         }
         if parts.is_empty() {

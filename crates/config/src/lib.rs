@@ -40,7 +40,7 @@ pub mod record;
 pub mod roles;
 
 pub use instance::Instance;
-pub use record::{ClusterState, HostRecord, LinkRecord};
+pub use record::{ClusterState, HostRecord, LinkRecord, SlurmRecord};
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
@@ -162,6 +162,8 @@ pub struct HeadSettings {
     pub cache_mib: u64,
     /// Serve content-named requests from a shared cache (off only for measurements).
     pub relay_cache: bool,
+    /// Where to serve Prometheus `/metrics` (`IP:PORT`); `None`: not served.
+    pub metrics: Option<String>,
 }
 
 /// `starling agent`.
@@ -196,6 +198,7 @@ impl Default for HeadSettings {
             state: "/var/lib/starling/head".into(),
             cache_mib: 8192,
             relay_cache: true,
+            metrics: None,
         }
     }
 }
@@ -628,6 +631,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "serve content-named requests from the head's shared cache (off: every one goes to the client)",
         apply: |c, v| {
             c.head.relay_cache = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.metrics",
+        env: None,
+        flag: "--metrics (head, up)",
+        default: "none",
+        meaning: "IP:PORT where the head serves Prometheus `/metrics` (tasks by state, relay cache, clones, page faults, per-host cores and load)",
+        apply: |c, v| {
+            c.head.metrics = Some(v.text()?).filter(|t| !t.is_empty());
             Ok(())
         },
     },

@@ -36,6 +36,33 @@ pub struct ClusterState {
     pub hosts: Vec<HostRecord>,
     /// Unix seconds.
     pub started_at: i64,
+    /// Set when the hosts are a Slurm allocation's nodes (`starling up --slurm`) rather than
+    /// emulated ones: then `bridge`, `subnet`, the prefixes and `hosts` are empty.
+    #[serde(default)]
+    pub slurm: Option<SlurmRecord>,
+}
+
+/// The Slurm job whose nodes run the agents (`starling up --slurm`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct SlurmRecord {
+    /// The job id (`squeue -j`).
+    pub job_id: String,
+    /// Whether `starling up` submitted the job (then `down` cancels it) or joined an allocation
+    /// it was started in (then `down` stops only the agents' step).
+    pub submitted: bool,
+    /// The `srun` that runs the agents' step, when it runs on this machine (inside an existing
+    /// allocation); a submitted job's `srun` runs in the batch script.
+    pub srun_pid: Option<u32>,
+    /// The allocation's nodes, once the job runs (`scontrol show hostnames` order).
+    pub nodes: Vec<String>,
+    pub partition: Option<String>,
+    /// The agents' step output (`sbatch --output`, or the local `srun`'s log).
+    pub output: PathBuf,
+    /// Where each node's agent keeps its state: `DIR/NODE`.
+    pub agent_state: PathBuf,
+    /// The `SLURM_CONF` `up` ran with, used by `down` and `status` wherever they run.
+    #[serde(default)]
+    pub conf: Option<PathBuf>,
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
@@ -119,10 +146,25 @@ mod tests {
             }),
             hosts: vec![HostRecord { name: "h1".into(), netns: "starling-h1".into(), ip: "10.213.0.11".into(), boot_pid: 44 }],
             started_at: 1,
+            slurm: Some(SlurmRecord {
+                job_id: "12".into(),
+                submitted: true,
+                srun_pid: None,
+                nodes: vec!["sn1".into(), "sn2".into()],
+                partition: Some("debug".into()),
+                output: "/var/lib/starling/slurm/job-12.out".into(),
+                agent_state: "/var/lib/starling/slurm/nodes".into(),
+                conf: Some("/etc/slurm/slurm.conf".into()),
+            }),
         };
         state.write(&path).unwrap();
         assert_eq!(ClusterState::read(&path).unwrap(), Some(state.clone()));
         assert_eq!(state.cluster_id(), "embedded:/var/lib/starling");
+        // A record written before the Slurm field existed still reads (as an embedded cluster).
+        let mut old: serde_json::Value = serde_json::to_value(&state).unwrap();
+        old.as_object_mut().unwrap().remove("slurm");
+        std::fs::write(&path, serde_json::to_vec(&old).unwrap()).unwrap();
+        assert_eq!(ClusterState::read(&path).unwrap().unwrap().slurm, None);
         std::fs::write(&path, b"{\"head_addr\": 1}").unwrap();
         let e = ClusterState::read(&path).unwrap_err().to_string();
         assert!(e.contains("cluster.json is unreadable") && e.contains("starling down"), "{e}");

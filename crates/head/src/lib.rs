@@ -23,6 +23,7 @@ mod migration;
 mod placement;
 mod ps;
 mod queue;
+mod metrics;
 mod relay;
 mod routing;
 
@@ -42,6 +43,8 @@ pub enum HeadError {
     RelayCache { path: std::path::PathBuf, #[source] source: std::io::Error },
     #[error("head: accepting connections: {0}")]
     Accept(#[source] std::io::Error),
+    #[error("head: cannot serve /metrics on {addr}: {source}")]
+    Metrics { addr: String, #[source] source: std::io::Error },
 }
 
 /// A connected host.
@@ -112,6 +115,8 @@ pub struct Head {
     pub(crate) relay: Option<relay::Relay>,
     pub(crate) jobs: Mutex<jobs::Jobs>,
     pub(crate) next_task: AtomicU64,
+    /// What `/metrics` counts (`metrics` module).
+    pub(crate) counters: Arc<metrics::Counters>,
     next_conn: AtomicU64,
     listen: String,
     facts: Vec<(String, String)>,
@@ -139,9 +144,25 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
     let listener = TcpListener::bind(&settings.listen)
         .await
         .map_err(|source| HeadError::Listen { addr: settings.listen.clone(), source })?;
+    let counters = Arc::new(metrics::Counters::default());
+    let metrics_listener = match &settings.metrics {
+        Some(addr) => {
+            Some(TcpListener::bind(addr).await.map_err(|source| HeadError::Metrics { addr: addr.clone(), source })?)
+        }
+        None => None,
+    };
+    let mut facts = settings.facts;
+    if let Some(l) = &metrics_listener {
+        if let Ok(a) = l.local_addr() {
+            facts.push(("metrics".into(), format!("http://{a}/metrics")));
+        }
+    }
     let relay = if settings.relay_cache {
         let dir = settings.state.join("cache");
-        Some(relay::Relay::open(&dir, settings.cache_mib << 20).map_err(|source| HeadError::RelayCache { path: dir, source })?)
+        Some(
+            relay::Relay::open(&dir, settings.cache_mib << 20, counters.clone())
+                .map_err(|source| HeadError::RelayCache { path: dir, source })?,
+        )
     } else {
         None
     };
@@ -152,11 +173,15 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         jobs: Mutex::new(jobs::Jobs::default()),
         // Task ids are unique across head restarts too (hosts keep per-task dirs).
         next_task: AtomicU64::new(now_us()),
+        counters,
         next_conn: AtomicU64::new(1),
         listen: settings.listen.clone(),
-        facts: settings.facts,
+        facts,
     });
     *head.me.lock().unwrap() = Arc::downgrade(&head);
+    if let Some(l) = metrics_listener {
+        tokio::spawn(metrics::serve(head.clone(), l));
+    }
     log::info!("head listening on {}", settings.listen);
     for addr in settings.agents {
         tokio::spawn(head.clone().dial_agent(addr));
@@ -251,6 +276,7 @@ impl Head {
     /// Tell a task's client it was lost, and give back its cores.
     pub(crate) async fn lose_task(&self, task: TaskId, why: &str) {
         let Some(mut r) = self.state.lock().unwrap().end_route(task) else { return };
+        metrics::add(&self.counters.tasks_lost, 1);
         self.move_outlived(task, r.moving.take()).await;
         if let Some(c) = r.client {
             let _ = c.send(Msg::Error { task: Some(task), message: why.to_string() }).await;

@@ -70,6 +70,7 @@ impl Head {
             target_file_ids: Default::default(),
         };
         self.state.lock().unwrap().routes.insert(task, route);
+        crate::metrics::add(&self.counters.tasks_started, 1);
         let _ = q.client.send(Msg::Started { task, host: host.clone(), reference: q.reference, job_fresh: q.job_fresh }).await;
         if host_tx.send(Msg::RunTask { task, spec: q.spec }).await.is_err() {
             self.lose_task(task, &format!("host {host} went away before the task started")).await;

@@ -26,15 +26,17 @@ pub(crate) struct Relay {
     /// Requests the head sent to a client, waiting for their answers.
     waiters: Mutex<HashMap<u64, oneshot::Sender<FileResp>>>,
     next_req: AtomicU64,
+    counters: std::sync::Arc<crate::metrics::Counters>,
 }
 
 impl Relay {
-    pub(crate) fn open(dir: &std::path::Path, bytes: u64) -> std::io::Result<Relay> {
+    pub(crate) fn open(dir: &std::path::Path, bytes: u64, counters: std::sync::Arc<crate::metrics::Counters>) -> std::io::Result<Relay> {
         Ok(Relay {
             cache: HostCache::open(dir, bytes)?,
             inflight: Mutex::new(HashMap::new()),
             waiters: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(0),
+            counters,
         })
     }
 
@@ -85,8 +87,10 @@ impl Relay {
         match req {
             FileReq::GetRecipe { name } => {
                 if let Ok(Some(r)) = self.cache.get_recipe(&name) {
+                    crate::metrics::add(&self.counters.relay_recipe_hits, 1);
                     return FileResp::Recipe(Some(r));
                 }
+                crate::metrics::add(&self.counters.relay_recipe_misses, 1);
                 let resp = self.ask_client(&client, task, FileReq::GetRecipe { name }).await.unwrap_or(FileResp::Errno(EIO));
                 if let FileResp::Recipe(Some(r)) = &resp {
                     if r.name() == name {
@@ -101,6 +105,9 @@ impl Relay {
     }
 
     async fn serve_chunks(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) -> FileResp {
+        let hits = hashes.iter().filter(|h| self.cache.has_chunk(h)).count();
+        crate::metrics::add(&self.counters.relay_chunk_hits, u64::try_from(hits).unwrap_or(0));
+        crate::metrics::add(&self.counters.relay_chunk_misses, u64::try_from(hashes.len() - hits).unwrap_or(0));
         // Up to three passes: a chunk another task was fetching may
         // still be missing if that fetch failed; then fetch it ourselves.
         for _ in 0..3 {
@@ -130,7 +137,10 @@ impl Relay {
             }
             match bytes {
                 // Head → host is the cluster network: no need to spend CPU compressing.
-                Some(bytes) => out.push(ChunkData::seal(&bytes, false)),
+                Some(bytes) => {
+                    crate::metrics::add(&self.counters.relay_bytes_to_hosts, u64::try_from(bytes.len()).unwrap_or(0));
+                    out.push(ChunkData::seal(&bytes, false))
+                }
                 None => return FileResp::Errno(EIO),
             }
         }
@@ -171,6 +181,7 @@ impl Relay {
                 }
                 match c.open() {
                     Ok(bytes) => {
+                        crate::metrics::add(&self.counters.relay_bytes_from_clients, u64::try_from(bytes.len()).unwrap_or(0));
                         let _ = self.cache.put_chunk(&c.hash, &bytes);
                     }
                     Err(e) => log::warn!("client sent a bad chunk: {e}"),

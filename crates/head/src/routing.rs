@@ -60,6 +60,7 @@ impl Head {
             return;
         };
         let ended = matches!(m, Msg::Finished { .. } | Msg::Error { .. });
+        self.count(&m);
         let (client, moving) = {
             let mut st = self.state.lock().unwrap();
             let c = st.routes.get(&task).and_then(|r| r.client.clone());

@@ -357,7 +357,8 @@ fn prepare_root(spec: &SandboxSpec) -> Result<(), String> {
     }
     let pts = dev.join("pts");
     mkdir(&pts, 0o755)?;
-    mount(Some("devpts"), &pts, Some("devpts"), nosuid_noexec, Some("newinstance,ptmxmode=0666,mode=0620,gid=5"))
+    let pts_options = if spec.rootless { "newinstance,ptmxmode=0666,mode=0620" } else { "newinstance,ptmxmode=0666,mode=0620,gid=5" };
+    mount(Some("devpts"), &pts, Some("devpts"), nosuid_noexec, Some(pts_options))
         .map_err(|e| format!("cannot mount devpts on {}: {e}", pts.display()))?;
     let shm = dev.join("shm");
     mkdir(&shm, 0o1777)?;
@@ -452,15 +453,18 @@ fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid)
     for &(resource, soft, hard) in &spec.rlimits {
         set_rlimit(resource, soft, hard);
     }
-    let groups: Vec<Gid> = spec.groups.iter().map(|&g| Gid::from_raw(g)).collect();
-    if let Err(e) = setgroups(&groups) {
-        die(format_args!("cannot set supplementary groups {:?}: {e}", spec.groups))
-    }
-    if let Err(e) = setgid(Gid::from_raw(spec.gid)) {
-        die(format_args!("cannot set gid {}: {e}", spec.gid))
-    }
-    if let Err(e) = setuid(Uid::from_raw(spec.uid)) {
-        die(format_args!("cannot set uid {}: {e}", spec.uid))
+    // A rootless agent's tasks keep its ids (the only ones its user namespace has).
+    if !spec.rootless {
+        let groups: Vec<Gid> = spec.groups.iter().map(|&g| Gid::from_raw(g)).collect();
+        if let Err(e) = setgroups(&groups) {
+            die(format_args!("cannot set supplementary groups {:?}: {e}", spec.groups))
+        }
+        if let Err(e) = setgid(Gid::from_raw(spec.gid)) {
+            die(format_args!("cannot set gid {}: {e}", spec.gid))
+        }
+        if let Err(e) = setuid(Uid::from_raw(spec.uid)) {
+            die(format_args!("cannot set uid {}: {e}", spec.uid))
+        }
     }
     nix::sys::stat::umask(Mode::from_bits_truncate(spec.umask as libc::mode_t));
     // After dropping credentials: entering the directory is checked as the client.

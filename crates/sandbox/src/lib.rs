@@ -124,6 +124,11 @@ pub struct SandboxSpec {
     pub rlimits: Vec<(u32, u64, u64)>,
     /// Host name inside the sandbox (gets its own UTS namespace), or the host's.
     pub hostname: Option<String>,
+    /// Started by an agent without root, inside its user namespace where only
+    /// its own ids exist (as 0) and setgroups is denied: the task keeps those
+    /// ids (`uid`, `gid` and `groups` are ignored) and /dev/pts has no tty group.
+    #[serde(default)]
+    pub rootless: bool,
 }
 
 impl SandboxSpec {

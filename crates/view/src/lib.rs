@@ -34,7 +34,7 @@
 //! created, modified, deleted ([`UpperEntry::Whiteout`]) or replaced
 //! wholesale ([`UpperEntry::Dir`] with `opaque`), and the caller ships those
 //! changes back to the client, guarded by the bindings the task saw.
-//! The overlay is mounted with `redirect_dir=off,index=off,metacopy=off,xino=off`
+//! The overlay is mounted with `redirect_dir=nofollow,index=off,metacopy=off,xino=off`
 //! so that the upper dir is self-describing: renaming a lower directory fails
 //! with `EXDEV` (tools such as `mv` then copy), and every modified file in the
 //! upper dir holds its complete contents.

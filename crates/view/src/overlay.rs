@@ -11,8 +11,10 @@ use nix::mount::{umount2, MntFlags, MsFlags};
 /// task directory (which must be on a file system overlayfs accepts as upper,
 /// e.g. ext4). The task chroots into [`Overlay::root`].
 ///
-/// Options: `redirect_dir=off` (renaming a lower directory fails with EXDEV,
-/// so userspace copies and the upper dir never holds redirect xattrs),
+/// Options: `redirect_dir=nofollow` (redirects are neither created nor
+/// followed: renaming a lower directory fails with EXDEV, so userspace copies
+/// and the upper dir never holds redirect xattrs; unlike `off`, which Debian
+/// builds turn into `follow`, it is also accepted inside a user namespace),
 /// `index=off`, `metacopy=off` (a modified file's upper copy holds all its
 /// bytes), `xino=off`; mount flags `nosuid,nodev`.
 #[derive(Debug)]
@@ -22,7 +24,7 @@ pub struct Overlay {
     mounted: bool,
 }
 
-const OPTIONS: &str = "redirect_dir=off,index=off,metacopy=off,xino=off";
+const OPTIONS: &str = "redirect_dir=nofollow,index=off,metacopy=off,xino=off";
 
 /// overlayfs option values cannot contain these (`:` separates lower dirs,
 /// `,` separates options, `\` escapes); refuse rather than mis-mount.

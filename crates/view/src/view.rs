@@ -36,13 +36,20 @@ pub struct ViewOptions {
     /// Request loops serving the mount. More than one so that a lookup
     /// waiting on the network does not stall other task threads.
     pub threads: usize,
+    /// For an agent without root, mounting inside its user namespace where
+    /// only its own ids exist (as 0): every file is shown owned by 0 (that
+    /// user), because the task's copy-on-write layer can only copy up files
+    /// (and their directories) whose owner exists there. Off: ids as the
+    /// client has them.
+    pub single_owner: bool,
 }
 
 impl Default for ViewOptions {
     fn default() -> Self {
-        ViewOptions { passthrough: true, threads: 4 }
+        ViewOptions { passthrough: true, threads: 4, single_owner: false }
     }
 }
+
 
 /// Counters describing how the view was used (all monotonic).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -130,6 +137,8 @@ struct Shared {
     open_files: Mutex<HashMap<u64, OpenFile>>,
     next_fh: AtomicU64,
     counters: Counters,
+    /// [`ViewOptions::single_owner`].
+    single_owner: bool,
 }
 
 /// Lock a mutex even if a request thread panicked while holding it: the
@@ -211,7 +220,11 @@ impl Shared {
             Lookup::File(a, _) => (a, FileType::RegularFile),
             Lookup::Special(a) => (a, special_type(a.mode)),
         };
-        Some(to_file_attr(ino, attr, kind))
+        let mut a = to_file_attr(ino, attr, kind);
+        if self.single_owner {
+            (a.uid, a.gid) = (0, 0);
+        }
+        Some(a)
     }
 }
 
@@ -648,6 +661,7 @@ pub fn mount_with(source: Arc<dyn Source>, mountpoint: &Path, options: ViewOptio
         open_files: Mutex::new(HashMap::new()),
         next_fh: AtomicU64::new(1),
         counters: Counters::default(),
+        single_owner: options.single_owner,
     });
     let mut config = Config::default();
     config.mount_options = vec![
@@ -787,3 +801,4 @@ impl Drop for ViewMount {
         }
     }
 }
+

@@ -383,7 +383,7 @@ fn without_passthrough_the_daemon_serves_reads() {
     let big: Vec<u8> = (0..(1u32 << 20) + 123).map(|i| (i.wrapping_mul(40503) >> 7).to_le_bytes()[0]).collect();
     write_mode(&fx.src.join("big.bin"), &big, 0o644);
     let source = Arc::new(DirSource::new(&fx.src, &fx.cache).unwrap());
-    let options = starling_view::ViewOptions { passthrough: false, threads: 2 };
+    let options = starling_view::ViewOptions { passthrough: false, threads: 2, single_owner: false };
     let view = starling_view::mount_with(source, &fx.mnt, options).unwrap();
     assert!(fs::read(fx.mnt.join("big.bin")).unwrap() == big, "contents differ");
     let stats = view.stats();
