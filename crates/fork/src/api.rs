@@ -223,7 +223,7 @@ impl Ticket {
     /// After `join`: one line saying which clones did not exit 0 (None if
     /// all did), for `sf_join`'s "0 if every clone exited 0, else -1".
     pub fn unsuccessful(&self) -> Option<String> {
-        let bad: Vec<String> = (1..=self.allocation as i32)
+        let bad: Vec<String> = (1..=self.allocation.cast_signed())
             .filter_map(|id| match self.clone_state(id) {
                 Some(CloneState::Exited(0)) => None,
                 Some(CloneState::Exited(c)) => Some(format!("clone {id} exited {c}")),

@@ -207,7 +207,7 @@ fn write_fd(fd: i32, mut data: &[u8]) {
             }
             return;
         }
-        data = &data[n as usize..];
+        data = &data[usize::try_from(n).expect("n >= 0, checked above")..];
     }
 }
 

@@ -110,7 +110,7 @@ pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descr
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
         regions: dump_regions(pid, opts)?,
-        fds: dump_fds(pid, record.freeze_fd as i32)?,
+        fds: dump_fds(pid, i32::try_from(record.freeze_fd).map_err(|_| ForkError::Malformed { what: "template freeze fd", detail: record.freeze_fd.to_string() })?)?,
         threads: vec![ThreadState { core: thread, fpu: record.fpu.0.to_vec(), pending: vec![] }],
         sigactions: record.sigactions,
         process: ProcessState { core: ProcessCore { pid: thread.tid, ..core }, cwd, groups, pending: vec![] },
@@ -130,7 +130,7 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
         if m.name == "[vsyscall]" || in_restorer_window(m.start, m.end) {
             continue; // the kernel's, at the same address everywhere / a restorer's leftovers
         }
-        let prot = (m.perms[0] == b'r') as u8 | ((m.perms[1] == b'w') as u8) << 1 | ((m.perms[2] == b'x') as u8) << 2;
+        let prot = u8::from(m.perms[0] == b'r') | u8::from(m.perms[1] == b'w') << 1 | u8::from(m.perms[2] == b'x') << 2;
         let shared = m.perms[3] == b's';
         let has = |f: &str| m.vm_flags.iter().any(|x| x == f);
         let desc = format!("{:x}-{:x} {}", m.start, m.end, m.name);
@@ -282,7 +282,7 @@ pub fn dump_process(pid: i32, brk: u64) -> Result<(ProcessCore, String, Vec<u32>
     for (res, slot) in rlimits.iter_mut().enumerate() {
         let mut lim = libc::rlimit64 { rlim_cur: 0, rlim_max: 0 };
         // SAFETY: prlimit64 with a NULL new limit only writes the old one into `lim`.
-        if unsafe { libc::prlimit64(pid, res as _, std::ptr::null(), &mut lim) } == 0 {
+        if unsafe { libc::prlimit64(pid, res.try_into().expect("an rlimit index is below N_RLIMITS"), std::ptr::null(), &mut lim) } == 0 {
             *slot = Rlimit { soft: lim.rlim_cur, hard: lim.rlim_max };
         }
     }

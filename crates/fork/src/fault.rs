@@ -343,7 +343,7 @@ impl PageSink for Installer {
             match page {
                 Fetched::Zero => {
                     let r = self.shared.uffd.zeropage(addr, PAGE_SIZE);
-                    new_installs += r.is_ok() as u64;
+                    new_installs += u64::from(r.is_ok());
                     out[i] = install_result(r);
                     if out[i] {
                         self.shared.set_state(ri, pi, ST_DONE);
@@ -376,7 +376,7 @@ impl PageSink for Installer {
                         out[k] = whole || {
                             let page = &run[(k - i) * PAGE..(k - i + 1) * PAGE];
                             let r = self.shared.uffd.copy(a, page);
-                            new_installs += r.is_ok() as u64;
+                            new_installs += u64::from(r.is_ok());
                             if r == Err(libc::EAGAIN) {
                                 // As for a zero page above.
                                 self.shared.hold(a, Fetched::Data(page.to_vec()));
@@ -405,6 +405,7 @@ impl PageSink for Installer {
     }
 }
 
+#[allow(clippy::cast_possible_truncation)] // 4096 fits in any usize
 const PAGE: usize = PAGE_SIZE as usize;
 
 /// Outcome of installing one page.
@@ -750,7 +751,7 @@ impl FaultHandler {
                     starling_image::DescriptorError::Invalid(format!("file page at {t:#x} of a region without a file"))
                 })?;
                 let file_off = off + (t - region.start);
-                let mut page = vec![0u8; PAGE_SIZE as usize];
+                let mut page = vec![0u8; PAGE];
                 if !self.files.contains_key(&path) {
                     let f = std::fs::File::open(&path).map_err(|e| ForkError::io(format!("open {path}"), e))?;
                     self.files.insert(path.clone(), f);
@@ -787,7 +788,7 @@ impl FaultHandler {
         if let Some(page) = held {
             // Fetched before, refused then (EAGAIN): install it now.
             let done = self.install_fetched(addr, tmpl_base, ri, pi, page)?;
-            self.stats.pages_fetched.fetch_add((done == Install::New) as u64, Ordering::Relaxed);
+            self.stats.pages_fetched.fetch_add(u64::from(done == Install::New), Ordering::Relaxed);
             return Ok(done);
         }
         let mut pages = vec![pi];
@@ -813,7 +814,7 @@ impl FaultHandler {
             }
             // Counted where a page becomes present, so that pages the
             // receive thread installed are not counted twice.
-            fetched += (done == Install::New) as u64;
+            fetched += u64::from(done == Install::New);
         }
         self.stats.pages_fetched.fetch_add(fetched, Ordering::Relaxed);
         Ok(faulting)
@@ -962,7 +963,10 @@ fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSi
         Some(SocketAddr::V4(a)) => *a.ip(),
         _ => Ipv4Addr::LOCALHOST,
     };
-    let id = (std::process::id() << 12) ^ RECEIVER_SEQ.fetch_add(1, Ordering::Relaxed) as u32;
+    // Only the sequence's low bits matter: it just tells one process's receivers apart.
+    #[allow(clippy::cast_possible_truncation)]
+    let seq = RECEIVER_SEQ.fetch_add(1, Ordering::Relaxed) as u32;
+    let id = (std::process::id() << 12) ^ seq;
     let mut cfg = ReceiverConfig::new(info.ticket, info.group, iface, info.sender, id);
     cfg.probe_timeout = opts.probe_timeout;
     match Receiver::start(cfg, sink) {
@@ -1017,11 +1021,11 @@ pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &
             out
         }
     };
-    let mut bytes = Vec::with_capacity(addrs.len() * PAGE_SIZE as usize);
+    let mut bytes = Vec::with_capacity(addrs.len() * PAGE);
     for p in pages {
         match p {
-            Fetched::Data(d) if d.len() == PAGE_SIZE as usize => bytes.extend_from_slice(&d),
-            Fetched::Zero => bytes.resize(bytes.len() + PAGE_SIZE as usize, 0),
+            Fetched::Data(d) if d.len() == PAGE => bytes.extend_from_slice(&d),
+            Fetched::Zero => bytes.resize(bytes.len() + PAGE, 0),
             _ => return Err(PageProtocolError::DescriptorUnreadable.into()),
         }
     }

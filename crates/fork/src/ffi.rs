@@ -56,7 +56,7 @@ pub extern "C" fn sf_request_ticket(n: c_int, hierarchical: bool) -> *mut SfTick
 pub unsafe extern "C" fn sf_ticket_allocation(t: *const SfTicket) -> c_int {
     // SAFETY: per the contract, t is NULL or valid.
     match unsafe { t.as_ref() } {
-        Some(t) => t.allocation as c_int,
+        Some(t) => t.allocation.cast_signed(),
         None => {
             set_error("NULL ticket".into());
             -1
@@ -73,7 +73,7 @@ pub unsafe extern "C" fn sf_clone(t: *mut SfTicket) -> c_int {
         set_error("NULL ticket".into());
         return -1;
     };
-    guard(-1, || t.clone_now().map(|id| id as c_int))
+    guard(-1, || t.clone_now().map(u32::cast_signed))
 }
 
 #[no_mangle]
@@ -155,7 +155,8 @@ pub unsafe extern "C" fn sf_ticket_stat(t: *const SfTicket, which: c_int) -> c_l
     // SAFETY: per the contract.
     let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
     match (t.wire_stats(), usize::try_from(which)) {
-        (Some(w), Ok(i)) => w.to_array().get(i).map_or(-1, |&v| v as c_longlong),
+        // The counter's bits as a long long (counts stay far below 2^63).
+        (Some(w), Ok(i)) => w.to_array().get(i).map_or(-1, |&v| v.cast_signed()),
         _ => -1,
     }
 }
@@ -168,7 +169,8 @@ pub unsafe extern "C" fn sf_ticket_stat(t: *const SfTicket, which: c_int) -> c_l
 pub unsafe extern "C" fn sf_descriptor_bytes(t: *const SfTicket) -> c_longlong {
     // SAFETY: per the contract.
     let Some(t) = (unsafe { t.as_ref() }) else { return -1 };
-    t.descriptor_bytes().map_or(-1, |n| n as c_longlong)
+    // A buffer's length is at most isize::MAX, so this never saturates.
+    t.descriptor_bytes().map_or(-1, |n| c_longlong::try_from(n).unwrap_or(c_longlong::MAX))
 }
 
 /// Extension: free a ticket (kills its clones if not joined).

@@ -127,5 +127,5 @@ fn spawn(p: &RestoreProgram) -> Result<i32> {
         });
     }
     let child = cmd.spawn().map_err(|e| ForkError::io("spawn restorer", e))?;
-    Ok(child.id() as i32)
+    Ok(child.id().cast_signed())
 }

@@ -47,6 +47,7 @@ const REPLY_MAGIC: [u8; 4] = *b"SFPR";
 const TAG_ZERO: u8 = 0;
 const TAG_DATA: u8 = 1;
 const TAG_UNREADABLE: u8 = 2;
+#[allow(clippy::cast_possible_truncation)] // 4096 fits in any usize
 const PAGE: usize = PAGE_SIZE as usize;
 
 /// Counters of a page server, shared with its threads.
@@ -167,7 +168,7 @@ impl Image {
     }
 
     fn serves(&self, addr: u64) -> bool {
-        addr % PAGE_SIZE == 0 && in_regions(&self.regions, addr)
+        addr.is_multiple_of(PAGE_SIZE) && in_regions(&self.regions, addr)
     }
 
     /// Read `addrs` into `out` (one page each); per-page success.
@@ -183,7 +184,7 @@ impl Image {
                     return read_pages(self.pid, &[a], page)[0];
                 }
                 self.stats.descriptor_pages_sent.fetch_add(1, Ordering::Relaxed);
-                let from = ((a - DESCRIPTOR_BASE) as usize).min(self.descriptor.len());
+                let from = usize::try_from(a - DESCRIPTOR_BASE).unwrap_or(usize::MAX).min(self.descriptor.len());
                 let bytes = &self.descriptor[from..(from + PAGE).min(self.descriptor.len())];
                 page[..bytes.len()].copy_from_slice(bytes);
                 page[bytes.len()..].fill(0);
@@ -249,7 +250,7 @@ impl PageServer {
         let mcdist = match (opts.mcdist, addr) {
             (Switch::Off, _) => None,
             (switch, SocketAddr::V4(a)) => {
-                let ticket = opts.ticket.unwrap_or(((pid as u64) << 16) ^ a.port() as u64);
+                let ticket = opts.ticket.unwrap_or((i64::from(pid).cast_unsigned() << 16) ^ u64::from(a.port()));
                 let group = starling_mcdist::group_for_ticket(ticket);
                 let iface = if a.ip().is_unspecified() { Ipv4Addr::LOCALHOST } else { *a.ip() };
                 let mut cfg = SenderConfig::new(ticket, group, iface);
@@ -330,8 +331,11 @@ impl PageServer {
             w.implicit_losses = g(&ms.implicit_losses);
             w.lockstep_suppressed = g(&ms.lockstep_suppressed);
             w.pages_pushed = g(&ms.pages_pushed);
-            w.rate_now = s.rate() as u64;
-            w.rate_min = s.rate_trace().iter().map(|t| t.rate as u64).min().unwrap_or(w.rate_now).min(w.rate_now);
+            // `as` from f64 saturates at the bounds and maps NaN to 0: whole bytes/s.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let whole = |rate: f64| rate as u64;
+            w.rate_now = whole(s.rate());
+            w.rate_min = s.rate_trace().iter().map(|t| whole(t.rate)).min().unwrap_or(w.rate_now).min(w.rate_now);
         }
         w.bytes_wire = w.bytes_tcp + w.bytes_multicast;
         w
@@ -455,7 +459,7 @@ fn read_pages(pid: i32, addrs: &[u64], out: &mut [u8]) -> Vec<bool> {
     // SAFETY: `local` covers exactly `out`, which we own mutably; remote
     // iovecs are addresses in the other process (the kernel checks them).
     let n = unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), remote.len() as _, 0) };
-    if n == out.len() as isize {
+    if n == out.len().cast_signed() {
         return vec![true; addrs.len()];
     }
     // Partial read: retry page by page to find out which are unreadable.
@@ -466,7 +470,7 @@ fn read_pages(pid: i32, addrs: &[u64], out: &mut [u8]) -> Vec<bool> {
             let l = libc::iovec { iov_base: page.as_mut_ptr().cast(), iov_len: PAGE };
             let r = libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE };
             // SAFETY: as above, one page.
-            unsafe { libc::process_vm_readv(pid, &l, 1, &r, 1, 0) == PAGE as isize }
+            unsafe { libc::process_vm_readv(pid, &l, 1, &r, 1, 0) == PAGE.cast_signed() }
         })
         .collect()
 }
@@ -548,7 +552,7 @@ impl PageClient {
         }
         let io = |e| ForkError::io("page server", e);
         self.wr.write_all(&REQ_MAGIC).map_err(io)?;
-        self.wr.write_all(&(addrs.len() as u32).to_le_bytes()).map_err(io)?;
+        self.wr.write_all(&u32::try_from(addrs.len()).expect("at most MAX_BATCH, checked above").to_le_bytes()).map_err(io)?;
         for a in addrs {
             self.wr.write_all(&a.to_le_bytes()).map_err(io)?;
         }

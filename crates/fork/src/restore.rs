@@ -350,7 +350,11 @@ fn recv_record(sock: &OwnedFd) -> Result<Option<RestorerRecord>> {
         (Some(RecordTag::Userfaultfd), None) => Err(RestorerChannelError::MissingFd.into()),
         (Some(RecordTag::Running), _) => Ok(Some(RestorerRecord::Running { clone_id })),
         (Some(RecordTag::Exited), _) => {
-            Ok(Some(RestorerRecord::Exited { clone_id, status: exit_status(rec.value as u32 as i32) }))
+            // The restorer sends the i32 wait status's bits in the low half
+            // (`status as u32 as u64`): take them back.
+            #[allow(clippy::cast_possible_truncation)]
+            let raw = (rec.value as u32).cast_signed();
+            Ok(Some(RestorerRecord::Exited { clone_id, status: exit_status(raw) }))
         }
         (None, _) => Err(RestorerChannelError::UnknownTag(rec.tag).into()),
     }

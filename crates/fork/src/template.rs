@@ -106,6 +106,8 @@ impl Drop for Template {
     }
 }
 
+// Returned once per fork and unpacked at once: a Box would only add an allocation.
+#[allow(clippy::large_enum_variant)]
 pub enum ForkOutcome {
     /// We are the caller; the template is frozen.
     Parent(Template),
@@ -128,7 +130,7 @@ fn pipe_cloexec() -> Result<(OwnedFd, OwnedFd)> {
 pub fn fork_template() -> Result<ForkOutcome> {
     let (state_r, state_w) = pipe_cloexec()?;
     let (freeze_r, freeze_w) = pipe_cloexec()?;
-    let parent_pid = std::process::id() as i32;
+    let parent_pid = std::process::id().cast_signed();
     // SAFETY: fork in a possibly multi-threaded process: the child only runs
     // `template_child`, which calls async-signal-safe syscalls, glibc's
     // malloc_trim (malloc is fork-safe in glibc: its atfork handlers reset
@@ -201,10 +203,10 @@ fn raw_syscall_record(record: &mut TemplateRecord) {
     t.regs.cs = USER_CS;
     t.regs.ss = USER_SS;
     t.regs.eflags = USER_EFLAGS;
-    // SAFETY (whole function): each syscall writes only into fields of
+    // SAFETY: (whole function) each syscall writes only into fields of
     // `record` or locals passed by pointer with the sizes the kernel expects.
     unsafe {
-        t.tid = libc::getpid() as u64;
+        t.tid = i64::from(libc::getpid()).cast_unsigned();
         libc::syscall(libc::SYS_arch_prctl, 0x1003 /* ARCH_GET_FS */, &mut t.regs.fs_base as *mut u64);
         libc::syscall(libc::SYS_arch_prctl, 0x1004 /* ARCH_GET_GS */, &mut t.regs.gs_base as *mut u64);
         let mut tid_addr: u64 = 0;
@@ -225,7 +227,7 @@ fn raw_syscall_record(record: &mut TemplateRecord) {
         }
         let mut ss: libc::stack_t = std::mem::zeroed();
         if libc::sigaltstack(std::ptr::null(), &mut ss) == 0 && ss.ss_flags & libc::SS_DISABLE == 0 {
-            t.altstack = AltStack { sp: ss.ss_sp as u64, flags: ss.ss_flags as u64, size: ss.ss_size as u64 };
+            t.altstack = AltStack { sp: ss.ss_sp as u64, flags: i64::from(ss.ss_flags).cast_unsigned(), size: ss.ss_size as u64 };
         }
         record.brk = libc::sbrk(0) as u64;
         // glibc (≥ 2.35) registers an rseq area at thread pointer + __rseq_offset.
@@ -233,17 +235,17 @@ fn raw_syscall_record(record: &mut TemplateRecord) {
         let size = libc::dlsym(libc::RTLD_DEFAULT, c"__rseq_size".as_ptr()) as *const u32;
         if !off.is_null() && !size.is_null() && *size > 0 {
             t.rseq = Rseq {
-                addr: (t.regs.fs_base as i64 + *off as i64) as u64,
+                addr: (t.regs.fs_base.cast_signed() + *off as i64).cast_unsigned(),
                 // glibc registers at least the original 32-byte ABI size.
-                len: (*size as u64).max(32),
-                sig: RSEQ_SIG as u64,
+                len: u64::from(*size).max(32),
+                sig: u64::from(RSEQ_SIG),
             };
         }
     }
 }
 
 fn freeze(record: &mut TemplateRecord, state_w: RawFd, freeze_r: RawFd, parent_pid: i32) -> ! {
-    // SAFETY (whole function): plain syscalls on our own process and fds;
+    // SAFETY: (whole function) plain syscalls on our own process and fds;
     // `record` is a live local of the caller's frame.
     unsafe {
         libc::setpgid(0, 0); // leave the terminal's process group (no ^C)
@@ -256,7 +258,7 @@ fn freeze(record: &mut TemplateRecord, state_w: RawFd, freeze_r: RawFd, parent_p
         // Return free heap to the kernel: those pages become zero-fill.
         libc::malloc_trim(0);
         raw_syscall_record(record);
-        record.freeze_fd = freeze_r as u64;
+        record.freeze_fd = i64::from(freeze_r).cast_unsigned();
         record.magic = RECORD_MAGIC;
         let bytes = std::slice::from_raw_parts(record as *const TemplateRecord as *const u8, std::mem::size_of::<TemplateRecord>());
         let mut off = 0;
@@ -265,7 +267,7 @@ fn freeze(record: &mut TemplateRecord, state_w: RawFd, freeze_r: RawFd, parent_p
             if n <= 0 {
                 libc::_exit(1);
             }
-            off += n as usize;
+            off += n.cast_unsigned(); // n > 0
         }
         libc::close(state_w);
         let mut b = 0u8;

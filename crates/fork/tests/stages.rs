@@ -108,7 +108,8 @@ fn dump_refuses_device_io_mapping() {
         // SAFETY: perf_event_open on ourselves with that attr, then mmap of its ring buffer; the
         // address (0 on failure) goes to the parent over the pipe.
         unsafe {
-            let fd = libc::syscall(libc::SYS_perf_event_open, attr.as_ptr(), 0, -1, -1, 0) as i32;
+            // An fd or -1: it always fits.
+            let fd = i32::try_from(libc::syscall(libc::SYS_perf_event_open, attr.as_ptr(), 0, -1, -1, 0)).unwrap_or(-1);
             let m = if fd < 0 {
                 libc::MAP_FAILED
             } else {
