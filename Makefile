@@ -41,6 +41,7 @@ bench: build
 	$(PYTHON) bench/ucop_bench.py
 	$(PYTHON) bench/fork_bench.py
 	$(PYTHON) bench/mcdist_bench.py
+	$(PYTHON) bench/executor_bench.py
 	$(PYTHON) bench/tables.py
 
 clean:

@@ -196,8 +196,10 @@ def render_executor(doc):
     out = [provenance_line(doc), "",
            f"{doc['table_mib']} MiB table ({doc['rows']} × {doc['cols']} float64) built before the pools in "
            f"{doc['build_s']} s; {doc['tasks']} ridge fits, each reading the same {fmt_bytes(doc['window_bytes'])} "
-           f"window ({doc['window_rows']} rows, 10% of the table); {doc['workers']} workers "
-           f"({doc['hosts']} emulated hosts on this machine's cores).", "",
+           f"window ({doc['window_rows']} rows, 10% of the table); {doc['workers']} workers (cluster modes: on "
+           f"{len(doc['modes'][0].get('hosts') or [])} of {doc['hosts']} emulated hosts, which share this machine's "
+           f"cores; pages fetched by the starling workers: {doc['modes'][0].get('pages_fetched_by_workers')}, "
+           f"sent once for several of them by multicast).", "",
            table(["mode", "workers", "first result s", "total s", "pickles", "page server", "bytes moved",
                   "max diff vs local"], rows, list("lr") + ["r"] * 6), ""]
     for k, v in doc["ratios"].items():
