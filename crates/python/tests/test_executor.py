@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from conftest import cluster, status, up, wait_for  # noqa: F401  (cluster: the session fixture)
+from conftest import cluster, running_tasks, status, up, wait_for  # noqa: F401  (cluster: the session fixture)
 from require import require_module
 
 starling = require_module("starling", "build and install it: make python (scripts/build-python.sh)")
@@ -25,6 +25,8 @@ np = require_module("numpy", "pip install numpy (scripts/build-python.sh does)")
 
 # Built before every pool below: 32 MiB the workers read in place.
 BIG = np.arange(4 * 1024 * 1024, dtype=np.float64)
+# Changed in place after a pool is made (test_workers_see_pre_pool_objects_as_they_were).
+SNAPSHOT = [1]
 
 
 @pytest.fixture(autouse=True)
@@ -107,6 +109,8 @@ def raise_unpicklable():
 
 
 def test_results_come_from_other_hosts_and_old_data_is_not_pickled():
+    # Earlier tests' tasks end as their pools are joined; wait for the head to free their cores.
+    wait_for(lambda: running_tasks() == 0, "an idle cluster")
     cores = free_cores()
     with starling.Executor() as ex:
         # max_workers=None: one worker per free core of the cluster.
@@ -131,6 +135,16 @@ def test_results_come_from_other_hosts_and_old_data_is_not_pickled():
     assert sent < BIG.nbytes // 100, stats
     # ...and the hosts really read the array's pages from this process (page server).
     assert stats["pages_served"] * 4096 >= BIG.nbytes, stats
+
+
+def test_workers_see_pre_pool_objects_as_they_were():
+    SNAPSHOT[:] = [1]
+    with starling.Executor(max_workers=1) as ex:
+        SNAPSHOT.append(2)  # after the pool was made: the worker's copy is the one of that moment
+        assert ex.submit(len, SNAPSHOT).result() == 1
+        assert ex.submit(len, starling.by_value(SNAPSHOT)).result() == 2
+        # A new object goes by value with its current content.
+        assert ex.submit(sum, list(SNAPSHOT)).result() == 3
 
 
 def test_exception_carries_the_remote_traceback():
@@ -294,6 +308,22 @@ def test_lost_host_fails_its_running_calls_with_worker_lost():
         # The pool goes on with the workers it has left.
         later = ex.submit(slice_sum, 3).result()
         assert later[1] != victim and later[0] == slice_sum(3)[0]
+        ex.shutdown(wait=True)
+
+        # A pool whose only worker is lost: its running call fails with WorkerLost, the queued ones
+        # with BrokenExecutor, and it takes no more.
+        gate.arrivals.clear()
+        ex = starling.Executor(max_workers=1)
+        running = ex.submit(gate_wait, gate.port, 100)
+        (_, host), = gate.wait_arrivals(1)
+        queued = [ex.submit(pow, 2, i) for i in range(3)]
+        os.kill(next(h["pid"] for h in status()["hosts"] if h["name"] == host), signal.SIGKILL)
+        assert isinstance(running.exception(timeout=120), starling.WorkerLost)
+        for f in queued:
+            assert isinstance(f.exception(timeout=120), starling.BrokenExecutor)
+        assert isinstance(starling.BrokenExecutor(), cf.BrokenExecutor)
+        with pytest.raises(starling.BrokenExecutor):
+            ex.submit(pow, 2, 2)
         ex.shutdown(wait=True)
     finally:
         gate.close()
