@@ -79,6 +79,7 @@ class Gate:
 
     def close(self):
         self.open()
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept thread (close alone does not)
         self.sock.close()
 
 

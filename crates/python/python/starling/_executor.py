@@ -150,21 +150,34 @@ def _recv(sock):
     return kind, cid, _recv_exact(sock, n) if n else b""
 
 
+class _Registry(dict):
+    """{id: object} of one pool (a type of its own so that later snapshots leave it out)."""
+
+    __slots__ = ()
+
+
 def _snapshot(frame):
-    """The registry of pre-pool objects: gc-tracked objects, what they refer to, and every stack frame's locals."""
+    """The registry of pre-pool objects: gc-tracked objects, what they refer to, and every stack frame's locals.
+    Other pools' registries are left out (their ids would be registered otherwise, each pool's
+    registry growing with all the earlier ones)."""
     import gc
 
-    tracked = gc.get_objects()
-    reg = dict(zip(builtins.map(id, tracked), tracked))
+    tracked = [o for o in gc.get_objects() if type(o) is not _Registry]
+    reg = _Registry(zip(builtins.map(id, tracked), tracked))
     referents = gc.get_referents(*tracked)
     reg.update(zip(builtins.map(id, referents), referents))
-    frames = list(sys._current_frames().values())
+    del tracked, referents
+    # Every other thread's stack, and this one's from the caller up (not this function's frame:
+    # its locals would keep these big lists alive in a cycle, and the next pool would register them).
+    me = threading.get_ident()
+    frames = [f for tid, f in sys._current_frames().items() if tid != me]
     frames.append(frame)
     for f in frames:
         while f is not None:
             loc = list(f.f_locals.values())
             reg.update(zip(builtins.map(id, loc), loc))
             f = f.f_back
+    del frames, f, loc
     return reg
 
 
@@ -251,9 +264,10 @@ def _worker_main(clone_id, addr, token, reg):
     status = 0
     try:
         host = socket.gethostname()
+        hello = pickle.dumps((token, host, os.getpid()))
         sock = socket.create_connection(addr)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _send(sock, _HELLO, clone_id, pickle.dumps((token, host, os.getpid())))
+        _send(sock, _HELLO, clone_id, hello)
         while True:
             kind, call_id, payload = _recv(sock)
             if kind == _STOP:
@@ -449,6 +463,8 @@ class Executor(_cf.Executor):
             else:
                 self._join_status = _native.kill(self._ticket)
         self._listener.close()
+        # The workers are gone: nothing will be looked up in the registry any more.
+        self._registry = _Registry()
 
     # -- workers ------------------------------------------------------------------------------
 
@@ -469,24 +485,29 @@ class Executor(_cf.Executor):
                 continue
             except OSError:
                 return
-            try:
-                conn.settimeout(60)
-                kind, clone_id, payload = _recv(conn)
-                token, host, _pid = pickle.loads(payload)
-                if kind != _HELLO or token != self._token or not 1 <= clone_id <= self.max_workers:
-                    raise ValueError("not one of this pool's workers")
-                conn.settimeout(None)
-                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                _keepalive(conn)
-            except Exception:
-                conn.close()
-                continue
-            w = _Worker(clone_id, host, conn)
-            w.thread = threading.Thread(target=self._serve, args=(w,), name=f"starling-worker-{clone_id}",
-                                        daemon=True)
-            with self._lock:
-                self._workers[clone_id] = w
-            w.thread.start()
+            # The handshake runs on the worker's own thread: a clone still faulting its pages in
+            # between connect and hello must not hold up the others.
+            threading.Thread(target=self._handshake, args=(conn,), name="starling-executor-hello",
+                             daemon=True).start()
+
+    def _handshake(self, conn):
+        try:
+            conn.settimeout(120)
+            kind, clone_id, payload = _recv(conn)
+            token, host, _pid = pickle.loads(payload)
+            if kind != _HELLO or token != self._token or not 1 <= clone_id <= self.max_workers:
+                raise ValueError("not one of this pool's workers")
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            _keepalive(conn)
+        except Exception:
+            conn.close()
+            return
+        w = _Worker(clone_id, host, conn)
+        w.thread = threading.current_thread()
+        with self._lock:
+            self._workers[clone_id] = w
+        self._serve(w)
 
     def _idle_at_shutdown(self):
         """At shutdown: every connected worker is done and no call is queued (only the stop marker).
