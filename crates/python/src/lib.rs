@@ -1,5 +1,9 @@
 //! `import starling`: the Python binding of starling's remote fork.
 //!
+//! This crate is the native half of the `starling` package (`starling._native`);
+//! the Python half (`python/starling/`: `starling.Executor`, `starling.map`, the
+//! joblib backend) is built on the functions below and re-exports them.
+//!
 //! Why it exists: a Python program (numpy, a pricing library...) should be
 //! able to borrow CPUs the way a C program does through `include/starling.h`,
 //! without ctypes and without breaking the interpreter. The API mirrors the C
