@@ -430,7 +430,8 @@ class Executor(_cf.Executor):
                 self._finalizer = threading.Thread(target=self._finalize, name="starling-executor-finalize",
                                                    daemon=True)
                 self._finalizer.start()
-        if wait:
+        # From a future's done-callback (one of this pool's threads) waiting would wait for itself.
+        if wait and threading.current_thread() not in {w.thread for w in list(self._workers.values())}:
             self._finalizer.join()
 
     shutdown.__doc__ = _cf.Executor.shutdown.__doc__
