@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (exec, ucop, fork, mcdist, executor). Each starts with what the run was made on: the
+the renderers below (exec, ucop, fork, mcdist, migrate, executor). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -208,8 +208,26 @@ def render_executor(doc):
     return "\n".join(out)
 
 
-RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist,
-             "executor": render_executor}
+def render_migrate(doc):
+    rows = []
+    for x in doc["rows"]:
+        rows.append([x["mode"], x["resident_mib"], x["write_mib_s"], f"{x['task_pause_ms']:.1f}", f"{x['source_pause_ms']:.1f}",
+                     f"{x['total_ms']:.0f}", x["rounds"], f"{x['bytes_over_footprint']:.3f}", fmt_bytes(x["footprint_bytes"]),
+                     x["precopy_pages"], x["freeze_pages"], x["postcopy_pages"], dash(x.get("postcopy_faults")),
+                     dash(x.get("fault_p50_us"), "≤{}"), dash(x.get("fault_p99_us"), "≤{}")])
+    t = doc.get("targets", {})
+    ok = {True: "met", False: "NOT met", None: "not measured"}
+    return "\n".join([provenance_line(doc), "",
+                      f"{doc['hosts']} emulated hosts sharing {doc['cores']} cores; one move h1 -> h2 per row.", "",
+                      table(["mode", "MiB", "writes MiB/s", "pause (task) ms", "pause (source) ms", "total ms", "rounds",
+                             "bytes/footprint", "footprint", "pre-copy pg", "freeze pg", "post-copy pg", "faults after",
+                             "fault p50 µs", "fault p99 µs"], rows,
+                            ["l"] + ["r"] * 14), "",
+                      f"* pause <= 100 ms at 10 MiB/s, every size: {ok[t.get('pause_le_100ms_at_10mib_s')]}",
+                      f"* bytes moved <= 1.15 x footprint at 10 MiB/s: {ok[t.get('bytes_le_1_15_footprint_at_10mib_s')]}"])
+
+
+RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate, "executor": render_executor}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

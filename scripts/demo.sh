@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded cluster: a real parallel C build (Lua 5.4, 33 files)
 # through `starling exec`, timed against the same build done locally, outputs compared;
-# then a remote fork: a running C program cloned onto every core of the cluster.
+# then a remote fork: a running C program cloned onto every core of the cluster;
+# then a live migration: a running program moved between three hosts.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=$PWD/target/release/starling
@@ -72,6 +73,34 @@ print(f"   {ex.max_workers} workers on {', '.join(sorted({h for _, h in sums}))}
 PY
 else
     echo "== (skipping the Python Executor demo: make python installs the starling package)"
+fi
+echo
+echo "== live migration: an unmodified program (64 MiB of its own data, printing its progress) started with"
+echo "   \`starling exec\` on h1 is moved to h2, then h3, then back to h1 while it runs (\`starling migrate\`)"
+cc -O1 tests/migrate/phases.c -o "$W/phases"
+(cd "$W" && ./phases 4 4 "$W/local.bin" 64 < <(printf '\n\n\n') > "$W/phases.local") || [ $? = 7 ]
+coproc MOVING { cd "$W" && exec "$S" exec --host h1 -- ./phases 4 4 "$W/moved.bin" 64 2>&1; }
+exec {to_task}>&"${MOVING[1]}"
+moved_out=()
+read_until() { while IFS= read -r line <&"${MOVING[0]}"; do moved_out+=("$line"); [[ $line == "$1"* ]] && return 0; done; return 1; }
+read_until "phase 0 done"
+task=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "moved.bin" in r["command"]))')
+$S ps
+p=1
+for to in h2 h3 h1; do
+    echo "   starling migrate t$task --to $to"
+    $S migrate "$task" --to "$to" | sed 's/^/   /'
+    echo >&"$to_task"
+    if [ $p -lt 3 ]; then read_until "phase $p done"; else read_until "done "; fi
+    p=$((p + 1))
+done
+exec {to_task}>&-
+wait "$MOVING_PID" && rc=0 || rc=$?
+printf '%s\n' "${moved_out[@]}" > "$W/phases.moved"
+if [ "$rc" = 7 ] && cmp -s "$W/phases.local" "$W/phases.moved" && cmp -s "$W/local.bin" "$W/moved.bin"; then
+    echo "   its output ($(wc -l < "$W/phases.moved") lines), the file it wrote and its exit status are those of an undisturbed run"
+else
+    echo "   MOVED RUN DIFFERS (exit $rc)"; diff "$W/phases.local" "$W/phases.moved" || true; exit 1
 fi
 echo
 $S status

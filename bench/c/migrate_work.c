@@ -5,12 +5,17 @@
  * the task itself saw it.
  *
  * usage: migrate_work RESIDENT_MIB WRITE_MIB_PER_S SECONDS
+ * It ends after SECONDS or at SIGTERM/SIGINT, whichever comes first.
  * prints "ready" once its memory is resident, then at the end one line:
  *   pause_ms=<longest gap> gaps_over_5ms=<n> passes=<n> checksum=<hex> */
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+
+static volatile sig_atomic_t asked_to_stop;
+static void on_stop(int s) { (void)s; asked_to_stop = 1; }
 
 static double now_ms(void) {
     struct timespec ts;
@@ -31,6 +36,8 @@ int main(int argc, char **argv) {
         x ^= x << 13; x ^= x >> 7; x ^= x << 17;
         mem[i] = x;
     }
+    signal(SIGTERM, on_stop);
+    signal(SIGINT, on_stop);
     printf("ready\n");
     fflush(stdout);
     double start = now_ms(), last = start, longest = 0, written_pages = 0;
@@ -43,7 +50,7 @@ int main(int argc, char **argv) {
         if (gap > 5) gaps++;
         last = t;
         passes++;
-        if (t - start > seconds * 1e3) break;
+        if (asked_to_stop || t - start > seconds * 1e3) break;
         /* Write pages at the requested rate: one word in each, spread out. */
         double due = (t - start) / 1e3 * rate * 256;
         while (written_pages < due) {

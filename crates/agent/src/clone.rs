@@ -24,7 +24,7 @@
 //!   to the client in a `CloneStats` message.
 
 use crate::{fork_step, AgentError, Result, Step};
-use starling_fork::fault::{FaultHandler, FaultStats};
+use starling_fork::fault::{FaultHandler, FaultStats, Materialize};
 use starling_fork::image::{Descriptor, PlanOptions, Region, RegionKind};
 use starling_fork::page_server::PageClient;
 use starling_fork::restore::{Restore, Serve};
@@ -43,6 +43,10 @@ pub(crate) struct CloneRun {
     restore: Restore,
     /// The agent's "last clone's page distribution" (shown by `starling status`).
     distribution: DistributionReport,
+    /// Makes a one-clone task's memory all its own before it moves (none
+    /// for a hierarchical task: its clones move as one tree, which is not
+    /// supported).
+    pub materialize: Option<Materialize>,
 }
 
 /// Where the agent keeps the last clone's page distribution mode.
@@ -103,26 +107,35 @@ pub(crate) fn prepare(
     let (first, count) = (spec.clone_id, 1 + spec.local_forks);
     let handler_desc = Arc::new(rooted(&desc, root));
     let report = distribution.clone();
+    let materialize = if count == 1 { Some(Materialize::new().map_err(fork_step(Step::PrepareRestore))?) } else { None };
+    let asked = materialize.clone();
     let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
         let client = PageClient::connect(server)?;
-        let h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
+        let mut h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
+        if let Some(m) = &asked {
+            h = h.with_materialize(m.clone(), server);
+        }
         report_mode(&report, clone_id, &stats);
         h.run(stop)
     });
     let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
-    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution }))
+    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution, materialize }))
 }
 
 impl CloneRun {
     /// After the sandbox ended: stop the handlers, then send each clone's
-    /// status and counters.
-    pub(crate) fn finish(self, task: TaskId, tx: &Outgoing) {
+    /// status and counters (none when the clone moved away: its new host
+    /// reports its end).
+    pub(crate) fn finish(self, task: TaskId, tx: &Outgoing, moved: bool) {
         let say = |msg: String| {
             let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data: msg.into_bytes() });
         };
         let (first, last) = (self.first, self.first + self.count - 1);
         let (outcomes, channel) = self.restore.finish();
+        if moved {
+            return;
+        }
         if let Some(e) = channel {
             say(format!("starling: clones {first}..{last}: {e}\n"));
         }

@@ -45,6 +45,8 @@ use std::time::{Duration, Instant};
 const CONNECT_WAIT: Duration = Duration::from_secs(60);
 /// How long a source waits for the head to hold the task's input.
 const HOLD_WAIT: Duration = Duration::from_secs(30);
+/// How long a clone may take to fetch the rest of its memory before it moves.
+const MATERIALIZE_WAIT: Duration = Duration::from_secs(600);
 
 /// Sent before pre-copy.
 #[derive(Serialize, Deserialize)]
@@ -54,6 +56,8 @@ struct Prepare {
     listings: Vec<(WirePath, Vec<DirEntry>)>,
     /// Seconds the task has run.
     age_seconds: f64,
+    /// Files it maps (paths in its view), read ahead by the target.
+    mapped: Vec<String>,
 }
 
 /// A node of the task's overlay upper, with a file's bytes.
@@ -118,6 +122,9 @@ pub(crate) fn send(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) {
         postcopy_pages: r.postcopy_pages,
         memory_bytes: r.bytes,
         state_bytes,
+        postcopy_faults: r.postcopy_faults,
+        fault_p50_us: r.fault_p50_us,
+        fault_p99_us: r.fault_p99_us,
     });
     if let Err(e) = &result {
         log::warn!("task {task}: migration to {to_host}: {e}");
@@ -133,8 +140,11 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
         (t.stdin.clone(), t.life.clone())
     };
     let live = life.live.lock().unwrap().clone().ok_or("the task has not started yet")?;
-    if live.spec.clone.is_some() {
-        return Err("remote-fork clones cannot move yet".into());
+    if let Some(m) = &live.materialize {
+        // A clone started here has part of its memory still at its parent's
+        // page server: fetch all of it first, so what moves is an ordinary
+        // process. (A clone moved here had it all fetched after its move.)
+        m.request(MATERIALIZE_WAIT).map_err(|why| format!("the clone's memory could not be made its own: {why}"))?;
     }
     let pid = live.process()?;
     let stream = TcpStream::connect_timeout(
@@ -256,6 +266,7 @@ impl SourceHooks for Source {
             bindings: self.live.view.bindings().into_iter().collect(),
             listings: self.live.view.listings(),
             age_seconds: self.live.started.elapsed().as_secs_f64(),
+            mapped: starling_migrate::capture::mapped_files(self.pid, &self.live.root),
         })
     }
 
@@ -406,6 +417,14 @@ fn receive(
         let view = starling_view::mount_with(source, &view_dir, starling_view::ViewOptions::default()).map_err(|e| e.to_string())?;
         view.preload(p.bindings);
         view.preload_listings(p.listings);
+        // Bring the mapped files' bytes to this host before the freeze (an
+        // open assembles a file in the host cache): the restore maps them
+        // during the pause.
+        for path in p.mapped {
+            if let Err(e) = std::fs::File::open(view_dir.join(path.trim_start_matches('/'))) {
+                log::debug!("task {task}: reading {path} ahead: {e}");
+            }
+        }
         prepared = Some(Prepared { spec: p.spec, view: Arc::new(view), age: Duration::from_secs_f64(p.age_seconds.max(0.0)) });
         Ok(())
     });
@@ -440,12 +459,14 @@ fn restore_here(
     prepared: Prepared,
 ) -> Result<(), (AgentError, bool)> {
     let early = |e: AgentError| (e, false);
+    let t0 = Instant::now();
     let h: Handover = decode(&incoming.payload).map_err(|e| early(AgentError::Migration(e)))?;
     let Prepared { spec, view, age } = prepared;
     view.preload(h.bindings);
     view.preload_listings(h.listings);
     let overlay = starling_view::Overlay::mount(&dir.join("view"), dir).map_err(|e| early(io_step(Step::MountOverlay)(e)))?;
     apply_upper(overlay.root(), h.upper).map_err(|e| early(AgentError::Migration(format!("writing the task's files: {e}"))))?;
+    let t_files = Instant::now();
 
     // From here the task is this host's: register it before the head lets
     // its input through (which happens after the switch).
@@ -478,10 +499,22 @@ fn restore_here(
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
     let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };
+    let t_plan = Instant::now();
     let mut child = starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w)
         .map_err(|e| early(io_step(Step::StartSandbox)(e)))?;
     pid_slot.store(child.pid(), Ordering::SeqCst);
-    if !restore.wait_running(0) {
+    let t_spawned = Instant::now();
+    let running = restore.wait_running(0);
+    let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+    let t_running = Instant::now();
+    log::info!(
+        "task {task}: restore: overlay + files {:.1} ms, plan {:.1} ms, sandbox {:.1} ms, restorer to running {:.1} ms",
+        ms(t0, t_files),
+        ms(t_files, t_plan),
+        ms(t_plan, t_spawned),
+        ms(t_spawned, t_running)
+    );
+    if !running {
         let st = child.wait();
         let (_, channel) = restore.finish();
         return Err(early(AgentError::Migration(format!(
@@ -505,6 +538,7 @@ fn restore_here(
         depth: 4,
         started: Instant::now().checked_sub(age).unwrap_or_else(Instant::now),
         earlier_accessed: h.accessed,
+        materialize: None,
     });
     *life.live.lock().unwrap() = Some(live.clone());
     let sandbox_status = child.wait().map_err(|e| (io_step(Step::WaitTask)(e), true))?;
@@ -513,6 +547,11 @@ fn restore_here(
     // only sees the restorer's relayed code).
     let (outcomes, _) = restore.finish();
     let status = outcomes.first().and_then(|o| o.status).unwrap_or(sandbox_status);
+    if let Some(c) = &live.spec.clone {
+        // A moved clone's parent learns its end as a clone's (its counters
+        // stayed with the host it was cloned on).
+        let _ = tx.blocking_send(Msg::CloneStats { task, clone_id: c.clone_id, status: Some(status), counters: Default::default() });
+    }
     end_task(agent, task, tx, &life, &live, overlay, status).map_err(|e| (e, true))
 }
 

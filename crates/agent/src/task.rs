@@ -72,12 +72,14 @@ pub(crate) struct LiveTask {
     /// The sandbox's outer init.
     pub sandbox_pid: u32,
     /// Processes from the sandbox's outer init down to the program: 2 for a
-    /// task started here (outer init, PID 1), 4 for one moved here (also the
-    /// restorer and its PID namespace's init).
+    /// task started here (outer init, PID 1), 4 for a clone or a task moved
+    /// here (also the restorer and its PID namespace's init).
     pub depth: usize,
     pub started: Instant,
     /// Paths the task looked at on the hosts it ran on before (a moved task).
     pub earlier_accessed: Vec<WirePath>,
+    /// A remote-fork clone's: fetches the rest of its memory before it moves.
+    pub materialize: Option<starling_fork::fault::Materialize>,
 }
 
 /// What happens to a task beyond its own run: set by migrations.
@@ -175,15 +177,17 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         view,
         outputs: Mutex::new(outputs),
         sandbox_pid: child.pid(),
-        depth: 2,
+        // A clone runs under the restorer's PID 1, like a task moved here.
+        depth: if clone_run.is_some() { 4 } else { 2 },
         started: Instant::now(),
         earlier_accessed: Vec::new(),
+        materialize: clone_run.as_ref().and_then(|r| r.materialize.clone()),
     });
     *life.live.lock().unwrap() = Some(live.clone());
     let status = child.wait().map_err(io_step(Step::WaitTask))?;
     pid.store(0, Ordering::SeqCst);
     if let Some(run) = clone_run {
-        run.finish(task, tx);
+        run.finish(task, tx, life.moved.load(Ordering::SeqCst));
     }
     end_task(agent, task, tx, &life, &live, overlay, status)
 }

@@ -82,6 +82,9 @@ enum Cmd {
     },
     /// Move a running task to another host while it runs (live migration).
     ///
+    /// Any exec, run or batch task, or a remote-fork clone (it first fetches the rest of its
+    /// memory from its parent), moves; the clones of a hierarchical ticket do not.
+    ///
     /// Its memory is copied while it runs, then it is frozen for a moment, its registers, files it
     /// wrote, unread input and what it printed move with it, and it resumes on the target with the
     /// same PID and threads; the rest of its memory follows in the background. Its output,

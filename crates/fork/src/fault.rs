@@ -33,6 +33,7 @@ use crate::page_server::PageClient;
 use crate::{ForkError, Result, PAGE_SIZE};
 use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
 use std::collections::HashMap;
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr};
 use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::FileExt;
@@ -62,6 +63,44 @@ pub struct FaultStats {
     pub pages_multicast_unsolicited: AtomicU64,
     /// A [`starling_mcdist::Mode`] as u8: how this clone gets its pages.
     pub mode: AtomicU8,
+    /// How long faults took to serve, from the handler reading the fault
+    /// to the page in place: counts per power-of-two microseconds.
+    pub service_us: ServiceTimes,
+}
+
+/// Fault service times as a histogram of power-of-two microsecond buckets
+/// (bucket k: below 2^k µs), enough for a median and a 99th percentile
+/// within a factor of two.
+#[derive(Debug, Default)]
+pub struct ServiceTimes([AtomicU64; 32]);
+
+impl ServiceTimes {
+    pub fn record(&self, took: std::time::Duration) {
+        let us = u64::try_from(took.as_micros()).unwrap_or(u64::MAX);
+        let k = usize::try_from(u64::BITS - us.leading_zeros()).unwrap_or(31).min(31);
+        self.0[k].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The upper bound (µs) of the bucket holding quantile `q` (0..=1);
+    /// None when nothing was recorded.
+    pub fn quantile_us(&self, q: f64) -> Option<u64> {
+        let counts: Vec<u64> = self.0.iter().map(|c| c.load(Ordering::Relaxed)).collect();
+        let total: u64 = counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        // The rank of the quantile, counted from 1 (a float rank rounded up).
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss, clippy::cast_precision_loss)]
+        let rank = ((q.clamp(0.0, 1.0) * total as f64).ceil() as u64).max(1);
+        let mut seen = 0;
+        for (k, c) in counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Some(1u64 << k);
+            }
+        }
+        None
+    }
 }
 
 impl FaultStats {
@@ -206,6 +245,59 @@ pub struct FaultHandler {
     /// now, they would fault again at once, and faults are read before
     /// events, so the handler would spin on refusals.
     parked: Vec<u64>,
+    /// Readable once the drain (see [`FaultHandler::spawn_drain`]) has put
+    /// every page from the page server in place: the handler then fills the
+    /// file pages still missing and lets go of the process.
+    drained: Option<OwnedFd>,
+    /// A request to fetch everything and let go of the process (see
+    /// [`Materialize`]), with the page server to fetch from.
+    materialize: Option<(Materialize, SocketAddr)>,
+}
+
+/// Asks a fault handler to put every page still at the page server in
+/// place and then let go of its process (see [`FaultHandler::spawn_drain`]):
+/// a remote-fork clone that is about to move becomes an ordinary process
+/// first, whose memory is all its own.
+#[derive(Clone)]
+pub struct Materialize(Arc<MaterializeInner>);
+
+struct MaterializeInner {
+    /// Readable when asked (a byte), polled by the handler.
+    asked_r: OwnedFd,
+    asked_w: Mutex<std::fs::File>,
+    outcome: Mutex<Option<std::result::Result<(), String>>>,
+    changed: std::sync::Condvar,
+}
+
+impl Materialize {
+    pub fn new() -> Result<Materialize> {
+        let (r, w) = crate::restore::pipe()?;
+        Ok(Materialize(Arc::new(MaterializeInner {
+            asked_r: r,
+            asked_w: Mutex::new(std::fs::File::from(w)),
+            outcome: Mutex::new(None),
+            changed: std::sync::Condvar::new(),
+        })))
+    }
+
+    /// Ask, and wait until every page is in place and the handler let go of
+    /// the process, or it says why it cannot (at most `timeout`).
+    pub fn request(&self, timeout: std::time::Duration) -> std::result::Result<(), String> {
+        let inner = &self.0;
+        *inner.outcome.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        inner.asked_w.lock().unwrap_or_else(|p| p.into_inner()).write_all(&[1]).map_err(|e| format!("asking its fault handler: {e}"))?;
+        let guard = inner.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut guard, _) = inner
+            .changed
+            .wait_timeout_while(guard, timeout, |o| o.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        guard.take().unwrap_or_else(|| Err(format!("its memory did not arrive within {} s", timeout.as_secs())))
+    }
+
+    fn answer(&self, outcome: std::result::Result<(), String>) {
+        *self.0.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+        self.0.changed.notify_all();
+    }
 }
 
 /// How long the handler waits before serving parked faults again when no
@@ -364,12 +456,18 @@ impl FaultHandler {
         let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
         let mc = start_receiver(&shared, &mut client, &stats, &opts);
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
-        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![] }
+        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![], drained: None, materialize: None }
     }
 
     /// Serve pages held here (see [`LocalPages`]) without asking the page server.
     pub fn with_local_pages(mut self, local: Arc<dyn LocalPages>) -> FaultHandler {
         self.local = Some(local);
+        self
+    }
+
+    /// Answer [`Materialize`] requests, fetching from `server`.
+    pub fn with_materialize(mut self, m: Materialize, server: SocketAddr) -> FaultHandler {
+        self.materialize = Some((m, server));
         self
     }
 
@@ -379,17 +477,35 @@ impl FaultHandler {
     /// server holds nothing the process still needs (live migration's
     /// post-copy push: then the source can go). Pages of ranges the process
     /// moved (mremap) are fetched and held for their fault.
+    ///
+    /// Once the drain has succeeded, [`FaultHandler::run`] fills the file
+    /// pages not yet read, returns and closes the userfaultfd: the process
+    /// is then an ordinary one again (no registered range, nothing served
+    /// from here), so it can be moved once more.
     pub fn spawn_drain(
-        &self,
+        &mut self,
         mut client: PageClient,
         done: Box<dyn FnOnce(Result<DrainReport>) + Send>,
     ) -> Result<std::thread::JoinHandle<()>> {
         let shared = self.shared.clone();
         let local = self.local.clone();
         let installer = Installer { shared: shared.clone(), stats: self.stats.clone(), unsolicited: false };
+        let (drained_r, drained_w) = crate::restore::pipe()?;
+        self.drained = Some(drained_r);
         std::thread::Builder::new()
             .name("drain".into())
-            .spawn(move || done(drain(&shared, local.as_deref(), &installer, &mut client)))
+            .spawn(move || {
+                let r = drain(&shared, local.as_deref(), &installer, &mut client);
+                drop(installer);
+                drop(shared);
+                // A byte on success; after a failure the pipe just closes and
+                // the handler keeps serving what it can until it is stopped.
+                let ok = r.is_ok();
+                done(r);
+                if ok {
+                    let _ = std::fs::File::from(drained_w).write_all(&[1]);
+                }
+            })
             .map_err(|e| ForkError::io("start the drain thread", e))
     }
 
@@ -399,15 +515,19 @@ impl FaultHandler {
     }
 
     /// Serve faults until `stop` becomes readable (or hangs up).
+    /// Also returns once a drain has put everything in place and nothing is
+    /// left to serve (see [`FaultHandler::spawn_drain`]).
     pub fn run(mut self, stop: BorrowedFd<'_>) -> Result<()> {
         loop {
             let mut fds = [
                 libc::pollfd { fd: self.shared.uffd.raw(), events: libc::POLLIN, revents: 0 },
                 libc::pollfd { fd: stop.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.drained.as_ref().map_or(-1, |d| d.as_raw_fd()), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: self.materialize.as_ref().map_or(-1, |m| m.0 .0.asked_r.as_raw_fd()), events: libc::POLLIN, revents: 0 },
             ];
             let timeout = if self.parked.is_empty() { -1 } else { PARKED_RETRY_MS };
-            // SAFETY: polls two fds we hold for the duration of the call.
-            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+            // SAFETY: polls four fds we hold for the duration of the call (a negative fd is ignored).
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 4, timeout) };
             if n < 0 {
                 if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
                     continue;
@@ -416,6 +536,32 @@ impl FaultHandler {
             }
             if fds[1].revents != 0 {
                 return Ok(());
+            }
+            if fds[2].revents != 0 {
+                let mut byte = [0u8; 1];
+                let succeeded = self.drained.take().is_some_and(|d| matches!(std::fs::File::from(d).read(&mut byte), Ok(1)));
+                let released = succeeded && self.release()?;
+                if released {
+                    // Let go first (the userfaultfd closes with the last
+                    // reference: the handler's, the multicast receiver's),
+                    // then say so.
+                    let m = self.materialize.take();
+                    drop(self);
+                    if let Some((m, _)) = m {
+                        m.answer(Ok(()));
+                    }
+                    return Ok(());
+                }
+                if let Some((m, _)) = &self.materialize {
+                    m.answer(Err(if succeeded {
+                        "it is changing its memory map (mremap, discards): try again".into()
+                    } else {
+                        "its memory could not be fetched from the page server".into()
+                    }));
+                }
+            }
+            if fds[3].revents != 0 {
+                self.start_materialize();
             }
             if fds[0].revents & (libc::POLLERR | libc::POLLHUP) != 0 {
                 return Ok(());
@@ -434,8 +580,11 @@ impl FaultHandler {
                     drop(moved);
                     self.stats.faults.fetch_add(1, Ordering::Relaxed);
                     let page = addr & !(PAGE_SIZE - 1);
+                    let started = std::time::Instant::now();
                     if self.serve_fault(page)? == Install::Retry {
                         self.parked.push(page);
+                    } else {
+                        self.stats.service_us.record(started.elapsed());
                     }
                 } else {
                     self.handle_event(ev, &mut moved);
@@ -449,6 +598,62 @@ impl FaultHandler {
                 }
             }
         }
+    }
+
+    /// A [`Materialize`] request: start a drain from the page server (its
+    /// end comes back through `drained`).
+    fn start_materialize(&mut self) {
+        let Some((m, server)) = self.materialize.clone() else { return };
+        let mut byte = [0u8; 1];
+        // SAFETY: read(2) of one byte into a local buffer from a pipe we hold.
+        let _ = unsafe { libc::read(m.0.asked_r.as_raw_fd(), byte.as_mut_ptr().cast(), 1) };
+        if self.drained.is_some() {
+            return; // one is under way
+        }
+        let started = PageClient::connect(server).and_then(|client| {
+            let m2 = m.clone();
+            self.spawn_drain(
+                client,
+                Box::new(move |r| {
+                    if let Err(e) = r {
+                        m2.answer(Err(format!("its memory could not be fetched: {e}")));
+                    }
+                }),
+            )
+        });
+        if let Err(e) = started {
+            m.answer(Err(format!("its memory could not be fetched: {e}")));
+        }
+    }
+
+    /// After a successful drain: put the file pages not read yet in place,
+    /// then say whether the process can be let go (its userfaultfd closed:
+    /// every range unregistered, later faults are the kernel's own, and
+    /// untouched anonymous pages read as zero as they would have). Not while
+    /// anything is parked or held, or after the process moved memory
+    /// (`remaps`): those pages are still this handler's to serve.
+    fn release(&mut self) -> Result<bool> {
+        if !self.parked.is_empty() || !self.remaps.is_empty() || !self.shared.held().is_empty() {
+            return Ok(false);
+        }
+        for ri in 0..self.shared.regions.len() {
+            let region = &self.shared.regions[ri];
+            let (start, pages) = (region.start, region.state.len());
+            for pi in 0..pages {
+                match self.shared.state(ri, pi) {
+                    ST_FILE => {
+                        let addr = start + pi as u64 * PAGE_SIZE;
+                        if self.serve_fault(addr)? == Install::Retry {
+                            return Ok(false);
+                        }
+                    }
+                    ST_FETCH => return Ok(false),
+                    _ => {}
+                }
+            }
+        }
+        log::debug!("fault handler: every page in place, releasing the process");
+        Ok(true)
     }
 
     /// The template address behind clone address `addr`; `None` if its memory moved away.

@@ -89,10 +89,17 @@ pub(crate) struct State {
 
 impl State {
     /// Retire a task's route and give back its cores.
+    /// A move still under way gives back the target's cores too: the
+    /// caller ends it with [`Head::move_outlived`].
     pub(crate) fn end_route(&mut self, task: TaskId) -> Option<Route> {
         let r = self.routes.remove(&task)?;
         if let Some(h) = self.hosts.get_mut(&r.host) {
             h.cores_busy = h.cores_busy.saturating_sub(r.cores);
+        }
+        if let Some(m) = r.moving.as_ref().filter(|m| !m.switched) {
+            if let Some(h) = self.hosts.get_mut(&m.to) {
+                h.cores_busy = h.cores_busy.saturating_sub(r.cores);
+            }
         }
         Some(r)
     }
@@ -243,8 +250,9 @@ impl Head {
 
     /// Tell a task's client it was lost, and give back its cores.
     pub(crate) async fn lose_task(&self, task: TaskId, why: &str) {
-        let r = self.state.lock().unwrap().end_route(task);
-        if let Some(c) = r.and_then(|r| r.client) {
+        let Some(mut r) = self.state.lock().unwrap().end_route(task) else { return };
+        self.move_outlived(task, r.moving.take()).await;
+        if let Some(c) = r.client {
             let _ = c.send(Msg::Error { task: Some(task), message: why.to_string() }).await;
         }
     }

@@ -46,7 +46,7 @@ pub(crate) struct Moving {
     /// The target's task messages before the switch.
     held_output: Vec<Msg>,
     /// The route points at the target now.
-    switched: bool,
+    pub(crate) switched: bool,
     started: Instant,
 }
 
@@ -67,8 +67,11 @@ impl Head {
             if route.moving.is_some() {
                 return Err(format!("task {task} is already moving"));
             }
-            if route.clone_task {
-                return Err(format!("task {task} is a remote-fork clone: clones cannot move yet"));
+            if route.clone_task && route.cores > 1 {
+                return Err(format!(
+                    "task {task} holds {} clones of a hierarchical ticket: they move only together, which is not supported",
+                    route.cores
+                ));
             }
             let (from, cores) = (route.host.clone(), route.cores);
             let target = match &to {
@@ -248,9 +251,30 @@ impl Head {
             let message = if moving.switched {
                 format!("task {task} moved to {} but the move did not complete: {why}", moving.to)
             } else {
-                format!("task {task} was not moved and runs on on {}: {why}", moving.from)
+                format!("task {task} was not moved and runs on {}: {why}", moving.from)
             };
             let _ = r.send(Msg::MigrateReply { task, result: Err(message) }).await;
+        }
+    }
+
+    /// The task ended while it was moving (before the source's last word):
+    /// the target forgets it and whoever asked for the move is told.
+    pub(crate) async fn move_outlived(&self, task: TaskId, moving: Option<Moving>) {
+        let Some(m) = moving else { return };
+        log::info!("migration {}: task {task} ended during its move {} -> {}", m.id, m.from, m.to);
+        if !m.switched {
+            let target = self.state.lock().unwrap().hosts.get(&m.to).map(|h| h.tx.clone());
+            if let Some(t) = target {
+                let _ = t.send(Msg::MigrateAbort { migration: m.id }).await;
+            }
+        }
+        if let Some(r) = m.requester {
+            let why = if m.switched {
+                format!("task {task} moved to {} and ended there before the move completed", m.to)
+            } else {
+                format!("task {task} ended on {} before it could move", m.from)
+            };
+            let _ = r.send(Msg::MigrateReply { task, result: Err(why) }).await;
         }
     }
 

@@ -60,14 +60,13 @@ impl Head {
             return;
         };
         let ended = matches!(m, Msg::Finished { .. } | Msg::Error { .. });
-        let client = {
+        let (client, moving) = {
             let mut st = self.state.lock().unwrap();
             let c = st.routes.get(&task).and_then(|r| r.client.clone());
-            if ended {
-                st.end_route(task);
-            }
-            c
+            let moving = if ended { st.end_route(task).and_then(|mut r| r.moving.take()) } else { None };
+            (c, moving)
         };
+        self.move_outlived(task, moving).await;
         if let Some(c) = client {
             let _ = c.send(m).await;
         }

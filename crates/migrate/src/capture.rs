@@ -10,7 +10,8 @@
 //!
 //! What cannot move is refused before anything is frozen ([`precheck`]) and
 //! again at capture: a child process, a POSIX timer, a descriptor that is
-//! not a regular file, directory, sandbox device or stdio pipe.
+//! not a regular file, directory, sandbox device, stdio pipe or a pipe's
+//! dead end (nobody holds its other side).
 
 use crate::freeze::Frozen;
 use crate::inject::Injector;
@@ -22,7 +23,8 @@ use starling_image::abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FP_XSTATE_MAGIC2, FPX_
 use starling_image::abi::signal::{Sigaction, SigactionTable};
 use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
 use starling_image::{Descriptor, FdEntry, FdKind, ProcessState, RegionKind, ThreadState, DESCRIPTOR_VERSION};
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 /// Where the process lives and how to classify its pages.
@@ -52,6 +54,21 @@ fn inside(root: &Path, path: &str) -> String {
         Ok(rest) if root != Path::new("/") => format!("/{}", rest.to_string_lossy()),
         _ => path.to_string(),
     }
+}
+
+/// The files `pid` maps, as paths inside `root`: a target reads them ahead
+/// (while memory is copied), so the restore does not wait for their bytes.
+pub fn mapped_files(pid: i32, root: &Path) -> Vec<String> {
+    let maps = std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default();
+    let mut paths: Vec<String> = maps
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(5))
+        .filter(|p| p.starts_with('/') && !p.ends_with("(deleted)"))
+        .map(|p| inside(root, p))
+        .collect();
+    paths.sort_unstable();
+    paths.dedup();
+    paths
 }
 
 /// The ID of thread `tid` of `pid` in its own (innermost) PID namespace.
@@ -125,10 +142,14 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
         let offset = field("pos:").and_then(|v| v.parse().ok()).unwrap_or(0);
         let refuse = |what: &str| Err(MigrateError::UnmovableFd { fd, target: target.clone(), what: what.to_string() });
         let kind = if target.starts_with("pipe:") {
-            if fd > 2 {
+            let write = flags & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32;
+            // Beyond stdio only a dead end moves (what a clone's pipe
+            // placeholders are): its other end is held by no process, and
+            // nothing is left to read. It is restored as such a placeholder.
+            if fd > 2 && !dead_end(pid, &target, &link, write) {
                 return refuse("a pipe: processes connected by pipes cannot move yet");
             }
-            if flags & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32 { FdKind::PipeWrite } else { FdKind::PipeRead }
+            if write { FdKind::PipeWrite } else { FdKind::PipeRead }
         } else if target.starts_with("socket:") {
             return refuse("a socket: network connections cannot move");
         } else if target.ends_with(" (deleted)") {
@@ -153,6 +174,37 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
         out.push(FdEntry { fd, kind });
     }
     Ok(out)
+}
+
+/// Whether pipe `target` (`pipe:[INODE]`, open at `link` in process `pid`)
+/// is a dead end: no other process holds it, `pid` holds only this side of
+/// it, and (a read end) nothing waits in it.
+fn dead_end(pid: i32, target: &str, link: &str, write: bool) -> bool {
+    let Ok(procs) = std::fs::read_dir("/proc") else { return false };
+    for p in procs.flatten() {
+        let Some(other) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{other}/fd")) else { continue };
+        for f in fds.flatten() {
+            if std::fs::read_link(f.path()).is_ok_and(|t| t.as_os_str() == target) {
+                if other != pid {
+                    return false;
+                }
+                let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", f.file_name().to_string_lossy())).unwrap_or_default();
+                let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
+                if flags.map(|f| f & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32) != Some(write) {
+                    return false; // both ends here: a self-pipe, with a content of its own
+                }
+            }
+        }
+    }
+    if write {
+        return true;
+    }
+    let Ok(reader) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(link) else { return false };
+    let mut queued: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through the pointer, into `queued`.
+    let r = unsafe { libc::ioctl(reader.as_raw_fd(), libc::FIONREAD, &mut queued) };
+    r == 0 && queued == 0
 }
 
 /// A system call the thread was in, prepared for `rt_sigreturn` (which

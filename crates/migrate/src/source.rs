@@ -71,6 +71,12 @@ pub struct SourceReport {
     pub pause_ms: f64,
     /// Start → the source holds nothing.
     pub total_ms: f64,
+    /// Faults the target served after the switch, and their service time
+    /// (upper bounds in µs of the median's and the 99th percentile's
+    /// power-of-two buckets).
+    pub postcopy_faults: u64,
+    pub fault_p50_us: Option<u64>,
+    pub fault_p99_us: Option<u64>,
 }
 
 /// Pages of `regions` the image would fetch (anonymous or written).
@@ -186,18 +192,22 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
         previous = written.len();
     }
 
+    wait_prepared(&mut reader)?;
     // Freeze: from here the pause runs.
     let f = Frozen::freeze(pid)?;
     let frozen_at = Instant::now();
     report.threads = f.tids.len();
     let written = tracker.scan()?;
+    let scanned_at = Instant::now();
     let desc = capture(&f, &opts.capture)?;
+    let captured_at = Instant::now();
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
+    let handed_at = Instant::now();
     // Pages the target holds that are no longer what the process has:
     // written since they were sent, or in memory nobody tracked.
     let needed = fetch_pages(&desc.regions);
     let mut fresh: Vec<u64> = written.iter().copied().filter(|a| sent.contains(a)).collect();
-    fresh.extend(needed.iter().copied().filter(|&a| sent.contains(&a) && !tracker.tracks(a)));
+    fresh.extend(needed.iter().copied().filter(|&a| !tracker.tracks(a) && sent.contains(&a)));
     fresh.sort_unstable();
     fresh.dedup();
     let stale = if fresh.len() <= opts.freeze_send_pages {
@@ -215,6 +225,15 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
         &mut w,
         &ToTarget::Image { descriptor: desc.encode(), stale, page_server: server.addr().to_string(), payload },
     )?;
+    let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
+    let sent_at = Instant::now();
+    log::info!(
+        "pid {pid}: frozen: dirty scan {:.1} ms, capture {:.1} ms, hand-over {:.1} ms, last pages + image {:.1} ms",
+        ms(frozen_at, scanned_at),
+        ms(scanned_at, captured_at),
+        ms(captured_at, handed_at),
+        ms(handed_at, sent_at)
+    );
     drop(tracker);
 
     finish(f, &mut reader, server, hooks, frozen_at, start, report)
@@ -230,6 +249,7 @@ fn stop_and_copy(
     start: Instant,
     mut report: SourceReport,
 ) -> Result<SourceReport> {
+    wait_prepared(reader)?;
     let f = Frozen::freeze(pid)?;
     let frozen_at = Instant::now();
     report.threads = f.tids.len();
@@ -245,6 +265,17 @@ fn stop_and_copy(
     let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale: Vec::new(), page_server: server.addr().to_string(), payload })?;
     finish(f, reader, server, hooks, frozen_at, start, report)
+}
+
+/// Wait until the target has what the restore needs besides memory (its
+/// file view, the mapped files' bytes): that work stays out of the pause.
+fn wait_prepared(reader: &mut TcpStream) -> Result<()> {
+    match wire::recv::<ToSource>(reader) {
+        Ok(ToSource::Prepared) => Ok(()),
+        Ok(ToSource::Failed { reason }) => Err(MigrateError::TargetFailed(reason)),
+        Ok(other) => Err(MigrateError::TargetFailed(format!("unexpected {other:?} before the freeze"))),
+        Err(e) => Err(MigrateError::TargetFailed(e.to_string())),
+    }
 }
 
 /// After the image went: wait for the target to run the process, serve it
@@ -276,7 +307,10 @@ fn finish(
     f.kill();
     report.total_ms = start.elapsed().as_secs_f64() * 1e3;
     match end {
-        Ok(ToSource::Complete { .. }) => Ok(report),
+        Ok(ToSource::Complete { faults, fault_p50_us, fault_p99_us, .. }) => {
+            (report.postcopy_faults, report.fault_p50_us, report.fault_p99_us) = (faults, fault_p50_us, fault_p99_us);
+            Ok(report)
+        }
         Ok(ToSource::Failed { reason }) => Err(MigrateError::LostAfterSwitch(reason)),
         Ok(other) => Err(MigrateError::LostAfterSwitch(format!("unexpected {other:?}"))),
         Err(e) => Err(MigrateError::LostAfterSwitch(e.to_string())),

@@ -63,7 +63,8 @@ impl Replies {
 pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
 
 /// Receive a migration on `stream` until its image: `on_prepare` gets the
-/// source's first payload at once (to prepare while pages arrive).
+/// source's first payload at once (to prepare while pages arrive: pages
+/// wait while it runs) and the source is told `Prepared` when it returns.
 pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
     let replies = Arc::new(Mutex::new(Replies {
         stream: stream.try_clone().map_err(wire::WireError::Io)?,
@@ -82,6 +83,7 @@ pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::re
                     fail(reason.clone());
                     return Err(MigrateError::Hook { stage: "prepare", reason });
                 }
+                replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Prepared)?;
             }
             ToTarget::Pages { addrs, data } => {
                 if !staging.add(&addrs, data) {
@@ -119,16 +121,22 @@ impl Incoming {
         let (staged, server, replies) = (self.staged.clone(), self.page_server, self.replies.clone());
         Arc::new(move |_id, uffd, stats, stop| {
             let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch };
-            let h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server)?, stats, opts)
+            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server)?, stats.clone(), opts)
                 .with_local_pages(staged.clone());
-            let (replies2, lost2) = (replies.clone(), on_lost.clone());
+            let (replies2, lost2, stats2) = (replies.clone(), on_lost.clone(), stats.clone());
             h.spawn_drain(
                 PageClient::connect(server)?,
                 Box::new(move |r| {
                     let mut s = replies2.lock().unwrap_or_else(|p| p.into_inner());
                     match r {
                         Ok(rep) => {
-                            let done = ToSource::Complete { local_pages: rep.local_pages, remote_pages: rep.remote_pages };
+                            let done = ToSource::Complete {
+                                local_pages: rep.local_pages,
+                                remote_pages: rep.remote_pages,
+                                faults: stats2.faults.load(std::sync::atomic::Ordering::Relaxed),
+                                fault_p50_us: stats2.service_us.quantile_us(0.5),
+                                fault_p99_us: stats2.service_us.quantile_us(0.99),
+                            };
                             if let Err(e) = s.complete(done) {
                                 log::warn!("migration: telling the source it is done: {e}");
                             }

@@ -38,10 +38,16 @@ pub enum ToTarget {
 /// Target → source.
 #[derive(Debug, Serialize, Deserialize)]
 pub enum ToSource {
+    /// The target is ready for the freeze: what the restore needs besides
+    /// memory (its view, the files it maps) is in place. The source does
+    /// not freeze before this.
+    Prepared,
     /// The process runs on the target.
     Resumed,
     /// The source holds nothing the process needs any more.
-    Complete { local_pages: u64, remote_pages: u64 },
+    /// With the faults the target served meanwhile and their service time
+    /// (power-of-two µs bounds, see `fault::ServiceTimes`).
+    Complete { local_pages: u64, remote_pages: u64, faults: u64, fault_p50_us: Option<u64>, fault_p99_us: Option<u64> },
     /// The target gave up (before `Resumed`: the source keeps the process).
     Failed { reason: String },
 }

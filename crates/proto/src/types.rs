@@ -351,6 +351,12 @@ pub struct MigrationReport {
     pub memory_bytes: u64,
     /// Bytes of the task's files and I/O state sent at the freeze.
     pub state_bytes: u64,
+    /// Faults the target served after the switch (staged or fetched pages),
+    /// and their service time: upper bounds (µs) of the power-of-two
+    /// buckets holding the median and the 99th percentile.
+    pub postcopy_faults: u64,
+    pub fault_p50_us: Option<u64>,
+    pub fault_p99_us: Option<u64>,
 }
 
 /// How a task ended.
