@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (exec, ucop, fork, mcdist, migrate). Each starts with what the run was made on: the
+the renderers below (exec, ucop, fork, mcdist, migrate, executor). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -187,6 +187,27 @@ def render_mcdist(doc):
     return "\n".join(out)
 
 
+def render_executor(doc):
+    rows = []
+    for r in doc["modes"]:
+        rows.append([r["mode"], r["workers"], dash(r.get("first_s"), "{:.2f}"), dash(r.get("total_s"), "{:.2f}"),
+                     fmt_bytes(r.get("pickle_bytes")), fmt_bytes(r.get("page_server_bytes")),
+                     fmt_bytes(r["bytes_moved"]), dash(r.get("max_abs_diff_vs_local"), "{:.1e}")])
+    out = [provenance_line(doc), "",
+           f"{doc['table_mib']} MiB table ({doc['rows']} × {doc['cols']} float64) built before the pools in "
+           f"{doc['build_s']} s; {doc['tasks']} ridge fits, each reading the same {fmt_bytes(doc['window_bytes'])} "
+           f"window ({doc['window_rows']} rows, 10% of the table); {doc['workers']} workers (cluster modes: on "
+           f"{len(doc['modes'][0].get('hosts') or [])} of {doc['hosts']} emulated hosts, which share this machine's "
+           f"cores; pages fetched by the starling workers: {doc['modes'][0].get('pages_fetched_by_workers')}, "
+           f"sent once for several of them by multicast).", "",
+           table(["mode", "workers", "first result s", "total s", "pickles", "page server", "bytes moved",
+                  "max diff vs local"], rows, list("lr") + ["r"] * 6), ""]
+    for k, v in doc["ratios"].items():
+        verdict = "met" if v <= 0.10 else "NOT met"
+        out.append(f"* bytes moved, {k}: {v * 100:.1f}% (target <= 10%: {verdict})")
+    return "\n".join(out)
+
+
 def render_migrate(doc):
     rows = []
     for x in doc["rows"]:
@@ -220,7 +241,7 @@ def render_slurm(doc):
 
 
 RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
-             "slurm": render_slurm}
+             "slurm": render_slurm, "executor": render_executor}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -1,5 +1,9 @@
 //! `import starling`: the Python binding of starling's remote fork.
 //!
+//! This crate is the native half of the `starling` package (`starling._native`);
+//! the Python half (`python/starling/`: `starling.Executor`, `starling.map`, the
+//! joblib backend) is built on the functions below and re-exports them.
+//!
 //! Why it exists: a Python program (numpy, a pricing library...) should be
 //! able to borrow CPUs the way a C program does through `include/starling.h`,
 //! without ctypes and without breaking the interpreter. The API mirrors the C
@@ -74,6 +78,12 @@ impl Ticket {
     #[getter]
     fn hierarchical(&self) -> bool {
         self.core.hierarchical
+    }
+
+    /// `[(host, clones)]` the head granted (cluster backend; empty for the local one).
+    #[getter]
+    fn placement(&self) -> Vec<(String, u32)> {
+        self.core.placement().to_vec()
     }
 
     /// Size in bytes of the encoded process descriptor, once cloned.
@@ -224,14 +234,76 @@ fn clone_stats(ticket: PyRef<'_, Ticket>, id: i32) -> Option<std::collections::B
     Some(CloneCounter::ALL.iter().map(|&k| (k.name(), c.get(k))).collect())
 }
 
+/// Where clone `id` (1..m) is now, without waiting: `("running", None)`,
+/// `("exited", code)`, `("killed", signal)`, `("lost", reason)`, or
+/// `("unknown", None)` before `clone` or for an ID outside 1..m. Unlike
+/// `clone_status` it tells a running clone from a lost one (the executor
+/// polls it to notice lost hosts).
+#[pyfunction]
+fn clone_state(py: Python<'_>, ticket: PyRef<'_, Ticket>, id: i32) -> PyResult<Py<PyAny>> {
+    use starling_fork::cluster::CloneState;
+    let t = match ticket.core.clone_state(id) {
+        None => ("unknown", py.None()).into_pyobject(py)?,
+        Some(CloneState::Running) => ("running", py.None()).into_pyobject(py)?,
+        Some(CloneState::Exited(c)) => ("exited", c.into_pyobject(py)?.into_any().unbind()).into_pyobject(py)?,
+        Some(CloneState::Killed(s)) => ("killed", s.into_pyobject(py)?.into_any().unbind()).into_pyobject(py)?,
+        Some(CloneState::Lost(why)) => ("lost", why.into_pyobject(py)?.into_any().unbind()).into_pyobject(py)?,
+    };
+    Ok(t.into_any().unbind())
+}
+
+/// The host clone `id` runs on (cluster backend), or None.
+#[pyfunction]
+fn clone_host(ticket: PyRef<'_, Ticket>, id: i32) -> Option<String> {
+    ticket.core.clone_host(id)
+}
+
+/// What the parent's page server sent for this ticket so far (also after
+/// `join`), as a dict: bytes_wire (TCP + multicast, with headers),
+/// bytes_tcp, bytes_multicast, pages_requested, pages_served, rate_cuts,
+/// implicit_losses, lockstep_suppressed, pages_pushed, rate_min, rate_now,
+/// descriptor_pages_sent. None before `clone`.
+#[pyfunction]
+fn ticket_stats(ticket: PyRef<'_, Ticket>) -> Option<std::collections::BTreeMap<&'static str, u64>> {
+    const NAMES: [&str; 12] = [
+        "bytes_wire",
+        "bytes_tcp",
+        "bytes_multicast",
+        "pages_requested",
+        "pages_served",
+        "rate_cuts",
+        "implicit_losses",
+        "lockstep_suppressed",
+        "pages_pushed",
+        "rate_min",
+        "rate_now",
+        "descriptor_pages_sent",
+    ];
+    let w = ticket.core.wire_stats()?;
+    Some(NAMES.into_iter().zip(w.to_array()).collect())
+}
+
+/// The address clones reach their parent at (`STARLING_PARENT_HOST`; C:
+/// `sf_parent_host()`), in the parent once a cluster ticket was requested
+/// and in its clones; None before that or with the local backend (whose
+/// clones share this machine's network: use 127.0.0.1). Python's
+/// `os.environ` is a copy made at start-up and does not show it.
+#[pyfunction]
+fn parent_host() -> Option<String> {
+    starling_fork::cluster::parent_host().map(|c| c.to_string_lossy().into_owned())
+}
+
 /// This process's clone ID: 0 unless it is a clone.
 #[pyfunction]
 fn current_clone_id() -> u32 {
     starling_fork::api::current_clone_id()
 }
 
+// The native half of the `starling` package (`starling._native`); the
+// package's Python half (python/starling/) re-exports it and adds the
+// Executor and the joblib backend.
 #[pymodule]
-#[pyo3(name = "starling")]
+#[pyo3(name = "_native")]
 fn starling_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Error", m.py().get_type::<Error>())?;
     m.add_class::<Ticket>()?;
@@ -243,5 +315,9 @@ fn starling_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clone_status, m)?)?;
     m.add_function(wrap_pyfunction!(clone_stats, m)?)?;
     m.add_function(wrap_pyfunction!(current_clone_id, m)?)?;
+    m.add_function(wrap_pyfunction!(clone_state, m)?)?;
+    m.add_function(wrap_pyfunction!(clone_host, m)?)?;
+    m.add_function(wrap_pyfunction!(ticket_stats, m)?)?;
+    m.add_function(wrap_pyfunction!(parent_host, m)?)?;
     Ok(())
 }

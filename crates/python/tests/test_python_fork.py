@@ -304,3 +304,14 @@ def test_kill():
     # The clones sleep an hour: "killed" can only come from kill.
     assert starling.kill(t) == [("killed", 9)] * 2
     assert starling.clone_status(t, 1) == ("killed", 9)
+
+
+def test_executor_on_the_local_backend():
+    """starling.Executor needs no cluster with the local backend: its clones reach this process at
+    127.0.0.1 (parent_host() is None without a cluster ticket)."""
+    with starling.Executor(max_workers=2) as ex:
+        assert ex.max_workers == 2
+        assert list(ex.map(pow, [2, 3], [5, 2])) == [32, 9]
+        assert ex.submit(os.getpid).result() != os.getpid()
+        with pytest.raises(ZeroDivisionError):
+            ex.submit(divmod, 1, 0).result()
