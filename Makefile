@@ -28,7 +28,7 @@ demo: build
 	bash scripts/demo.sh
 
 # Everything CI runs: unit tests, then end-to-end tests against real embedded clusters
-# (exec, faults, WAN links, remote fork, multicast, Python).
+# (exec, faults, WAN links, remote fork, multicast, live migration, Python, Slurm, rootless agents).
 test: build python bench-tables unit-test integration-test
 
 unit-test:
@@ -48,6 +48,7 @@ bench: build
 	$(PYTHON) bench/ucop_bench.py
 	$(PYTHON) bench/fork_bench.py
 	$(PYTHON) bench/mcdist_bench.py
+	$(PYTHON) bench/migrate_bench.py
 	$(PYTHON) bench/slurm_bench.py
 	$(PYTHON) bench/executor_bench.py
 	$(PYTHON) bench/tables.py
