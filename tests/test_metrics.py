@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from conftest import STARLING, require_root, starling, status, wait_for
+from conftest import STARLING, require_root, starling, status, up, wait_for
 
 SAMPLE = re.compile(r'^([a-z_]+)(\{[^}]*\})? (\S+)$')
 
@@ -49,7 +49,8 @@ def cluster():
     r = starling("up", "--hosts", "2", "--metrics", addr, check=False, timeout=120)
     assert r.returncode == 0, r.stderr
     yield f"http://{addr}/metrics"
-    starling("down", check=False)
+    # Leave a healthy 4-host cluster for the modules that share the session's (conftest.cluster).
+    up(4)
 
 
 def test_status_names_the_endpoint_and_other_paths_are_404(cluster):

@@ -23,15 +23,13 @@ from require import require_module, require_root  # tests/require.py (pytest.ini
 
 starling = require_module("starling", "build and install it: make python (scripts/build-python.sh)")
 
-# The cluster backend needs a running cluster; these tests exercise the
-# binding on this machine. Set before any ticket: the core reads it per ticket.
-os.environ["STARLING_FORK_BACKEND"] = "local"
-
-
-
 @pytest.fixture(autouse=True)
-def as_root():
+def as_root(monkeypatch):
     require_root("remote fork (PID namespace, set_tid, userfaultfd)")
+    # The cluster backend needs a running cluster; these tests exercise the
+    # binding on this machine. Set for these tests only (the core reads it per
+    # ticket): set at import, it sent every later test's clones to this machine.
+    monkeypatch.setenv("STARLING_FORK_BACKEND", "local")
 
 
 class clone_body:
