@@ -37,6 +37,7 @@ def progs():
         "phases": cc(ROOT / "tests/migrate/phases.c", "phases"),
         "workers": cc(MIGRATE_C / "workers.c", "workers"),
         "state": cc(MIGRATE_C / "state.c", "state"),
+        "vector_regs": cc(ROOT / "tests/migrate/vector_regs.c", "vector_regs"),
     }
 
 
@@ -306,3 +307,18 @@ def test_a_remote_fork_clone_moves_twice_and_its_parent_joins_it(cluster, workdi
     got = [l for l in out if l.startswith("clone step")]
     assert got == want, f"the moved clone's output differs; stderr: {p.stderr.read()}"
     assert out[-1] == "join 0\n" and rc == 0, out[-3:]
+
+
+def test_every_vector_register_survives_two_moves(cluster, progs, workdir):
+    """zmm0-31 (AVX-512; else ymm/xmm) hold patterns while the program spins in raw system calls; it
+    is moved twice mid-spin and then checks them (a frame larger than the process's own made
+    rt_sigreturn restore only the SSE part: the AVX-512 upper halves came back zero)."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task([progs["vector_regs"]], hosts[0], workdir)
+    t.read_until("spinning")
+    task = t.id("vector_regs")
+    migrate(task, hosts[1])
+    migrate(task, hosts[2])
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out.splitlines()[-1]) == (0, "registers same"), out + err

@@ -243,23 +243,49 @@ fn xcr0() -> u64 {
     (u64::from(hi) << 32) | u64::from(lo)
 }
 
-/// A thread's FPU area as a signal frame carries it: an XSAVE area with
-/// its software bytes and `FP_XSTATE_MAGIC2` after it, or a plain FXSAVE.
+/// The components a signal frame of an ordinary process carries, and that
+/// frame's XSAVE size (standard format): XCR0 without the components behind
+/// XFD (AMX tiles), which a process has only after asking for them
+/// (`arch_prctl(ARCH_REQ_XCOMP_PERM)`). `rt_sigreturn` restores only the
+/// legacy x87/SSE part from a frame larger than the process's own, which
+/// lost every AVX-512 register on this CPU.
+fn frame_features() -> (u64, usize) {
+    let mut mask = xcr0();
+    let mut size = FXSAVE_BYTES + 64; // legacy area + XSAVE header
+    for i in 2..63u32 {
+        if mask & (1 << i) == 0 {
+            continue;
+        }
+        // CPUID leaf 0xD: the component's size (EAX), offset (EBX) and whether XFD covers it (ECX bit 2).
+        let c = core::arch::x86_64::__cpuid_count(0xD, i);
+        if c.ecx & (1 << 2) != 0 {
+            mask &= !(1 << i); // XFD-capable: off unless the process asked for it
+            continue;
+        }
+        size = size.max(c.ebx as usize + c.eax as usize);
+    }
+    (mask, size)
+}
+
+/// A thread's FPU area as a signal frame carries it: an XSAVE area (the
+/// ptrace format keeps XCR0 where a frame has its software bytes) with its
+/// software bytes and `FP_XSTATE_MAGIC2` after it, or a plain FXSAVE.
 pub fn fpu_area(mut x: Vec<u8>) -> Vec<u8> {
     if x.len() <= FXSAVE_BYTES {
         x.resize(FXSAVE_BYTES, 0);
         return x;
     }
-    let sw = FPX_SW_BYTES_OFFSET;
-    let size = if u32_at(&x, sw) == FP_XSTATE_MAGIC1 { u32_at(&x, sw + 16) as usize } else { x.len() };
-    let size = size.clamp(FXSAVE_BYTES, x.len());
+    let (features, size) = frame_features();
+    let size = size.clamp(FXSAVE_BYTES + 64, x.len());
     x.truncate(size);
+    // Components outside the frame are left in their initial state.
+    let bv = u64::from_le_bytes(x[512..520].try_into().expect("8 bytes")) & features;
+    x[512..520].copy_from_slice(&bv.to_le_bytes());
+    let sw = FPX_SW_BYTES_OFFSET;
     // magic1, extended_size (area + magic2), xfeatures, xstate_size.
     x[sw..sw + 4].copy_from_slice(&FP_XSTATE_MAGIC1.to_le_bytes());
     x[sw + 4..sw + 8].copy_from_slice(&u32::try_from(size + 4).unwrap_or(u32::MAX).to_le_bytes());
-    if u64::from_le_bytes(x[sw + 8..sw + 16].try_into().expect("8 bytes")) == 0 {
-        x[sw + 8..sw + 16].copy_from_slice(&xcr0().to_le_bytes());
-    }
+    x[sw + 8..sw + 16].copy_from_slice(&features.to_le_bytes());
     x[sw + 16..sw + 20].copy_from_slice(&u32::try_from(size).unwrap_or(u32::MAX).to_le_bytes());
     x.extend_from_slice(&FP_XSTATE_MAGIC2.to_le_bytes());
     x
@@ -393,14 +419,21 @@ mod tests {
 
     #[test]
     fn xsave_area_gets_signal_frame_bytes() {
-        let mut x = vec![0u8; 1024];
-        x[FPX_SW_BYTES_OFFSET..FPX_SW_BYTES_OFFSET + 4].copy_from_slice(&FP_XSTATE_MAGIC1.to_le_bytes());
-        x[FPX_SW_BYTES_OFFSET + 8] = 7; // xfeatures x87|SSE|AVX
-        x[FPX_SW_BYTES_OFFSET + 16..FPX_SW_BYTES_OFFSET + 20].copy_from_slice(&832u32.to_le_bytes());
+        // As PTRACE_GETREGSET(NT_X86_XSTATE) gives it: XCR0 at 464, every component marked in use.
+        let mut x = vec![0u8; 16 << 10];
+        x[FPX_SW_BYTES_OFFSET..FPX_SW_BYTES_OFFSET + 8].copy_from_slice(&xcr0().to_le_bytes());
+        x[512..520].copy_from_slice(&u64::MAX.to_le_bytes());
         let f = fpu_area(x);
-        assert_eq!(f.len(), 836);
-        assert_eq!(u32_at(&f, 832), FP_XSTATE_MAGIC2);
-        assert_eq!(u32_at(&f, FPX_SW_BYTES_OFFSET + 4), 836, "extended size");
+        let size = u32_at(&f, FPX_SW_BYTES_OFFSET + 16) as usize;
+        assert!(size >= FXSAVE_BYTES + 64 && size < 16 << 10, "{size}");
+        assert_eq!(f.len(), size + 4, "the area, then magic2");
+        assert_eq!(u32_at(&f, FPX_SW_BYTES_OFFSET), FP_XSTATE_MAGIC1);
+        assert_eq!(u32_at(&f, size), FP_XSTATE_MAGIC2);
+        assert_eq!(u32_at(&f, FPX_SW_BYTES_OFFSET + 4) as usize, size + 4, "extended size");
+        let features = u64::from_le_bytes(f[FPX_SW_BYTES_OFFSET + 8..FPX_SW_BYTES_OFFSET + 16].try_into().unwrap());
+        assert_eq!(features & 0b111, 0b111 & xcr0(), "x87, SSE (and AVX where enabled) are carried");
+        let bv = u64::from_le_bytes(f[512..520].try_into().unwrap());
+        assert_eq!(bv & !features, 0, "no component in use that the frame does not carry");
         assert_eq!(fpu_area(vec![1u8; 300]).len(), FXSAVE_BYTES);
     }
 
