@@ -16,6 +16,7 @@
 
 mod clone;
 mod io;
+mod linger;
 mod migrate;
 mod remote;
 mod task;
@@ -69,6 +70,7 @@ pub enum Step {
     DecodeDescriptor,
     PrepareRestore,
     StartControlThread,
+    Signals,
 }
 
 impl std::fmt::Display for Step {
@@ -88,6 +90,7 @@ impl std::fmt::Display for Step {
             Step::DecodeDescriptor => f.write_str("the clone's process descriptor"),
             Step::PrepareRestore => f.write_str("preparing the clone's restore"),
             Step::StartControlThread => f.write_str("starting the clone's control thread"),
+            Step::Signals => f.write_str("installing the SIGTERM handler"),
         }
     }
 }
@@ -152,6 +155,8 @@ pub(crate) struct Agent {
     pub held_waiters: Mutex<HashMap<u64, std::sync::mpsc::Sender<()>>>,
     /// Migrations in not yet arrived: set to give up on one.
     pub incoming: Mutex<HashMap<u64, Arc<std::sync::atomic::AtomicBool>>>,
+    /// The guest cgroup every task runs in, and the owner monitor's report.
+    pub linger: linger::Linger,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -160,6 +165,10 @@ fn read_meminfo_total() -> u64 {
         .and_then(|s| s.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
         .map(|kb| kb * 1024)
         .unwrap_or(0)
+}
+
+fn cores() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
 }
 
 fn read_load() -> f32 {
@@ -172,11 +181,12 @@ impl Agent {
             name: self.cfg.name.clone(),
             addr: addr.to_string(),
             pid: std::process::id(),
-            cores: std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+            cores: cores(),
             mem_bytes: read_meminfo_total(),
             load: read_load(),
             running: self.running.load(Ordering::Relaxed),
             page_distribution: self.page_distribution.lock().map(|m| m.clone()).unwrap_or(None),
+            owner: self.linger.report.lock().map(|r| r.clone()).unwrap_or(None),
         }
     }
 
@@ -353,6 +363,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     std::fs::create_dir_all(state.join("tasks")).map_err(io_step(Step::CreateDir(state.clone())))?;
     clean_stale_tasks(state);
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
+    let linger = linger::Linger::start(&cfg.settings, &cfg.name, cores());
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -363,7 +374,23 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         addr: Mutex::new(String::new()),
         held_waiters: Mutex::new(HashMap::new()),
         incoming: Mutex::new(HashMap::new()),
+        linger,
     });
+    // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
+    {
+        let me = agent.clone();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_step(Step::Signals))?;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            log::info!("agent {} stopping", me.cfg.name);
+            me.kill_all();
+            tokio::task::spawn_blocking(move || me.linger.remove()).await.ok();
+            std::process::exit(0);
+        });
+    }
     if let Some(listen) = agent.cfg.settings.listen.clone() {
         let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);

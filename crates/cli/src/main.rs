@@ -3,6 +3,8 @@
 //! This is a thin layer: argument parsing and output formatting. The work is
 //! done by the library crates (see docs/ARCHITECTURE.md).
 
+mod owner;
+
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use starling_client::Context;
@@ -139,6 +141,35 @@ enum Cmd {
     Agent(AgentArgs),
     /// Run the cluster head (what clients connect to). `starling up` starts one for you.
     Head(HeadArgs),
+    /// Play the owner of an emulated host (Linger-Longer): run CMD as that host's owner
+    /// workload, or set the owner's keyboard state.
+    ///
+    /// Starling's own work on every host (its guests) runs in the agent's guest cgroup at
+    /// starvation CPU priority (cpu.idle); the owner is everything else. On an emulated host
+    /// the owner is what this command runs: CMD runs in the host's network, mount and UTS
+    /// namespaces and in the host's owner cgroup (NOT the guest cgroup), so the host's owner
+    /// monitor counts its CPU. `--active` / `--idle` say whether someone is at the host's
+    /// keyboard. `starling status` shows each host's owner state (idle, active-light,
+    /// active-busy), owner CPU and what the guests do about it.
+    ///
+    /// Examples: starling owner h1 -- sh -c 'while :; do :; done & while :; do :; done'
+    ///           starling owner h1 --active
+    Owner(OwnerArgs),
+}
+
+#[derive(Args)]
+struct OwnerArgs {
+    /// The emulated host (as `starling status` names it).
+    host: String,
+    /// Someone is at the host's keyboard now.
+    #[arg(long, conflicts_with_all = ["idle", "command"])]
+    active: bool,
+    /// Nobody is at the host's keyboard.
+    #[arg(long, conflicts_with = "command")]
+    idle: bool,
+    /// The owner workload and its arguments. Its exit status is this command's.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    command: Vec<OsString>,
 }
 
 #[derive(Args)]
@@ -244,6 +275,14 @@ struct AgentArgs {
     /// Content cache size bound in MiB (least recently used content is evicted). [default: 8192]
     #[arg(long)]
     cache_mib: Option<u64>,
+    /// Name of the agent's cgroups: every task runs in starling/NAME/guest of each cgroup v1
+    /// hierarchy (CPU at cpu.idle, memory band), removed when the agent stops. [default: --name]
+    #[arg(long)]
+    cgroup: Option<String>,
+    /// Whose CPU the owner monitor counts: machine (everything that is not a guest) or emulated
+    /// (the host's owner cgroup, filled by `starling owner HOST -- CMD`). [default: machine]
+    #[arg(long, value_parser = ["machine", "emulated"])]
+    owner: Option<String>,
 }
 
 #[derive(Args)]
@@ -416,6 +455,21 @@ fn run(cli: Cli) -> Result<i32> {
             }
             settings.state = a.state.unwrap_or(settings.state);
             settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
+            if a.cgroup.is_some() {
+                settings.cgroup = a.cgroup;
+            }
+            match a.owner.as_deref() {
+                Some("emulated") => settings.owner = starling_config::OwnerKind::Emulated,
+                Some(_) => settings.owner = starling_config::OwnerKind::Machine,
+                None => {}
+            }
+            if settings.high_water_mib < settings.low_water_mib {
+                anyhow::bail!(
+                    "agent.high_water_mib ({}) must not be below agent.low_water_mib ({})",
+                    settings.high_water_mib,
+                    settings.low_water_mib
+                );
+            }
             if settings.head.is_none() && settings.listen.is_none() {
                 anyhow::bail!("agent needs --head ADDR or --listen ADDR (or agent.head / agent.listen in the config file)");
             }
@@ -429,6 +483,10 @@ fn run(cli: Cli) -> Result<i32> {
             };
             runtime().block_on(starling_agent::run(cfg))?;
             Ok(0)
+        }
+        Cmd::Owner(a) => {
+            init_logging(cfg.log.as_deref(), "warn");
+            owner::run(&cfg, &a.host, a.active, a.idle, a.command)
         }
         Cmd::Head(a) => {
             init_logging(cfg.log.as_deref(), "info");
@@ -644,7 +702,7 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
                     "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
-                    "page_distribution": h.page_distribution})
+                    "page_distribution": h.page_distribution, "owner": h.owner})
             })
             .collect();
         println!("{}", serde_json::to_string_pretty(&serde_json::json!({"head": st.head, "network": network, "hosts": hosts}))?);
@@ -664,6 +722,25 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     }
     if st.hosts.is_empty() {
         println!("(no hosts connected)");
+    }
+    // Linger-Longer: each host's owner and what its guests do about it.
+    if !st.hosts.is_empty() {
+        println!("{:<8} {:<13} {:>9} {:>9} {:<8} {:<6} DOING", "HOST", "OWNER", "OWNER-CPU", "GUEST-CPU", "KEYBOARD", "POLICY");
+        for h in &st.hosts {
+            match &h.owner {
+                Some(o) => println!(
+                    "{:<8} {:<13} {:>8.0}% {:>8.0}% {:<8} {:<6} {}",
+                    h.name,
+                    o.state,
+                    o.cpu * 100.0,
+                    o.guest_cpu * 100.0,
+                    o.keyboard,
+                    o.policy,
+                    o.doing
+                ),
+                None => println!("{:<8} {:<13} {:>9} {:>9} {:<8} {:<6} no guest cgroup: tasks are not contained", h.name, "?", "-", "-", "-", "-"),
+            }
+        }
     }
     // Remote fork: how each host's last clone got its pages (a fallback to
     // unicast because multicast does not pass is said here and in the logs).

@@ -52,6 +52,8 @@ pub(crate) struct BootArgs {
     pub host_dir: PathBuf,
     /// The agent's content-cache bound (`agent --cache-mib`).
     pub cache_mib: u64,
+    /// The agent's cgroup name (`agent --cgroup`): the host's netns name, unique per cluster and host.
+    pub cgroup: String,
     /// Program to exec instead of `exe agent ...` (tests run `sleep infinity`); given after `--`.
     pub exec: Vec<String>,
 }
@@ -67,6 +69,8 @@ impl BootArgs {
             self.host_dir.display().to_string(),
             "--cache-mib".to_string(),
             self.cache_mib.to_string(),
+            "--cgroup".to_string(),
+            self.cgroup.clone(),
         ];
         if !self.exec.is_empty() {
             v.push("--".to_string());
@@ -77,7 +81,7 @@ impl BootArgs {
 
     pub fn parse(args: &[String]) -> Result<BootArgs> {
         let (mut name, mut head, mut host_dir, mut exec) = (None, None, None, Vec::new());
-        let mut cache_mib = None;
+        let (mut cache_mib, mut cgroup) = (None, None);
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
@@ -86,6 +90,7 @@ impl BootArgs {
                 "--head" => head = it.next().cloned(),
                 "--state-dir" => host_dir = it.next().map(PathBuf::from),
                 "--cache-mib" => cache_mib = it.next().and_then(|v| v.parse::<u64>().ok()),
+                "--cgroup" => cgroup = it.next().cloned(),
                 "--" => {
                     exec = it.by_ref().cloned().collect();
                 }
@@ -101,7 +106,8 @@ impl BootArgs {
             return Err(BootError::RelativeStateDir(host_dir));
         }
         let cache_mib = cache_mib.ok_or(BootError::Missing("--cache-mib"))?;
-        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, exec })
+        let cgroup = cgroup.ok_or(BootError::Missing("--cgroup"))?;
+        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, cgroup, exec })
     }
 }
 
@@ -141,6 +147,10 @@ fn boot(args: &BootArgs) -> Result<Infallible> {
             HOST_STATE_MOUNT.into(),
             "--cache-mib".into(),
             args.cache_mib.to_string(),
+            "--cgroup".into(),
+            args.cgroup.clone(),
+            "--owner".into(),
+            "emulated".into(),
         ]
     } else {
         args.exec.clone()
@@ -265,6 +275,7 @@ mod tests {
             head: "10.213.0.1:7077".into(),
             host_dir: "/var/lib/starling/hosts/h3".into(),
             cache_mib: 2048,
+            cgroup: "starling6-h3".into(),
             exec: s(&["sleep", "infinity"]),
         };
         assert_eq!(BootArgs::parse(&a.to_args()).unwrap(), a);
@@ -280,6 +291,7 @@ mod tests {
         assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "rel", "--cache-mib", "1"])).is_err());
         assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s"])).is_err(), "missing --cache-mib");
         assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s", "--cache-mib", "lots"])).is_err());
+        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s", "--cache-mib", "1"])).is_err(), "missing --cgroup");
         assert!(BootArgs::parse(&s(&["--bogus"])).is_err());
     }
 }

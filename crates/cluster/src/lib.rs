@@ -345,6 +345,7 @@ fn start(
             head: head_addr.to_string(),
             host_dir: hdir,
             cache_mib,
+            cgroup: netns.clone(),
             exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);
@@ -595,7 +596,20 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
         }
     }
 
-    // 4. The record.
+    // 4. The hosts' cgroups (`starling/NETNS/{guest,owner}` in each v1 hierarchy), whatever is left of them.
+    let hierarchies = starling_linger::Hierarchies::discover();
+    for c in &cfgs {
+        for name in starling_linger::cgroup::names_with_prefix(&hierarchies, &c.netns_prefix) {
+            let rel = Path::new(starling_linger::cgroup::ROOT).join(&name);
+            match starling_linger::cgroup::remove_tree(&hierarchies, &rel, KILL_TIMEOUT) {
+                Ok(dirs) if !dirs.is_empty() => removed.0.push(Object::Cgroup(rel)),
+                Ok(_) => {}
+                Err(e) => problems.push(format!("cgroup {}: {e}", rel.display())),
+            }
+        }
+    }
+
+    // 5. The record.
     let file = cluster_file(&run_dir);
     if file.exists() {
         match std::fs::remove_file(&file) {
@@ -619,6 +633,8 @@ pub enum Object {
     Netns(String),
     Veth(String),
     Bridge(String),
+    /// A host's cgroup tree (relative to each v1 hierarchy).
+    Cgroup(PathBuf),
     /// `cluster.json`.
     Record(PathBuf),
 }
@@ -631,6 +647,7 @@ impl std::fmt::Display for Object {
             Object::Netns(n) => write!(f, "deleted netns {n}"),
             Object::Veth(v) => write!(f, "deleted veth {v}"),
             Object::Bridge(b) => write!(f, "deleted bridge {b}"),
+            Object::Cgroup(c) => write!(f, "removed cgroup {}", c.display()),
             Object::Record(r) => write!(f, "removed {}", r.display()),
         }
     }

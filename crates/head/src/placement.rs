@@ -129,6 +129,7 @@ mod tests {
                     load: 0.0,
                     running: 0,
                     page_distribution: None,
+                    owner: None,
                 };
                 (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
             })

@@ -56,6 +56,7 @@ fn memfd_program_gets_its_extra_fds_at_fixed_numbers_only() {
             groups: vec![],
             rlimits: vec![],
             hostname: None,
+            placement: Default::default(),
         };
         // Seek the extra memfd to 0 through a clone of it (shared offset).
         {
@@ -111,6 +112,7 @@ fn program_extension_refuses_bad_targets() {
         groups: vec![],
         rlimits: vec![],
         hostname: None,
+        placement: Default::default(),
     };
     let null = || -> OwnedFd { fs::File::open("/dev/null").unwrap().into() };
     let err = spawn_program(Path::new(EXE), &spec, TaskProgram { program, fds: vec![(3, a), (3, b)] }, null(), null(), null())

@@ -82,6 +82,7 @@ fn spec(root: &Path, argv: &[&str]) -> SandboxSpec {
         groups: vec![],
         rlimits: vec![],
         hostname: None,
+        placement: Default::default(),
     }
 }
 

@@ -34,6 +34,7 @@ fn hold(root: PathBuf, argv: Vec<Vec<u8>>) {
         groups: vec![],
         rlimits: vec![],
         hostname: None,
+        placement: Default::default(),
     };
     let null = || -> OwnedFd { std::fs::File::options().read(true).write(true).open("/dev/null").expect("open /dev/null").into() };
     let exe = std::env::current_exe().expect("current_exe");

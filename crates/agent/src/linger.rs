@@ -1,0 +1,139 @@
+//! The agent's side of Linger-Longer (see `starling_linger`): the guest
+//! cgroup every task's processes start in, the owner monitor that samples
+//! the host once a second, applies the memory band and keeps the report
+//! the agent sends the head with its load.
+
+use starling_config::{AgentSettings, OwnerKind};
+use starling_linger::guest::{BandAction, Guest, MemoryBand};
+use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, KEYBOARD_FILE};
+use starling_linger::{cgroup::Controller, Hierarchies, Keyboard, Policy};
+use starling_proto::OwnerReport;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// How often the owner is sampled.
+pub(crate) const PERIOD: Duration = Duration::from_secs(1);
+
+/// The agent's guest group, if it could be made.
+pub(crate) struct Linger {
+    pub guest: Option<Arc<Guest>>,
+    pub report: Arc<Mutex<Option<OwnerReport>>>,
+}
+
+const MIB: u64 = 1 << 20;
+
+impl Linger {
+    /// Make the guest group (removing a stale one first). Without cgroups
+    /// tasks run uncontained: said in the log and by `starling status`.
+    pub fn start(settings: &AgentSettings, name: &str, cores: u32) -> Linger {
+        let cg = settings.cgroup.clone().unwrap_or_else(|| name.to_string());
+        let report = Arc::new(Mutex::new(None));
+        let guest = match Guest::create(Hierarchies::discover(), &cg) {
+            Ok(g) => {
+                log::info!("guests run in cgroup {} at {} priority", g.rel().display(), g.cpu.as_str());
+                Arc::new(g)
+            }
+            Err(e) => {
+                log::warn!("tasks run WITHOUT guest containment (owner not protected): {e}");
+                return Linger { guest: None, report };
+            }
+        };
+        let band = MemoryBand {
+            low_water: settings.low_water_mib * MIB,
+            high_water: settings.high_water_mib.max(settings.low_water_mib) * MIB,
+        };
+        let guest_usage = guest.group().dir(Controller::Cpuacct).map(|d| d.join("cpuacct.usage")).unwrap_or_default();
+        let (cpu, keyboard) = match settings.owner {
+            OwnerKind::Emulated => (
+                OwnerCpu::Cgroup {
+                    usage: guest.owner_group().dir(Controller::Cpuacct).map(|d| d.join("cpuacct.usage")).unwrap_or_default(),
+                },
+                KeyboardSource::File(settings.state.join(KEYBOARD_FILE)),
+            ),
+            OwnerKind::Machine => (OwnerCpu::Machine { guest_usage: guest_usage.clone() }, KeyboardSource::Terminals),
+        };
+        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, cores);
+        let (g, r) = (guest.clone(), report.clone());
+        let spawned = std::thread::Builder::new().name("owner-monitor".into()).spawn(move || loop {
+            let s = monitor.sample();
+            let action = match g.apply_band(&band, s.mem_available) {
+                Ok(a) => a,
+                Err(e) => {
+                    log::warn!("memory band: {e}");
+                    BandAction::Nothing
+                }
+            };
+            let st = g.band_state();
+            let cap = g.memory_cap();
+            let mib = |b: u64| b / MIB;
+            match action {
+                BandAction::Cap => log::warn!(
+                    "free memory {} MiB < low water {} MiB: guests capped at {} MiB",
+                    mib(s.mem_available),
+                    mib(band.low_water),
+                    mib(cap.unwrap_or(0))
+                ),
+                BandAction::Freeze => {
+                    log::warn!("free memory {} MiB < half the low water: guests frozen", mib(s.mem_available));
+                }
+                BandAction::Release => log::info!("free memory {} MiB ≥ high water: guests released", mib(s.mem_available)),
+                BandAction::Nothing => {}
+            }
+            let busy = !g.group().pids().is_empty();
+            let doing = if st.frozen {
+                format!("guests frozen: free memory {} MiB < {} MiB (LF does not move them)", mib(s.mem_available), mib(band.low_water / 2))
+            } else if let Some(c) = cap {
+                format!("guest memory capped at {} MiB: free memory below {} MiB", mib(c), mib(band.low_water))
+            } else if !busy {
+                "no guests".to_string()
+            } else if s.state == starling_linger::OwnerState::Idle {
+                "guests run freely".to_string()
+            } else {
+                format!("lingering at {} (LF: never moves)", g.cpu.as_str())
+            };
+            #[allow(clippy::cast_possible_truncation, reason = "a share in 0..=1 shown to a few digits")]
+            let rep = OwnerReport {
+                state: s.state.as_str().to_string(),
+                cpu: s.cpu as f32,
+                guest_cpu: s.guest_cpu as f32,
+                keyboard: if s.keyboard == Keyboard::Active { "active" } else { "idle" }.to_string(),
+                mem_available: s.mem_available,
+                guest_mem: g.memory_bytes(),
+                guest_mem_cap: cap,
+                guests_frozen: st.frozen,
+                priority: g.cpu.as_str().to_string(),
+                policy: Policy::LingerForever.as_str().to_string(),
+                doing,
+                guest_cgroup: g.rel().display().to_string(),
+                owner_cgroup: g.owner_group().rel.display().to_string(),
+            };
+            *r.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(rep);
+            std::thread::sleep(PERIOD);
+        });
+        if let Err(e) = spawned {
+            log::warn!("no owner monitor: {e}");
+        }
+        Linger { guest: Some(guest), report }
+    }
+
+    /// What a task's sandbox does to itself before it runs anything.
+    pub fn placement(&self) -> starling_sandbox::Placement {
+        match &self.guest {
+            Some(g) => {
+                let j = g.join();
+                starling_sandbox::Placement { cgroup_procs: j.procs_files, sched_idle: j.sched_idle, oom_score_adj: j.oom_score_adj }
+            }
+            None => starling_sandbox::Placement::default(),
+        }
+    }
+
+    /// At exit: kill every guest and remove the agent's cgroups.
+    pub fn remove(&self) {
+        if let Some(g) = &self.guest {
+            match g.remove() {
+                Ok(()) => log::info!("removed guest cgroup {}", g.rel().display()),
+                Err(e) => log::warn!("removing the guest cgroup: {e}"),
+            }
+        }
+    }
+}
