@@ -231,3 +231,78 @@ def test_agent_removes_a_stale_guest_group_at_start_and_its_groups_at_sigterm(tm
         for m in every:
             for d in sorted((pathlib.Path(m) / "starling" / name).glob("**/"), key=lambda p: -len(p.parts)):
                 d.rmdir()
+
+
+# Policies: the guest prints a progress line per 500000 steps, from one shell process (a task that
+# can move); its expected output is arithmetic, and a move must neither lose nor repeat a line.
+STEPS = 2_000_000
+GUEST = ("i=0; while [ $i -lt %d ]; do i=$((i+1)); [ $((i %% 500000)) -eq 0 ] && echo $i; done; echo done" % STEPS)
+EXPECTED = "".join(f"{i}\n" for i in range(500_000, STEPS + 1, 500_000)) + "done\n"
+
+
+def ps_host(task_cmd_fragment):
+    tasks = json.loads(starling("ps", "--json").stdout)
+    t = [t for t in tasks if task_cmd_fragment in t.get("command", "")]
+    return t[0] if t else None
+
+
+def policy_cluster(policy):
+    starling("down", check=False)
+    r = starling("up", "--hosts", "2", "--policy", policy, check=False, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {h["owner"]["policy"] for h in status()["hosts"]} == {policy}
+
+
+def owner_burning(cores):
+    o = owner_report("h1")
+    owner_dir = cg("cpuacct", o["owner_cgroup"])
+    own = spawn(STARLING, "owner", "h1", "--", "sh", "-c", busy_loops(cores))
+    wait_for(lambda: len(procs(owner_dir)) >= cores + 1, "the owner's busy loops")
+    wait_for(lambda: owner_report("h1")["state"] != "idle", "h1's owner seen active")
+    return own, owner_dir
+
+
+def test_ll_lingers_then_moves_the_guest_to_an_idle_host(lcluster):
+    policy_cluster("LL")
+    try:
+        cores = host("h1")["cores"]
+        own, _ = owner_burning(cores)
+        try:
+            g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", GUEST)
+            wait_for(lambda: ps_host("echo done"), "the guest task")
+            # First it lingers (the head counts down T_lingr), then it moves to the idle h2.
+            seen = wait_for(lambda: (d := owner_report("h1")["doing"]).startswith("LL: lingering") and d, "LL lingering on h1")
+            wait_for(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
+            moved = wait_for(lambda: (d := owner_report("h1")["doing"]).startswith(("LL: moving", "LL: owner active, no guests")) and d,
+                             "h1's policy report after the move")
+        finally:
+            # Emulated hosts share this machine's cores: h1's owner would starve the guest on h2 too.
+            kill_group(own)
+        out, err = g.communicate(timeout=600)
+        assert g.returncode == 0, err
+        assert out == EXPECTED, f"output differs from the undisturbed one:\n{out!r}"
+        assert "T_lingr" in seen, seen
+        print(f"before: {seen!r}; after: {moved!r}")
+    finally:
+        starling("down", check=False)
+        up(2)
+
+
+def test_lf_lingers_and_never_moves(lcluster):
+    cores = host("h1")["cores"]
+    assert host("h1")["owner"]["policy"] == "LF"
+    own, owner_dir = owner_burning(cores)
+    try:
+        g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", GUEST)
+        t = wait_for(lambda: ps_host("echo done"), "the guest task")
+        # Long past any T_lingr (T_migr is below a second here): the owner uses 5 CPU-s per core.
+        o0 = usage(owner_dir)
+        wait_for(lambda: usage(owner_dir) - o0 >= 5 * cores * NS, "the owner to use 5 CPU-seconds per core", timeout=600)
+        assert ps_host("echo done")["host"] == "h1", "LF moved the guest"
+        assert g.poll() is None, "the guest finished while the owner burned every core"
+    finally:
+        kill_group(own)
+    out, err = g.communicate(timeout=600)
+    assert g.returncode == 0, err
+    assert out == EXPECTED
+    assert t["host"] == "h1"

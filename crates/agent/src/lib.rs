@@ -253,7 +253,11 @@ impl Agent {
                 Msg::MigrateOut { migration, task, to_host, to_addr, stop_and_copy } => {
                     let (me, tx) = (self.clone(), tx.clone());
                     let how = migrate::Move { migration, task, to_host, to_addr, stop_and_copy };
-                    tokio::task::spawn_blocking(move || migrate::send(&me, &tx, &how));
+                    tokio::task::spawn_blocking(move || {
+                        let boosted = me.linger.boost(&me.task_pids(how.task));
+                        migrate::send(&me, &tx, &how);
+                        me.linger.unboost(&boosted);
+                    });
                 }
                 Msg::MigrateHeld { migration } => {
                     if let Some(w) = self.held_waiters.lock().unwrap().remove(&migration) {
@@ -305,6 +309,25 @@ impl Agent {
                 })
             })
             .collect()
+    }
+
+    /// Every process of a running task (its sandbox and all below it).
+    fn task_pids(&self, task: TaskId) -> Vec<i32> {
+        let root = self.tasks.lock().unwrap().get(&task).map_or(0, |t| t.pid.load(Ordering::SeqCst));
+        if root == 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut stack = vec![root];
+        while let Some(p) = stack.pop() {
+            out.extend(i32::try_from(p));
+            for t in std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten() {
+                if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
+                    stack.extend(kids.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+                }
+            }
+        }
+        out
     }
 
     fn kill_all(&self) {

@@ -3,10 +3,10 @@
 //! the host once a second, applies the memory band and keeps the report
 //! the agent sends the head with its load.
 
-use starling_config::{AgentSettings, OwnerKind};
+use starling_config::{AgentSettings, GuestPolicy, OwnerKind};
 use starling_linger::guest::{BandAction, Guest, MemoryBand};
 use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, KEYBOARD_FILE};
-use starling_linger::{cgroup::Controller, Hierarchies, Keyboard, Policy};
+use starling_linger::{cgroup::Controller, Hierarchies, Keyboard};
 use starling_proto::OwnerReport;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -53,8 +53,9 @@ impl Linger {
             OwnerKind::Machine => (OwnerCpu::Machine { guest_usage: guest_usage.clone() }, KeyboardSource::Terminals),
         };
         let mut monitor = Monitor::new(cpu, guest_usage, keyboard, cores);
+        let policy = settings.policy;
         let (g, r) = (guest.clone(), report.clone());
-        let spawned = std::thread::Builder::new().name("owner-monitor".into()).spawn(move || loop {
+        let mut tick = move || {
             let s = monitor.sample();
             let action = match g.apply_band(&band, s.mem_available) {
                 Ok(a) => a,
@@ -89,7 +90,10 @@ impl Linger {
             } else if s.state == starling_linger::OwnerState::Idle {
                 "guests run freely".to_string()
             } else {
-                format!("lingering at {} (LF: never moves)", g.cpu.as_str())
+                match policy {
+                    GuestPolicy::LingerForever => format!("lingering at {} (LF: never moves)", g.cpu.as_str()),
+                    GuestPolicy::LingerLonger => format!("lingering at {} (LL: the head moves guests after T_lingr)", g.cpu.as_str()),
+                }
             };
             #[allow(clippy::cast_possible_truncation, reason = "a share in 0..=1 shown to a few digits")]
             let rep = OwnerReport {
@@ -102,13 +106,18 @@ impl Linger {
                 guest_mem_cap: cap,
                 guests_frozen: st.frozen,
                 priority: g.cpu.as_str().to_string(),
-                policy: Policy::LingerForever.as_str().to_string(),
+                policy: policy.as_str().to_string(),
                 doing,
                 guest_cgroup: g.rel().display().to_string(),
                 owner_cgroup: g.owner_group().rel.display().to_string(),
             };
             *r.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(rep);
+        };
+        // The first report exists before the agent first reports to the head.
+        tick();
+        let spawned = std::thread::Builder::new().name("owner-monitor".into()).spawn(move || loop {
             std::thread::sleep(PERIOD);
+            tick();
         });
         if let Err(e) = spawned {
             log::warn!("no owner monitor: {e}");
@@ -124,6 +133,29 @@ impl Linger {
                 starling_sandbox::Placement { cgroup_procs: j.procs_files, sched_idle: j.sched_idle, oom_score_adj: j.oom_score_adj }
             }
             None => starling_sandbox::Placement::default(),
+        }
+    }
+
+    /// A guest being moved is captured under ptrace with code injected into
+    /// it: at starvation priority under a busy owner that takes seconds, so
+    /// its processes leave the idle CPU group (they are frozen meanwhile, and
+    /// stay in the guest's memory and accounting groups). Returns who was moved.
+    pub fn boost(&self, pids: &[i32]) -> Vec<i32> {
+        let Some(g) = &self.guest else { return Vec::new() };
+        let Some(root) = Hierarchies::discover().dir(Controller::Cpu).map(|d| d.join("cgroup.procs")) else { return Vec::new() };
+        if g.group().dir(Controller::Cpu).is_none() {
+            return Vec::new();
+        }
+        pids.iter().copied().filter(|p| std::fs::write(&root, p.to_string()).is_ok()).collect()
+    }
+
+    /// After a move: what is still here goes back to the idle CPU group.
+    pub fn unboost(&self, pids: &[i32]) {
+        let Some(dir) = self.guest.as_ref().and_then(|g| g.group().dir(Controller::Cpu).map(|d| d.join("cgroup.procs"))) else {
+            return;
+        };
+        for p in pids {
+            let _ = std::fs::write(&dir, p.to_string());
         }
     }
 

@@ -186,6 +186,15 @@ struct UpArgs {
     /// (for measuring what the cache saves).
     #[arg(long)]
     no_relay_cache: bool,
+    /// What every host's guests do when its owner becomes active: LF (linger at starvation
+    /// priority, never move) or LL (linger, then move to an idle host after
+    /// T_lingr = ((1-l)/(h-l))·T_migr). [default: agent.policy, LF]
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<starling_config::GuestPolicy>,
+}
+
+fn parse_policy(s: &str) -> Result<starling_config::GuestPolicy, String> {
+    starling_config::GuestPolicy::parse(s).map_err(|e| format!("expected {e}"))
 }
 
 fn parse_link(s: &str) -> Result<String, String> {
@@ -283,6 +292,10 @@ struct AgentArgs {
     /// (the host's owner cgroup, filled by `starling owner HOST -- CMD`). [default: machine]
     #[arg(long, value_parser = ["machine", "emulated"])]
     owner: Option<String>,
+    /// What this host's guests do when its owner becomes active: LF (linger, never move) or LL
+    /// (linger, then move to an idle host after T_lingr). [default: agent.policy, LF]
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<starling_config::GuestPolicy>,
 }
 
 #[derive(Args)]
@@ -462,6 +475,9 @@ fn run(cli: Cli) -> Result<i32> {
                 Some("emulated") => settings.owner = starling_config::OwnerKind::Emulated,
                 Some(_) => settings.owner = starling_config::OwnerKind::Machine,
                 None => {}
+            }
+            if let Some(p) = a.policy {
+                settings.policy = p;
             }
             if settings.high_water_mib < settings.low_water_mib {
                 anyhow::bail!(
@@ -760,7 +776,11 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     let local = LocalCluster::new(cfg.instance);
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
     let head_args = if a.no_relay_cache || !cfg.head.relay_cache { vec!["--no-relay-cache".to_string()] } else { vec![] };
-    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
+    let agent_args = match &a.policy {
+        Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
+        None => Vec::new(),
+    };
+    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();

@@ -54,6 +54,8 @@ pub(crate) struct BootArgs {
     pub cache_mib: u64,
     /// The agent's cgroup name (`agent --cgroup`): the host's netns name, unique per cluster and host.
     pub cgroup: String,
+    /// Extra arguments for the agent (`up --policy`...), each given as `--agent-arg ARG`.
+    pub agent_args: Vec<String>,
     /// Program to exec instead of `exe agent ...` (tests run `sleep infinity`); given after `--`.
     pub exec: Vec<String>,
 }
@@ -72,6 +74,10 @@ impl BootArgs {
             "--cgroup".to_string(),
             self.cgroup.clone(),
         ];
+        for a in &self.agent_args {
+            v.push("--agent-arg".to_string());
+            v.push(a.clone());
+        }
         if !self.exec.is_empty() {
             v.push("--".to_string());
             v.extend(self.exec.iter().cloned());
@@ -81,7 +87,7 @@ impl BootArgs {
 
     pub fn parse(args: &[String]) -> Result<BootArgs> {
         let (mut name, mut head, mut host_dir, mut exec) = (None, None, None, Vec::new());
-        let (mut cache_mib, mut cgroup) = (None, None);
+        let (mut cache_mib, mut cgroup, mut agent_args) = (None, None, Vec::new());
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
@@ -91,6 +97,7 @@ impl BootArgs {
                 "--state-dir" => host_dir = it.next().map(PathBuf::from),
                 "--cache-mib" => cache_mib = it.next().and_then(|v| v.parse::<u64>().ok()),
                 "--cgroup" => cgroup = it.next().cloned(),
+                "--agent-arg" => agent_args.extend(it.next().cloned()),
                 "--" => {
                     exec = it.by_ref().cloned().collect();
                 }
@@ -107,7 +114,7 @@ impl BootArgs {
         }
         let cache_mib = cache_mib.ok_or(BootError::Missing("--cache-mib"))?;
         let cgroup = cgroup.ok_or(BootError::Missing("--cgroup"))?;
-        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, cgroup, exec })
+        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, cgroup, agent_args, exec })
     }
 }
 
@@ -152,6 +159,9 @@ fn boot(args: &BootArgs) -> Result<Infallible> {
             "--owner".into(),
             "emulated".into(),
         ]
+        .into_iter()
+        .chain(args.agent_args.iter().cloned())
+        .collect()
     } else {
         args.exec.clone()
     };
@@ -276,6 +286,7 @@ mod tests {
             host_dir: "/var/lib/starling/hosts/h3".into(),
             cache_mib: 2048,
             cgroup: "starling6-h3".into(),
+            agent_args: s(&["--policy", "LL"]),
             exec: s(&["sleep", "infinity"]),
         };
         assert_eq!(BootArgs::parse(&a.to_args()).unwrap(), a);

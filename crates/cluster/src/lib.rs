@@ -100,8 +100,9 @@ impl LocalCluster {
     }
 
     /// Start this instance's cluster.
-    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>) -> Result<ClusterState> {
-        let opts = UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, link };
+    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>) -> Result<ClusterState> {
+        let opts =
+            UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, agent_args, link };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
@@ -173,6 +174,8 @@ pub struct UpOptions {
     pub run_dir: PathBuf,
     /// Extra arguments appended to `exe head ...`.
     pub head_args: Vec<String>,
+    /// Extra arguments appended to each host's `exe agent ...` (e.g. `--policy LL`).
+    pub agent_args: Vec<String>,
     /// WAN link profile between clients and the head (`starling_link::Profile::parse`
     /// syntax). `None` or `lan`: clients talk to the head directly.
     pub link: Option<String>,
@@ -187,6 +190,7 @@ impl UpOptions {
             state_dir: DEFAULT_STATE_DIR.into(),
             run_dir: DEFAULT_RUN_DIR.into(),
             head_args: Vec::new(),
+            agent_args: Vec::new(),
             link: None,
         }
     }
@@ -346,6 +350,7 @@ fn start(
             host_dir: hdir,
             cache_mib,
             cgroup: netns.clone(),
+            agent_args: opts.agent_args.clone(),
             exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);

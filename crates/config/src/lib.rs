@@ -188,6 +188,36 @@ pub struct AgentSettings {
     pub low_water_mib: u64,
     /// Free memory (MiB) above which the cap is lifted.
     pub high_water_mib: u64,
+    /// What happens to this host's guests when its owner becomes active.
+    pub policy: GuestPolicy,
+}
+
+/// The Linger-Longer policy of a host's guests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestPolicy {
+    /// LF: linger at starvation priority, never move.
+    LingerForever,
+    /// LL: linger, move after T_lingr = ((1−l)/(h−l))·T_migr when an idle host exists.
+    LingerLonger,
+}
+
+impl GuestPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuestPolicy::LingerForever => "LF",
+            GuestPolicy::LingerLonger => "LL",
+        }
+    }
+
+    /// `LF` or `LL` (any case); the seed's PM and IE are refused as not implemented yet.
+    pub fn parse(text: &str) -> Result<GuestPolicy, &'static str> {
+        match text.trim().to_ascii_uppercase().as_str() {
+            "LF" => Ok(GuestPolicy::LingerForever),
+            "LL" => Ok(GuestPolicy::LingerLonger),
+            "PM" | "IE" => Err("LF or LL (PM and IE are not implemented yet)"),
+            _ => Err("LF or LL"),
+        }
+    }
 }
 
 /// Whose CPU a host's owner monitor counts.
@@ -232,6 +262,7 @@ impl Default for AgentSettings {
             owner: OwnerKind::Machine,
             low_water_mib: 1024,
             high_water_mib: 2048,
+            policy: GuestPolicy::LingerForever,
         }
     }
 }
@@ -743,6 +774,17 @@ pub static SETTINGS: &[Setting] = &[
                 "emulated" => OwnerKind::Emulated,
                 _ => return Err("machine or emulated"),
             };
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.policy",
+        env: Some("STARLING_POLICY"),
+        flag: "--policy (agent, up)",
+        default: "LF",
+        meaning: "what the host's guests do when its owner becomes active: `LF` (linger at starvation priority, never move) or `LL` (linger, then move to an idle host after T_lingr = ((1−l)/(h−l))·T_migr)",
+        apply: |c, v| {
+            c.agent.policy = GuestPolicy::parse(&v.text()?)?;
             Ok(())
         },
     },

@@ -18,7 +18,7 @@
 //!   `SCHED_IDLE` per task), the LowWater/HighWater memory band, freezing.
 //! * [`owner`]: the owner monitor: owner CPU, free memory, keyboard; the
 //!   owner state (idle / active-light / active-busy).
-//! * [`policy`]: LF/LL/PM/IE and T_lingr (eq. 3.4).
+//! * [`policy`]: T_lingr (eq. 3.4) for the head's LL policy.
 
 pub mod cgroup;
 pub mod guest;
@@ -28,4 +28,3 @@ pub mod policy;
 pub use cgroup::{CgroupError, Hierarchies};
 pub use guest::{Guest, GuestError, MemoryBand};
 pub use owner::{Keyboard, OwnerSample, OwnerState};
-pub use policy::Policy;

@@ -1,37 +1,7 @@
-//! The seed's four policies and its cost/benefit arithmetic (§3.3).
-//!
-//! Today the agent does what LF says (guests linger at starvation priority
-//! and are never moved); the moving policies (IE, PM, LL) are not wired yet.
+//! The seed's cost/benefit arithmetic (§3.3), used by the head's LL policy
+//! (the policies themselves: `starling_config::GuestPolicy`).
 
 use std::time::Duration;
-
-/// What happens to a guest when its host's owner becomes active.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub enum Policy {
-    /// Linger-Forever: keep running at starvation priority, never move.
-    #[serde(rename = "LF")]
-    LingerForever,
-    /// Linger-Longer: linger, move after T_lingr if an idler host exists.
-    #[serde(rename = "LL")]
-    LingerLonger,
-    /// Pause-and-Migrate: suspend, move if the owner is still active after a pause.
-    #[serde(rename = "PM")]
-    PauseAndMigrate,
-    /// Immediate-Eviction: kill and rerun elsewhere from the start.
-    #[serde(rename = "IE")]
-    ImmediateEviction,
-}
-
-impl Policy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Policy::LingerForever => "LF",
-            Policy::LingerLonger => "LL",
-            Policy::PauseAndMigrate => "PM",
-            Policy::ImmediateEviction => "IE",
-        }
-    }
-}
 
 /// Eq. 3.4: how long a guest should linger on a host whose owner uses `h`
 /// of the CPU before moving to one whose owner uses `l` (`l < h`), when a
