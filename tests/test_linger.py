@@ -306,3 +306,37 @@ def test_lf_lingers_and_never_moves(lcluster):
     assert g.returncode == 0, err
     assert out == EXPECTED
     assert t["host"] == "h1"
+
+
+def test_pm_suspends_then_moves_after_the_pause(lcluster):
+    """PM with a 3 s pause (a setting): the guest is frozen while h1's owner is active, then moved."""
+    starling("down", check=False)
+    env = dict(os.environ, STARLING_PM_PAUSE_S="3")
+    r = subprocess.run([STARLING, "up", "--hosts", "2", "--policy", "PM"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        assert host("h1")["owner"]["policy"] == "PM" and host("h1")["owner"]["pause_s"] == 3
+        freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
+        cores = host("h1")["cores"]
+        # The owner comes back while the guest runs (a task cannot start in a suspended group:
+        # it is frozen before its program starts, and only a started task can move).
+        steps = 20_000_000
+        guest = GUEST.replace(str(STEPS), str(steps)).replace("500000", "5000000")
+        expected = "".join(f"{i}\n" for i in range(5_000_000, steps + 1, 5_000_000)) + "done\n"
+        g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", guest)
+        wait_for(lambda: (t := ps_host("echo done")) and (t.get("cpu_seconds") or 0) > 0, "the guest running")
+        own, _ = owner_burning(cores)
+        try:
+            wait_for(lambda: owner_report("h1")["suspended"], "h1's guests suspended")
+            assert (freezer / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING")
+            wait_for(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
+        finally:
+            kill_group(own)
+        out, err = g.communicate(timeout=600)
+        assert g.returncode == 0, err
+        assert out == expected, f"output differs from the undisturbed one:\n{out!r}"
+        wait_for(lambda: not owner_report("h1")["suspended"], "h1's guests resumed once the owner left")
+        assert (freezer / "freezer.state").read_text().strip() == "THAWED"
+    finally:
+        starling("down", check=False)
+        up(2)

@@ -53,7 +53,7 @@ impl Linger {
             OwnerKind::Machine => (OwnerCpu::Machine { guest_usage: guest_usage.clone() }, KeyboardSource::Terminals),
         };
         let mut monitor = Monitor::new(cpu, guest_usage, keyboard, cores);
-        let policy = settings.policy;
+        let (policy, pause_s) = (settings.policy, settings.pm_pause_s);
         let (g, r) = (guest.clone(), report.clone());
         let mut tick = move || {
             let s = monitor.sample();
@@ -64,6 +64,13 @@ impl Linger {
                     BandAction::Nothing
                 }
             };
+            // PM: the guests are suspended while the owner is active (the head moves them after the pause).
+            if policy == GuestPolicy::PauseAndMigrate {
+                let on = s.state != starling_linger::OwnerState::Idle;
+                if let Err(e) = g.suspend(on) {
+                    log::warn!("PM: suspending the guests: {e}");
+                }
+            }
             let st = g.band_state();
             let cap = g.memory_cap();
             let mib = |b: u64| b / MIB;
@@ -81,7 +88,9 @@ impl Linger {
                 BandAction::Nothing => {}
             }
             let busy = !g.group().pids().is_empty();
-            let doing = if st.frozen {
+            let doing = if st.suspended {
+                format!("guests suspended (PM): moved to an idle host if the owner is still active after {} s", pause_s)
+            } else if st.frozen {
                 format!("guests frozen: free memory {} MiB < {} MiB (LF does not move them)", mib(s.mem_available), mib(band.low_water / 2))
             } else if let Some(c) = cap {
                 format!("guest memory capped at {} MiB: free memory below {} MiB", mib(c), mib(band.low_water))
@@ -93,6 +102,7 @@ impl Linger {
                 match policy {
                     GuestPolicy::LingerForever => format!("lingering at {} (LF: never moves)", g.cpu.as_str()),
                     GuestPolicy::LingerLonger => format!("lingering at {} (LL: the head moves guests after T_lingr)", g.cpu.as_str()),
+                    GuestPolicy::PauseAndMigrate => format!("running at {} (PM)", g.cpu.as_str()),
                 }
             };
             #[allow(clippy::cast_possible_truncation, reason = "a share in 0..=1 shown to a few digits")]
@@ -107,6 +117,8 @@ impl Linger {
                 guests_frozen: st.frozen,
                 priority: g.cpu.as_str().to_string(),
                 policy: policy.as_str().to_string(),
+                pause_s,
+                suspended: st.suspended,
                 doing,
                 guest_cgroup: g.rel().display().to_string(),
                 owner_cgroup: g.owner_group().rel.display().to_string(),
@@ -140,22 +152,31 @@ impl Linger {
     /// it: at starvation priority under a busy owner that takes seconds, so
     /// its processes leave the idle CPU group (they are frozen meanwhile, and
     /// stay in the guest's memory and accounting groups). Returns who was moved.
+    /// A suspended (PM) guest leaves the frozen freezer group the same way
+    /// (it thaws; the capture stops it under ptrace).
     pub fn boost(&self, pids: &[i32]) -> Vec<i32> {
         let Some(g) = &self.guest else { return Vec::new() };
-        let Some(root) = Hierarchies::discover().dir(Controller::Cpu).map(|d| d.join("cgroup.procs")) else { return Vec::new() };
-        if g.group().dir(Controller::Cpu).is_none() {
-            return Vec::new();
+        let h = Hierarchies::discover();
+        for c in [Controller::Cpu, Controller::Freezer] {
+            let Some(root) = h.dir(c).map(|d| d.join("cgroup.procs")) else { continue };
+            if g.group().dir(c).is_some() {
+                for p in pids {
+                    let _ = std::fs::write(&root, p.to_string());
+                }
+            }
         }
-        pids.iter().copied().filter(|p| std::fs::write(&root, p.to_string()).is_ok()).collect()
+        pids.to_vec()
     }
 
-    /// After a move: what is still here goes back to the idle CPU group.
+    /// After a move: what is still here goes back to the guest's CPU and freezer groups.
     pub fn unboost(&self, pids: &[i32]) {
-        let Some(dir) = self.guest.as_ref().and_then(|g| g.group().dir(Controller::Cpu).map(|d| d.join("cgroup.procs"))) else {
-            return;
-        };
-        for p in pids {
-            let _ = std::fs::write(&dir, p.to_string());
+        let Some(g) = &self.guest else { return };
+        for c in [Controller::Cpu, Controller::Freezer] {
+            if let Some(dir) = g.group().dir(c).map(|d| d.join("cgroup.procs")) {
+                for p in pids {
+                    let _ = std::fs::write(&dir, p.to_string());
+                }
+            }
         }
     }
 

@@ -190,6 +190,8 @@ pub struct AgentSettings {
     pub high_water_mib: u64,
     /// What happens to this host's guests when its owner becomes active.
     pub policy: GuestPolicy,
+    /// PM: how long guests stay suspended before they are moved (seconds).
+    pub pm_pause_s: u64,
 }
 
 /// The Linger-Longer policy of a host's guests.
@@ -199,6 +201,8 @@ pub enum GuestPolicy {
     LingerForever,
     /// LL: linger, move after T_lingr = ((1−l)/(h−l))·T_migr when an idle host exists.
     LingerLonger,
+    /// PM: suspend the guests, move them if the owner is still active after a pause.
+    PauseAndMigrate,
 }
 
 impl GuestPolicy {
@@ -206,16 +210,18 @@ impl GuestPolicy {
         match self {
             GuestPolicy::LingerForever => "LF",
             GuestPolicy::LingerLonger => "LL",
+            GuestPolicy::PauseAndMigrate => "PM",
         }
     }
 
-    /// `LF` or `LL` (any case); the seed's PM and IE are refused as not implemented yet.
+    /// `LF`, `LL` or `PM` (any case); the seed's IE is refused as not implemented yet.
     pub fn parse(text: &str) -> Result<GuestPolicy, &'static str> {
         match text.trim().to_ascii_uppercase().as_str() {
             "LF" => Ok(GuestPolicy::LingerForever),
             "LL" => Ok(GuestPolicy::LingerLonger),
-            "PM" | "IE" => Err("LF or LL (PM and IE are not implemented yet)"),
-            _ => Err("LF or LL"),
+            "PM" => Ok(GuestPolicy::PauseAndMigrate),
+            "IE" => Err("LF, LL or PM (IE is not implemented yet)"),
+            _ => Err("LF, LL or PM"),
         }
     }
 }
@@ -263,6 +269,7 @@ impl Default for AgentSettings {
             low_water_mib: 1024,
             high_water_mib: 2048,
             policy: GuestPolicy::LingerForever,
+            pm_pause_s: 600,
         }
     }
 }
@@ -782,9 +789,20 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_POLICY"),
         flag: "--policy (agent, up)",
         default: "LF",
-        meaning: "what the host's guests do when its owner becomes active: `LF` (linger at starvation priority, never move) or `LL` (linger, then move to an idle host after T_lingr = ((1−l)/(h−l))·T_migr)",
+        meaning: "what the host's guests do when its owner becomes active: `LF` (linger at starvation priority, never move), `LL` (linger, then move to an idle host after T_lingr = ((1−l)/(h−l))·T_migr) or `PM` (suspend, move to an idle host if the owner is still active after `agent.pm_pause_s`)",
         apply: |c, v| {
             c.agent.policy = GuestPolicy::parse(&v.text()?)?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.pm_pause_s",
+        env: Some("STARLING_PM_PAUSE_S"),
+        flag: "",
+        default: "600",
+        meaning: "PM policy: seconds guests stay suspended while the owner is active before they are moved (Condor's 10 minutes)",
+        apply: |c, v| {
+            c.agent.pm_pause_s = v.number()?;
             Ok(())
         },
     },

@@ -9,7 +9,9 @@
 //! not modelled; [`DEFAULT_T_MIGR`] until one was measured). After that the
 //! guest moves through the head's live migration ([`Head::migrate`]), one
 //! task per host and tick. The episode ends when the owner is idle again.
-//! LF hosts are left alone.
+//! PM hosts' guests are suspended by their agent while the owner is active;
+//! the head moves them the same way once the episode is older than the
+//! host's pause (`agent.pm_pause_s`). LF hosts are left alone.
 
 use crate::{placement::natural_key, Head};
 use starling_proto::TaskId;
@@ -37,6 +39,8 @@ const MAX_TRIES: u32 = 3;
 struct View {
     name: String,
     ll: bool,
+    /// PM: the pause before a move.
+    pm: Option<Duration>,
     idle: bool,
     cpu: f64,
     free: u32,
@@ -65,7 +69,8 @@ impl Head {
                 .values()
                 .map(|h| View {
                     name: h.info.name.clone(),
-                    ll: h.info.owner.as_ref().is_some_and(|o| o.policy == "LL"),
+                    ll: h.info.owner.as_ref().is_some_and(|o| o.policy == "LL" || o.policy == "PM"),
+                    pm: h.info.owner.as_ref().filter(|o| o.policy == "PM").map(|o| Duration::from_secs(o.pause_s)),
                     idle: h.info.owner.as_ref().is_none_or(|o| o.state == "idle"),
                     cpu: h.info.owner.as_ref().map_or(0.0, |o| f64::from(o.cpu)),
                     free: h.info.cores.max(1).saturating_sub(h.cores_busy),
@@ -93,7 +98,7 @@ impl Head {
                     .collect();
                 guests.sort_by_key(|(t, _)| *t);
                 let Some(&(task, cores)) = guests.first() else {
-                    lg.doing.insert(v.name.clone(), "LL: owner active, no guests".into());
+                    lg.doing.insert(v.name.clone(), format!("{}: owner active, no guests", if v.pm.is_some() { "PM" } else { "LL" }));
                     continue;
                 };
                 // The idlest idle host with room (lowest owner CPU, then most free cores).
@@ -102,10 +107,19 @@ impl Head {
                     .filter(|c| c.name != v.name && c.idle && c.free >= cores + taken.get(&c.name).copied().unwrap_or(0))
                     .min_by(|a, b| a.cpu.total_cmp(&b.cpu).then(b.free.cmp(&a.free)));
                 let Some(target) = target else {
-                    lg.doing.insert(v.name.clone(), format!("LL: lingering {:.0} s; no idle host with a free core", age.as_secs_f64()));
+                    lg.doing.insert(v.name.clone(), format!(
+                            "{}: {} {:.0} s; no idle host with a free core",
+                            if v.pm.is_some() { "PM" } else { "LL" },
+                            if v.pm.is_some() { "suspended" } else { "lingering" },
+                            age.as_secs_f64()
+                        ));
                     continue;
                 };
-                let Some(t_lingr) = starling_linger::policy::t_lingr(target.cpu, v.cpu, t_migr) else {
+                let wait = match v.pm {
+                    Some(pause) => Some(pause),
+                    None => starling_linger::policy::t_lingr(target.cpu, v.cpu, t_migr),
+                };
+                let Some(t_lingr) = wait else {
                     lg.doing.insert(
                         v.name.clone(),
                         format!("LL: lingering; owner CPU {:.0}% is not above {}'s {:.0}%", v.cpu * 100.0, target.name, target.cpu * 100.0),
@@ -117,9 +131,22 @@ impl Head {
                     *lg.tries.entry(task).or_default() += 1;
                     lg.doing.insert(
                         v.name.clone(),
-                        format!("LL: moving {task} to {} after lingering {:.1} s (T_lingr {:.1} s)", target.name, age.as_secs_f64(), t_lingr.as_secs_f64()),
+                        match v.pm {
+                            Some(_) => format!("PM: moving {task} to {} after a {:.1} s pause", target.name, age.as_secs_f64()),
+                            None => format!(
+                                "LL: moving {task} to {} after lingering {:.1} s (T_lingr {:.1} s)",
+                                target.name,
+                                age.as_secs_f64(),
+                                t_lingr.as_secs_f64()
+                            ),
+                        },
                     );
                     moves.push((task, target.name.clone()));
+                } else if v.pm.is_some() {
+                    lg.doing.insert(
+                        v.name.clone(),
+                        format!("PM: suspended {:.1} of {:.0} s, then to {}", age.as_secs_f64(), t_lingr.as_secs_f64(), target.name),
+                    );
                 } else {
                     lg.doing.insert(
                         v.name.clone(),
@@ -140,8 +167,8 @@ impl Head {
         };
         for (task, to) in moves {
             match self.migrate(task, Some(to.clone()), false, None).await {
-                Ok(id) => log::info!("LL: migration {id}: task {task} leaves its busy owner for {to}"),
-                Err(e) => log::warn!("LL: cannot move task {task} to {to}: {e}"),
+                Ok(id) => log::info!("migration {id}: task {task} leaves its busy owner for {to}"),
+                Err(e) => log::warn!("cannot move task {task} to {to}: {e}"),
             }
         }
     }

@@ -163,6 +163,8 @@ mod tests {
             guests_frozen: false,
             priority: "cpu.idle".into(),
             policy: "LF".into(),
+            pause_s: 600,
+            suspended: false,
             doing: String::new(),
             guest_cgroup: String::new(),
             owner_cgroup: String::new(),

@@ -71,6 +71,9 @@ pub enum BandAction {
 pub struct BandState {
     pub capped: bool,
     pub frozen: bool,
+    /// Suspended by a policy (PM) rather than by the band; the freezer is
+    /// thawed only when neither wants it frozen.
+    pub suspended: bool,
 }
 
 impl MemoryBand {
@@ -251,15 +254,31 @@ impl Guest {
                 st.frozen = true;
             }
             BandAction::Release => {
-                if st.frozen {
+                if st.frozen && !st.suspended {
                     self.group.write(Controller::Freezer, "freezer.state", "THAWED")?;
-                    st.frozen = false;
                 }
+                st.frozen = false;
                 self.group.write(Controller::Memory, "memory.limit_in_bytes", "-1")?;
                 st.capped = false;
             }
         }
         Ok(action)
+    }
+
+    /// Suspend (freeze) or resume every guest for a policy (PM); a freeze
+    /// of the memory band stays until the band releases it.
+    pub fn suspend(&self, on: bool) -> Result<(), GuestError> {
+        let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if st.suspended == on {
+            return Ok(());
+        }
+        if on {
+            self.group.write(Controller::Freezer, "freezer.state", "FROZEN")?;
+        } else if !st.frozen {
+            self.group.write(Controller::Freezer, "freezer.state", "THAWED")?;
+        }
+        st.suspended = on;
+        Ok(())
     }
 
     /// Lower the limit to what the guests use now (it may grow between the
@@ -298,8 +317,8 @@ mod tests {
     fn band_has_hysteresis() {
         let band = MemoryBand { low_water: 1000 * MIB, high_water: 2000 * MIB };
         let free = BandState::default();
-        let capped = BandState { capped: true, frozen: false };
-        let frozen = BandState { capped: true, frozen: true };
+        let capped = BandState { capped: true, frozen: false, suspended: false };
+        let frozen = BandState { capped: true, frozen: true, suspended: false };
         assert_eq!(band.step(3000 * MIB, free), BandAction::Nothing);
         assert_eq!(band.step(1500 * MIB, free), BandAction::Nothing, "inside the band nothing starts");
         assert_eq!(band.step(999 * MIB, free), BandAction::Cap);

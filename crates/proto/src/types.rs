@@ -525,8 +525,12 @@ pub struct OwnerReport {
     pub guests_frozen: bool,
     /// How guests get starvation priority: `cpu.idle` or `SCHED_IDLE`.
     pub priority: String,
-    /// `LF`, `LL`, `PM` or `IE`.
+    /// `LF`, `LL` or `PM`.
     pub policy: String,
+    /// PM: seconds guests stay suspended before the head moves them.
+    pub pause_s: u64,
+    /// PM: the guests are suspended because the owner is active.
+    pub suspended: bool,
     /// What the policy is doing, in words.
     pub doing: String,
     /// The guest and owner cgroups, relative to each v1 hierarchy's root.
