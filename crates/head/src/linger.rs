@@ -166,7 +166,9 @@ impl Head {
             moves
         };
         for (task, to) in moves {
-            match self.migrate(task, Some(to.clone()), false, None).await {
+            // Stop-and-copy, as eq. 3.5 models it: a lingering guest barely runs, so pre-copy buys
+            // little, and its pages all leave the owner's machine before it resumes.
+            match self.migrate(task, Some(to.clone()), true, None).await {
                 Ok(id) => log::info!("migration {id}: task {task} leaves its busy owner for {to}"),
                 Err(e) => log::warn!("cannot move task {task} to {to}: {e}"),
             }
