@@ -240,8 +240,25 @@ def render_slurm(doc):
     return "\n".join(out)
 
 
+
+def render_linger(doc):
+    rows = [
+        [r["guests"], f"{r['owner_s']:.3f}", f"{r['owner_delay_pct']:+.1f}%", f"{r['lat_p50_us']:.0f}",
+         f"{r['lat_p99_us']:.0f}", dash(r.get("p99_delay_pct"), "{:+.1f}%"), f"{r['lat_max_us']:.0f}"]
+        for r in doc["rows"]
+    ]
+    head = ["guests on every core", "owner CPU-bound (s)", "owner delay", "wake-up p50 (µs)", "p99 (µs)", "p99 delay",
+            "max (µs)"]
+    note = (f"{doc['cores']} owner processes of fixed work and cyclictest (-t{doc['cores']} -i 1000 -l "
+            f"{doc['cyclictest_loops']}); medians of {doc['rounds']} interleaved rounds; machine load before each "
+            f"measurement (other programs) {min(x['load_before'] for r in doc['rows'] for x in r['runs']):.1f}–"
+            f"{max(x['load_before'] for r in doc['rows'] for x in r['runs']):.1f}.")
+    return provenance_line(doc) + "\n\n" + note + "\n\n" + table(head, rows)
+
+
+
 RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
-             "slurm": render_slurm, "executor": render_executor}
+             "slurm": render_slurm, "executor": render_executor, "linger": render_linger}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

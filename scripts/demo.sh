@@ -103,6 +103,15 @@ else
     echo "   MOVED RUN DIFFERS (exit $rc)"; diff "$W/phases.local" "$W/phases.moved" || true; exit 1
 fi
 echo
+echo "== Linger-Longer: a guest on h1 while h1's owner burns every core (guest at cpu.idle)"
+G=$($S status --json | python3 -c 'import json,sys; print([h for h in json.load(sys.stdin)["hosts"] if h["name"]=="h1"][0]["owner"]["guest_cgroup"])')
+$S exec --host h1 -- sh -c 'while :; do :; done' & GP=$!
+$S owner h1 -- sh -c '(while :; do :; done) & a=$!; (while :; do :; done) & b=$!; sleep 5; kill $a $b' &
+sleep 1; g0=$(cat /sys/fs/cgroup/cpuacct/$G/cpuacct.usage); sleep 3; g1=$(cat /sys/fs/cgroup/cpuacct/$G/cpuacct.usage)
+$S status | grep -A1 OWNER | tail -1
+awk -v a="$g0" -v b="$g1" 'BEGIN{printf "   guest CPU while the owner ran: %.3f s in 3 s\n", (b-a)/1e9}'
+wait %2 2>/dev/null; kill $GP 2>/dev/null; wait $GP 2>/dev/null
+echo
 $S status
 echo
 echo "The cluster is still up: try \`starling exec -- uname -n\`; \`starling down\` removes it."

@@ -16,6 +16,7 @@
 
 mod clone;
 mod io;
+mod linger;
 mod migrate;
 mod remote;
 mod task;
@@ -71,6 +72,7 @@ pub enum Step {
     DecodeDescriptor,
     PrepareRestore,
     StartControlThread,
+    Signals,
 }
 
 impl std::fmt::Display for Step {
@@ -90,6 +92,7 @@ impl std::fmt::Display for Step {
             Step::DecodeDescriptor => f.write_str("the clone's process descriptor"),
             Step::PrepareRestore => f.write_str("preparing the clone's restore"),
             Step::StartControlThread => f.write_str("starting the clone's control thread"),
+            Step::Signals => f.write_str("installing the SIGTERM handler"),
         }
     }
 }
@@ -158,6 +161,8 @@ pub(crate) struct Agent {
     pub held_waiters: Mutex<HashMap<u64, std::sync::mpsc::Sender<()>>>,
     /// Migrations in not yet arrived: set to give up on one.
     pub incoming: Mutex<HashMap<u64, Arc<std::sync::atomic::AtomicBool>>>,
+    /// The guest cgroup every task runs in, and the owner monitor's report.
+    pub linger: linger::Linger,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -166,6 +171,10 @@ fn read_meminfo_total() -> u64 {
         .and_then(|s| s.lines().find(|l| l.starts_with("MemTotal:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
         .map(|kb| kb * 1024)
         .unwrap_or(0)
+}
+
+fn cores() -> u32 {
+    std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
 }
 
 fn read_load() -> f32 {
@@ -178,11 +187,12 @@ impl Agent {
             name: self.cfg.name.clone(),
             addr: addr.to_string(),
             pid: std::process::id(),
-            cores: std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+            cores: cores(),
             mem_bytes: read_meminfo_total(),
             load: read_load(),
             running: self.running.load(Ordering::Relaxed),
             page_distribution: self.page_distribution.lock().map(|m| m.clone()).unwrap_or(None),
+            owner: self.linger.report.lock().map(|r| r.clone()).unwrap_or(None),
         }
     }
 
@@ -249,7 +259,11 @@ impl Agent {
                 Msg::MigrateOut { migration, task, to_host, to_addr, stop_and_copy } => {
                     let (me, tx) = (self.clone(), tx.clone());
                     let how = migrate::Move { migration, task, to_host, to_addr, stop_and_copy };
-                    tokio::task::spawn_blocking(move || migrate::send(&me, &tx, &how));
+                    tokio::task::spawn_blocking(move || {
+                        let boosted = me.linger.boost(&me.task_pids(how.task));
+                        migrate::send(&me, &tx, &how);
+                        me.linger.unboost(&boosted);
+                    });
                 }
                 Msg::MigrateHeld { migration } => {
                     if let Some(w) = self.held_waiters.lock().unwrap().remove(&migration) {
@@ -301,6 +315,25 @@ impl Agent {
                 })
             })
             .collect()
+    }
+
+    /// Every process of a running task (its sandbox and all below it).
+    fn task_pids(&self, task: TaskId) -> Vec<i32> {
+        let root = self.tasks.lock().unwrap().get(&task).map_or(0, |t| t.pid.load(Ordering::SeqCst));
+        if root == 0 {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let mut stack = vec![root];
+        while let Some(p) = stack.pop() {
+            out.extend(i32::try_from(p));
+            for t in std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten() {
+                if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
+                    stack.extend(kids.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
+                }
+            }
+        }
+        out
     }
 
     fn kill_all(&self) {
@@ -359,6 +392,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     std::fs::create_dir_all(state.join("tasks")).map_err(io_step(Step::CreateDir(state.clone())))?;
     clean_stale_tasks(state);
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
+    let linger = linger::Linger::start(&cfg.settings, &cfg.name, cores());
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -369,7 +403,23 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         addr: Mutex::new(String::new()),
         held_waiters: Mutex::new(HashMap::new()),
         incoming: Mutex::new(HashMap::new()),
+        linger,
     });
+    // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
+    {
+        let me = agent.clone();
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).map_err(io_step(Step::Signals))?;
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            log::info!("agent {} stopping", me.cfg.name);
+            me.kill_all();
+            tokio::task::spawn_blocking(move || me.linger.remove()).await.ok();
+            std::process::exit(0);
+        });
+    }
     if let Some(listen) = agent.cfg.settings.listen.clone() {
         let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);

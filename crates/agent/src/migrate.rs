@@ -495,7 +495,7 @@ fn restore_here(
     let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false };
     let (program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;
-    let mut sb = sandbox_spec(&spec, overlay.root());
+    let mut sb = sandbox_spec(agent, &spec, overlay.root());
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
     let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };

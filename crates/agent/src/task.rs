@@ -152,7 +152,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     let overlay = starling_view::Overlay::mount(&view_dir, dir).map_err(io_step(Step::MountOverlay))?;
 
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
-    let mut sb = sandbox_spec(&spec, overlay.root());
+    let mut sb = sandbox_spec(agent, &spec, overlay.root());
     sb.rootless = agent.cfg.rootless;
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
     let (child, clone_run) = match &spec.clone {
@@ -200,8 +200,8 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     end_task(agent, task, tx, &life, &live, overlay, status)
 }
 
-/// How the task's sandbox is set up from its spec.
-pub(crate) fn sandbox_spec(spec: &TaskSpec, root: &Path) -> starling_sandbox::SandboxSpec {
+/// How the task's sandbox is set up from its spec (in the agent's guest cgroup).
+pub(crate) fn sandbox_spec(agent: &Agent, spec: &TaskSpec, root: &Path) -> starling_sandbox::SandboxSpec {
     starling_sandbox::SandboxSpec {
         root: root.to_path_buf(),
         argv: spec.argv.clone(),
@@ -214,6 +214,7 @@ pub(crate) fn sandbox_spec(spec: &TaskSpec, root: &Path) -> starling_sandbox::Sa
         rlimits: spec.rlimits.clone(),
         hostname: None,
         rootless: false,
+        placement: agent.linger.placement(),
     }
 }
 

@@ -3,6 +3,8 @@
 //! This is a thin layer: argument parsing and output formatting. The work is
 //! done by the library crates (see docs/ARCHITECTURE.md).
 
+mod owner;
+
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use starling_client::Context;
@@ -152,6 +154,35 @@ enum Cmd {
     Agent(AgentArgs),
     /// Run the cluster head (what clients connect to). `starling up` starts one for you.
     Head(HeadArgs),
+    /// Play the owner of an emulated host (Linger-Longer): run CMD as that host's owner
+    /// workload, or set the owner's keyboard state.
+    ///
+    /// Starling's own work on every host (its guests) runs in the agent's guest cgroup at
+    /// starvation CPU priority (cpu.idle); the owner is everything else. On an emulated host
+    /// the owner is what this command runs: CMD runs in the host's network, mount and UTS
+    /// namespaces and in the host's owner cgroup (NOT the guest cgroup), so the host's owner
+    /// monitor counts its CPU. `--active` / `--idle` say whether someone is at the host's
+    /// keyboard. `starling status` shows each host's owner state (idle, active-light,
+    /// active-busy), owner CPU and what the guests do about it.
+    ///
+    /// Examples: starling owner h1 -- sh -c 'while :; do :; done & while :; do :; done'
+    ///           starling owner h1 --active
+    Owner(OwnerArgs),
+}
+
+#[derive(Args)]
+struct OwnerArgs {
+    /// The emulated host (as `starling status` names it).
+    host: String,
+    /// Someone is at the host's keyboard now.
+    #[arg(long, conflicts_with_all = ["idle", "command"])]
+    active: bool,
+    /// Nobody is at the host's keyboard.
+    #[arg(long, conflicts_with = "command")]
+    idle: bool,
+    /// The owner workload and its arguments. Its exit status is this command's.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    command: Vec<OsString>,
 }
 
 #[derive(Args)]
@@ -195,6 +226,15 @@ struct UpArgs {
     /// The head serves Prometheus metrics at http://ADDR/metrics (see `starling head --help`).
     #[arg(long, value_name = "IP:PORT")]
     metrics: Option<String>,
+    /// What every host's guests do when its owner becomes active: LF (linger at starvation
+    /// priority, never move) or LL (linger, then move to an idle host after
+    /// T_lingr = ((1-l)/(h-l))·T_migr). [default: agent.policy, LF]
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<starling_config::GuestPolicy>,
+}
+
+fn parse_policy(s: &str) -> Result<starling_config::GuestPolicy, String> {
+    starling_config::GuestPolicy::parse(s).map_err(|e| format!("expected {e}"))
 }
 
 fn parse_link(s: &str) -> Result<String, String> {
@@ -284,6 +324,18 @@ struct AgentArgs {
     /// Content cache size bound in MiB (least recently used content is evicted). [default: 8192]
     #[arg(long)]
     cache_mib: Option<u64>,
+    /// Name of the agent's cgroups: every task runs in starling/NAME/guest of each cgroup v1
+    /// hierarchy (CPU at cpu.idle, memory band), removed when the agent stops. [default: --name]
+    #[arg(long)]
+    cgroup: Option<String>,
+    /// Whose CPU the owner monitor counts: machine (everything that is not a guest) or emulated
+    /// (the host's owner cgroup, filled by `starling owner HOST -- CMD`). [default: machine]
+    #[arg(long, value_parser = ["machine", "emulated"])]
+    owner: Option<String>,
+    /// What this host's guests do when its owner becomes active: LF (linger, never move) or LL
+    /// (linger, then move to an idle host after T_lingr). [default: agent.policy, LF]
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<starling_config::GuestPolicy>,
 }
 
 #[derive(Args)]
@@ -460,6 +512,24 @@ fn run(cli: Cli) -> Result<i32> {
             }
             settings.state = a.state.unwrap_or(settings.state);
             settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
+            if a.cgroup.is_some() {
+                settings.cgroup = a.cgroup;
+            }
+            match a.owner.as_deref() {
+                Some("emulated") => settings.owner = starling_config::OwnerKind::Emulated,
+                Some(_) => settings.owner = starling_config::OwnerKind::Machine,
+                None => {}
+            }
+            if let Some(p) = a.policy {
+                settings.policy = p;
+            }
+            if settings.high_water_mib < settings.low_water_mib {
+                anyhow::bail!(
+                    "agent.high_water_mib ({}) must not be below agent.low_water_mib ({})",
+                    settings.high_water_mib,
+                    settings.low_water_mib
+                );
+            }
             if settings.head.is_none() && settings.listen.is_none() {
                 anyhow::bail!("agent needs --head ADDR or --listen ADDR (or agent.head / agent.listen in the config file)");
             }
@@ -476,6 +546,10 @@ fn run(cli: Cli) -> Result<i32> {
             };
             runtime().block_on(starling_agent::run(cfg))?;
             Ok(0)
+        }
+        Cmd::Owner(a) => {
+            init_logging(cfg.log.as_deref(), "warn");
+            owner::run(&cfg, &a.host, a.active, a.idle, a.command)
         }
         Cmd::Head(a) => {
             init_logging(cfg.log.as_deref(), "info");
@@ -733,7 +807,7 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
                     "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
-                    "page_distribution": h.page_distribution})
+                    "page_distribution": h.page_distribution, "owner": h.owner})
             })
             .collect();
         let mut out = serde_json::json!({"head": st.head, "network": network, "hosts": hosts});
@@ -769,6 +843,25 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     if st.hosts.is_empty() {
         println!("(no hosts connected)");
     }
+    // Linger-Longer: each host's owner and what its guests do about it.
+    if !st.hosts.is_empty() {
+        println!("{:<8} {:<13} {:>9} {:>9} {:<8} {:<6} DOING", "HOST", "OWNER", "OWNER-CPU", "GUEST-CPU", "KEYBOARD", "POLICY");
+        for h in &st.hosts {
+            match &h.owner {
+                Some(o) => println!(
+                    "{:<8} {:<13} {:>8.0}% {:>8.0}% {:<8} {:<6} {}",
+                    h.name,
+                    o.state,
+                    o.cpu * 100.0,
+                    o.guest_cpu * 100.0,
+                    o.keyboard,
+                    o.policy,
+                    o.doing
+                ),
+                None => println!("{:<8} {:<13} {:>9} {:>9} {:<8} {:<6} no guest cgroup: tasks are not contained", h.name, "?", "-", "-", "-", "-"),
+            }
+        }
+    }
     // Remote fork: how each host's last clone got its pages (a fallback to
     // unicast because multicast does not pass is said here and in the logs).
     let dist: Vec<String> =
@@ -802,7 +895,11 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     let local = LocalCluster::new(cfg.instance);
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
     let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
-    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args)?;
+    let agent_args = match &a.policy {
+        Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
+        None => Vec::new(),
+    };
+    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();

@@ -52,6 +52,10 @@ pub(crate) struct BootArgs {
     pub host_dir: PathBuf,
     /// The agent's content-cache bound (`agent --cache-mib`).
     pub cache_mib: u64,
+    /// The agent's cgroup name (`agent --cgroup`): the host's netns name, unique per cluster and host.
+    pub cgroup: String,
+    /// Extra arguments for the agent (`up --policy`...), each given as `--agent-arg ARG`.
+    pub agent_args: Vec<String>,
     /// Program to exec instead of `exe agent ...` (tests run `sleep infinity`); given after `--`.
     pub exec: Vec<String>,
 }
@@ -67,7 +71,13 @@ impl BootArgs {
             self.host_dir.display().to_string(),
             "--cache-mib".to_string(),
             self.cache_mib.to_string(),
+            "--cgroup".to_string(),
+            self.cgroup.clone(),
         ];
+        for a in &self.agent_args {
+            v.push("--agent-arg".to_string());
+            v.push(a.clone());
+        }
         if !self.exec.is_empty() {
             v.push("--".to_string());
             v.extend(self.exec.iter().cloned());
@@ -77,7 +87,7 @@ impl BootArgs {
 
     pub fn parse(args: &[String]) -> Result<BootArgs> {
         let (mut name, mut head, mut host_dir, mut exec) = (None, None, None, Vec::new());
-        let mut cache_mib = None;
+        let (mut cache_mib, mut cgroup, mut agent_args) = (None, None, Vec::new());
         let mut it = args.iter();
         while let Some(arg) = it.next() {
             match arg.as_str() {
@@ -86,6 +96,8 @@ impl BootArgs {
                 "--head" => head = it.next().cloned(),
                 "--state-dir" => host_dir = it.next().map(PathBuf::from),
                 "--cache-mib" => cache_mib = it.next().and_then(|v| v.parse::<u64>().ok()),
+                "--cgroup" => cgroup = it.next().cloned(),
+                "--agent-arg" => agent_args.extend(it.next().cloned()),
                 "--" => {
                     exec = it.by_ref().cloned().collect();
                 }
@@ -101,7 +113,8 @@ impl BootArgs {
             return Err(BootError::RelativeStateDir(host_dir));
         }
         let cache_mib = cache_mib.ok_or(BootError::Missing("--cache-mib"))?;
-        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, exec })
+        let cgroup = cgroup.ok_or(BootError::Missing("--cgroup"))?;
+        Ok(BootArgs { name, head: head.ok_or(BootError::Missing("--head"))?, host_dir, cache_mib, cgroup, agent_args, exec })
     }
 }
 
@@ -141,7 +154,14 @@ fn boot(args: &BootArgs) -> Result<Infallible> {
             HOST_STATE_MOUNT.into(),
             "--cache-mib".into(),
             args.cache_mib.to_string(),
+            "--cgroup".into(),
+            args.cgroup.clone(),
+            "--owner".into(),
+            "emulated".into(),
         ]
+        .into_iter()
+        .chain(args.agent_args.iter().cloned())
+        .collect()
     } else {
         args.exec.clone()
     };
@@ -265,6 +285,8 @@ mod tests {
             head: "10.213.0.1:7077".into(),
             host_dir: "/var/lib/starling/hosts/h3".into(),
             cache_mib: 2048,
+            cgroup: "starling6-h3".into(),
+            agent_args: s(&["--policy", "LL"]),
             exec: s(&["sleep", "infinity"]),
         };
         assert_eq!(BootArgs::parse(&a.to_args()).unwrap(), a);
@@ -280,6 +302,7 @@ mod tests {
         assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "rel", "--cache-mib", "1"])).is_err());
         assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s"])).is_err(), "missing --cache-mib");
         assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s", "--cache-mib", "lots"])).is_err());
+        assert!(BootArgs::parse(&s(&["--name", "h1", "--head", "x", "--state-dir", "/s", "--cache-mib", "1"])).is_err(), "missing --cgroup");
         assert!(BootArgs::parse(&s(&["--bogus"])).is_err());
     }
 }

@@ -101,8 +101,9 @@ impl LocalCluster {
     }
 
     /// Start this instance's cluster.
-    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>) -> Result<ClusterState> {
-        let opts = UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, link };
+    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>) -> Result<ClusterState> {
+        let opts =
+            UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, agent_args, link };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
@@ -176,6 +177,8 @@ pub struct UpOptions {
     pub run_dir: PathBuf,
     /// Extra arguments appended to `exe head ...`.
     pub head_args: Vec<String>,
+    /// Extra arguments appended to each host's `exe agent ...` (e.g. `--policy LL`).
+    pub agent_args: Vec<String>,
     /// WAN link profile between clients and the head (`starling_link::Profile::parse`
     /// syntax). `None` or `lan`: clients talk to the head directly.
     pub link: Option<String>,
@@ -190,6 +193,7 @@ impl UpOptions {
             state_dir: DEFAULT_STATE_DIR.into(),
             run_dir: DEFAULT_RUN_DIR.into(),
             head_args: Vec::new(),
+            agent_args: Vec::new(),
             link: None,
         }
     }
@@ -349,6 +353,8 @@ fn start(
             head: head_addr.to_string(),
             host_dir: hdir,
             cache_mib,
+            cgroup: netns.clone(),
+            agent_args: opts.agent_args.clone(),
             exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);
@@ -608,7 +614,20 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
         }
     }
 
-    // 4. The record.
+    // 4. The hosts' cgroups (`starling/NETNS/{guest,owner}` in each v1 hierarchy), whatever is left of them.
+    let hierarchies = starling_linger::Hierarchies::discover();
+    for c in &cfgs {
+        for name in starling_linger::cgroup::names_with_prefix(&hierarchies, &c.netns_prefix) {
+            let rel = Path::new(starling_linger::cgroup::ROOT).join(&name);
+            match starling_linger::cgroup::remove_tree(&hierarchies, &rel, KILL_TIMEOUT) {
+                Ok(dirs) if !dirs.is_empty() => removed.0.push(Object::Cgroup(rel)),
+                Ok(_) => {}
+                Err(e) => problems.push(format!("cgroup {}: {e}", rel.display())),
+            }
+        }
+    }
+
+    // 5. The record.
     let file = cluster_file(&run_dir);
     if file.exists() {
         match std::fs::remove_file(&file) {
@@ -632,6 +651,8 @@ pub enum Object {
     Netns(String),
     Veth(String),
     Bridge(String),
+    /// A host's cgroup tree (relative to each v1 hierarchy).
+    Cgroup(PathBuf),
     /// `cluster.json`.
     Record(PathBuf),
     /// A Slurm job `starling up --slurm` submitted, cancelled and ended.
@@ -648,6 +669,7 @@ impl std::fmt::Display for Object {
             Object::Netns(n) => write!(f, "deleted netns {n}"),
             Object::Veth(v) => write!(f, "deleted veth {v}"),
             Object::Bridge(b) => write!(f, "deleted bridge {b}"),
+            Object::Cgroup(c) => write!(f, "removed cgroup {}", c.display()),
             Object::Record(r) => write!(f, "removed {}", r.display()),
             Object::SlurmJob(j) => write!(f, "cancelled Slurm job {j}"),
             Object::SlurmStep { job, srun_pid } => write!(f, "stopped the agents' step of Slurm job {job} (srun pid {srun_pid})"),

@@ -50,6 +50,7 @@ fn options(d: &Dirs, hosts: usize) -> UpOptions {
         state_dir: d.state.clone(),
         run_dir: d.run.clone(),
         head_args: vec!["--test-extra-arg".into()],
+        agent_args: Vec::new(),
         link: None,
     }
 }

@@ -181,6 +181,61 @@ pub struct AgentSettings {
     pub cache_mib: u64,
     /// How output files are chunked.
     pub chunking: Chunking,
+    /// The agent's cgroups are `starling/CGROUP/{guest,owner}` in each v1
+    /// hierarchy; `None`: the agent's name.
+    pub cgroup: Option<String>,
+    /// Who the host's owner is (whose CPU the monitor counts).
+    pub owner: OwnerKind,
+    /// Free memory (MemAvailable, MiB) below which guests are capped at what they use.
+    pub low_water_mib: u64,
+    /// Free memory (MiB) above which the cap is lifted.
+    pub high_water_mib: u64,
+    /// What happens to this host's guests when its owner becomes active.
+    pub policy: GuestPolicy,
+    /// PM: how long guests stay suspended before they are moved (seconds).
+    pub pm_pause_s: u64,
+}
+
+/// The Linger-Longer policy of a host's guests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestPolicy {
+    /// LF: linger at starvation priority, never move.
+    LingerForever,
+    /// LL: linger, move after T_lingr = ((1−l)/(h−l))·T_migr when an idle host exists.
+    LingerLonger,
+    /// PM: suspend the guests, move them if the owner is still active after a pause.
+    PauseAndMigrate,
+}
+
+impl GuestPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuestPolicy::LingerForever => "LF",
+            GuestPolicy::LingerLonger => "LL",
+            GuestPolicy::PauseAndMigrate => "PM",
+        }
+    }
+
+    /// `LF`, `LL` or `PM` (any case); the seed's IE is refused as not implemented yet.
+    pub fn parse(text: &str) -> Result<GuestPolicy, &'static str> {
+        match text.trim().to_ascii_uppercase().as_str() {
+            "LF" => Ok(GuestPolicy::LingerForever),
+            "LL" => Ok(GuestPolicy::LingerLonger),
+            "PM" => Ok(GuestPolicy::PauseAndMigrate),
+            "IE" => Err("LF, LL or PM (IE is not implemented yet)"),
+            _ => Err("LF, LL or PM"),
+        }
+    }
+}
+
+/// Whose CPU a host's owner monitor counts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OwnerKind {
+    /// A real host: everything on the machine that is not a guest; keyboard from terminal access times.
+    Machine,
+    /// An emulated host: what runs in the host's owner cgroup (`starling owner HOST -- CMD`);
+    /// keyboard set by `starling owner HOST --active|--idle`.
+    Emulated,
 }
 
 impl Default for ForkSettings {
@@ -212,6 +267,12 @@ impl Default for AgentSettings {
             state: "/var/lib/starling/state".into(),
             cache_mib: 8192,
             chunking: Chunking::ContentDefined,
+            cgroup: None,
+            owner: OwnerKind::Machine,
+            low_water_mib: 1024,
+            high_water_mib: 2048,
+            policy: GuestPolicy::LingerForever,
+            pm_pause_s: 600,
         }
     }
 }
@@ -708,6 +769,76 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "content-defined chunking of the tasks' output files",
         apply: |c, v| {
             c.agent.chunking = v.chunking()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.cgroup",
+        env: None,
+        flag: "--cgroup (agent)",
+        default: "the agent's name",
+        meaning: "the agent's cgroups are `starling/NAME/guest` (every task) and `starling/NAME/owner` in each cgroup v1 hierarchy (`up` passes the host's netns name)",
+        apply: |c, v| {
+            c.agent.cgroup = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.owner",
+        env: None,
+        flag: "--owner (agent)",
+        default: "machine",
+        meaning: "whose CPU the owner monitor counts: `machine` (all but the guests; keyboard from terminal access times) or `emulated` (the host's owner cgroup, `starling owner`)",
+        apply: |c, v| {
+            c.agent.owner = match v.text()?.as_str() {
+                "machine" => OwnerKind::Machine,
+                "emulated" => OwnerKind::Emulated,
+                _ => return Err("machine or emulated"),
+            };
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.policy",
+        env: Some("STARLING_POLICY"),
+        flag: "--policy (agent, up)",
+        default: "LF",
+        meaning: "what the host's guests do when its owner becomes active: `LF` (linger at starvation priority, never move), `LL` (linger, then move to an idle host after T_lingr = ((1−l)/(h−l))·T_migr) or `PM` (suspend, move to an idle host if the owner is still active after `agent.pm_pause_s`)",
+        apply: |c, v| {
+            c.agent.policy = GuestPolicy::parse(&v.text()?)?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.pm_pause_s",
+        env: Some("STARLING_PM_PAUSE_S"),
+        flag: "",
+        default: "600",
+        meaning: "PM policy: seconds guests stay suspended while the owner is active before they are moved (Condor's 10 minutes)",
+        apply: |c, v| {
+            c.agent.pm_pause_s = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.low_water_mib",
+        env: Some("STARLING_LOW_WATER_MIB"),
+        flag: "",
+        default: "1024",
+        meaning: "free memory (MemAvailable, MiB) below which the guests' memory is capped at what they use (below half of it they are frozen)",
+        apply: |c, v| {
+            c.agent.low_water_mib = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.high_water_mib",
+        env: Some("STARLING_HIGH_WATER_MIB"),
+        flag: "",
+        default: "2048",
+        meaning: "free memory (MiB) above which the guests' cap and freeze are lifted",
+        apply: |c, v| {
+            c.agent.high_water_mib = v.number()?;
             Ok(())
         },
     },

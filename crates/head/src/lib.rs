@@ -19,6 +19,7 @@
 //! head knows is read through [`Head::snapshot`].
 
 mod jobs;
+mod linger;
 mod migration;
 mod placement;
 mod ps;
@@ -120,6 +121,8 @@ pub struct Head {
     next_conn: AtomicU64,
     listen: String,
     facts: Vec<(String, String)>,
+    /// The LL policy's episodes and what it is doing per host.
+    pub(crate) lingering: Mutex<linger::Lingering>,
 }
 
 /// What the head knows, at one moment.
@@ -177,10 +180,20 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         next_conn: AtomicU64::new(1),
         listen: settings.listen.clone(),
         facts,
+        lingering: Mutex::new(linger::Lingering::default()),
     });
     *head.me.lock().unwrap() = Arc::downgrade(&head);
     if let Some(l) = metrics_listener {
         tokio::spawn(metrics::serve(head.clone(), l));
+    }
+    {
+        let head = head.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(linger::TICK).await;
+                head.linger_tick().await;
+            }
+        });
     }
     log::info!("head listening on {}", settings.listen);
     for addr in settings.agents {
@@ -270,7 +283,14 @@ impl Head {
         let mut facts = snap.facts;
         facts.push(("queued".into(), snap.queued.to_string()));
         facts.push(("relay_cache".into(), if snap.relay_cache { "on" } else { "off" }.into()));
-        ClusterStatus { head: snap.listen, hosts: snap.hosts, facts }
+        let mut hosts = snap.hosts;
+        let lg = self.lingering.lock().unwrap();
+        for h in &mut hosts {
+            if let (Some(o), Some(d)) = (h.owner.as_mut(), lg.doing.get(&h.name)) {
+                o.doing.clone_from(d);
+            }
+        }
+        ClusterStatus { head: snap.listen, hosts, facts }
     }
 
     /// Tell a task's client it was lost, and give back its cores.

@@ -48,12 +48,27 @@ pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>,
         None => hosts
             .values()
             .filter(|h| free(h))
-            .min_by(|a, b| load(a).total_cmp(&load(b)).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name))))
+            .min_by(|a, b| {
+                owner_rank(a)
+                    .total_cmp(&owner_rank(b))
+                    .then(load(a).total_cmp(&load(b)))
+                    .then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
+            })
             .map(|h| h.info.name.clone())?,
     };
     let h = hosts.get_mut(&name)?;
     h.cores_busy += cores;
     Some(h)
+}
+
+/// Linger-Longer placement: hosts whose owner is idle (or unknown) first
+/// (0), then by the owner's CPU (1 + share): guests go where owners are least
+/// in the way.
+fn owner_rank(h: &Host) -> f64 {
+    match &h.info.owner {
+        Some(o) if o.state != "idle" => 1.0 + f64::from(o.cpu),
+        _ => 0.0,
+    }
 }
 
 /// Share of a host's cores held.
@@ -129,10 +144,45 @@ mod tests {
                     load: 0.0,
                     running: 0,
                     page_distribution: None,
+                    owner: None,
                 };
                 (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
             })
             .collect()
+    }
+
+    fn owned(state: &str, cpu: f32) -> Option<starling_proto::OwnerReport> {
+        Some(starling_proto::OwnerReport {
+            state: state.into(),
+            cpu,
+            guest_cpu: 0.0,
+            keyboard: "idle".into(),
+            mem_available: 0,
+            guest_mem: 0,
+            guest_mem_cap: None,
+            guests_frozen: false,
+            priority: "cpu.idle".into(),
+            policy: "LF".into(),
+            pause_s: 600,
+            suspended: false,
+            doing: String::new(),
+            guest_cgroup: String::new(),
+            owner_cgroup: String::new(),
+        })
+    }
+
+    #[test]
+    fn launches_go_to_idle_owners_first_then_the_lightest_owner() {
+        // h1: owner busy, nothing placed; h2: owner light, one task; h3: owner idle, one task.
+        let mut h = hosts(&[("h1", 4, 0), ("h2", 4, 1), ("h3", 4, 1)]);
+        h.get_mut("h1").unwrap().info.owner = owned("active-busy", 0.9);
+        h.get_mut("h2").unwrap().info.owner = owned("active-light", 0.2);
+        h.get_mut("h3").unwrap().info.owner = owned("idle", 0.0);
+        assert_eq!(pick(&mut h, None, 1).unwrap().info.name, "h3", "idle owner first, even with more tasks");
+        h.get_mut("h3").unwrap().cores_busy = 4;
+        assert_eq!(pick(&mut h, None, 1).unwrap().info.name, "h2", "then the lightest owner");
+        h.get_mut("h2").unwrap().cores_busy = 4;
+        assert_eq!(pick(&mut h, None, 1).unwrap().info.name, "h1", "a busy owner's host still takes work when nothing else can");
     }
 
     #[test]

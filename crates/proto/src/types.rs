@@ -506,6 +506,42 @@ pub struct HostInfo {
     /// unavailable)`); None before the first clone.
     #[serde(default)]
     pub page_distribution: Option<String>,
+    /// The host's owner and what the guests do about them (Linger-Longer);
+    /// None if the agent has no guest cgroup.
+    #[serde(default)]
+    pub owner: Option<OwnerReport>,
+}
+
+/// One host's owner monitor and guest containment, sent with each load report.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct OwnerReport {
+    /// `idle`, `active-light` or `active-busy`.
+    pub state: String,
+    /// Share of all the host's cores the owner used over the last interval (0..=1).
+    pub cpu: f32,
+    /// Share the guests used.
+    pub guest_cpu: f32,
+    /// `active` or `idle`.
+    pub keyboard: String,
+    /// The machine's MemAvailable.
+    pub mem_available: u64,
+    /// What the guests use, and their cap if one is set.
+    pub guest_mem: u64,
+    pub guest_mem_cap: Option<u64>,
+    pub guests_frozen: bool,
+    /// How guests get starvation priority: `cpu.idle` or `SCHED_IDLE`.
+    pub priority: String,
+    /// `LF`, `LL` or `PM`.
+    pub policy: String,
+    /// PM: seconds guests stay suspended before the head moves them.
+    pub pause_s: u64,
+    /// PM: the guests are suspended because the owner is active.
+    pub suspended: bool,
+    /// What the policy is doing, in words.
+    pub doing: String,
+    /// The guest and owner cgroups, relative to each v1 hierarchy's root.
+    pub guest_cgroup: String,
+    pub owner_cgroup: String,
 }
 
 /// What the task's view held at a path before the task changed it. The

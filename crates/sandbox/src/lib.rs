@@ -129,6 +129,22 @@ pub struct SandboxSpec {
     /// ids (`uid`, `gid` and `groups` are ignored) and /dev/pts has no tty group.
     #[serde(default)]
     pub rootless: bool,
+    /// Where the agent puts the sandbox before it runs anything (its guest
+    /// cgroup, CPU and OOM priority); applied by [`spawn`] in the child.
+    #[serde(skip)]
+    pub placement: Placement,
+}
+
+/// What the sandbox's first process does to itself before exec, so that it
+/// and everything it starts are placed from their first instruction.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// `cgroup.procs` files to write itself into (`0`).
+    pub cgroup_procs: Vec<PathBuf>,
+    /// Switch to `SCHED_IDLE`.
+    pub sched_idle: bool,
+    /// Set its `oom_score_adj` (-1000..=1000).
+    pub oom_score_adj: Option<i32>,
 }
 
 impl SandboxSpec {

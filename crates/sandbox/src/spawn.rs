@@ -87,6 +87,23 @@ fn spawn_inner(
     };
     let extra_raw: Vec<RawFd> = extra_parked.iter().map(|f| f.as_raw_fd()).collect();
 
+    // Placement: the cgroup files are opened here (the child only writes), the
+    // oom_score_adj text is made here (the child opens its own /proc/self file).
+    let cgroup_files: Vec<File> = spec
+        .placement
+        .cgroup_procs
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(p)
+                .map_err(|e| io::Error::new(e.kind(), format!("joining the guest cgroup {}: {e}", p.display())))
+        })
+        .collect::<io::Result<_>>()?;
+    let cgroup_raw: Vec<RawFd> = cgroup_files.iter().map(AsRawFd::as_raw_fd).collect();
+    let sched_idle = spec.placement.sched_idle;
+    let oom_adj: Option<Vec<u8>> = spec.placement.oom_score_adj.map(|v| v.to_string().into_bytes());
+
     let mut cmd = Command::new(exe);
     cmd.arg(INIT_SUBCOMMAND)
         .env_clear()
@@ -95,10 +112,30 @@ fn spawn_inner(
         .stdout(Stdio::from(stdout))
         .stderr(Stdio::from(stderr));
     // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (dup2, setsid) on descriptors that stay open
-    // in the parent until `spawn` returns; it allocates nothing.
+    // async-signal-safe functions (write, open, close, sched_setscheduler,
+    // dup2, setsid) on descriptors that stay open in the parent until `spawn`
+    // returns and on buffers made before the fork; it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
+            // Join the guest cgroup(s) first: everything after runs there.
+            for &fd in &cgroup_raw {
+                if libc::write(fd, b"0".as_ptr().cast(), 1) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if sched_idle {
+                let param = libc::sched_param { sched_priority: 0 };
+                if libc::sched_setscheduler(0, libc::SCHED_IDLE, &raw const param) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if let Some(text) = &oom_adj {
+                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 || libc::write(fd, text.as_ptr().cast(), text.len()) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                libc::close(fd);
+            }
             if libc::dup2(spec_raw, SPEC_FD) < 0 || libc::dup2(status_raw, STATUS_FD) < 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -114,7 +151,7 @@ fn spawn_inner(
         });
     }
     let child = cmd.spawn()?;
-    drop((spec_parked, status_parked, status_write, spec_file, extra_parked, program));
+    drop((spec_parked, status_parked, status_write, spec_file, extra_parked, program, cgroup_files));
 
     let pidfd = pidfd_open(child.id()).ok();
     Ok(Sandboxed { child, status_read: File::from(status_read), pidfd, result: None })

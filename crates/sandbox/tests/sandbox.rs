@@ -83,6 +83,7 @@ fn spec(root: &Path, argv: &[&str]) -> SandboxSpec {
         rlimits: vec![],
         hostname: None,
         rootless: false,
+        placement: Default::default(),
     }
 }
 

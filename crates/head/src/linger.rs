@@ -1,0 +1,177 @@
+//! The LL (Linger-Longer) policy, run by the head once a second over what
+//! the hosts report (`HostInfo::owner`).
+//!
+//! A host whose agent runs `--policy LL` and whose owner is active starts an
+//! *episode*. Its guests linger (at starvation priority, on the host) for
+//! T_lingr = ((1−l)/(h−l))·T_migr (eq. 3.4): h is the host's owner CPU, l
+//! the owner CPU of the idle host with a free core the guest would go to,
+//! T_migr the mean of the cluster's measured migrations (eq. 3.5 measured,
+//! not modelled; [`DEFAULT_T_MIGR`] until one was measured). After that the
+//! guest moves through the head's live migration ([`Head::migrate`]), one
+//! task per host and tick. The episode ends when the owner is idle again.
+//! PM hosts' guests are suspended by their agent while the owner is active;
+//! the head moves them the same way once the episode is older than the
+//! host's pause (`agent.pm_pause_s`). LF hosts are left alone.
+
+use crate::{placement::natural_key, Head};
+use starling_proto::TaskId;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// T_migr before any migration was measured.
+pub(crate) const DEFAULT_T_MIGR: Duration = Duration::from_secs(1);
+/// How often the policy looks.
+pub(crate) const TICK: Duration = Duration::from_secs(1);
+
+/// The policy's memory: episodes and what it says it is doing per host.
+#[derive(Default)]
+pub(crate) struct Lingering {
+    episodes: HashMap<String, Instant>,
+    pub(crate) doing: HashMap<String, String>,
+    /// Moves started per task: a task whose moves keep failing is left alone after [`MAX_TRIES`].
+    tries: HashMap<TaskId, u32>,
+}
+
+/// Moves tried per task.
+const MAX_TRIES: u32 = 3;
+
+/// One host as the policy sees it.
+struct View {
+    name: String,
+    ll: bool,
+    /// PM: the pause before a move.
+    pm: Option<Duration>,
+    idle: bool,
+    cpu: f64,
+    free: u32,
+}
+
+impl Head {
+    /// T_migr: the mean of the measured migrations' total times.
+    fn t_migr(&self) -> Duration {
+        let recent = self.recent_migrations();
+        if recent.is_empty() {
+            return DEFAULT_T_MIGR;
+        }
+        #[allow(clippy::cast_precision_loss, reason = "at most RECENT_MIGRATIONS reports")]
+        let mean_ms = recent.iter().map(|r| r.total_ms).sum::<f64>() / recent.len() as f64;
+        Duration::try_from_secs_f64(mean_ms / 1e3).unwrap_or(DEFAULT_T_MIGR)
+    }
+
+    /// One look at every host: start/end episodes, move guests whose T_lingr has passed.
+    pub(crate) async fn linger_tick(&self) {
+        let t_migr = self.t_migr();
+        let moves: Vec<(TaskId, String)> = {
+            let st = self.state.lock().unwrap();
+            let mut lg = self.lingering.lock().unwrap();
+            let mut views: Vec<View> = st
+                .hosts
+                .values()
+                .map(|h| View {
+                    name: h.info.name.clone(),
+                    ll: h.info.owner.as_ref().is_some_and(|o| o.policy == "LL" || o.policy == "PM"),
+                    pm: h.info.owner.as_ref().filter(|o| o.policy == "PM").map(|o| Duration::from_secs(o.pause_s)),
+                    idle: h.info.owner.as_ref().is_none_or(|o| o.state == "idle"),
+                    cpu: h.info.owner.as_ref().map_or(0.0, |o| f64::from(o.cpu)),
+                    free: h.info.cores.max(1).saturating_sub(h.cores_busy),
+                })
+                .collect();
+            views.sort_by_key(|v| natural_key(&v.name));
+            let now = Instant::now();
+            let mut moves = Vec::new();
+            let mut taken: HashMap<String, u32> = HashMap::new();
+            for v in views.iter().filter(|v| v.ll) {
+                if v.idle {
+                    lg.episodes.remove(&v.name);
+                    lg.doing.remove(&v.name);
+                    continue;
+                }
+                let start = *lg.episodes.entry(v.name.clone()).or_insert(now);
+                let age = now.duration_since(start);
+                let mut guests: Vec<(TaskId, u32)> = st
+                    .routes
+                    .iter()
+                    .filter(|(t, r)| {
+                        r.host == v.name && !r.clone_task && r.moving.is_none() && lg.tries.get(*t).copied().unwrap_or(0) < MAX_TRIES
+                    })
+                    .map(|(t, r)| (*t, r.cores))
+                    .collect();
+                guests.sort_by_key(|(t, _)| *t);
+                let Some(&(task, cores)) = guests.first() else {
+                    lg.doing.insert(v.name.clone(), format!("{}: owner active, no guests", if v.pm.is_some() { "PM" } else { "LL" }));
+                    continue;
+                };
+                // The idlest idle host with room (lowest owner CPU, then most free cores).
+                let target = views
+                    .iter()
+                    .filter(|c| c.name != v.name && c.idle && c.free >= cores + taken.get(&c.name).copied().unwrap_or(0))
+                    .min_by(|a, b| a.cpu.total_cmp(&b.cpu).then(b.free.cmp(&a.free)));
+                let Some(target) = target else {
+                    lg.doing.insert(v.name.clone(), format!(
+                            "{}: {} {:.0} s; no idle host with a free core",
+                            if v.pm.is_some() { "PM" } else { "LL" },
+                            if v.pm.is_some() { "suspended" } else { "lingering" },
+                            age.as_secs_f64()
+                        ));
+                    continue;
+                };
+                let wait = match v.pm {
+                    Some(pause) => Some(pause),
+                    None => starling_linger::policy::t_lingr(target.cpu, v.cpu, t_migr),
+                };
+                let Some(t_lingr) = wait else {
+                    lg.doing.insert(
+                        v.name.clone(),
+                        format!("LL: lingering; owner CPU {:.0}% is not above {}'s {:.0}%", v.cpu * 100.0, target.name, target.cpu * 100.0),
+                    );
+                    continue;
+                };
+                if age >= t_lingr {
+                    *taken.entry(target.name.clone()).or_default() += cores;
+                    *lg.tries.entry(task).or_default() += 1;
+                    lg.doing.insert(
+                        v.name.clone(),
+                        match v.pm {
+                            Some(_) => format!("PM: moving {task} to {} after a {:.1} s pause", target.name, age.as_secs_f64()),
+                            None => format!(
+                                "LL: moving {task} to {} after lingering {:.1} s (T_lingr {:.1} s)",
+                                target.name,
+                                age.as_secs_f64(),
+                                t_lingr.as_secs_f64()
+                            ),
+                        },
+                    );
+                    moves.push((task, target.name.clone()));
+                } else if v.pm.is_some() {
+                    lg.doing.insert(
+                        v.name.clone(),
+                        format!("PM: suspended {:.1} of {:.0} s, then to {}", age.as_secs_f64(), t_lingr.as_secs_f64(), target.name),
+                    );
+                } else {
+                    lg.doing.insert(
+                        v.name.clone(),
+                        format!(
+                            "LL: lingering {:.1} of T_lingr {:.1} s (h {:.0}%, l {:.0}%, T_migr {:.2} s), then to {}",
+                            age.as_secs_f64(),
+                            t_lingr.as_secs_f64(),
+                            v.cpu * 100.0,
+                            target.cpu * 100.0,
+                            t_migr.as_secs_f64(),
+                            target.name
+                        ),
+                    );
+                }
+            }
+            lg.tries.retain(|t, _| st.routes.contains_key(t));
+            moves
+        };
+        for (task, to) in moves {
+            // Stop-and-copy, as eq. 3.5 models it: a lingering guest barely runs, so pre-copy buys
+            // little, and its pages all leave the owner's machine before it resumes.
+            match self.migrate(task, Some(to.clone()), true, None).await {
+                Ok(id) => log::info!("migration {id}: task {task} leaves its busy owner for {to}"),
+                Err(e) => log::warn!("cannot move task {task} to {to}: {e}"),
+            }
+        }
+    }
+}

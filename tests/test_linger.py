@@ -1,0 +1,342 @@
+"""Linger-Longer on the embedded cluster (issue 10): guests at starvation priority in the agent's
+guest cgroup, the owner monitor, the memory band, and the cgroups' life cycle.
+
+CPU shares are read from the cgroups' cpuacct.usage over intervals that end at events (the owner
+has used so much CPU), never over a fixed time; they are compared as ratios."""
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import STARLING, down, require_root, starling, status, up, wait_for
+
+NS = 1_000_000_000
+
+
+def v1_mounts():
+    """{controller: mount point} of the cgroup v1 hierarchies, and every v1 mount point."""
+    ctl, every = {}, []
+    for line in pathlib.Path("/proc/self/mounts").read_text().splitlines():
+        f = line.split()
+        if len(f) >= 4 and f[2] == "cgroup":
+            every.append(f[1])
+            for o in f[3].split(","):
+                ctl.setdefault(o, f[1])
+    return ctl, every
+
+
+def host(name, st=None):
+    return next(h for h in (st or status())["hosts"] if h["name"] == name)
+
+
+def owner_report(name):
+    o = host(name).get("owner")
+    assert o is not None, f"host {name} reports no owner monitor (no guest cgroup?)"
+    return o
+
+
+def cg(controller, rel):
+    ctl, _ = v1_mounts()
+    assert controller in ctl, f"cgroup v1 {controller} controller not mounted"
+    return pathlib.Path(ctl[controller]) / rel
+
+
+def usage(controller_dir):
+    return int((controller_dir / "cpuacct.usage").read_text())
+
+
+def procs(d):
+    try:
+        return [int(p) for p in (d / "cgroup.procs").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def machine_idle_ns():
+    f = pathlib.Path("/proc/stat").read_text().splitlines()[0].split()
+    return int(f[4]) * NS // os.sysconf("SC_CLK_TCK")
+
+
+def busy_loops(n):
+    return " ".join(["(while :; do :; done) &"] * n) + " wait"
+
+
+def spawn(*args, env=None):
+    return subprocess.Popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env=env)
+
+
+def kill_group(p):
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait(timeout=60)
+
+
+def our_trees():
+    """The embedded cluster's host cgroup dirs (starling/<netns prefix>*) in any v1 hierarchy."""
+    _, every = v1_mounts()
+    prefix = f"starling{os.environ.get('STARLING_INSTANCE', '')}-" if os.environ.get("STARLING_INSTANCE", "0") != "0" else "starling-"
+    found = []
+    for m in every:
+        d = pathlib.Path(m) / "starling"
+        if d.is_dir():
+            found += [str(x) for x in d.iterdir() if x.is_dir() and x.name.startswith(prefix)]
+    return found
+
+
+@pytest.fixture(scope="module")
+def lcluster():
+    require_root("an embedded cluster and cgroups")
+    st = up(2)
+    yield st
+    down()
+
+
+def test_guest_starves_while_the_owner_runs_and_takes_idle_cpu_after(lcluster):
+    o = owner_report("h1")
+    assert o["priority"] == "cpu.idle", o
+    cores = host("h1")["cores"]
+    guest_dir = cg("cpuacct", o["guest_cgroup"])
+    owner_dir = cg("cpuacct", o["owner_cgroup"])
+    # The guest: a busy loop per core, in the guest cgroup of h1.
+    g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", busy_loops(cores))
+    try:
+        wait_for(lambda: len(procs(guest_dir)) >= cores + 1, "the guest's busy loops in the guest cgroup")
+        assert procs(cg("cpu", o["guest_cgroup"])), "the guest is not in the cpu (cpu.idle) hierarchy's guest group"
+        # The owner: the same number of busy loops, in h1's owner cgroup.
+        own = spawn(STARLING, "owner", "h1", "--", "sh", "-c", busy_loops(cores))
+        try:
+            wait_for(lambda: len(procs(owner_dir)) >= cores + 1, "the owner's busy loops in the owner cgroup")
+            assert not set(procs(owner_dir)) & set(procs(guest_dir)), "owner processes in the guest cgroup"
+            g0, o0 = usage(guest_dir), usage(owner_dir)
+            # The interval ends when the owner has had 2 CPU-seconds per core.
+            wait_for(lambda: usage(owner_dir) - o0 >= 2 * cores * NS, "the owner to use 2 CPU-seconds per core", timeout=600)
+            dg, do = usage(guest_dir) - g0, usage(owner_dir) - o0
+            print(f"owner running: guest {dg / NS:.3f} CPU-s, owner {do / NS:.3f} CPU-s ({dg / do:.2%})")
+            assert dg < 0.05 * do, f"guest got {dg / NS:.3f} CPU-s while the owner got {do / NS:.3f} (≥ 5%)"
+            st = wait_for(lambda: (r := owner_report("h1"))["state"] != "idle" and r, "h1's owner seen active")
+            assert "lingering" in st["doing"], st
+        finally:
+            kill_group(own)
+        wait_for(lambda: not procs(owner_dir), "the owner workload to end")
+        # Owner gone: the guest takes the CPU nobody else wants (other work on this machine may
+        # still take some: compare the guest's time with the machine's idle time).
+        g1, i1 = usage(guest_dir), machine_idle_ns()
+        wait_for(lambda: usage(guest_dir) - g1 >= 2 * cores * NS, "the guest to get 2 CPU-seconds per core", timeout=600)
+        dg, di = usage(guest_dir) - g1, machine_idle_ns() - i1
+        print(f"owner gone: guest {dg / NS:.3f} CPU-s, machine idle {di / NS:.3f} CPU-s")
+        assert dg > 0.9 * (dg + di), f"guest took {dg / NS:.2f} CPU-s while {di / NS:.2f} CPU-s stayed idle"
+    finally:
+        for p in procs(guest_dir):
+            os.kill(p, signal.SIGKILL)
+        g.wait(timeout=120)
+    wait_for(lambda: not procs(guest_dir), "the guest to end")
+
+
+def test_memory_band_caps_the_guest_when_free_memory_drops(lcluster):
+    """Thresholds as settings: the band sits just below today's free memory, and an owner that
+    takes 3 GiB pushes free memory below it."""
+    avail = next(int(l.split()[1]) for l in pathlib.Path("/proc/meminfo").read_text().splitlines()
+                 if l.startswith("MemAvailable:")) // 1024
+    if avail < 8192:
+        pytest.fail(f"needs 8 GiB free memory for its 3 GiB owner (MemAvailable {avail} MiB)")
+    env = dict(os.environ, STARLING_LOW_WATER_MIB=str(avail - 1536), STARLING_HIGH_WATER_MIB=str(avail - 768))
+    starling("down", check=False)
+    r = subprocess.run([STARLING, "up", "--hosts", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    try:
+        o = owner_report("h1")
+        mem_dir = cg("memory", o["guest_cgroup"])
+        g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", "echo started; sleep 3600")
+        try:
+            wait_for(lambda: procs(mem_dir), "the guest in the memory guest group")
+            assert owner_report("h1")["guest_mem_cap"] is None
+            unlimited = int((mem_dir / "memory.limit_in_bytes").read_text())
+            own = spawn(STARLING, "owner", "h1", "--", "python3", "-c",
+                        "import time; b = b'x' * (3 << 30); print('held', flush=True); time.sleep(3600)")
+            try:
+                rep = wait_for(lambda: (r := owner_report("h1"))["guest_mem_cap"] is not None and r,
+                               "the guest's memory to be capped", timeout=300)
+                limit = int((mem_dir / "memory.limit_in_bytes").read_text())
+                assert limit < unlimited, "memory.limit_in_bytes was not lowered"
+                # Capped at what the guest used (a shell and a sleep: far below 256 MiB).
+                assert limit <= 256 << 20, f"cap {limit} is not what the guest uses"
+                assert "capped" in rep["doing"] or "frozen" in rep["doing"], rep
+                assert g.poll() is None, "the guest was killed"
+            finally:
+                kill_group(own)
+            wait_for(lambda: owner_report("h1")["guest_mem_cap"] is None, "the cap to be lifted", timeout=300)
+            assert int((mem_dir / "memory.limit_in_bytes").read_text()) == unlimited
+            assert (cg("freezer", o["guest_cgroup"]) / "freezer.state").read_text().strip() == "THAWED"
+            assert g.poll() is None, "the guest did not survive the band"
+        finally:
+            for p in procs(mem_dir):
+                os.kill(p, signal.SIGKILL)
+            out, _ = g.communicate(timeout=120)
+        assert out == "started\n"
+    finally:
+        starling("down", check=False)
+        up(2)
+
+
+def test_cgroups_are_removed_by_down_and_after_kill_9(lcluster):
+    st = status()
+    o = owner_report("h1")
+    assert all(cg(c, o["guest_cgroup"]).is_dir() for c in ("cpu", "cpuacct", "memory", "freezer"))
+    assert our_trees(), "no host cgroups while the cluster runs"
+    # kill -9 an agent: its cgroups stay behind (nobody ran its exit), `down` removes them.
+    os.kill(host("h1", st)["pid"], signal.SIGKILL)
+    wait_for(lambda: not pathlib.Path(f"/proc/{host('h1', st)['pid']}").exists(), "the agent to die")
+    assert cg("cpuacct", o["guest_cgroup"]).is_dir()
+    r = down()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert our_trees() == [], f"left behind: {our_trees()}"
+    up(2)
+    o2 = owner_report("h1")
+    assert o2["guest_cgroup"] == o["guest_cgroup"] and procs(cg("cpuacct", o2["guest_cgroup"])) == []
+
+
+def test_agent_removes_a_stale_guest_group_at_start_and_its_groups_at_sigterm(tmp_path):
+    """A lone agent (no head needed: it makes its cgroups before dialling): a stale guest group of
+    its name, with a process in it, is emptied and remade; SIGTERM removes the agent's groups."""
+    require_root("cgroups")
+    name = f"lingertest{os.getpid()}"
+    rel = f"starling/{name}/guest"
+    stale = cg("cpuacct", rel)
+    stale.mkdir(parents=True)
+    victim = subprocess.Popen(["sleep", "3600"])
+    (stale / "cgroup.procs").write_text(str(victim.pid))
+    agent = spawn(STARLING, "agent", "--head", "127.0.0.1:1", "--name", name, "--state", str(tmp_path / "state"))
+    try:
+        assert victim.wait(timeout=120) == -signal.SIGKILL, "the stale guest was not killed"
+        wait_for(lambda: (cg("cpu", rel) / "cpu.idle").exists() and (cg("cpu", rel) / "cpu.idle").read_text().strip() == "1",
+                 "the fresh guest group with cpu.idle = 1")
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=120) == 0
+        _, every = v1_mounts()
+        left = [m for m in every if (pathlib.Path(m) / "starling" / name).exists()]
+        assert left == [], f"agent left its cgroups in {left}"
+    finally:
+        if agent.poll() is None:
+            kill_group(agent)
+        if victim.poll() is None:
+            victim.kill()
+        _, every = v1_mounts()
+        for m in every:
+            for d in sorted((pathlib.Path(m) / "starling" / name).glob("**/"), key=lambda p: -len(p.parts)):
+                d.rmdir()
+
+
+# Policies: the guest prints a progress line per 500000 steps, from one shell process (a task that
+# can move); its expected output is arithmetic, and a move must neither lose nor repeat a line.
+STEPS = 2_000_000
+GUEST = ("i=0; while [ $i -lt %d ]; do i=$((i+1)); [ $((i %% 500000)) -eq 0 ] && echo $i; done; echo done" % STEPS)
+EXPECTED = "".join(f"{i}\n" for i in range(500_000, STEPS + 1, 500_000)) + "done\n"
+
+
+def ps_host(task_cmd_fragment):
+    tasks = json.loads(starling("ps", "--json").stdout)
+    t = [t for t in tasks if task_cmd_fragment in t.get("command", "")]
+    return t[0] if t else None
+
+
+def policy_cluster(policy):
+    starling("down", check=False)
+    r = starling("up", "--hosts", "2", "--policy", policy, check=False, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert {h["owner"]["policy"] for h in status()["hosts"]} == {policy}
+
+
+def owner_burning(cores):
+    o = owner_report("h1")
+    owner_dir = cg("cpuacct", o["owner_cgroup"])
+    own = spawn(STARLING, "owner", "h1", "--", "sh", "-c", busy_loops(cores))
+    wait_for(lambda: len(procs(owner_dir)) >= cores + 1, "the owner's busy loops")
+    wait_for(lambda: owner_report("h1")["state"] != "idle", "h1's owner seen active")
+    return own, owner_dir
+
+
+def test_ll_lingers_then_moves_the_guest_to_an_idle_host(lcluster):
+    policy_cluster("LL")
+    try:
+        cores = host("h1")["cores"]
+        own, _ = owner_burning(cores)
+        try:
+            g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", GUEST)
+            wait_for(lambda: ps_host("echo done"), "the guest task")
+            # First it lingers (the head counts down T_lingr), then it moves to the idle h2.
+            seen = wait_for(lambda: (d := owner_report("h1")["doing"]).startswith("LL: lingering") and d, "LL lingering on h1")
+            wait_for(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
+            moved = wait_for(lambda: (d := owner_report("h1")["doing"]).startswith(("LL: moving", "LL: owner active, no guests")) and d,
+                             "h1's policy report after the move")
+        finally:
+            # Emulated hosts share this machine's cores: h1's owner would starve the guest on h2 too.
+            kill_group(own)
+        out, err = g.communicate(timeout=600)
+        assert g.returncode == 0, err
+        assert out == EXPECTED, f"output differs from the undisturbed one:\n{out!r}"
+        assert "T_lingr" in seen, seen
+        print(f"before: {seen!r}; after: {moved!r}")
+    finally:
+        starling("down", check=False)
+        up(2)
+
+
+def test_lf_lingers_and_never_moves(lcluster):
+    cores = host("h1")["cores"]
+    assert host("h1")["owner"]["policy"] == "LF"
+    own, owner_dir = owner_burning(cores)
+    try:
+        g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", GUEST)
+        t = wait_for(lambda: ps_host("echo done"), "the guest task")
+        # Long past any T_lingr (T_migr is below a second here): the owner uses 5 CPU-s per core.
+        o0 = usage(owner_dir)
+        wait_for(lambda: usage(owner_dir) - o0 >= 5 * cores * NS, "the owner to use 5 CPU-seconds per core", timeout=600)
+        assert ps_host("echo done")["host"] == "h1", "LF moved the guest"
+        assert g.poll() is None, "the guest finished while the owner burned every core"
+    finally:
+        kill_group(own)
+    out, err = g.communicate(timeout=600)
+    assert g.returncode == 0, err
+    assert out == EXPECTED
+    assert t["host"] == "h1"
+
+
+def test_pm_suspends_then_moves_after_the_pause(lcluster):
+    """PM with a 3 s pause (a setting): the guest is frozen while h1's owner is active, then moved."""
+    starling("down", check=False)
+    env = dict(os.environ, STARLING_PM_PAUSE_S="3")
+    r = subprocess.run([STARLING, "up", "--hosts", "2", "--policy", "PM"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    try:
+        assert host("h1")["owner"]["policy"] == "PM" and host("h1")["owner"]["pause_s"] == 3
+        freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
+        cores = host("h1")["cores"]
+        # The owner comes back while the guest runs (a task cannot start in a suspended group:
+        # it is frozen before its program starts, and only a started task can move).
+        steps = 20_000_000
+        guest = GUEST.replace(str(STEPS), str(steps)).replace("500000", "5000000")
+        expected = "".join(f"{i}\n" for i in range(5_000_000, steps + 1, 5_000_000)) + "done\n"
+        g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", guest)
+        wait_for(lambda: (t := ps_host("echo done")) and (t.get("cpu_seconds") or 0) > 0, "the guest running")
+        own, _ = owner_burning(cores)
+        try:
+            wait_for(lambda: owner_report("h1")["suspended"], "h1's guests suspended")
+            assert (freezer / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING")
+            wait_for(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
+        finally:
+            kill_group(own)
+        out, err = g.communicate(timeout=600)
+        assert g.returncode == 0, err
+        assert out == expected, f"output differs from the undisturbed one:\n{out!r}"
+        wait_for(lambda: not owner_report("h1")["suspended"], "h1's guests resumed once the owner left")
+        assert (freezer / "freezer.state").read_text().strip() == "THAWED"
+    finally:
+        starling("down", check=False)
+        up(2)
