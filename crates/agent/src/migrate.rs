@@ -498,6 +498,9 @@ fn restore_here(
     let mut sb = sandbox_spec(&spec, overlay.root());
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
+    // Its program is the restorer, which needs root: the restored task runs
+    // without the seccomp filter and no_new_privs (see docs/SECURITY.md).
+    sb.confinement = starling_sandbox::Confinement::Restorer;
     let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };
     let t_plan = Instant::now();
     let mut child = starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w)

@@ -74,12 +74,23 @@
 //! command could not be run. In those cases a line starting `starling: `
 //! explains why on the task's stderr.
 //!
+//! # Hardening ([`Confinement::Task`])
+//!
+//! An ordinary task runs with `no_new_privs`, a seccomp filter that returns
+//! `EPERM` for [`harden::DENIED_SYSCALLS`] (module loading, kexec, bpf,
+//! perf, keyrings, reboot, swap, `open_by_handle_at`, mounting, `ptrace`),
+//! and, unless its uid is 0, no capabilities at all (effective, permitted,
+//! inheritable, ambient and bounding sets empty). The restorer of a clone or
+//! of a moved task ([`Confinement::Restorer`]) needs root for its nested PID
+//! namespace and userfaultfd and is left as it was: see docs/SECURITY.md.
+//!
 //! # Limits
 //!
 //! `chroot` (not `pivot_root`) confines the file-system view; a task that
 //! runs as uid 0 keeps its capabilities and could leave it. Tasks of
 //! ordinary users cannot.
 
+pub mod harden;
 mod init;
 pub mod program;
 mod spawn;
@@ -89,6 +100,7 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use std::path::PathBuf;
 
+pub use harden::HardenError;
 pub use init::init_main;
 pub use program::TaskProgram;
 pub use spawn::{spawn, spawn_program, Sandboxed};
@@ -129,6 +141,23 @@ pub struct SandboxSpec {
     /// ids (`uid`, `gid` and `groups` are ignored) and /dev/pts has no tty group.
     #[serde(default)]
     pub rootless: bool,
+    /// What the program gives up before it starts.
+    #[serde(default)]
+    pub confinement: Confinement,
+}
+
+/// How much of the host's privilege a task's program keeps.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Confinement {
+    /// An ordinary program (`exec`, `run`, `batch`): `no_new_privs`, the
+    /// seccomp filter, and no capabilities unless its uid is 0.
+    #[default]
+    Task,
+    /// The restorer of a remote-fork clone or of a moved task: it starts as
+    /// root with its capabilities (nested PID namespace, `set_tid`,
+    /// userfaultfd) and drops to the restored process's credentials itself.
+    /// Not filtered: the restored process runs without the seccomp filter.
+    Restorer,
 }
 
 impl SandboxSpec {

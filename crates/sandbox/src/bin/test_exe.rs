@@ -35,6 +35,7 @@ fn hold(root: PathBuf, argv: Vec<Vec<u8>>) {
         rlimits: vec![],
         hostname: None,
         rootless: false,
+        confinement: starling_sandbox::Confinement::Task,
     };
     let null = || -> OwnedFd { std::fs::File::options().read(true).write(true).open("/dev/null").expect("open /dev/null").into() };
     let exe = std::env::current_exe().expect("current_exe");
