@@ -4,6 +4,7 @@
   capabilities but is filtered too.
 - Inside a task, even as root: mount(2) (and the `mount` command), loading or removing a kernel module and
   ptrace fail with EPERM.
+- A task moved to another host (`starling migrate`, restored by the restorer) is still filtered there.
 - The symlink-commit attacks write nothing outside the working tree: a symlink to a scratch "etc" put where
   another task made a directory and wrote into it (committed first), and a symlink left where an output goes.
 """
@@ -14,8 +15,9 @@ import subprocess
 
 import pytest
 
-from conftest import STARLING, require_tool
+from conftest import STARLING, require_tool, status
 from test_exec import exec_, readline_within
+from test_migrate import Task, migrate
 from test_user import as_user, user  # noqa: F401  (the fixture: a user and group made for the test)
 
 # System call numbers the tasks try directly (so the error is the kernel's answer, not a tool's guess).
@@ -152,3 +154,26 @@ def test_a_non_root_users_symlink_attack_writes_nothing_outside(cluster, user, s
     out, err = b.communicate(input=b"go\n", timeout=120)
     assert b.returncode == 0, err
     assert tree(scratch_etc) == before, "the user's commit wrote through the symlink"
+
+
+def test_a_moved_task_is_still_filtered_on_its_new_host(cluster, workdir):
+    require_tool("python3", "python3")
+    hosts = [h["name"] for h in status()["hosts"]]
+    nr = SYSCALLS[platform.machine()]["ptrace"]
+    # Prints "HOST Seccomp NoNewPrivs ptrace-rc errno" every 0.2 s, from wherever it runs.
+    script = ("# moved-and-filtered\nimport ctypes, time\n"
+              "libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long\n"
+              "for _ in range(3000):\n"
+              "    f = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\n"
+              f"    r = libc.syscall({nr}, 0, 0, None, None)\n"
+              "    host = open('/proc/sys/kernel/hostname').read().strip()\n"
+              "    print(host, f['Seccomp'].strip(), f['NoNewPrivs'].strip(), r, ctypes.get_errno(), flush=True)\n"
+              "    time.sleep(0.2)\n")
+    t = Task(["python3", "-c", script], hosts[0], workdir)
+    t.read_until(hosts[0] + " ")
+    assert t.lines[-1].split() == [hosts[0], "2", "1", "-1", "1"], t.lines[-1]
+    migrate(t.id("moved-and-filtered"), hosts[1])
+    t.read_until(hosts[1] + " ")
+    assert t.lines[-1].split() == [hosts[1], "2", "1", "-1", "1"], "unfiltered after the move: " + t.lines[-1]
+    t.p.send_signal(15)
+    t.p.wait(timeout=300)

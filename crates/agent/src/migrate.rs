@@ -492,14 +492,20 @@ fn restore_here(
     };
     let handler_desc = crate::clone::rooted(&incoming.descriptor, overlay.root());
     let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
-    let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false };
+    // A moved exec task gets its sandbox's filter back from the restorer; a clone never had one.
+    let seccomp = if spec.clone.is_none() {
+        starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?
+    } else {
+        Vec::new()
+    };
+    let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &seccomp };
     let (program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;
     let mut sb = sandbox_spec(&spec, overlay.root());
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
-    // Its program is the restorer, which needs root: the restored task runs
-    // without the seccomp filter and no_new_privs (see docs/SECURITY.md).
+    // Its program is the restorer, which needs root; it installs the filter
+    // in `seccomp` (no_new_privs included) itself as the task resumes.
     sb.confinement = starling_sandbox::Confinement::Restorer;
     let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };
     let t_plan = Instant::now();

@@ -93,6 +93,23 @@ pub fn task_filter() -> Result<BpfProgram, HardenError> {
         .map_err(HardenError::Build)
 }
 
+/// [`task_filter`] as raw `struct sock_filter`s (8 bytes each, native
+/// byte order), for a restore plan: the restorer of a moved task installs
+/// it as the process resumes.
+pub fn task_filter_bytes() -> Result<Vec<u8>, HardenError> {
+    Ok(task_filter()?
+        .iter()
+        .flat_map(|i| {
+            let mut b = [0u8; 8];
+            b[0..2].copy_from_slice(&i.code.to_ne_bytes());
+            b[2] = i.jt;
+            b[3] = i.jf;
+            b[4..8].copy_from_slice(&i.k.to_ne_bytes());
+            b
+        })
+        .collect())
+}
+
 /// Still root, before the uid changes: empty the bounding set (needs
 /// CAP_SETPCAP) and the ambient set, so nothing can come back by exec.
 pub fn drop_privileged_sets() -> Result<(), HardenError> {

@@ -82,7 +82,8 @@
 //! and, unless its uid is 0, no capabilities at all (effective, permitted,
 //! inheritable, ambient and bounding sets empty). The restorer of a clone or
 //! of a moved task ([`Confinement::Restorer`]) needs root for its nested PID
-//! namespace and userfaultfd and is left as it was: see docs/SECURITY.md.
+//! namespace and userfaultfd and is left as it was; for a moved task it
+//! installs [`harden::task_filter_bytes`] itself: see docs/SECURITY.md.
 //!
 //! # Limits
 //!
@@ -156,7 +157,8 @@ pub enum Confinement {
     /// The restorer of a remote-fork clone or of a moved task: it starts as
     /// root with its capabilities (nested PID namespace, `set_tid`,
     /// userfaultfd) and drops to the restored process's credentials itself.
-    /// Not filtered: the restored process runs without the seccomp filter.
+    /// Not filtered here: a moved `exec` task gets the filter back from the
+    /// restorer itself, as it resumes ([`harden::task_filter_bytes`] in its plan).
     Restorer,
 }
 
