@@ -44,6 +44,8 @@ def user():
 
 def as_user(pw, home, *argv, timeout=300):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LC_ALL": "C"}
+    if "STARLING_INSTANCE" in os.environ:  # the cluster the tests started, not the default one
+        env["STARLING_INSTANCE"] = os.environ["STARLING_INSTANCE"]
     return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv],
                           cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
 

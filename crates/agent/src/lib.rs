@@ -49,6 +49,8 @@ pub enum AgentError {
     Fork { step: Step, #[source] source: starling_fork::ForkError },
     #[error("taking a moved task: {0}")]
     Migration(String),
+    #[error("the moved task's seccomp filter: {0}")]
+    Filter(#[source] starling_sandbox::HardenError),
     #[error("this agent runs without root: remote fork onto it is not supported yet (its clones need kernel-mode userfaultfd, which only root has here); run the agent as root")]
     RootlessClone,
 }

@@ -36,7 +36,7 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::OwnedFd;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -492,12 +492,21 @@ fn restore_here(
     };
     let handler_desc = crate::clone::rooted(&incoming.descriptor, overlay.root());
     let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
-    let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false };
+    // A moved exec task gets its sandbox's filter back from the restorer; a clone never had one.
+    let seccomp = if spec.clone.is_none() {
+        starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?
+    } else {
+        Vec::new()
+    };
+    let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &seccomp };
     let (program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
+    // Its program is the restorer, which needs root; it installs the filter
+    // in `seccomp` (no_new_privs included) itself as the task resumes.
+    sb.confinement = starling_sandbox::Confinement::Restorer;
     let program = starling_sandbox::TaskProgram { program: program.program, fds: program.fds };
     let t_plan = Instant::now();
     let mut child = starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w)
@@ -556,41 +565,71 @@ fn restore_here(
 }
 
 /// Write a moved task's files through its new overlay, so that its upper
-/// ends up as the source's was.
+/// ends up as the source's was. This runs as root outside the task's chroot:
+/// nothing is followed through a symlink (an absolute one would resolve on
+/// this host), neither on the way to an item (the move is refused) nor at
+/// the item itself (the symlink is replaced).
 fn apply_upper(root: &Path, items: Vec<UpperItem>) -> std::io::Result<()> {
-    let at = |p: &WirePath| root.join(p.as_path().strip_prefix("/").unwrap_or(p.as_path()));
+    let at = |p: &WirePath| -> std::io::Result<PathBuf> {
+        let rel = p.as_path().strip_prefix("/").unwrap_or(p.as_path());
+        let mut way = root.to_path_buf();
+        if let Some(parent) = rel.parent() {
+            for comp in parent.components() {
+                way.push(comp);
+                if std::fs::symlink_metadata(&way).is_ok_and(|m| m.file_type().is_symlink()) {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidData,
+                        format!("{p}: a directory on its way is a symlink here; refusing to follow it"),
+                    ));
+                }
+            }
+        }
+        Ok(root.join(rel))
+    };
+    let is_dir = |p: &Path| std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir());
     for item in items {
         match item {
             UpperItem::Dir { path, mode, opaque } => {
-                let p = at(&path);
+                let p = at(&path)?;
                 if opaque {
                     let _ = std::fs::remove_dir_all(&p).or_else(|_| std::fs::remove_file(&p));
                 }
-                if !p.is_dir() {
+                if !is_dir(&p) {
                     let _ = std::fs::remove_file(&p);
                     std::fs::create_dir_all(&p)?;
                 }
                 std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode & 0o7777))?;
             }
             UpperItem::File { path, mode, mtime_ns, data } => {
-                let p = at(&path);
-                if p.is_dir() {
+                let p = at(&path)?;
+                if is_dir(&p) {
                     std::fs::remove_dir_all(&p)?;
+                } else if std::fs::symlink_metadata(&p).is_ok_and(|m| m.file_type().is_symlink()) {
+                    std::fs::remove_file(&p)?;
                 }
-                let mut f = std::fs::OpenOptions::new().write(true).create(true).truncate(true).open(&p)?;
+                let mut f = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&p)?;
                 f.write_all(&data)?;
                 f.set_permissions(std::fs::Permissions::from_mode(mode & 0o7777))?;
                 let t = std::time::UNIX_EPOCH + Duration::from_nanos(u64::try_from(mtime_ns).unwrap_or(0));
                 f.set_times(std::fs::FileTimes::new().set_modified(t))?;
             }
             UpperItem::Symlink { path, target } => {
-                let p = at(&path);
-                let _ = std::fs::remove_file(&p);
+                let p = at(&path)?;
+                if is_dir(&p) {
+                    std::fs::remove_dir_all(&p)?;
+                } else {
+                    let _ = std::fs::remove_file(&p);
+                }
                 std::os::unix::fs::symlink(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(&target), &p)?;
             }
             UpperItem::Whiteout { path } => {
-                let p = at(&path);
-                if p.is_dir() {
+                let p = at(&path)?;
+                if is_dir(&p) {
                     std::fs::remove_dir_all(&p)?;
                 } else if p.symlink_metadata().is_ok() {
                     std::fs::remove_file(&p)?;
@@ -599,4 +638,37 @@ fn apply_upper(root: &Path, items: Vec<UpperItem>) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wire(p: &str) -> WirePath {
+        WirePath::new(p.as_bytes().to_vec()).unwrap()
+    }
+
+    #[test]
+    fn a_moved_tasks_files_are_never_written_through_a_symlink() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (root, outside) = (tmp.path().join("root"), tmp.path().join("outside"));
+        std::fs::create_dir_all(root.join("w")).unwrap();
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("passwd"), "host\n").unwrap();
+        // A symlink item, then items "under" it: the move is refused, nothing outside is touched.
+        let items = vec![
+            UpperItem::Symlink { path: wire("/w/d"), target: outside.as_os_str().as_encoded_bytes().to_vec() },
+            UpperItem::File { path: wire("/w/d/passwd"), mode: 0o644, mtime_ns: 0, data: b"pwned\n".to_vec() },
+        ];
+        let err = apply_upper(&root, items).unwrap_err();
+        assert!(err.to_string().contains("symlink"), "{err}");
+        assert_eq!(std::fs::read_to_string(outside.join("passwd")).unwrap(), "host\n");
+        // A symlink where a file goes (as a lower view may have): replaced, not followed.
+        std::os::unix::fs::symlink(outside.join("passwd"), root.join("w/out")).unwrap();
+        let items = vec![UpperItem::File { path: wire("/w/out"), mode: 0o600, mtime_ns: 0, data: b"mine\n".to_vec() }];
+        apply_upper(&root, items).unwrap();
+        assert_eq!(std::fs::read_to_string(root.join("w/out")).unwrap(), "mine\n");
+        assert!(!std::fs::symlink_metadata(root.join("w/out")).unwrap().file_type().is_symlink());
+        assert_eq!(std::fs::read_to_string(outside.join("passwd")).unwrap(), "host\n");
+    }
 }

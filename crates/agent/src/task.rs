@@ -162,6 +162,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
+            sb.confinement = starling_sandbox::Confinement::Restorer;
             (starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w), Some(run))
         }
     };
@@ -215,6 +216,7 @@ pub(crate) fn sandbox_spec(agent: &Agent, spec: &TaskSpec, root: &Path) -> starl
         hostname: None,
         rootless: false,
         placement: agent.linger.placement(),
+        confinement: starling_sandbox::Confinement::Task,
     }
 }
 

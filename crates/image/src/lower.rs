@@ -19,7 +19,7 @@ use std::vec::Vec;
 
 /// Options of a restore that are not part of the process's state.
 #[derive(Debug, Clone, Copy)]
-pub struct PlanOptions {
+pub struct PlanOptions<'a> {
     /// ID of the first clone (0: a migration, not a clone).
     pub clone_id: u32,
     /// Processes this restore starts (see `PlanHeader::clone_count`).
@@ -30,6 +30,9 @@ pub struct PlanOptions {
     /// template's resume point (remote fork). A migration resumes with the
     /// registers as they were.
     pub clone_id_in_rax: bool,
+    /// A seccomp BPF program (raw `struct sock_filter`s) the process gets
+    /// with `no_new_privs` as it resumes; empty: none.
+    pub seccomp: &'a [u8],
 }
 
 /// How the restorer must map a region.
@@ -126,6 +129,7 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     let cwd = blob.add(d.process.cwd.as_bytes());
     let group_bytes: Vec<u8> = d.process.groups.iter().flat_map(|g| g.to_le_bytes()).collect();
     let groups = blob.add(&group_bytes);
+    let seccomp = blob.add(opts.seccomp);
 
     let threads_off = HEADER_SIZE as u64;
     let regions_off = threads_off + (threads.len() * THREAD_SIZE) as u64;
@@ -158,6 +162,7 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
         blob_len: blob.0.len() as u64,
         cwd,
         groups,
+        seccomp,
         process: d.process.core,
         sigactions: d.sigactions,
     };

@@ -253,13 +253,32 @@ mod tests {
 
     #[test]
     fn invalid_paths_are_rejected() {
-        for bad in [&b"rel"[..], b"/a/../b", b"/a//b", b"/a/./b", b"/a\0b", b""] {
+        let long_name = [b"/a/".to_vec(), vec![b'n'; 256]].concat();
+        let long_path = [b"/".to_vec(), vec![b'n'; 4096]].concat();
+        for bad in [&b"rel"[..], b"/a/../b", b"/..", b"/a//b", b"/a/./b", b"/a\0b", b"", &long_name, &long_path] {
             assert!(WirePath::new(bad.to_vec()).is_err(), "{:?}", bad);
         }
+        assert!(WirePath::new([b"/a/".to_vec(), vec![b'n'; 255]].concat()).is_ok(), "NAME_MAX itself is fine");
+        let enc = |m: &Msg| bincode::DefaultOptions::new().with_fixint_encoding().serialize(m).unwrap();
+        // Refused by the decoder itself: every field that is a WirePath, in every message.
         let mut s = spec();
         s.cwd = WirePath(b"/x/..".to_vec());
-        let body = bincode::DefaultOptions::new().with_fixint_encoding().serialize(&Msg::Launch { spec: s, reference: 1 }).unwrap();
-        assert!(matches!(decode(&body), Err(ProtoError::Invalid(crate::Invalid::PathNotNormalised(_)))));
+        let err = decode(&enc(&Msg::Launch { spec: s, reference: 1 })).unwrap_err();
+        assert!(matches!(err, ProtoError::Decode(_)), "{err:?}");
+        assert!(err.to_string().contains("not normalised") || format!("{err:?}").contains("not normalised"), "{err:?}");
+        let change = |p: Vec<u8>| Msg::Finished {
+            task: crate::TaskId(1),
+            status: crate::ExitStatus::Code(0),
+            changes: vec![crate::Change::Remove { path: WirePath(p), base: crate::Base::Absent }],
+            accessed: vec![],
+        };
+        for bad in [b"/w/../../etc/passwd".to_vec(), b"/w/a\0b".to_vec(), long_name.clone(), b"etc/passwd".to_vec()] {
+            assert!(decode(&enc(&change(bad.clone()))).is_err(), "{:?}", String::from_utf8_lossy(&bad));
+        }
+        assert!(decode(&enc(&change(b"/w/ok".to_vec()))).is_ok());
+        // Outside frames too (migration payloads, caches): plain bincode refuses it.
+        let raw = bincode::serialize(&WirePath(b"/a/../b".to_vec())).unwrap();
+        assert!(bincode::deserialize::<WirePath>(&raw).is_err());
     }
 
     #[test]

@@ -85,6 +85,8 @@ pub enum Invalid {
     PathNotNormalised(String),
     #[error("name contains '/'")]
     NameHasSlash,
+    #[error("a name of {0} bytes is longer than NAME_MAX (255)")]
+    NameTooLong(usize),
     #[error("chunk length {0} out of range")]
     ChunkLength(u32),
     #[error("recipe chunks sum to {total} bytes but size is {size}")]

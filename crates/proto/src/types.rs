@@ -45,9 +45,22 @@ impl fmt::Display for Hash {
 
 /// An absolute, normalised Linux path as raw bytes (paths need not be UTF-8).
 /// Valid: starts with `/`, no NUL, no empty/`.`/`..` components (except the
-/// root itself), at most [`MAX_PATH`] bytes.
+/// root itself), at most [`MAX_PATH`] bytes, each name at most [`MAX_NAME`].
+/// Checked when decoded (every decoder: frames, migration payloads, caches):
+/// an invalid one never exists in a received value.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(try_from = "Vec<u8>")]
 pub struct WirePath(pub Vec<u8>);
+
+/// Longest file name (NAME_MAX).
+pub const MAX_NAME: usize = 255;
+
+impl TryFrom<Vec<u8>> for WirePath {
+    type Error = ProtoError;
+    fn try_from(bytes: Vec<u8>) -> Result<Self, ProtoError> {
+        WirePath::new(bytes)
+    }
+}
 
 impl WirePath {
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Self, ProtoError> {
@@ -73,6 +86,9 @@ impl WirePath {
             for comp in b[1..].split(|&c| c == b'/') {
                 if comp.is_empty() || comp == b"." || comp == b".." {
                     return Err(Invalid::PathNotNormalised(format!("{self:?}")).into());
+                }
+                if comp.len() > MAX_NAME {
+                    return Err(Invalid::NameTooLong(comp.len()).into());
                 }
             }
         }

@@ -74,6 +74,7 @@ mod nr {
     pub const RT_SIGTIMEDWAIT: usize = 128;
     pub const RT_SIGQUEUEINFO: usize = 129;
     pub const PRCTL: usize = 157;
+    pub const SECCOMP: usize = 317;
     pub const ARCH_PRCTL: usize = 158;
     pub const GETTID: usize = 186;
     pub const FUTEX: usize = 202;
@@ -421,6 +422,9 @@ fn validate_plan(len: usize) {
         || (several && (h.flags & PLAN_FLAG_NEW_PIDNS == 0 || h.n_threads != 1))
     {
         die(RestorerExit::BadPlan, "clone count", h.clone_count, 0);
+    }
+    if !blob_ok(h.seccomp) || h.seccomp.len % 8 != 0 || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {
+        die(RestorerExit::BadPlan, "seccomp program", h.seccomp.len, 0);
     }
     if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || h.groups.len % 4 != 0 {
         die(RestorerExit::BadPlan, "cwd/groups out of bounds", 0, 0);
@@ -1220,6 +1224,35 @@ fn restore_credentials() {
     }
 }
 
+/// The plan's seccomp program, if any: `no_new_privs`, then the filter on
+/// every thread at once (they all exist and wait for GO). Nothing the
+/// restorer still does after this is denied by the task filter.
+fn confine() {
+    let prog = blob(header().seccomp);
+    if prog.is_empty() {
+        return;
+    }
+    /// The kernel's `struct sock_fprog`.
+    #[repr(C)]
+    struct SockFprog {
+        len: u16,
+        filter: *const u8,
+    }
+    let fprog = SockFprog { len: (prog.len() / 8) as u16, filter: prog.as_ptr() };
+    // SAFETY: prctl(PR_SET_NO_NEW_PRIVS = 38, 1) with integer arguments.
+    let r = unsafe { sys!(nr::PRCTL, 38, 1, 0, 0, 0) };
+    if r < 0 {
+        die(RestorerExit::ThreadState, "no_new_privs", 0, r);
+    }
+    // SAFETY: seccomp(SECCOMP_SET_MODE_FILTER = 1, SECCOMP_FILTER_FLAG_TSYNC = 1)
+    // reads a sock_fprog on our stack pointing into the plan, both live
+    // for the call (the kernel copies the program).
+    let r = unsafe { sys!(nr::SECCOMP, 1, 1, &fprog as *const SockFprog) };
+    if r != 0 {
+        die(RestorerExit::ThreadState, "seccomp", 0, r);
+    }
+}
+
 /// The leader, after its own thread state: wait for every thread, then the
 /// process-wide state that must come last (interval timers, the shared
 /// signal queue), then let all resume.
@@ -1249,6 +1282,7 @@ fn release_threads() {
         // process, which may carry a kernel si_code.
         unsafe { sys!(nr::RT_SIGQUEUEINFO, pid, s.info.signo(), &s.info as *const SigInfo) };
     }
+    confine();
     // Tell the handler the process is about to run (a migration's switch
     // point), then let go of the socket: the program must not inherit it.
     let sock = HANDLER_SOCK.load(Ordering::Relaxed);

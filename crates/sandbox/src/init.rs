@@ -453,6 +453,16 @@ fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid)
     for &(resource, soft, hard) in &spec.rlimits {
         set_rlimit(resource, soft, hard);
     }
+    let confined = spec.confinement == crate::Confinement::Task;
+    // Built before anything is dropped, so a failure is reported plainly.
+    let filter = if confined { Some(crate::harden::task_filter().unwrap_or_else(|e| die(e))) } else { None };
+    let drop_caps = confined && spec.uid != 0;
+    if drop_caps {
+        // Still root here: the bounding set needs CAP_SETPCAP to shrink.
+        if let Err(e) = crate::harden::drop_privileged_sets() {
+            die(e)
+        }
+    }
     // A rootless agent's tasks keep its ids (the only ones its user namespace has).
     if !spec.rootless {
         let groups: Vec<Gid> = spec.groups.iter().map(|&g| Gid::from_raw(g)).collect();
@@ -485,6 +495,17 @@ fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid)
         })
         .collect();
     let path_var = spec.env_var(b"PATH").unwrap_or(b"/bin:/usr/bin");
+
+    if drop_caps {
+        if let Err(e) = crate::harden::clear_capabilities() {
+            die(e)
+        }
+    }
+    if let Some(filter) = &filter {
+        if let Err(e) = crate::harden::install_filter(filter) {
+            die(e)
+        }
+    }
 
     restore_default_signals();
     let (code, why) = match program_fd {

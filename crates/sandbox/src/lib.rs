@@ -74,12 +74,24 @@
 //! command could not be run. In those cases a line starting `starling: `
 //! explains why on the task's stderr.
 //!
+//! # Hardening ([`Confinement::Task`])
+//!
+//! An ordinary task runs with `no_new_privs`, a seccomp filter that returns
+//! `EPERM` for [`harden::DENIED_SYSCALLS`] (module loading, kexec, bpf,
+//! perf, keyrings, reboot, swap, `open_by_handle_at`, mounting, `ptrace`),
+//! and, unless its uid is 0, no capabilities at all (effective, permitted,
+//! inheritable, ambient and bounding sets empty). The restorer of a clone or
+//! of a moved task ([`Confinement::Restorer`]) needs root for its nested PID
+//! namespace and userfaultfd and is left as it was; for a moved task it
+//! installs [`harden::task_filter_bytes`] itself: see docs/SECURITY.md.
+//!
 //! # Limits
 //!
 //! `chroot` (not `pivot_root`) confines the file-system view; a task that
 //! runs as uid 0 keeps its capabilities and could leave it. Tasks of
 //! ordinary users cannot.
 
+pub mod harden;
 mod init;
 pub mod program;
 mod spawn;
@@ -89,6 +101,7 @@ use serde::{Deserialize, Serialize};
 use std::io;
 use std::path::PathBuf;
 
+pub use harden::HardenError;
 pub use init::init_main;
 pub use program::TaskProgram;
 pub use spawn::{spawn, spawn_program, Sandboxed};
@@ -133,6 +146,9 @@ pub struct SandboxSpec {
     /// cgroup, CPU and OOM priority); applied by [`spawn`] in the child.
     #[serde(skip)]
     pub placement: Placement,
+    /// What the program gives up before it starts.
+    #[serde(default)]
+    pub confinement: Confinement,
 }
 
 /// What the sandbox's first process does to itself before exec, so that it
@@ -145,6 +161,21 @@ pub struct Placement {
     pub sched_idle: bool,
     /// Set its `oom_score_adj` (-1000..=1000).
     pub oom_score_adj: Option<i32>,
+}
+
+/// How much of the host's privilege a task's program keeps.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Confinement {
+    /// An ordinary program (`exec`, `run`, `batch`): `no_new_privs`, the
+    /// seccomp filter, and no capabilities unless its uid is 0.
+    #[default]
+    Task,
+    /// The restorer of a remote-fork clone or of a moved task: it starts as
+    /// root with its capabilities (nested PID namespace, `set_tid`,
+    /// userfaultfd) and drops to the restored process's credentials itself.
+    /// Not filtered here: a moved `exec` task gets the filter back from the
+    /// restorer itself, as it resumes ([`harden::task_filter_bytes`] in its plan).
+    Restorer,
 }
 
 impl SandboxSpec {

@@ -58,6 +58,7 @@ fn memfd_program_gets_its_extra_fds_at_fixed_numbers_only() {
             hostname: None,
             rootless: false,
             placement: Default::default(),
+            confinement: starling_sandbox::Confinement::Task,
         };
         // Seek the extra memfd to 0 through a clone of it (shared offset).
         {
@@ -115,6 +116,7 @@ fn program_extension_refuses_bad_targets() {
         hostname: None,
         rootless: false,
         placement: Default::default(),
+        confinement: starling_sandbox::Confinement::Task,
     };
     let null = || -> OwnedFd { fs::File::open("/dev/null").unwrap().into() };
     let err = spawn_program(Path::new(EXE), &spec, TaskProgram { program, fds: vec![(3, a), (3, b)] }, null(), null(), null())

@@ -84,6 +84,7 @@ fn spec(root: &Path, argv: &[&str]) -> SandboxSpec {
         hostname: None,
         rootless: false,
         placement: Default::default(),
+        confinement: starling_sandbox::Confinement::Task,
     }
 }
 
@@ -113,6 +114,7 @@ fn wait_deadline(sandbox: &mut Sandboxed, limit: Duration) -> ExitStatus {
     }
 }
 
+#[derive(Debug)]
 struct Output {
     status: ExitStatus,
     stdout: String,
@@ -477,5 +479,56 @@ fn a_spec_larger_than_a_pipe_buffer_reaches_the_task_intact() {
         s.env.push((b"BIG_MARK".to_vec(), b"end".to_vec()));
         let o = run(&s);
         assert_eq!((o.status, o.stdout.as_str()), (ExitStatus::Code(0), "100000 100000 100000 end\n"), "{}", o.stderr);
+    })
+}
+
+/// `Field:\tvalue` lines of /proc/self/status as the task printed them.
+fn status_field<'a>(status: &'a str, field: &str) -> &'a str {
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field).and_then(|r| r.strip_prefix(':')))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("no {field} in the task's /proc/self/status:\n{status}"))
+}
+
+#[test]
+fn an_ordinary_users_task_has_no_capabilities_no_new_privs_and_the_filter() {
+    with_root(|root| {
+        let mut s = spec(root, &["cat", "/proc/self/status"]);
+        (s.uid, s.gid) = (65534, 65534);
+        let o = run(&s);
+        assert_eq!(o.status, ExitStatus::Code(0), "{}", o.stderr);
+        for set in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"] {
+            assert_eq!(status_field(&o.stdout, set), "0000000000000000", "{set}");
+        }
+        assert_eq!(status_field(&o.stdout, "NoNewPrivs"), "1");
+        assert_eq!(status_field(&o.stdout, "Seccomp"), "2");
+    })
+}
+
+#[test]
+fn a_root_task_keeps_its_capabilities_but_is_filtered() {
+    with_root(|root| {
+        let o = run(&spec(root, &["cat", "/proc/self/status"]));
+        assert_eq!(o.status, ExitStatus::Code(0), "{}", o.stderr);
+        assert_ne!(status_field(&o.stdout, "CapEff"), "0000000000000000");
+        assert_eq!(status_field(&o.stdout, "NoNewPrivs"), "1");
+        assert_eq!(status_field(&o.stdout, "Seccomp"), "2");
+        // Root, with CAP_SYS_ADMIN, still cannot mount: the filter says EPERM.
+        let o = sh(root, "mkdir -p /tmp/m && mount -t tmpfs none /tmp/m; echo rc=$?");
+        assert!(o.stdout.ends_with("rc=32\n") || o.stdout.ends_with("rc=1\n"), "mount did not fail: {o:?}");
+        assert!(o.stderr.contains("ermission denied") || o.stderr.contains("not permitted"), "{}", o.stderr);
+    })
+}
+
+#[test]
+fn a_restorer_task_is_left_unconfined() {
+    with_root(|root| {
+        let mut s = spec(root, &["cat", "/proc/self/status"]);
+        s.confinement = starling_sandbox::Confinement::Restorer;
+        let o = run(&s);
+        assert_eq!(o.status, ExitStatus::Code(0), "{}", o.stderr);
+        assert_eq!(status_field(&o.stdout, "NoNewPrivs"), "0");
+        assert_eq!(status_field(&o.stdout, "Seccomp"), "0");
     })
 }

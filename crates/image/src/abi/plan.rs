@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 3;
+pub const PLAN_VERSION: u64 = 4;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -36,6 +36,9 @@ pub const PLAN_FLAG_NEW_PIDNS: u64 = 1;
 /// template's resume point returns (remote fork). Without it the registers
 /// are restored as captured (migration).
 pub const PLAN_FLAG_CLONE_ID_IN_RAX: u64 = 2;
+
+/// Most instructions of [`PlanHeader::seccomp`] (the kernel's BPF_MAXINSNS).
+pub const MAX_SECCOMP_INSNS: u64 = 4096;
 
 /// A byte range of the plan's blob.
 #[repr(C)]
@@ -72,6 +75,12 @@ pub struct PlanHeader {
     pub cwd: BlobRef,
     /// Supplementary groups: `u32`s.
     pub groups: BlobRef,
+    /// A seccomp BPF program (`struct sock_filter`s of 8 bytes, at most
+    /// [`MAX_SECCOMP_INSNS`]) the leader installs, with `no_new_privs`, on
+    /// every thread (`SECCOMP_FILTER_FLAG_TSYNC`) just before the process
+    /// resumes; empty: none (a remote-fork clone; a moved `exec` task gets
+    /// the sandbox's task filter back).
+    pub seccomp: BlobRef,
     pub process: ProcessCore,
     pub sigactions: SigactionTable,
 }

@@ -1,0 +1,179 @@
+"""Task hardening and commit safety on a real embedded cluster (issue 12, first slice; docs/SECURITY.md).
+
+- A non-root user's task has no capabilities, no_new_privs and the seccomp filter; a root task keeps its
+  capabilities but is filtered too.
+- Inside a task, even as root: mount(2) (and the `mount` command), loading or removing a kernel module and
+  ptrace fail with EPERM.
+- A task moved to another host (`starling migrate`, restored by the restorer) is still filtered there.
+- The symlink-commit attacks write nothing outside the working tree: a symlink to a scratch "etc" put where
+  another task made a directory and wrote into it (committed first), and a symlink left where an output goes.
+"""
+import os
+import platform
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import STARLING, require_tool, status
+from test_exec import exec_, readline_within
+from test_migrate import Task, migrate
+from test_user import as_user, user  # noqa: F401  (the fixture: a user and group made for the test)
+
+# System call numbers the tasks try directly (so the error is the kernel's answer, not a tool's guess).
+SYSCALLS = {
+    "x86_64": {"init_module": 175, "finit_module": 313, "delete_module": 176, "ptrace": 101, "mount": 165},
+    "aarch64": {"init_module": 105, "finit_module": 273, "delete_module": 106, "ptrace": 117, "mount": 40},
+}
+
+
+def status_fields(text):
+    return dict(line.split(":", 1) for line in text.splitlines() if ":" in line and not line.startswith(" "))
+
+
+def field(fields, name):
+    return fields[name].strip()
+
+
+def test_a_non_root_users_task_has_no_capabilities_no_new_privs_and_the_filter(cluster, user):  # noqa: F811
+    pw, home = user
+    r = as_user(pw, home, STARLING, "exec", "--", "cat", "/proc/self/status")
+    assert r.returncode == 0, r.stderr
+    f = status_fields(r.stdout)
+    assert field(f, "Uid").split()[:2] == [str(pw.pw_uid)] * 2
+    for caps in ["CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"]:
+        assert int(field(f, caps), 16) == 0, f"{caps}: {field(f, caps)}"
+    assert field(f, "NoNewPrivs") == "1"
+    assert field(f, "Seccomp") == "2"
+
+
+def test_a_root_task_keeps_capabilities_but_is_filtered(cluster):
+    r = exec_("cat", "/proc/self/status")
+    assert r.returncode == 0, r.stderr
+    f = status_fields(r.stdout.decode())
+    assert int(field(f, "CapEff"), 16) != 0, "uid 0 on the client keeps its capabilities"
+    assert field(f, "NoNewPrivs") == "1"
+    assert field(f, "Seccomp") == "2"
+
+
+def syscall_script(name, args):
+    """Python for the task: call `name` with `args` and print `rc errno`."""
+    machine = platform.machine()
+    if machine not in SYSCALLS:
+        pytest.fail(f"no system call numbers for {machine} in this test")
+    nr = SYSCALLS[machine][name]
+    return ("import ctypes; libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long; "
+            f"r = libc.syscall({nr}, {args}); print(r, ctypes.get_errno())")
+
+
+@pytest.mark.parametrize("name,args", [
+    ("mount", "b'none', b'/mnt', b'tmpfs', 0, None"),
+    # With CAP_SYS_MODULE (a root task has it) these would fail with EBADF / EFAULT / ENOENT, not EPERM.
+    ("finit_module", "-1, b'', 0"),
+    ("init_module", "None, 0, b''"),
+    ("delete_module", "b'starling_no_such_module', 0"),
+    # Without the filter, PTRACE_TRACEME succeeds (0).
+    ("ptrace", "0, 0, None, None"),
+])
+def test_denied_calls_get_eperm_even_as_root(cluster, name, args):
+    require_tool("python3", "python3")  # the task runs the client's python3
+    r = exec_("python3", "-c", syscall_script(name, args))
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().split() == ["-1", str(1)], f"{name}: {r.stdout!r} (want -1 EPERM)"
+
+
+def test_the_mount_command_fails_inside_a_task_even_as_root(cluster):
+    r = exec_("sh", "-c", "mount -t tmpfs none /mnt; echo rc=$?; grep -c ' /mnt tmpfs ' /proc/self/mounts")
+    out = r.stdout.decode()
+    assert "rc=0" not in out and "rc=" in out, (out, r.stderr)
+    assert out.strip().endswith("0"), f"a tmpfs got mounted on /mnt: {out!r}"
+    assert b"ermission denied" in r.stderr or b"not permitted" in r.stderr, r.stderr
+
+
+@pytest.fixture
+def scratch_etc(workdir):
+    """A stand-in for /etc outside the working tree, with a passwd file (never the real /etc/passwd)."""
+    etc = workdir.parent / f"{workdir.name}-etc"
+    shutil.rmtree(etc, ignore_errors=True)
+    etc.mkdir()
+    (etc / "passwd").write_text("root:x:0:0:scratch:/root:/bin/sh\n")
+    yield etc
+    shutil.rmtree(etc, ignore_errors=True)
+
+
+def tree(d):
+    return sorted((p.relative_to(d).as_posix(), p.read_text() if p.is_file() else "dir") for p in d.rglob("*"))
+
+
+def test_a_directory_replaced_by_a_symlink_is_not_committed_through(cluster, workdir, scratch_etc):
+    before = tree(scratch_etc)
+    # Task B makes sub/ and writes into it, then waits until task A has committed.
+    b = subprocess.Popen([STARLING, "exec", "--", "sh", "-c",
+                          "mkdir sub; echo pwned > sub/passwd; echo pwned > sub/new; echo written; read go"],
+                         cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert readline_within(b.stdout, 120) == b"written\n"
+    # Task A puts a symlink out of the tree where sub/ goes; its commit lands first.
+    a = exec_("ln", "-s", str(scratch_etc), "sub", cwd=workdir)
+    assert a.returncode == 0, a.stderr
+    assert os.readlink(workdir / "sub") == str(scratch_etc)
+    out, err = b.communicate(input=b"go\n", timeout=120)
+    assert b.returncode == 0, err
+    assert tree(scratch_etc) == before, "B's commit wrote through the symlink, outside the working tree"
+    assert b"conflict" in err and b"symlink" in err, err
+
+
+def test_a_symlink_where_an_output_goes_is_not_written_through(cluster, workdir, scratch_etc):
+    before = tree(scratch_etc)
+    # Two tasks of one job: task 0 leaves out.txt -> the scratch passwd, task 1 writes out.txt as a file.
+    # Whichever commits first, the other is a conflict; the passwd is never written.
+    script = f"if [ $STARLING_TASK = 0 ]; then ln -s {scratch_etc}/passwd out.txt; else echo pwned > out.txt; fi"
+    r = subprocess.run([STARLING, "run", "--quiet", "-n", "2", "--", "sh", "-c", script], cwd=workdir,
+                       capture_output=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert tree(scratch_etc) == before, "a commit wrote through the symlink"
+    assert b"conflict" in r.stderr, r.stderr
+    left = sorted(p.name for p in workdir.iterdir())
+    assert left == ["out.txt", "out.txt.starling-conflict"] or left == ["out.txt"], left
+
+
+def test_a_non_root_users_symlink_attack_writes_nothing_outside(cluster, user, scratch_etc):  # noqa: F811
+    pw, home = user
+    before = tree(scratch_etc)
+    work = home / "attack"
+    work.mkdir()
+    os.chown(work, pw.pw_uid, pw.pw_gid)
+    os.chmod(scratch_etc, 0o777)  # writable by the user: only the commit's care keeps it unchanged
+    b = subprocess.Popen(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
+                          STARLING, "exec", "--", "sh", "-c", "mkdir sub; echo pwned > sub/new; echo written; read go"],
+                         cwd=work, env={**os.environ, "HOME": str(home)},
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert readline_within(b.stdout, 120) == b"written\n"
+    a = as_user(pw, work, STARLING, "exec", "--", "ln", "-s", str(scratch_etc), "sub")
+    assert a.returncode == 0, a.stderr
+    assert os.readlink(work / "sub") == str(scratch_etc)
+    out, err = b.communicate(input=b"go\n", timeout=120)
+    assert b.returncode == 0, err
+    assert tree(scratch_etc) == before, "the user's commit wrote through the symlink"
+
+
+def test_a_moved_task_is_still_filtered_on_its_new_host(cluster, workdir):
+    require_tool("python3", "python3")
+    hosts = [h["name"] for h in status()["hosts"]]
+    nr = SYSCALLS[platform.machine()]["ptrace"]
+    # Prints "HOST Seccomp NoNewPrivs ptrace-rc errno" every 0.2 s, from wherever it runs.
+    script = ("# moved-and-filtered\nimport ctypes, time\n"
+              "libc = ctypes.CDLL(None, use_errno=True); libc.syscall.restype = ctypes.c_long\n"
+              "for _ in range(3000):\n"
+              "    f = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines() if ':' in l)\n"
+              f"    r = libc.syscall({nr}, 0, 0, None, None)\n"
+              "    host = open('/proc/sys/kernel/hostname').read().strip()\n"
+              "    print(host, f['Seccomp'].strip(), f['NoNewPrivs'].strip(), r, ctypes.get_errno(), flush=True)\n"
+              "    time.sleep(0.2)\n")
+    t = Task(["python3", "-c", script], hosts[0], workdir)
+    t.read_until(hosts[0] + " ")
+    assert t.lines[-1].split() == [hosts[0], "2", "1", "-1", "1"], t.lines[-1]
+    migrate(t.id("moved-and-filtered"), hosts[1])
+    t.read_until(hosts[1] + " ")
+    assert t.lines[-1].split() == [hosts[1], "2", "1", "-1", "1"], "unfiltered after the move: " + t.lines[-1]
+    t.p.send_signal(15)
+    t.p.wait(timeout=300)
