@@ -64,13 +64,24 @@ def down():
 
 
 @pytest.fixture(scope="session")
-def cluster():
-    """A 4-host embedded cluster for the whole session (destructive tests make their own)."""
+def session_cluster():
+    """A 4-host embedded cluster for the whole session, removed at its end."""
     require_root("an embedded cluster (namespaces, FUSE, overlayfs)")
     require(pathlib.Path(STARLING).exists(), f"{STARLING} missing: build it (cargo build --release --workspace)")
     st = up(4)
     yield st
     down()
+
+
+@pytest.fixture
+def cluster(session_cluster):
+    """The session's 4-host cluster as it is now: brought up again if a module that needed another
+    cluster (Slurm, Linger-Longer, metrics, faults) took it down or left a different one."""
+    r = starling("status", "--json", check=False)
+    st = json.loads(r.stdout) if r.returncode == 0 else None
+    if st is None or len(st["hosts"]) != 4:
+        st = up(4)
+    return st
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, require_root, require_tool, sh, starling, status, wait_for
+from conftest import ROOT, STARLING, require_root, require_tool, sh, starling, status, up, wait_for
 
 SCRIPT = str(ROOT / "scripts" / "slurm-local.sh")
 CONF = "/run/starling-slurm/slurm.conf"
@@ -75,6 +75,9 @@ def slurm():
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = old
+    # Leave a healthy 4-host embedded cluster for the modules that share the session's
+    # (conftest.cluster): this module took it down.
+    up(4)
     assert r.returncode == 0, r.stderr
 
 

@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from conftest import cluster, running_tasks, status, up, wait_for  # noqa: F401  (cluster: the session fixture)
+from conftest import cluster, running_tasks, session_cluster, status, up, wait_for  # noqa: F401  (the shared cluster fixtures)
 from require import require_module
 
 starling = require_module("starling", "build and install it: make python (scripts/build-python.sh)")
