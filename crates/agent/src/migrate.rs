@@ -175,7 +175,11 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
             if !hooks.switched {
                 hooks.undo();
             }
-            Err(e.to_string())
+            Err(match e {
+                // Its process exited while it was being copied: the move ends with it.
+                starling_migrate::MigrateError::Gone(_) => "the task ended before it could move".to_string(),
+                e => e.to_string(),
+            })
         }
     }
 }
