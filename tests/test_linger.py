@@ -340,3 +340,46 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
     finally:
         starling("down", check=False)
         up(2)
+
+
+# IE: the guest prints numbered lines slowly (deterministic output) and appends its host's name to a
+# file; killed and rerun from the start, its output must still be every line once, and the file only
+# the rerun's line (the killed run's uncommitted change is discarded).
+IE_LINES = 30
+IE_GUEST = ("uname -n >> where.txt; i=0; while [ $i -lt %d ]; do i=$((i+1)); echo line $i; sleep 0.2; done; exit 3"
+            % IE_LINES)
+
+
+def test_ie_kills_and_reruns_on_an_idle_host_with_output_once(lcluster, tmp_path):
+    """Per-task `--policy IE` on an LF cluster: the owner of the guest's host becomes active
+    (keyboard), the guest is evicted and rerun on the other host, whose owner is idle."""
+    import threading
+    assert {h["owner"]["policy"] for h in status()["hosts"]} == {"LF"}
+    g = subprocess.Popen([STARLING, "exec", "--policy", "IE", "--", "sh", "-c", IE_GUEST], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(g.stdout.readline, b"")), daemon=True)
+    reader.start()
+    first = None
+    try:
+        wait_for(lambda: len(lines) >= 3, "the guest's first lines", timeout=300)
+        first = ps_host("where.txt")
+        assert first is not None and first["host"] in ("h1", "h2"), first
+        other = "h2" if first["host"] == "h1" else "h1"
+        starling("owner", first["host"], "--active")
+        rerun = wait_for(lambda: (t := ps_host("where.txt")) and t["host"] == other and t, "the guest rerun on " + other,
+                         timeout=300)
+        assert "rerun" in rerun["state"], rerun
+        assert "IE" in owner_report(first["host"])["doing"], owner_report(first["host"])
+    finally:
+        if first is not None:
+            starling("owner", first["host"], "--idle", check=False)
+    assert g.wait(timeout=600) == 3, g.stderr.read()
+    reader.join(timeout=60)
+    assert b"".join(lines).decode() == "".join(f"line {i}\n" for i in range(1, IE_LINES + 1))
+    assert (tmp_path / "where.txt").read_text() == other + "\n", "the killed run's file change was committed"
+
+
+def test_exec_names_the_policies_it_accepts():
+    r = subprocess.run([STARLING, "exec", "--policy", "XX", "--", "true"], capture_output=True, text=True)
+    assert r.returncode != 0 and "LF, LL, PM or IE" in r.stderr, r.stderr

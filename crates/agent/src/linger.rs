@@ -103,6 +103,7 @@ impl Linger {
                     GuestPolicy::LingerForever => format!("lingering at {} (LF: never moves)", g.cpu.as_str()),
                     GuestPolicy::LingerLonger => format!("lingering at {} (LL: the head moves guests after T_lingr)", g.cpu.as_str()),
                     GuestPolicy::PauseAndMigrate => format!("running at {} (PM)", g.cpu.as_str()),
+                    GuestPolicy::ImmediateEviction => format!("running at {} (IE: the head evicts guests and reruns them elsewhere)", g.cpu.as_str()),
                 }
             };
             #[allow(clippy::cast_possible_truncation, reason = "a share in 0..=1 shown to a few digits")]

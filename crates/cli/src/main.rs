@@ -227,8 +227,9 @@ struct UpArgs {
     #[arg(long, value_name = "IP:PORT")]
     metrics: Option<String>,
     /// What every host's guests do when its owner becomes active: LF (linger at starvation
-    /// priority, never move) or LL (linger, then move to an idle host after
-    /// T_lingr = ((1-l)/(h-l))·T_migr). [default: agent.policy, LF]
+    /// priority, never move), LL (linger, then move to an idle host after
+    /// T_lingr = ((1-l)/(h-l))·T_migr), PM (suspend, move after agent.pm_pause_s) or IE (kill,
+    /// rerun from the start on an idle host). A task's own `--policy` wins. [default: agent.policy, LF]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
 }
@@ -252,6 +253,13 @@ struct ExecArgs {
     /// Cluster head address (default: the embedded cluster started by `starling up`).
     #[arg(long)]
     cluster: Option<String>,
+    /// What happens to the task when its host's owner becomes active (Linger-Longer): LF (linger
+    /// at starvation priority), LL (linger, then move to an idle host after T_lingr), PM (suspend,
+    /// move after a pause) or IE (kill at once and rerun from the start on an idle host: its
+    /// uncommitted files are discarded and output already shown is not repeated, so use IE for
+    /// programs that are deterministic and read no terminal). [default: the host's policy]
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<starling_config::GuestPolicy>,
     /// Send file contents and messages uncompressed (for measurements).
     #[arg(long)]
     no_compress: bool,
@@ -274,6 +282,13 @@ struct JobFlags {
     /// JSON lines on stdout: started/output/finished events per task, then a summary.
     #[arg(long)]
     json: bool,
+    /// What happens to the task when its host's owner becomes active (Linger-Longer): LF (linger
+    /// at starvation priority), LL (linger, then move to an idle host after T_lingr), PM (suspend,
+    /// move after a pause) or IE (kill at once and rerun from the start on an idle host: its
+    /// uncommitted files are discarded and output already shown is not repeated, so use IE for
+    /// programs that are deterministic and read no terminal). [default: the host's policy]
+    #[arg(long, value_parser = parse_policy)]
+    policy: Option<starling_config::GuestPolicy>,
     /// Send file contents and messages uncompressed (for measurements).
     #[arg(long)]
     no_compress: bool,
@@ -332,8 +347,9 @@ struct AgentArgs {
     /// (the host's owner cgroup, filled by `starling owner HOST -- CMD`). [default: machine]
     #[arg(long, value_parser = ["machine", "emulated"])]
     owner: Option<String>,
-    /// What this host's guests do when its owner becomes active: LF (linger, never move) or LL
-    /// (linger, then move to an idle host after T_lingr). [default: agent.policy, LF]
+    /// What this host's guests do when its owner becomes active: LF (linger, never move), LL
+    /// (linger, then move to an idle host after T_lingr), PM (suspend, then move) or IE (kill,
+    /// rerun from the start on an idle host). A task's own `--policy` wins. [default: agent.policy, LF]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
 }
@@ -437,7 +453,8 @@ fn run(cli: Cli) -> Result<i32> {
             cfg.client.compress &= !a.no_compress;
             cfg.client.prethrow &= !a.no_prethrow;
             let ctx = client_context(&cfg, a.cluster)?;
-            let spec = starling_session::spec::capture(a.command)?;
+            let mut spec = starling_session::spec::capture(a.command)?;
+            spec.policy = a.policy;
             let opts = starling_client::exec::ExecOptions { host: a.host, job: a.job };
             Ok(runtime().block_on(starling_client::exec::run(&ctx, spec, opts))?)
         }
@@ -446,8 +463,10 @@ fn run(cli: Cli) -> Result<i32> {
             if a.tasks == 0 || a.tasks > starling_proto::MAX_JOB_TASKS {
                 anyhow::bail!("-n must be between 1 and {}", starling_proto::MAX_JOB_TASKS);
             }
+            let policy = a.flags.policy;
             let (ctx, opts) = job_context(&mut cfg, a.flags)?;
-            let spec = starling_session::spec::capture(a.command)?;
+            let mut spec = starling_session::spec::capture(a.command)?;
+            spec.policy = policy;
             let argvs = vec![None; a.tasks];
             Ok(runtime().block_on(starling_client::job::run(&ctx, spec, argvs, opts))?)
         }
@@ -462,8 +481,10 @@ fn run(cli: Cli) -> Result<i32> {
             if cmds.is_empty() {
                 anyhow::bail!("{}: no commands", a.file.display());
             }
+            let policy = a.flags.policy;
             let (ctx, opts) = job_context(&mut cfg, a.flags)?;
-            let spec = starling_session::spec::capture(vec!["/bin/sh".into()])?;
+            let mut spec = starling_session::spec::capture(vec!["/bin/sh".into()])?;
+            spec.policy = policy;
             Ok(runtime().block_on(starling_client::job::run(&ctx, spec, cmds.into_iter().map(Some).collect(), opts))?)
         }
         Cmd::Status { json, cluster } => {

@@ -196,37 +196,8 @@ pub struct AgentSettings {
     pub pm_pause_s: u64,
 }
 
-/// The Linger-Longer policy of a host's guests.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GuestPolicy {
-    /// LF: linger at starvation priority, never move.
-    LingerForever,
-    /// LL: linger, move after T_lingr = ((1−l)/(h−l))·T_migr when an idle host exists.
-    LingerLonger,
-    /// PM: suspend the guests, move them if the owner is still active after a pause.
-    PauseAndMigrate,
-}
-
-impl GuestPolicy {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            GuestPolicy::LingerForever => "LF",
-            GuestPolicy::LingerLonger => "LL",
-            GuestPolicy::PauseAndMigrate => "PM",
-        }
-    }
-
-    /// `LF`, `LL` or `PM` (any case); the seed's IE is refused as not implemented yet.
-    pub fn parse(text: &str) -> Result<GuestPolicy, &'static str> {
-        match text.trim().to_ascii_uppercase().as_str() {
-            "LF" => Ok(GuestPolicy::LingerForever),
-            "LL" => Ok(GuestPolicy::LingerLonger),
-            "PM" => Ok(GuestPolicy::PauseAndMigrate),
-            "IE" => Err("LF, LL or PM (IE is not implemented yet)"),
-            _ => Err("LF, LL or PM"),
-        }
-    }
-}
+/// The Linger-Longer policy of a host's guests (a wire type: tasks carry their own).
+pub use starling_proto::GuestPolicy;
 
 /// Whose CPU a host's owner monitor counts.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

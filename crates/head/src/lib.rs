@@ -18,6 +18,7 @@
 //! [`relay`] (the shared content cache), [`jobs`] (job bindings). What the
 //! head knows is read through [`Head::snapshot`].
 
+mod eviction;
 mod jobs;
 mod linger;
 mod migration;
@@ -73,6 +74,10 @@ pub(crate) struct Route {
     pub(crate) started: std::time::Instant,
     /// A remote-fork clone task (clones cannot move yet).
     pub(crate) clone_task: bool,
+    /// The task's own Linger-Longer policy (`None`: its host's).
+    pub(crate) policy: Option<starling_proto::GuestPolicy>,
+    /// IE: what a rerun from the start needs (`None`: the task is not rerun).
+    pub(crate) rerun: Option<Box<eviction::Rerun>>,
     /// On its way to another host.
     pub(crate) moving: Option<migration::Moving>,
     /// File requests a move's target sent before the switch (marked id → host).
@@ -320,6 +325,9 @@ impl Head {
         };
         log::warn!("host {name} lost ({reason}); {} task(s) affected", lost.len());
         for t in lost {
+            if self.requeue(t, "lost its host").await {
+                continue;
+            }
             self.lose_task(t, &format!("host {name} was lost while running the task ({reason}); no changes were committed")).await;
         }
         self.fail_unplaceable(&name).await;
@@ -330,6 +338,8 @@ impl Head {
             let mut st = self.state.lock().unwrap();
             st.queue.retain(|q| q.conn != conn);
             let st = &mut *st;
+            // Reruns waiting in the queue have nothing to kill: they end here.
+            st.routes.retain(|_, r| r.client_conn != conn || r.host != eviction::QUEUED_FOR_RERUN);
             st.routes
                 .iter_mut()
                 .filter(|(_, r)| r.client_conn == conn)

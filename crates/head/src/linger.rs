@@ -11,10 +11,13 @@
 //! task per host and tick. The episode ends when the owner is idle again.
 //! PM hosts' guests are suspended by their agent while the owner is active;
 //! the head moves them the same way once the episode is older than the
-//! host's pause (`agent.pm_pause_s`). LF hosts are left alone.
+//! host's pause (`agent.pm_pause_s`). LF hosts are left alone. IE guests
+//! are killed at once and rerun on an idle host (`eviction`). A task's own
+//! policy (`exec/run --policy`) replaces its host's for these decisions (a
+//! PM host's agent still suspends all of its guests).
 
 use crate::{placement::natural_key, Head};
-use starling_proto::TaskId;
+use starling_proto::{GuestPolicy, TaskId};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -38,9 +41,10 @@ const MAX_TRIES: u32 = 3;
 /// One host as the policy sees it.
 struct View {
     name: String,
-    ll: bool,
+    /// The host's own policy (its agent's `--policy`).
+    policy: Option<GuestPolicy>,
     /// PM: the pause before a move.
-    pm: Option<Duration>,
+    pause: Duration,
     idle: bool,
     cpu: f64,
     free: u32,
@@ -61,6 +65,7 @@ impl Head {
     /// One look at every host: start/end episodes, move guests whose T_lingr has passed.
     pub(crate) async fn linger_tick(&self) {
         let t_migr = self.t_migr();
+        let mut evict: Vec<String> = Vec::new();
         let moves: Vec<(TaskId, String)> = {
             let st = self.state.lock().unwrap();
             let mut lg = self.lingering.lock().unwrap();
@@ -69,8 +74,8 @@ impl Head {
                 .values()
                 .map(|h| View {
                     name: h.info.name.clone(),
-                    ll: h.info.owner.as_ref().is_some_and(|o| o.policy == "LL" || o.policy == "PM"),
-                    pm: h.info.owner.as_ref().filter(|o| o.policy == "PM").map(|o| Duration::from_secs(o.pause_s)),
+                    policy: h.info.owner.as_ref().and_then(|o| GuestPolicy::parse(&o.policy).ok()),
+                    pause: Duration::from_secs(h.info.owner.as_ref().map_or(0, |o| o.pause_s)),
                     idle: h.info.owner.as_ref().is_none_or(|o| o.state == "idle"),
                     cpu: h.info.owner.as_ref().map_or(0.0, |o| f64::from(o.cpu)),
                     free: h.info.cores.max(1).saturating_sub(h.cores_busy),
@@ -80,7 +85,7 @@ impl Head {
             let now = Instant::now();
             let mut moves = Vec::new();
             let mut taken: HashMap<String, u32> = HashMap::new();
-            for v in views.iter().filter(|v| v.ll) {
+            for v in &views {
                 if v.idle {
                     lg.episodes.remove(&v.name);
                     lg.doing.remove(&v.name);
@@ -88,19 +93,36 @@ impl Head {
                 }
                 let start = *lg.episodes.entry(v.name.clone()).or_insert(now);
                 let age = now.duration_since(start);
-                let mut guests: Vec<(TaskId, u32)> = st
+                let on_host = |r: &crate::Route| r.host == v.name;
+                if st.routes.values().any(|r| on_host(r) && crate::eviction::is_ie(r.policy, v.policy)) {
+                    evict.push(v.name.clone());
+                }
+                // LL and PM guests (by their own policy, else the host's), oldest first.
+                let mut guests: Vec<(TaskId, u32, GuestPolicy)> = st
                     .routes
                     .iter()
                     .filter(|(t, r)| {
-                        r.host == v.name && !r.clone_task && r.moving.is_none() && lg.tries.get(*t).copied().unwrap_or(0) < MAX_TRIES
+                        on_host(r) && !r.clone_task && r.moving.is_none() && lg.tries.get(*t).copied().unwrap_or(0) < MAX_TRIES
                     })
-                    .map(|(t, r)| (*t, r.cores))
+                    .filter_map(|(t, r)| match r.policy.or(v.policy) {
+                        Some(p @ (GuestPolicy::LingerLonger | GuestPolicy::PauseAndMigrate)) => Some((*t, r.cores, p)),
+                        _ => None,
+                    })
                     .collect();
-                guests.sort_by_key(|(t, _)| *t);
-                let Some(&(task, cores)) = guests.first() else {
-                    lg.doing.insert(v.name.clone(), format!("{}: owner active, no guests", if v.pm.is_some() { "PM" } else { "LL" }));
+                guests.sort_by_key(|(t, _, _)| *t);
+                let Some(&(task, cores, policy)) = guests.first() else {
+                    match v.policy {
+                        Some(p @ (GuestPolicy::LingerLonger | GuestPolicy::PauseAndMigrate)) => {
+                            lg.doing.insert(v.name.clone(), format!("{}: owner active, no guests", p.as_str()));
+                        }
+                        Some(GuestPolicy::ImmediateEviction) => {
+                            lg.doing.insert(v.name.clone(), "IE: owner active; guests are evicted and rerun on idle hosts".into());
+                        }
+                        _ => {}
+                    }
                     continue;
                 };
+                let pm = (policy == GuestPolicy::PauseAndMigrate).then_some(v.pause);
                 // The idlest idle host with room (lowest owner CPU, then most free cores).
                 let target = views
                     .iter()
@@ -109,13 +131,13 @@ impl Head {
                 let Some(target) = target else {
                     lg.doing.insert(v.name.clone(), format!(
                             "{}: {} {:.0} s; no idle host with a free core",
-                            if v.pm.is_some() { "PM" } else { "LL" },
-                            if v.pm.is_some() { "suspended" } else { "lingering" },
+                            if pm.is_some() { "PM" } else { "LL" },
+                            if pm.is_some() { "suspended" } else { "lingering" },
                             age.as_secs_f64()
                         ));
                     continue;
                 };
-                let wait = match v.pm {
+                let wait = match pm {
                     Some(pause) => Some(pause),
                     None => starling_linger::policy::t_lingr(target.cpu, v.cpu, t_migr),
                 };
@@ -131,7 +153,7 @@ impl Head {
                     *lg.tries.entry(task).or_default() += 1;
                     lg.doing.insert(
                         v.name.clone(),
-                        match v.pm {
+                        match pm {
                             Some(_) => format!("PM: moving {task} to {} after a {:.1} s pause", target.name, age.as_secs_f64()),
                             None => format!(
                                 "LL: moving {task} to {} after lingering {:.1} s (T_lingr {:.1} s)",
@@ -142,7 +164,7 @@ impl Head {
                         },
                     );
                     moves.push((task, target.name.clone()));
-                } else if v.pm.is_some() {
+                } else if pm.is_some() {
                     lg.doing.insert(
                         v.name.clone(),
                         format!("PM: suspended {:.1} of {:.0} s, then to {}", age.as_secs_f64(), t_lingr.as_secs_f64(), target.name),
@@ -165,6 +187,15 @@ impl Head {
             lg.tries.retain(|t, _| st.routes.contains_key(t));
             moves
         };
+        for host in evict {
+            let gone = self.evict(&host).await;
+            if !gone.is_empty() {
+                let what = gone.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ");
+                self.lingering.lock().unwrap().doing.insert(host, format!("IE: owner active; evicted {what} for a rerun on an idle host"));
+            }
+        }
+        // Reruns wait for an idle owner; owners that became idle may let them start.
+        self.drain_queue().await;
         for (task, to) in moves {
             // Stop-and-copy, as eq. 3.5 models it: a lingering guest barely runs, so pre-copy buys
             // little, and its pages all leave the owner's machine before it resumes.

@@ -20,6 +20,8 @@ pub(crate) struct Counters {
     pub(crate) tasks_finished: AtomicU64,
     pub(crate) tasks_failed: AtomicU64,
     pub(crate) tasks_lost: AtomicU64,
+    /// IE: runs killed (owner returned, host lost) and queued to run again from the start.
+    pub(crate) tasks_rerun: AtomicU64,
     pub(crate) clones: AtomicU64,
     pub(crate) clone_faults: AtomicU64,
     pub(crate) clone_pages_fetched: AtomicU64,
@@ -102,6 +104,12 @@ pub(crate) fn render(head: &Head) -> String {
             ("{how=\"error\"}".into(), n(get(&c.tasks_failed))),
             ("{how=\"lost\"}".into(), n(get(&c.tasks_lost))),
         ],
+    );
+    metric(
+        "starling_tasks_rerun_total",
+        "counter",
+        "IE: task runs killed (their host's owner returned, or the host was lost) and queued to run again from the start.",
+        &[(String::new(), n(get(&c.tasks_rerun)))],
     );
     metric("starling_clones_total", "counter", "Remote-fork clones that ran and reported their counters.", &[(String::new(), n(get(&c.clones)))]);
     metric(

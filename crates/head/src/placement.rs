@@ -40,9 +40,10 @@ pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>,
 }
 
 /// A host with `cores` free (the named one, else the least loaded), now
-/// holding them; `None` if every eligible host is busy.
-pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>, cores: u32) -> Option<&'a mut Host> {
-    let free = |h: &Host| h.cores_busy + cores <= h.info.cores.max(1);
+/// holding them; `None` if every eligible host is busy. `idle_owner`: only
+/// a host whose owner is idle (an IE rerun).
+pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>, cores: u32, idle_owner: bool) -> Option<&'a mut Host> {
+    let free = |h: &Host| h.cores_busy + cores <= h.info.cores.max(1) && (!idle_owner || owner_idle(h));
     let name = match want {
         Some(w) => hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
         None => hosts
@@ -69,6 +70,11 @@ fn owner_rank(h: &Host) -> f64 {
         Some(o) if o.state != "idle" => 1.0 + f64::from(o.cpu),
         _ => 0.0,
     }
+}
+
+/// The host's owner is idle (or the host has none).
+fn owner_idle(h: &Host) -> bool {
+    h.info.owner.as_ref().is_none_or(|o| o.state == "idle")
 }
 
 /// Share of a host's cores held.
@@ -178,11 +184,11 @@ mod tests {
         h.get_mut("h1").unwrap().info.owner = owned("active-busy", 0.9);
         h.get_mut("h2").unwrap().info.owner = owned("active-light", 0.2);
         h.get_mut("h3").unwrap().info.owner = owned("idle", 0.0);
-        assert_eq!(pick(&mut h, None, 1).unwrap().info.name, "h3", "idle owner first, even with more tasks");
+        assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h3", "idle owner first, even with more tasks");
         h.get_mut("h3").unwrap().cores_busy = 4;
-        assert_eq!(pick(&mut h, None, 1).unwrap().info.name, "h2", "then the lightest owner");
+        assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h2", "then the lightest owner");
         h.get_mut("h2").unwrap().cores_busy = 4;
-        assert_eq!(pick(&mut h, None, 1).unwrap().info.name, "h1", "a busy owner's host still takes work when nothing else can");
+        assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h1", "a busy owner's host still takes work when nothing else can");
     }
 
     #[test]
@@ -199,10 +205,10 @@ mod tests {
     #[test]
     fn launches_go_to_the_least_loaded_host_and_wait_when_all_are_busy() {
         let mut h = hosts(&[("h1", 2, 1), ("h2", 2, 0)]);
-        assert_eq!(pick(&mut h, None, 1).map(|h| h.info.name.clone()).as_deref(), Some("h2"));
+        assert_eq!(pick(&mut h, None, 1, false).map(|h| h.info.name.clone()).as_deref(), Some("h2"));
         assert_eq!(h["h2"].cores_busy, 1);
-        assert_eq!(pick(&mut h, Some("h1"), 1).map(|h| h.info.name.clone()).as_deref(), Some("h1"));
-        assert!(pick(&mut h, None, 2).is_none(), "no host has 2 free cores");
+        assert_eq!(pick(&mut h, Some("h1"), 1, false).map(|h| h.info.name.clone()).as_deref(), Some("h1"));
+        assert!(pick(&mut h, None, 2, false).is_none(), "no host has 2 free cores");
         assert_eq!(
             check_placeable(&h, Some("h3"), 1),
             Err(Unplaceable::NoSuchHost { name: "h3".into(), known: vec!["h1".into(), "h2".into()] })

@@ -53,9 +53,14 @@ impl Head {
                     job: r.job.clone(),
                     host: r.host.clone(),
                     command: r.command.clone(),
-                    state: match &r.moving {
-                        Some(m) => format!("moving to {}", m.to),
-                        None => "running".into(),
+                    state: match (&r.moving, r.rerun.as_ref()) {
+                        (Some(m), _) => format!("moving to {}", m.to),
+                        (None, Some(re)) if r.host == crate::eviction::QUEUED_FOR_RERUN => {
+                            format!("queued for rerun {} (IE)", re.runs)
+                        }
+                        (None, Some(re)) if re.evicting.is_some() => "evicting (IE)".into(),
+                        (None, Some(re)) if re.runs > 1 => format!("running (IE rerun {})", re.runs),
+                        _ => "running".into(),
                     },
                     cpu_seconds: u.map(|u| u.cpu_seconds),
                     rss_bytes: u.map(|u| u.rss_bytes),

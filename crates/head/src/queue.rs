@@ -14,6 +14,9 @@ pub(crate) struct Queued {
     pub(crate) spec: TaskSpec,
     pub(crate) reference: u64,
     pub(crate) job_fresh: bool,
+    /// IE: the task this launch runs again from the start (same id, no `Started`),
+    /// only on a host whose owner is idle.
+    pub(crate) rerun: Option<TaskId>,
 }
 
 /// Where a placed launch goes: the host's name, connection and id.
@@ -30,12 +33,12 @@ impl Head {
             spec.prethrow = all;
             job_fresh = fresh;
         }
-        let q = Queued { conn, client: tx.clone(), spec, reference, job_fresh };
+        let q = Queued { conn, client: tx.clone(), spec, reference, job_fresh, rerun: None };
         let placed: Result<Option<(Queued, Placed)>, crate::placement::Unplaceable> = {
             let mut st = self.state.lock().unwrap();
             let (want, cores) = (q.spec.host.clone(), q.spec.cores());
             check_placeable(&st.hosts, want.as_deref(), cores).map(|()| {
-                match pick(&mut st.hosts, want.as_deref(), cores).map(|h| (h.info.name.clone(), h.tx.clone(), h.conn_id)) {
+                match pick(&mut st.hosts, want.as_deref(), cores, false).map(|h| (h.info.name.clone(), h.tx.clone(), h.conn_id)) {
                     Some(host) => Some((q, host)),
                     None => {
                         st.queue.push_back(q);
@@ -55,7 +58,20 @@ impl Head {
 
     /// Start a placed launch: route it, tell the client, hand it to the host.
     async fn start(&self, q: Queued, (host, host_tx, host_conn): Placed) {
+        if let Some(task) = q.rerun {
+            self.rerun_started(task, host.clone(), host_conn, &host_tx).await;
+            if host_tx.send(Msg::RunTask { task, spec: q.spec }).await.is_err() {
+                self.lose_task(task, &format!("host {host} went away before the task's rerun started")).await;
+            }
+            return;
+        }
         let task = TaskId(self.next_task.fetch_add(1, Ordering::Relaxed));
+        let host_policy = {
+            let st = self.state.lock().unwrap();
+            st.hosts.get(&host).and_then(|h| h.info.owner.as_ref()).and_then(|o| starling_proto::GuestPolicy::parse(&o.policy).ok())
+        };
+        let rerun = (q.spec.clone.is_none() && crate::eviction::is_ie(q.spec.policy, host_policy))
+            .then(|| Box::new(crate::eviction::Rerun::new(q.spec.clone(), q.reference)));
         let route = Route {
             client: Some(q.client.clone()),
             client_conn: q.conn,
@@ -66,6 +82,8 @@ impl Head {
             job: q.spec.job.clone(),
             started: std::time::Instant::now(),
             clone_task: q.spec.clone.is_some(),
+            policy: q.spec.policy,
+            rerun,
             moving: None,
             target_file_ids: Default::default(),
         };
@@ -86,7 +104,8 @@ impl Head {
             while i < st.queue.len() {
                 let want = st.queue[i].spec.host.clone();
                 let cores = st.queue[i].spec.cores();
-                match pick(&mut st.hosts, want.as_deref(), cores).map(|h| (h.info.name.clone(), h.tx.clone(), h.conn_id)) {
+                let idle_owner = st.queue[i].rerun.is_some();
+                match pick(&mut st.hosts, want.as_deref(), cores, idle_owner).map(|h| (h.info.name.clone(), h.tx.clone(), h.conn_id)) {
                     Some(p) => {
                         let q = st.queue.remove(i).expect("index in range");
                         out.push((q, p));

@@ -45,7 +45,9 @@ impl Head {
                 }
                 m => {
                     if let Some(m) = self.hold_from_target(conn, m) {
-                        self.route_from_host(m).await;
+                        if let Some(m) = self.rerun_filter(m).await {
+                            self.route_from_host(m).await;
+                        }
                     }
                 }
             }
@@ -148,6 +150,7 @@ impl Head {
             Err(None) => return,
         };
         let Some(task) = m.task() else { return };
+        self.record_stdin(&m);
         let agent = {
             let st = self.state.lock().unwrap();
             st.routes.get(&task).filter(|r| r.client_conn == conn).and_then(|r| st.hosts.get(&r.host)).map(|h| h.tx.clone())

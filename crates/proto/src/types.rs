@@ -419,6 +419,46 @@ pub struct TaskSpec {
     /// Set when the task is a clone of a running process (the fork API):
     /// instead of exec'ing `argv`, the host restores the process.
     pub clone: Option<CloneSpec>,
+    /// What happens to this task when its host's owner becomes active
+    /// (`exec/run --policy`); `None`: the host's own policy.
+    pub policy: Option<GuestPolicy>,
+}
+
+/// The Linger-Longer policies (the seed's ch. 3): what a guest does when
+/// its host's owner becomes active.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GuestPolicy {
+    /// LF: linger at starvation priority, never move.
+    LingerForever,
+    /// LL: linger, move after T_lingr = ((1−l)/(h−l))·T_migr when an idle host exists.
+    LingerLonger,
+    /// PM: suspend the guests, move them if the owner is still active after a pause.
+    PauseAndMigrate,
+    /// IE: kill the guest at once and rerun it from the start on a host whose owner is idle;
+    /// its uncommitted files are discarded and the output it already sent is not sent again.
+    ImmediateEviction,
+}
+
+impl GuestPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GuestPolicy::LingerForever => "LF",
+            GuestPolicy::LingerLonger => "LL",
+            GuestPolicy::PauseAndMigrate => "PM",
+            GuestPolicy::ImmediateEviction => "IE",
+        }
+    }
+
+    /// `LF`, `LL`, `PM` or `IE` (any case).
+    pub fn parse(text: &str) -> Result<GuestPolicy, &'static str> {
+        match text.trim().to_ascii_uppercase().as_str() {
+            "LF" => Ok(GuestPolicy::LingerForever),
+            "LL" => Ok(GuestPolicy::LingerLonger),
+            "PM" => Ok(GuestPolicy::PauseAndMigrate),
+            "IE" => Ok(GuestPolicy::ImmediateEviction),
+            _ => Err("LF, LL, PM or IE"),
+        }
+    }
 }
 
 /// Largest encoded process descriptor accepted (they are kilobytes).
