@@ -86,8 +86,9 @@ def cluster(session_cluster):
 
 @pytest.fixture
 def workdir(tmp_path):
-    """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too)."""
-    d = pathlib.Path("/var/tmp/starling-tests") / tmp_path.name
+    """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too), of this
+    pytest process's own: concurrent runs (other instances) must not share or remove it."""
+    d = pathlib.Path("/var/tmp/starling-tests") / str(os.getpid()) / tmp_path.name
     d.mkdir(parents=True, exist_ok=True)
     yield d
     subprocess.run(["rm", "-rf", str(d)])
