@@ -97,6 +97,12 @@ def ps_row(task):
     return next((r for r in ps() if r["task"] == task), None)
 
 
+def cpu_of(task):
+    """The task's CPU seconds as `starling ps` shows them (waits for its host's usage answer)."""
+    return wait_for(lambda: (r := ps_row(task)) and r.get("cpu_seconds") is not None and r,
+                    f"ps to show task {task}'s CPU time")["cpu_seconds"]
+
+
 def migrate(task, to, check=True, timeout=300):
     r = starling("migrate", str(task), "--to", to, "--json", check=False, timeout=timeout)
     if check:
@@ -125,12 +131,18 @@ def test_moved_three_times_across_hosts_prints_and_writes_as_if_never_moved(clus
     t.read_until("phase 0 done")
     task = t.id(str(out))
     assert ps_row(task)["host"] == hosts[0]
+    cpu = cpu_of(task)
+    assert cpu > 0, "phase 0 used no CPU time?"
     for p, to in enumerate(route):
         report = migrate(task, to)
         assert report["to"] == to, report
         assert report["pause_ms"] > 0 and report["memory_bytes"] >= heap << 20, report
         row = ps_row(task)
         assert row and row["host"] == to, f"ps after the move to {to}: {row}"
+        # CPU time carries over a move (the target's counters start at zero).
+        now = cpu_of(task)
+        assert now >= cpu, f"ps CPU went from {cpu} s to {now} s at the move to {to}"
+        cpu = now
         t.send("\n")
         t.read_until(f"phase {p + 1} done" if p + 1 < phases - 1 else "done ")
     rc, moved, err = t.finish()

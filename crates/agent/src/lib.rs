@@ -352,7 +352,7 @@ impl Agent {
 }
 
 /// CPU seconds and resident bytes of process `root` and everything below it.
-fn tree_usage(root: u32) -> (f64, u64) {
+pub(crate) fn tree_usage(root: u32) -> (f64, u64) {
     // SAFETY: sysconf with a constant name.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let (mut cpu, mut rss) = (0.0, 0u64);

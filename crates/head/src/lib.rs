@@ -80,6 +80,8 @@ pub(crate) struct Route {
     pub(crate) rerun: Option<Box<eviction::Rerun>>,
     /// On its way to another host.
     pub(crate) moving: Option<migration::Moving>,
+    /// CPU seconds the task used on hosts it has left (moves).
+    pub(crate) cpu_before: f64,
     /// File requests a move's target sent before the switch (marked id → host).
     pub(crate) target_file_ids: HashMap<u64, String>,
 }

@@ -160,7 +160,7 @@ impl Head {
     }
 
     /// The task runs on the target: switch its route, and release what was held.
-    pub(crate) async fn migrate_handed_over(&self, migration: u64, task: TaskId) {
+    pub(crate) async fn migrate_handed_over(&self, migration: u64, task: TaskId, cpu_seconds: f64) {
         let (client, target, input, output) = {
             let mut st = self.state.lock().unwrap();
             let st = &mut *st;
@@ -168,6 +168,7 @@ impl Head {
             let Some(m) = r.moving.as_mut().filter(|m| m.id == migration) else { return };
             m.switched = true;
             m.holding = false;
+            r.cpu_before += cpu_seconds;
             let (input, output) = (std::mem::take(&mut m.held_input), std::mem::take(&mut m.held_output));
             let to = m.to.clone();
             if let Some(h) = st.hosts.get_mut(&r.host) {

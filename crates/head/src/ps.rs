@@ -62,7 +62,7 @@ impl Head {
                         (None, Some(re)) if re.runs > 1 => format!("running (IE rerun {})", re.runs),
                         _ => "running".into(),
                     },
-                    cpu_seconds: u.map(|u| u.cpu_seconds),
+                    cpu_seconds: u.map(|u| u.cpu_seconds + r.cpu_before),
                     rss_bytes: u.map(|u| u.rss_bytes),
                     runtime_seconds: r.started.elapsed().as_secs_f64(),
                 }

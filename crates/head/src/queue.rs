@@ -85,6 +85,7 @@ impl Head {
             policy: q.spec.policy,
             rerun,
             moving: None,
+            cpu_before: 0.0,
             target_file_ids: Default::default(),
         };
         self.state.lock().unwrap().routes.insert(task, route);

@@ -29,7 +29,7 @@ impl Head {
                 Msg::UsageReply { nonce, tasks } => self.usage_reply(nonce, tasks),
                 Msg::MigrateInReady { migration, result } => self.migrate_in_ready(migration, result).await,
                 Msg::MigrateFreezing { migration, task } => self.migrate_freezing(migration, task, &tx).await,
-                Msg::MigrateHandedOver { migration, task } => self.migrate_handed_over(migration, task).await,
+                Msg::MigrateHandedOver { migration, task, cpu_seconds } => self.migrate_handed_over(migration, task, cpu_seconds).await,
                 Msg::MigrateDone { migration, task, result } => self.migrate_done(migration, task, result).await,
                 Msg::FileRequest { task, id, req: req @ (FileReq::GetRecipe { .. } | FileReq::GetChunks { .. }) }
                     if self.relay.is_some() =>

@@ -158,7 +158,13 @@ pub enum Msg {
     MigrateHeld { migration: u64 },
     /// Source agent → head: the task runs on the target now, and everything
     /// it printed here was sent before this message.
-    MigrateHandedOver { migration: u64, task: TaskId },
+    MigrateHandedOver {
+        migration: u64,
+        task: TaskId,
+        /// CPU time the task used on the source (its processes' utime + stime): `starling ps`
+        /// adds it to what the target measures, whose counters restart at zero.
+        cpu_seconds: f64,
+    },
     /// Source agent → head: the migration ended (the source holds nothing
     /// of the task any more, or it failed and the task runs where it ran).
     MigrateDone { migration: u64, task: TaskId, result: Result<MigrationReport, String> },
