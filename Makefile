@@ -24,7 +24,7 @@ python: build
 	PYTHON=$(PYTHON) bash scripts/build-python.sh
 
 # Build, start the embedded cluster, build a real C project through it, compare with a local build.
-demo: build
+demo: build python
 	bash scripts/demo.sh
 
 # Everything CI runs: unit tests, then end-to-end tests against real embedded clusters

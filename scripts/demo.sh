@@ -111,6 +111,24 @@ sleep 1; g0=$(cat /sys/fs/cgroup/cpuacct/$G/cpuacct.usage); sleep 3; g1=$(cat /s
 $S status | grep -A1 OWNER | tail -1
 awk -v a="$g0" -v b="$g1" 'BEGIN{printf "   guest CPU while the owner ran: %.3f s in 3 s\n", (b-a)/1e9}'
 wait %2 2>/dev/null || true; kill $GP 2>/dev/null || true; wait $GP 2>/dev/null || true  # the guest ends by SIGTERM (143)
+echo "== Linger-Longer IE: a guest started on h1 with --policy IE; h1's owner comes back (keyboard), the guest"
+echo "   is killed there and rerun from the start on an idle host; its output is shown once, its files are the rerun's"
+(cd "$W" && rm -f where.txt && exec "$S" exec --host h1 --policy IE -- sh -c 'uname -n > where.txt; i=0; while [ $i -lt 12 ]; do i=$((i+1)); echo "   line $i"; sleep 0.25; done; exit 3') > "$W/ie.out" &
+IEP=$!
+# Wait (at most 5 minutes) for a condition.
+within_5min() { for _ in $(seq 1500); do "$@" && return 0; sleep 0.2; done; echo "   timed out waiting for: $*"; exit 1; }
+within_5min grep -q "line 3" "$W/ie.out"
+$S owner h1 --active
+rerun_seen() { $S ps --json | python3 -c 'import json,sys; sys.exit(0 if any("rerun" in r["state"] and "where.txt" in r["command"] for r in json.load(sys.stdin)) else 1)'; }
+within_5min rerun_seen
+$S ps | grep -E "TASK|where.txt" | cut -c1-110 | sed 's/^/   /'
+$S owner h1 --idle
+wait $IEP && rc=0 || rc=$?
+if [ "$rc" = 3 ] && [ "$(cat "$W/ie.out")" = "$(for i in $(seq 1 12); do echo "   line $i"; done)" ] && [ "$(cat "$W/where.txt")" != h1 ]; then
+    echo "   12 lines, each once; exit status 3; where.txt says $(cat "$W/where.txt") (the killed run's file on h1 was discarded)"
+else
+    echo "   IE RERUN DIFFERS (exit $rc)"; cat "$W/ie.out"; exit 1
+fi
 echo
 $S status
 echo

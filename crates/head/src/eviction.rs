@@ -11,8 +11,9 @@
 //! client commits only at `Finished`, which the head holds back), so
 //! nothing it wrote survives. A task that consumed more stdin than
 //! [`MAX_STDIN`] cannot be rerun and lingers instead (status says so).
-//! Reruns wait in the launch queue for a free core on a host whose owner is
-//! idle; a lost host's IE tasks are rerun the same way.
+//! Reruns wait in the launch queue for a free core on any host whose owner
+//! is idle (a `--host` pin names where the first run starts); a lost host's
+//! IE tasks are rerun the same way.
 
 use crate::queue::Queued;
 use crate::Head;
@@ -177,7 +178,9 @@ impl Head {
             let Some(client) = r.client.clone() else { return false };
             let Some(re) = r.rerun.as_mut().filter(|re| !re.stdin_overflow) else { return false };
             re.restart();
-            let spec = re.spec.clone();
+            let mut spec = re.spec.clone();
+            // `--host` says where to start; a rerun goes wherever an owner is idle.
+            spec.host = None;
             let reference = re.reference;
             if let Some(h) = st.hosts.get_mut(&r.host) {
                 h.cores_busy = h.cores_busy.saturating_sub(r.cores);
