@@ -728,10 +728,13 @@ async fn ps(json: bool, target: &Target) -> Result<i32> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
         return Ok(0);
     }
-    println!("{:<20} {:<12} {:<8} {:<14} {:>8} {:>10} {:>8}  COMMAND", "TASK", "JOB", "HOST", "STATE", "CPU", "RSS", "TIME");
+    // Host and state columns as wide as their longest value ("moving to h12", "queued for rerun 2 (IE)").
+    let hw = rows.iter().map(|r| r.host.chars().count()).max().unwrap_or(0).max(8);
+    let sw = rows.iter().map(|r| r.state.chars().count()).max().unwrap_or(0).max(14);
+    println!("{:<20} {:<12} {:<hw$} {:<sw$} {:>8} {:>10} {:>8}  COMMAND", "TASK", "JOB", "HOST", "STATE", "CPU", "RSS", "TIME");
     for r in &rows {
         println!(
-            "{:<20} {:<12} {:<8} {:<14} {:>8} {:>10} {:>8}  {}",
+            "{:<20} {:<12} {:<hw$} {:<sw$} {:>8} {:>10} {:>8}  {}",
             r.task.to_string(),
             r.job.as_deref().unwrap_or("-"),
             r.host,
