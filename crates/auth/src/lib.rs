@@ -210,6 +210,41 @@ pub fn client_role<S>(tls: &ServerTls<S>) -> Option<Role> {
     peer_role(tls.get_ref().1.peer_certificates())
 }
 
+/// A local user, as the kernel names the process on the other end of a Unix
+/// socket: what it was when it connected (`SO_PEERCRED`, `SO_PEERGROUPS`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Cred {
+    pub uid: u32,
+    pub gid: u32,
+    pub groups: Vec<u32>,
+}
+
+/// The credentials of the peer of a connected Unix socket.
+pub fn unix_peer(sock: &tokio::net::UnixStream) -> std::io::Result<Cred> {
+    use std::os::fd::AsRawFd;
+    let uc = sock.peer_cred()?;
+    let fd = sock.as_raw_fd();
+    let mut groups = vec![0u32; 64];
+    loop {
+        let mut len = libc::socklen_t::try_from(groups.len() * std::mem::size_of::<u32>()).unwrap_or(libc::socklen_t::MAX);
+        // SAFETY: `fd` is an open socket we borrow for the call; the kernel writes at most `len` bytes
+        // into `groups`, which has room for exactly `len` bytes, and updates `len`.
+        let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERGROUPS, groups.as_mut_ptr().cast(), &mut len) };
+        let n = usize::try_from(len).unwrap_or(0) / std::mem::size_of::<u32>();
+        if r == 0 {
+            groups.truncate(n);
+            break;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ERANGE) && n > groups.len() && n <= 65536 {
+            groups.resize(n, 0);
+            continue;
+        }
+        return Err(e);
+    }
+    Ok(Cred { uid: uc.uid(), gid: uc.gid(), groups })
+}
+
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }

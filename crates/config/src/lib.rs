@@ -164,6 +164,13 @@ pub struct HeadSettings {
     pub relay_cache: bool,
     /// Where to serve Prometheus `/metrics` (`IP:PORT`); `None`: not served.
     pub metrics: Option<String>,
+    /// The cluster's credentials (`starling_auth::AuthDir`): with them every
+    /// TCP connection is mutual TLS; `None`: TCP is unauthenticated.
+    pub auth: Option<PathBuf>,
+    /// The Unix socket local clients use (the kernel names their uid).
+    pub socket: Option<PathBuf>,
+    /// Whether tasks may run as root (a root client's, or a certified one's).
+    pub root_tasks: bool,
 }
 
 /// `starling agent`.
@@ -194,6 +201,9 @@ pub struct AgentSettings {
     pub policy: GuestPolicy,
     /// PM: how long guests stay suspended before they are moved (seconds).
     pub pm_pause_s: u64,
+    /// The cluster's credentials (`ca.pem`, `agent.pem`, `agent.key`): the
+    /// head connection is mutual TLS; `None`: plain TCP.
+    pub auth: Option<PathBuf>,
 }
 
 /// The Linger-Longer policy of a host's guests.
@@ -254,6 +264,9 @@ impl Default for HeadSettings {
             cache_mib: 8192,
             relay_cache: true,
             metrics: None,
+            auth: None,
+            socket: None,
+            root_tasks: true,
         }
     }
 }
@@ -273,6 +286,7 @@ impl Default for AgentSettings {
             high_water_mib: 2048,
             policy: GuestPolicy::LingerForever,
             pm_pause_s: 600,
+            auth: None,
         }
     }
 }

@@ -31,6 +31,10 @@ pub struct Target {
     pub relay_cache: bool,
     /// The embedded cluster's record, when the head was found through it.
     pub record: Option<ClusterState>,
+    /// The local socket to dial instead of `head_addr` (the kernel names us to the head).
+    pub socket: Option<std::path::PathBuf>,
+    /// Credentials for TLS to `head_addr` (the client certificate).
+    pub auth: Option<std::path::PathBuf>,
 }
 
 impl Target {
@@ -45,7 +49,14 @@ impl Target {
 
     /// A head given by address.
     pub fn named(addr: &str) -> Target {
-        Target { head_addr: addr.to_string(), cluster_id: addr.to_string(), relay_cache: true, record: None }
+        Target {
+            head_addr: addr.to_string(),
+            cluster_id: addr.to_string(),
+            relay_cache: true,
+            record: None,
+            socket: None,
+            auth: None,
+        }
     }
 
     /// The head of an embedded cluster, from its record.
@@ -54,6 +65,8 @@ impl Target {
             head_addr: record.head_addr.clone(),
             cluster_id: record.cluster_id(),
             relay_cache: record.relay_cache,
+            socket: record.socket.clone(),
+            auth: record.auth.clone(),
             record: Some(record),
         }
     }
