@@ -376,8 +376,8 @@ struct HeadArgs {
     /// unauthenticated: whoever reaches --listen runs tasks as any uid. `starling up` makes one.
     #[arg(long, value_name = "DIR")]
     auth: Option<PathBuf>,
-    /// With --auth: first create the cluster's CA and one certificate per role in DIR (0700, keys
-    /// 0600), then run. Copy ca.pem, agent.pem and agent.key to each agent host (README,
+    /// With --auth: create the cluster's CA and one certificate per role in DIR (0700, keys 0600)
+    /// and exit (an existing CA is never replaced). Copy ca.pem, agent.pem and agent.key to each agent host (README,
     /// Authentication).
     #[arg(long, requires = "auth")]
     init: bool,
@@ -598,9 +598,11 @@ fn run(cli: Cli) -> Result<i32> {
                 let dir = a.auth.as_ref().expect("clap: --init requires --auth");
                 starling_auth::AuthDir::new(dir).init()?;
                 eprintln!(
-                    "starling: made the cluster's CA and certificates in {}; give each agent host ca.pem, agent.pem and agent.key (README, Authentication)",
-                    dir.display()
+                    "starling: made the cluster's CA and certificates in {d}. Run the head with `starling head --auth {d}`; \
+                     give each agent host ca.pem, agent.pem and agent.key (README, Authentication)",
+                    d = dir.display()
                 );
+                return Ok(0);
             }
             if a.auth.is_some() {
                 settings.auth = a.auth;

@@ -330,7 +330,11 @@ async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(S
     }
     if first[..n] == starling_proto::MAGIC[..n] {
         let mut sock = sock;
+        // Take what it sent (so closing does not reset the connection before it reads our answer).
+        let mut sink = [0u8; 4096];
+        while matches!(sock.try_read(&mut sink), Ok(n) if n > 0) {}
         let _ = starling_proto::write_frame(&mut sock, &Msg::Error { task: None, message: NEEDS_TLS.into() }).await;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut sock).await;
         return Err("plain starling connection without TLS (told to use a certificate or the local socket)".into());
     }
     let tls = tokio::time::timeout(HANDSHAKE, acceptor.accept(sock))
