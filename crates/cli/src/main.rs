@@ -229,6 +229,11 @@ struct UpArgs {
     /// The head refuses tasks that would run as root (root's own `starling exec` included).
     #[arg(long)]
     no_root_tasks: bool,
+    /// FOR MEASUREMENTS ONLY (bench/auth_bench.py): no credentials and no local socket; every
+    /// connection is plain TCP and the head believes the uid any client claims (any local user can
+    /// run tasks as root). Never on a machine with users you would not give root.
+    #[arg(long, conflicts_with = "slurm")]
+    insecure: bool,
     /// What every host's guests do when its owner becomes active: LF (linger at starvation
     /// priority, never move) or LL (linger, then move to an idle host after
     /// T_lingr = ((1-l)/(h-l))·T_migr). [default: agent.policy, LF]
@@ -962,7 +967,7 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
         Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
         None => Vec::new(),
     };
-    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args)?;
+    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args, a.insecure)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();

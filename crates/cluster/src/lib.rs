@@ -101,9 +101,17 @@ impl LocalCluster {
     }
 
     /// Start this instance's cluster.
-    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>) -> Result<ClusterState> {
-        let opts =
-            UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, agent_args, link };
+    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>, insecure: bool) -> Result<ClusterState> {
+        let opts = UpOptions {
+            hosts,
+            exe,
+            state_dir: self.state_dir.clone(),
+            run_dir: self.run_dir.clone(),
+            head_args,
+            agent_args,
+            link,
+            insecure,
+        };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
@@ -184,6 +192,9 @@ pub struct UpOptions {
     /// WAN link profile between clients and the head (`starling_link::Profile::parse`
     /// syntax). `None` or `lan`: clients talk to the head directly.
     pub link: Option<String>,
+    /// For measurements only (`up --insecure`): no credentials, no local socket; every connection
+    /// is plain TCP and the head believes every spec's uid, as before authentication existed.
+    pub insecure: bool,
 }
 
 impl UpOptions {
@@ -197,6 +208,7 @@ impl UpOptions {
             head_args: Vec::new(),
             agent_args: Vec::new(),
             link: None,
+            insecure: false,
         }
     }
 }
@@ -343,12 +355,16 @@ fn start(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(SysError { what: format!("removing {}", auth_dir.display()), source: e }.into()),
     }
-    let auth = starling_auth::AuthDir::new(&auth_dir);
-    auth.init()?;
+    let auth = (!opts.insecure).then(|| starling_auth::AuthDir::new(&auth_dir));
+    if let Some(a) = &auth {
+        a.init()?;
+    }
     let head_socket = run_dir.join(HEAD_SOCKET);
     let mut head = Command::new(exe);
     head.arg(roles::HEAD).arg("--listen").arg(head_addr.to_string()).arg("--state").arg(state_dir.join("head"));
-    head.arg("--auth").arg(&auth_dir).arg("--socket").arg(&head_socket);
+    if auth.is_some() {
+        head.arg("--auth").arg(&auth_dir).arg("--socket").arg(&head_socket);
+    }
     if !opts.head_args.iter().any(|a| a.starts_with("--cache-mib")) {
         head.arg("--cache-mib").arg(cache_mib.to_string());
     }
@@ -363,8 +379,11 @@ fn start(
         let hdir = host_dir(state_dir, &name);
         std::fs::create_dir_all(hdir.join("state")).doing(|| format!("mkdir {}", hdir.display()))?;
         // The host's /run is its own: its agent's credentials go into its state directory.
-        give_agent_credentials(&auth, &hdir.join("state").join(AUTH_DIR))?;
-        let mut agent_args = vec!["--auth".to_string(), format!("{}/{AUTH_DIR}", boot::HOST_STATE_MOUNT)];
+        let mut agent_args = Vec::new();
+        if let Some(a) = &auth {
+            give_agent_credentials(a, &hdir.join("state").join(AUTH_DIR))?;
+            agent_args = vec!["--auth".to_string(), format!("{}/{AUTH_DIR}", boot::HOST_STATE_MOUNT)];
+        }
         agent_args.extend(opts.agent_args.iter().cloned());
         let boot_args = boot::BootArgs {
             name: name.clone(),
@@ -406,11 +425,10 @@ fn start(
             .arg("--profile")
             .arg(profile)
             .arg("--stats")
-            .arg(&stats_file)
-            .arg("--auth")
-            .arg(&auth_dir)
-            .arg("--socket")
-            .arg(run_dir.join(LINK_SOCKET));
+            .arg(&stats_file);
+        if auth.is_some() {
+            relay.arg("--auth").arg(&auth_dir).arg("--socket").arg(run_dir.join(LINK_SOCKET));
+        }
         let pid = spawn_detached(relay, &log_path(run_dir, "link"), None)?;
         wait_listening(listen, pid, &log_path(run_dir, "link"))?;
         client_addr = listen.to_string();
@@ -436,8 +454,8 @@ fn start(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
         slurm: None,
-        socket: Some(client_socket),
-        auth: Some(auth_dir),
+        socket: auth.is_some().then_some(client_socket),
+        auth: auth.is_some().then_some(auth_dir),
     };
     state.write(&cluster_file(run_dir))?;
     Ok(state)
@@ -606,9 +624,10 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
             .filter(|p| {
                 let in_our_netns = p.netns.is_some_and(|id| our_ns.contains(&id));
                 let starling_role = p.role().is_some_and(|r| CLUSTER_ROLES.contains(&r));
-                // Every agent's `--state` is HOST_STATE_MOUNT whatever its cluster: that names no cluster.
+                // Every agent's `--state` is HOST_STATE_MOUNT (and its `--auth` under it) whatever its
+                // cluster: that names no cluster.
                 let names_us = p.argv.iter().any(|a| {
-                    (a != HOST_STATE_MOUNT && Path::new(a).starts_with(&state_dir))
+                    (!Path::new(a).starts_with(HOST_STATE_MOUNT) && Path::new(a).starts_with(&state_dir))
                         || head_addr_prefixes.iter().any(|h| a.starts_with(h))
                 });
                 in_our_netns || (starling_role && (names_us || recorded_pids.contains(&p.pid)))
