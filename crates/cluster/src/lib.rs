@@ -382,7 +382,9 @@ fn start(
         let mut agent_args = Vec::new();
         if let Some(a) = &auth {
             give_agent_credentials(a, &hdir.join("state").join(AUTH_DIR))?;
-            agent_args = vec!["--auth".to_string(), format!("{}/{AUTH_DIR}", boot::HOST_STATE_MOUNT)];
+            // One argument (`--auth=PATH`): a path argument under /var/lib/starling would make an
+            // older `starling down` of the default instance take the agent for one of its own.
+            agent_args = vec![format!("--auth={}/{AUTH_DIR}", boot::HOST_STATE_MOUNT)];
         }
         agent_args.extend(opts.agent_args.iter().cloned());
         let boot_args = boot::BootArgs {

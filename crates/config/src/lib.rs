@@ -101,6 +101,8 @@ pub struct ClientSettings {
     pub chunking: Chunking,
     /// Append one JSON line of client-side counters per launch here.
     pub stats_file: Option<PathBuf>,
+    /// The client certificate's directory, for a head named by `cluster` (mutual TLS).
+    pub auth: Option<PathBuf>,
 }
 
 /// How files are cut into chunks.
@@ -307,6 +309,7 @@ impl ClientSettings {
             push: true,
             chunking: Chunking::ContentDefined,
             stats_file: None,
+            auth: None,
         }
     }
 }
@@ -509,6 +512,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "the head's address `IP:PORT`",
         apply: |c, v| {
             c.client.cluster = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.auth",
+        env: Some("STARLING_AUTH"),
+        flag: "",
+        default: "none",
+        meaning: "directory with the cluster's ca.pem, client.pem and client.key, for a head named by `client.cluster` (mutual TLS)",
+        apply: |c, v| {
+            c.client.auth = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
             Ok(())
         },
     },
@@ -721,6 +735,39 @@ pub static SETTINGS: &[Setting] = &[
         },
     },
     Setting {
+        key: "head.auth",
+        env: None,
+        flag: "--auth (head)",
+        default: "none (TCP unauthenticated)",
+        meaning: "the cluster's credentials directory (`head --init --auth DIR` makes it): every TCP connection is then mutual TLS",
+        apply: |c, v| {
+            c.head.auth = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.socket",
+        env: None,
+        flag: "--socket (head)",
+        default: "none",
+        meaning: "Unix socket for local clients; their tasks run as the uid the kernel names",
+        apply: |c, v| {
+            c.head.socket = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.root_tasks",
+        env: None,
+        flag: "--no-root-tasks (head, up)",
+        default: "on",
+        meaning: "whether tasks may run as root (root's own, or a certified remote client's)",
+        apply: |c, v| {
+            c.head.root_tasks = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
         key: "agent.head",
         env: None,
         flag: "--head (agent)",
@@ -853,6 +900,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "free memory (MiB) above which the guests' cap and freeze are lifted",
         apply: |c, v| {
             c.agent.high_water_mib = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.auth",
+        env: None,
+        flag: "--auth (agent)",
+        default: "none (TCP unauthenticated)",
+        meaning: "directory with the cluster's ca.pem, agent.pem and agent.key: the head connection is then mutual TLS",
+        apply: |c, v| {
+            c.agent.auth = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
             Ok(())
         },
     },

@@ -41,7 +41,7 @@ impl Target {
     /// The head `client.cluster` names, else the one `instance`'s record names.
     pub fn resolve(client: &ClientSettings, instance: Instance) -> Result<Target, DiscoverError> {
         if let Some(addr) = client.cluster.as_deref().filter(|a| !a.is_empty()) {
-            return Ok(Target::named(addr));
+            return Ok(Target { auth: client.auth.clone(), ..Target::named(addr) });
         }
         let record = ClusterState::read(&instance.cluster_file())?.ok_or(DiscoverError::NoCluster)?;
         Ok(Target::embedded(record))
