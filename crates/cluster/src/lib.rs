@@ -695,7 +695,16 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
         }
     }
 
-    // 5. The record.
+    // 5. The cluster's credentials and sockets (a new `up` makes new ones), then the record.
+    for sock in [HEAD_SOCKET, LINK_SOCKET] {
+        let _ = std::fs::remove_file(run_dir.join(sock));
+    }
+    let auth = run_dir.join(AUTH_DIR);
+    if auth.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&auth) {
+            problems.push(format!("cannot remove {}: {e}", auth.display()));
+        }
+    }
     let file = cluster_file(&run_dir);
     if file.exists() {
         match std::fs::remove_file(&file) {
