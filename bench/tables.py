@@ -257,8 +257,22 @@ def render_linger(doc):
 
 
 
+def render_auth(doc):
+    rows = [[r["path"], f"{r['insecure_ms']:.1f}", f"{r['auth_ms']:.1f}", f"{r['delta_pct']:+.1f}%", r["runs"]]
+            for r in doc["rows"]]
+    note = (f"Warm `starling exec -- true`, {doc['hosts']} hosts, medians of {doc['rounds']} interleaved rounds × "
+            f"{doc['runs_per_round']} runs; machine load (other programs) {doc['load_min']:.1f}–{doc['load_max']:.1f}. "
+            "insecure: `up --insecure` (plain TCP, for this measurement only); auth: the default (client on the "
+            "head's Unix socket or the relay's, mutual TLS between head, agents and relay).")
+    out = [provenance_line(doc), "", note, "",
+           table(["path", "insecure ms", "auth ms", "auth cost", "runs"], rows)]
+    worst = max(r["delta_pct"] for r in doc["rows"])
+    out += ["", f"* authenticated ≤ 5 % slower: {'met' if worst <= 5 else 'not met'} (worst {worst:+.1f}%)"]
+    return "\n".join(out)
+
+
 RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
-             "slurm": render_slurm, "executor": render_executor, "linger": render_linger}
+             "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -111,10 +111,17 @@ def test_down_after_kill9_leaves_nothing(fresh_cluster):
     assert leftovers() == {}
 
 
+def dial_head():
+    """A raw connection to the head: its local socket (its TCP port speaks only TLS; test_auth checks that)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(60)
+    s.connect(f"{RUN_DIR}/head.sock")
+    return s
+
+
 def test_head_survives_garbage_and_wrong_version(fresh_cluster):
-    host, port = fresh_cluster["head"].rsplit(":", 1)
     # Garbage.
-    s = socket.create_connection((host, int(port)), timeout=60)
+    s = dial_head()
     s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     s.settimeout(60)  # the head closes at once; the deadline only bounds a hang
     data = b""
@@ -128,7 +135,7 @@ def test_head_survives_garbage_and_wrong_version(fresh_cluster):
         pytest.fail("head kept a garbage connection open")
     s.close()
     # Another protocol version: told why, then closed.
-    s = socket.create_connection((host, int(port)), timeout=60)
+    s = dial_head()
     s.sendall(b"STRL" + struct.pack("<HHI", 99, 0, 0))
     s.settimeout(60)
     reply = b""
@@ -139,7 +146,7 @@ def test_head_survives_garbage_and_wrong_version(fresh_cluster):
         reply += chunk
     assert b"v99" in reply, reply
     # Truncated frame then close.
-    s = socket.create_connection((host, int(port)), timeout=60)
+    s = dial_head()
     s.sendall(b"STRL" + struct.pack("<HHI", 2, 0, 1000) + b"abc")  # current version, truncated body
     s.close()
     # The head is unharmed.

@@ -5,6 +5,9 @@ with the commands the README gives, in both directions:
 * `starling head --listen H:P` + `starling agent --head H:P --name node1`;
 * `starling agent --listen A:Q --name node2` + `starling head --listen H:P2 --agent A:Q`.
 
+Both run with the cluster's credentials (`starling head --init --auth DIR`, then `--auth DIR` on head
+and agent): every connection is mutual TLS, in both dial directions, and the client holds the client
+certificate (STARLING_AUTH); a client without it is refused with one line.
 Each direction is used by a client (`--cluster` / STARLING_CLUSTER): `status` names the host and its
 address, `exec` runs in the agent's namespace (the task sees the agent's address, not ours) and its
 files come home, and a C program forks 2 clones onto it."""
@@ -24,6 +27,7 @@ NETNS = "st-realhost"
 VETH = "st-rh0"
 HEAD_IP, AGENT_IP = "10.216.0.1", "10.216.0.2"
 BASE = pathlib.Path("/var/tmp/starling-tests/realhost")
+AUTH = BASE / "auth"
 
 
 def cleanup_net():
@@ -45,6 +49,8 @@ def net():
     sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
     shutil.rmtree(BASE, ignore_errors=True)
     BASE.mkdir(parents=True)
+    r = subprocess.run([STARLING, "head", "--init", "--auth", str(AUTH)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
     yield
     cleanup_net()
     shutil.rmtree(BASE, ignore_errors=True)
@@ -87,8 +93,10 @@ def in_netns(*argv):
     return ["ip", "netns", "exec", NETNS, *argv]
 
 
-def client(cluster, *args, cwd=None, timeout=300):
+def client(cluster, *args, cwd=None, timeout=300, auth=True):
     env = dict(os.environ, STARLING_CLUSTER=cluster)
+    if auth:
+        env["STARLING_AUTH"] = str(AUTH)
     env.pop("STARLING_INSTANCE", None)
     env.pop("STARLING_FORK_BACKEND", None)
     return subprocess.run([STARLING, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -105,6 +113,8 @@ def host_listed(cluster, name):
 def check_cluster(cluster, name, daemons, tag):
     host = wait_for(lambda: host_listed(cluster, name), f"{name} in `starling status` of {cluster}", timeout=120)
     assert host["address"] == AGENT_IP, host
+    r = client(cluster, "exec", "--", "true", auth=False)
+    assert r.returncode != 0 and "mutual-TLS" in r.stderr, r.stderr
     work = BASE / f"work-{tag}"
     work.mkdir()
     (work / "input.txt").write_text("from the client\n")
@@ -122,7 +132,7 @@ def check_cluster(cluster, name, daemons, tag):
            "-lpthread", "-ldl", "-lm", "-o", str(exe))
     clones = work / "clones"
     clones.mkdir()
-    env = dict(os.environ, STARLING_CLUSTER=cluster)
+    env = dict(os.environ, STARLING_CLUSTER=cluster, STARLING_AUTH=str(AUTH))
     env.pop("STARLING_FORK_BACKEND", None)
     r = subprocess.run([str(exe), "2", str(clones)], capture_output=True, text=True, env=env, timeout=300, cwd=work)
     assert r.returncode == 0, r.stdout + r.stderr + daemons.logs()
@@ -133,8 +143,8 @@ def check_cluster(cluster, name, daemons, tag):
 
 def test_agent_dials_the_head(daemons):
     head = f"{HEAD_IP}:17271"
-    daemons.start("head-a", [STARLING, "head", "--listen", head, "--state", str(BASE / "head-a")])
-    daemons.start("agent-a", in_netns(STARLING, "agent", "--head", head, "--name", "node1",
+    daemons.start("head-a", [STARLING, "head", "--listen", head, "--auth", str(AUTH), "--state", str(BASE / "head-a")])
+    daemons.start("agent-a", in_netns(STARLING, "agent", "--head", head, "--auth", str(AUTH), "--name", "node1",
                                       "--state", str(BASE / "agent-a"), "--cache-mib", "256"))
     check_cluster(head, "node1", daemons, "a")
 
@@ -142,10 +152,11 @@ def test_agent_dials_the_head(daemons):
 def test_head_dials_the_agent(daemons):
     agent = f"{AGENT_IP}:17278"
     head = f"{HEAD_IP}:17272"
-    daemons.start("agent-b", in_netns(STARLING, "agent", "--listen", f"0.0.0.0:17278", "--name", "node2",
+    daemons.start("agent-b", in_netns(STARLING, "agent", "--listen", f"0.0.0.0:17278", "--auth", str(AUTH), "--name", "node2",
                                       "--state", str(BASE / "agent-b"), "--cache-mib", "256"))
     # The agent must be listening before the head dials it (the head may not retry).
     wait_for(lambda: re.search(r":17278\b", sh("ip", "netns", "exec", NETNS, "ss", "-ltn", check=False).stdout),
              "the agent to listen", timeout=120)
-    daemons.start("head-b", [STARLING, "head", "--listen", head, "--agent", agent, "--state", str(BASE / "head-b")])
+    daemons.start("head-b", [STARLING, "head", "--listen", head, "--auth", str(AUTH), "--agent", agent,
+                             "--state", str(BASE / "head-b")])
     check_cluster(head, "node2", daemons, "b")

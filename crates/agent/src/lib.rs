@@ -29,6 +29,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
+use starling_auth::Role as AuthRole;
 use tokio::net::{TcpListener, TcpStream};
 
 pub use remote::Waiters;
@@ -51,6 +52,8 @@ pub enum AgentError {
     Migration(String),
     #[error("the moved task's seccomp filter: {0}")]
     Filter(#[source] starling_sandbox::HardenError),
+    #[error("agent: {0}")]
+    Auth(#[from] starling_auth::AuthError),
     #[error("this agent runs without root: remote fork onto it is not supported yet (its clones need kernel-mode userfaultfd, which only root has here); run the agent as root")]
     RootlessClone,
 }
@@ -199,10 +202,30 @@ impl Agent {
     }
 
     /// Serve one head connection until it drops.
-    async fn serve(self: &Arc<Self>, sock: TcpStream) -> Result<(), ProtoError> {
+    async fn serve(self: &Arc<Self>, sock: TcpStream, tls: &Tls) -> Result<(), ProtoError> {
         let addr = sock.local_addr().map(|a| a.ip().to_string()).unwrap_or_default();
         let _ = sock.set_nodelay(true);
-        let (r, w) = sock.into_split();
+        match tls {
+            Tls::Off => self.serve_stream(sock, addr).await,
+            Tls::Dial(c) => {
+                let s = c.connect(starling_auth::server_name(AuthRole::Head), sock).await?;
+                self.serve_stream(s, addr).await
+            }
+            Tls::Accept(a) => {
+                let s = a.accept(sock).await?;
+                if starling_auth::client_role(&s) != Some(AuthRole::Head) {
+                    return Err(ProtoError::Refused("a connection whose certificate is not the head's".into()));
+                }
+                self.serve_stream(s, addr).await
+            }
+        }
+    }
+
+    async fn serve_stream<S>(self: &Arc<Self>, sock: S, addr: String) -> Result<(), ProtoError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (r, w) = tokio::io::split(sock);
         let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.cfg.name).await?;
         if peer.role != Role::Head {
             let _ = tx.send(Msg::Error { task: None, message: "agents only accept a head".into() }).await;
@@ -422,12 +445,20 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             std::process::exit(0);
         });
     }
+    let auth = agent.cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
+    if auth.is_none() {
+        log::warn!("agent {}: no --auth: its head connection is not authenticated (a head of this cluster gives it credentials: README, Authentication)", agent.cfg.name);
+    }
     if let Some(listen) = agent.cfg.settings.listen.clone() {
+        let tls = match &auth {
+            Some(a) => Tls::Accept(a.acceptor(AuthRole::Agent)?),
+            None => Tls::Off,
+        };
         let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);
         loop {
             let (s, peer) = l.accept().await.map_err(io_step(Step::Accept))?;
-            if let Err(e) = agent.serve(s).await {
+            if let Err(e) = agent.serve(s, &tls).await {
                 log::warn!("head connection from {peer}: {e}");
             }
         }
@@ -435,12 +466,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let head = agent.cfg.settings.head.clone().ok_or(AgentError::NoHead)?;
     // A lost head is dialled again, ever less often (the process, its cache and its task
     // directories stay); a connection that was up starts the backoff over.
+    let tls = match &auth {
+        Some(a) => Tls::Dial(a.connector(AuthRole::Agent)?),
+        None => Tls::Off,
+    };
     let mut backoff = RECONNECT_MIN;
     loop {
         match TcpStream::connect(&head).await {
             Ok(s) => {
                 backoff = RECONNECT_MIN;
-                if let Err(e) = agent.serve(s).await {
+                if let Err(e) = agent.serve(s, &tls).await {
                     log::warn!("head connection: {e}");
                 }
                 log::info!("lost the head {head}; reconnecting (backoff {RECONNECT_MIN:?} to {RECONNECT_MAX:?})");
@@ -450,6 +485,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         tokio::time::sleep(backoff).await;
         backoff = next_backoff(backoff);
     }
+}
+
+/// How the head connection is secured.
+enum Tls {
+    /// Plain TCP (an agent without `--auth`).
+    Off,
+    /// Dial the head: it must show the head's certificate, we show the agent's.
+    Dial(starling_auth::TlsConnector),
+    /// `--listen`: the head dials us and must show the head's certificate.
+    Accept(starling_auth::TlsAcceptor),
 }
 
 /// First and longest wait between attempts to reach a lost head.

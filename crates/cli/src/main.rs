@@ -226,6 +226,14 @@ struct UpArgs {
     /// The head serves Prometheus metrics at http://ADDR/metrics (see `starling head --help`).
     #[arg(long, value_name = "IP:PORT")]
     metrics: Option<String>,
+    /// The head refuses tasks that would run as root (root's own `starling exec` included).
+    #[arg(long)]
+    no_root_tasks: bool,
+    /// FOR MEASUREMENTS ONLY (bench/auth_bench.py): no credentials and no local socket; every
+    /// connection is plain TCP and the head believes the uid any client claims (any local user can
+    /// run tasks as root). Never on a machine with users you would not give root.
+    #[arg(long, conflicts_with = "slurm")]
+    insecure: bool,
     /// What every host's guests do when its owner becomes active: LF (linger at starvation
     /// priority, never move), LL (linger, then move to an idle host after
     /// T_lingr = ((1-l)/(h-l))·T_migr), PM (suspend, move after agent.pm_pause_s) or IE (kill,
@@ -352,6 +360,11 @@ struct AgentArgs {
     /// rerun from the start on an idle host). A task's own `--policy` wins. [default: agent.policy, LF]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
+    /// The cluster's credentials for this agent (ca.pem, agent.pem, agent.key, copied from the
+    /// head's `--auth` directory): its head connection is then mutual TLS, and only the head's
+    /// certificate is accepted. Without it the connection is unauthenticated.
+    #[arg(long, value_name = "DIR")]
+    auth: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -379,6 +392,23 @@ struct HeadArgs {
     /// page faults served, per-host cores and load). Example: --metrics 0.0.0.0:9477
     #[arg(long, value_name = "IP:PORT")]
     metrics: Option<String>,
+    /// The cluster's credentials directory: every TCP connection (agents, remote clients, the link
+    /// relay) must then be mutual TLS with a certificate of this cluster's CA. Without it, TCP is
+    /// unauthenticated: whoever reaches --listen runs tasks as any uid. `starling up` makes one.
+    #[arg(long, value_name = "DIR")]
+    auth: Option<PathBuf>,
+    /// With --auth: create the cluster's CA and one certificate per role in DIR (0700, keys 0600)
+    /// and exit (an existing CA is never replaced). Copy ca.pem, agent.pem and agent.key to each agent host (README,
+    /// Authentication).
+    #[arg(long, requires = "auth")]
+    init: bool,
+    /// Unix socket for local clients (made mode 0666): the kernel tells the head who they are and
+    /// their tasks run as that user, whatever they claim.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Refuse tasks that would run as root (a root user's, or a certified remote client's).
+    #[arg(long)]
+    no_root_tasks: bool,
 }
 
 fn init_logging(filter: Option<&str>, default: &str) {
@@ -544,6 +574,9 @@ fn run(cli: Cli) -> Result<i32> {
             if let Some(p) = a.policy {
                 settings.policy = p;
             }
+            if a.auth.is_some() {
+                settings.auth = a.auth;
+            }
             if settings.high_water_mib < settings.low_water_mib {
                 anyhow::bail!(
                     "agent.high_water_mib ({}) must not be below agent.low_water_mib ({})",
@@ -587,6 +620,23 @@ fn run(cli: Cli) -> Result<i32> {
             if a.metrics.is_some() {
                 settings.metrics = a.metrics;
             }
+            if a.init {
+                let dir = a.auth.as_ref().expect("clap: --init requires --auth");
+                starling_auth::AuthDir::new(dir).init()?;
+                eprintln!(
+                    "starling: made the cluster's CA and certificates in {d}. Run the head with `starling head --auth {d}`; \
+                     give each agent host ca.pem, agent.pem and agent.key (README, Authentication)",
+                    d = dir.display()
+                );
+                return Ok(0);
+            }
+            if a.auth.is_some() {
+                settings.auth = a.auth;
+            }
+            if a.socket.is_some() {
+                settings.socket = a.socket;
+            }
+            settings.root_tasks &= !a.no_root_tasks;
             runtime().block_on(starling_head::run(settings))?;
             Ok(0)
         }
@@ -652,7 +702,22 @@ fn link_main(args: &[String]) -> ! {
             tokio::spawn(starling_link::publish_counters(stats.into(), profile, counters.clone()));
         }
         log::info!("link {listen} -> {target}: {}", profile.describe());
-        starling_link::run_relay(&listen, &target, profile, counters).await
+        let l = tokio::net::TcpListener::bind(&listen)
+            .await
+            .map_err(|source| anyhow::Error::from(starling_link::LinkError::Listen { addr: listen.clone(), source }))?;
+        // With the cluster's credentials: local users through a Unix socket, the relay's certificate to the head.
+        let auth = match (get("--auth"), get("--socket")) {
+            (Some(dir), Some(sock)) => {
+                let connector = starling_auth::AuthDir::new(dir).connector(starling_auth::Role::Relay)?;
+                let _ = std::fs::remove_file(&sock);
+                let socket = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {sock}"))?;
+                std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666))
+                    .with_context(|| format!("chmod {sock}"))?;
+                Some(starling_link::RelayAuth { socket, connector })
+            }
+            _ => None,
+        };
+        starling_link::run_relay_with(l, auth, target, profile, counters).await.map_err(anyhow::Error::from)
     });
     if let Err(e) = res {
         eprintln!("starling __link: {e:#}");
@@ -897,8 +962,11 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
 }
 
 /// Arguments `up` gives the head: the relay cache switch and the metrics address.
-fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>) -> Vec<String> {
+fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>, no_root_tasks: bool) -> Vec<String> {
     let mut args = Vec::new();
+    if no_root_tasks || !cfg.head.root_tasks {
+        args.push("--no-root-tasks".to_string());
+    }
     if no_relay_cache || !cfg.head.relay_cache {
         args.push("--no-relay-cache".to_string());
     }
@@ -918,12 +986,12 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let local = LocalCluster::new(cfg.instance);
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
-    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
     let agent_args = match &a.policy {
         Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
         None => Vec::new(),
     };
-    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args)?;
+    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args, a.insecure)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();
@@ -960,7 +1028,7 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
         anyhow::bail!("-N must be at least 1");
     }
     let local = LocalCluster::new(cfg.instance);
-    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref());
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
     // The edge reads Slurm's environment: inside an allocation, use it.
     let existing_job = std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty());
     let req = SlurmRequest {

@@ -101,9 +101,17 @@ impl LocalCluster {
     }
 
     /// Start this instance's cluster.
-    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>) -> Result<ClusterState> {
-        let opts =
-            UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, agent_args, link };
+    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>, insecure: bool) -> Result<ClusterState> {
+        let opts = UpOptions {
+            hosts,
+            exe,
+            state_dir: self.state_dir.clone(),
+            run_dir: self.run_dir.clone(),
+            head_args,
+            agent_args,
+            link,
+            insecure,
+        };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
@@ -120,6 +128,8 @@ impl LocalCluster {
 pub enum ClusterError {
     #[error("--hosts must be between 1 and {MAX_HOSTS}, not {0}")]
     Hosts(usize),
+    #[error("the cluster's credentials: {0}")]
+    Auth(#[from] starling_auth::AuthError),
     #[error(transparent)]
     Net(#[from] NetError),
     #[error(transparent)]
@@ -182,6 +192,9 @@ pub struct UpOptions {
     /// WAN link profile between clients and the head (`starling_link::Profile::parse`
     /// syntax). `None` or `lan`: clients talk to the head directly.
     pub link: Option<String>,
+    /// For measurements only (`up --insecure`): no credentials, no local socket; every connection
+    /// is plain TCP and the head believes every spec's uid, as before authentication existed.
+    pub insecure: bool,
 }
 
 impl UpOptions {
@@ -195,6 +208,7 @@ impl UpOptions {
             head_args: Vec::new(),
             agent_args: Vec::new(),
             link: None,
+            insecure: false,
         }
     }
 }
@@ -333,8 +347,24 @@ fn start(
 
     let cache_mib = cache_mib_per_host(state_dir, opts.hosts);
     let head_addr = SocketAddr::from((cfg.bridge_ip(), HEAD_PORT));
+    // A new CA and certificates for every `up`: every TCP connection of the cluster is mutual TLS;
+    // local users reach the head through its Unix socket, which names them.
+    let auth_dir = run_dir.join(AUTH_DIR);
+    match std::fs::remove_dir_all(&auth_dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(SysError { what: format!("removing {}", auth_dir.display()), source: e }.into()),
+    }
+    let auth = (!opts.insecure).then(|| starling_auth::AuthDir::new(&auth_dir));
+    if let Some(a) = &auth {
+        a.init()?;
+    }
+    let head_socket = run_dir.join(HEAD_SOCKET);
     let mut head = Command::new(exe);
     head.arg(roles::HEAD).arg("--listen").arg(head_addr.to_string()).arg("--state").arg(state_dir.join("head"));
+    if auth.is_some() {
+        head.arg("--auth").arg(&auth_dir).arg("--socket").arg(&head_socket);
+    }
     if !opts.head_args.iter().any(|a| a.starts_with("--cache-mib")) {
         head.arg("--cache-mib").arg(cache_mib.to_string());
     }
@@ -348,13 +378,22 @@ fn start(
         let netns = cfg.netns_name(&name);
         let hdir = host_dir(state_dir, &name);
         std::fs::create_dir_all(hdir.join("state")).doing(|| format!("mkdir {}", hdir.display()))?;
+        // The host's /run is its own: its agent's credentials go into its state directory.
+        let mut agent_args = Vec::new();
+        if let Some(a) = &auth {
+            give_agent_credentials(a, &hdir.join("state").join(AUTH_DIR))?;
+            // One argument (`--auth=PATH`): a path argument under /var/lib/starling would make an
+            // older `starling down` of the default instance take the agent for one of its own.
+            agent_args = vec![format!("--auth={}/{AUTH_DIR}", boot::HOST_STATE_MOUNT)];
+        }
+        agent_args.extend(opts.agent_args.iter().cloned());
         let boot_args = boot::BootArgs {
             name: name.clone(),
             head: head_addr.to_string(),
             host_dir: hdir,
             cache_mib,
             cgroup: netns.clone(),
-            agent_args: opts.agent_args.clone(),
+            agent_args,
             exec: overrides.host_command.clone().unwrap_or_default(),
         };
         let mut cmd = Command::new(exe);
@@ -373,6 +412,7 @@ fn start(
 
     // The emulated WAN link: clients reach the head only through it.
     let mut client_addr = head_addr.to_string();
+    let mut client_socket = head_socket.clone();
     let mut link = None;
     if let Some(profile) = opts.link.as_deref().filter(|p| *p != "lan") {
         let listen = SocketAddr::from(([127, 0, 0, 1], overrides.link_port));
@@ -388,9 +428,13 @@ fn start(
             .arg(profile)
             .arg("--stats")
             .arg(&stats_file);
+        if auth.is_some() {
+            relay.arg("--auth").arg(&auth_dir).arg("--socket").arg(run_dir.join(LINK_SOCKET));
+        }
         let pid = spawn_detached(relay, &log_path(run_dir, "link"), None)?;
         wait_listening(listen, pid, &log_path(run_dir, "link"))?;
         client_addr = listen.to_string();
+        client_socket = run_dir.join(LINK_SOCKET);
         link = Some(LinkRecord { profile: profile.to_string(), pid, head_direct: head_addr.to_string(), stats_file });
     }
 
@@ -412,9 +456,32 @@ fn start(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
         slurm: None,
+        socket: auth.is_some().then_some(client_socket),
+        auth: auth.is_some().then_some(auth_dir),
     };
     state.write(&cluster_file(run_dir))?;
     Ok(state)
+}
+
+/// The cluster's credentials under the run directory (0700).
+pub const AUTH_DIR: &str = "auth";
+/// The head's socket for local clients, under the run directory.
+pub const HEAD_SOCKET: &str = "head.sock";
+/// The link relay's socket for local clients (`up --link`), under the run directory.
+pub const LINK_SOCKET: &str = "link.sock";
+
+/// Copy what an agent needs (the CA's certificate, the agent's certificate and key) to `dir`
+/// (made afresh, 0700).
+fn give_agent_credentials(auth: &starling_auth::AuthDir, dir: &Path) -> Result<()> {
+    let _ = std::fs::remove_dir_all(dir);
+    let to = starling_auth::AuthDir::new(dir);
+    std::fs::create_dir_all(dir).doing(|| format!("mkdir {}", dir.display()))?;
+    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).doing(|| format!("chmod {}", dir.display()))?;
+    let role = starling_auth::Role::Agent;
+    for (from, dest) in [(auth.ca_cert(), to.ca_cert()), (auth.cert(role), to.cert(role)), (auth.key(role), to.key(role))] {
+        std::fs::copy(&from, &dest).doing(|| format!("copying {} to {}", from.display(), dest.display()))?;
+    }
+    Ok(())
 }
 
 /// Start `cmd` in its own session (so a terminal hang-up or Ctrl-C of `starling up` does not reach it), with
@@ -559,9 +626,10 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
             .filter(|p| {
                 let in_our_netns = p.netns.is_some_and(|id| our_ns.contains(&id));
                 let starling_role = p.role().is_some_and(|r| CLUSTER_ROLES.contains(&r));
-                // Every agent's `--state` is HOST_STATE_MOUNT whatever its cluster: that names no cluster.
+                // Every agent's `--state` is HOST_STATE_MOUNT (and its `--auth` under it) whatever its
+                // cluster: that names no cluster.
                 let names_us = p.argv.iter().any(|a| {
-                    (a != HOST_STATE_MOUNT && Path::new(a).starts_with(&state_dir))
+                    (!Path::new(a).starts_with(HOST_STATE_MOUNT) && Path::new(a).starts_with(&state_dir))
                         || head_addr_prefixes.iter().any(|h| a.starts_with(h))
                 });
                 in_our_netns || (starling_role && (names_us || recorded_pids.contains(&p.pid)))
@@ -627,7 +695,16 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
         }
     }
 
-    // 5. The record.
+    // 5. The cluster's credentials and sockets (a new `up` makes new ones), then the record.
+    for sock in [HEAD_SOCKET, LINK_SOCKET] {
+        let _ = std::fs::remove_file(run_dir.join(sock));
+    }
+    let auth = run_dir.join(AUTH_DIR);
+    if auth.exists() {
+        if let Err(e) = std::fs::remove_dir_all(&auth) {
+            problems.push(format!("cannot remove {}: {e}", auth.display()));
+        }
+    }
     let file = cluster_file(&run_dir);
     if file.exists() {
         match std::fs::remove_file(&file) {

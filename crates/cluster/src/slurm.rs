@@ -302,6 +302,10 @@ impl LocalCluster {
         if !req.head_args.iter().any(|a| a.starts_with("--cache-mib")) {
             head.arg("--cache-mib").arg(cache_mib.to_string());
         }
+        // Local users through the head's Unix socket (the kernel names them). The agents on the
+        // allocation's nodes have no credentials yet: the head's TCP port is unauthenticated
+        // (it says so in its log; docs/SECURITY.md).
+        head.arg("--socket").arg(self.run_dir.join(crate::HEAD_SOCKET));
         head.args(&req.head_args);
         let head_log = log_path(&self.run_dir, "head");
         let head_pid = spawn_detached(head, &head_log, None)?;
@@ -379,6 +383,8 @@ impl LocalCluster {
             started_at: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
+            socket: Some(self.run_dir.join(crate::HEAD_SOCKET)),
+            auth: None,
             slurm: Some(SlurmRecord {
                 job_id,
                 submitted: req.existing_job.is_none(),

@@ -101,6 +101,8 @@ pub struct ClientSettings {
     pub chunking: Chunking,
     /// Append one JSON line of client-side counters per launch here.
     pub stats_file: Option<PathBuf>,
+    /// The client certificate's directory, for a head named by `cluster` (mutual TLS).
+    pub auth: Option<PathBuf>,
 }
 
 /// How files are cut into chunks.
@@ -164,6 +166,13 @@ pub struct HeadSettings {
     pub relay_cache: bool,
     /// Where to serve Prometheus `/metrics` (`IP:PORT`); `None`: not served.
     pub metrics: Option<String>,
+    /// The cluster's credentials (`starling_auth::AuthDir`): with them every
+    /// TCP connection is mutual TLS; `None`: TCP is unauthenticated.
+    pub auth: Option<PathBuf>,
+    /// The Unix socket local clients use (the kernel names their uid).
+    pub socket: Option<PathBuf>,
+    /// Whether tasks may run as root (a root client's, or a certified one's).
+    pub root_tasks: bool,
 }
 
 /// `starling agent`.
@@ -194,6 +203,9 @@ pub struct AgentSettings {
     pub policy: GuestPolicy,
     /// PM: how long guests stay suspended before they are moved (seconds).
     pub pm_pause_s: u64,
+    /// The cluster's credentials (`ca.pem`, `agent.pem`, `agent.key`): the
+    /// head connection is mutual TLS; `None`: plain TCP.
+    pub auth: Option<PathBuf>,
 }
 
 /// The Linger-Longer policy of a host's guests (a wire type: tasks carry their own).
@@ -225,6 +237,9 @@ impl Default for HeadSettings {
             cache_mib: 8192,
             relay_cache: true,
             metrics: None,
+            auth: None,
+            socket: None,
+            root_tasks: true,
         }
     }
 }
@@ -244,6 +259,7 @@ impl Default for AgentSettings {
             high_water_mib: 2048,
             policy: GuestPolicy::LingerForever,
             pm_pause_s: 600,
+            auth: None,
         }
     }
 }
@@ -264,6 +280,7 @@ impl ClientSettings {
             push: true,
             chunking: Chunking::ContentDefined,
             stats_file: None,
+            auth: None,
         }
     }
 }
@@ -466,6 +483,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "the head's address `IP:PORT`",
         apply: |c, v| {
             c.client.cluster = Some(v.text()?);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "client.auth",
+        env: Some("STARLING_AUTH"),
+        flag: "",
+        default: "none",
+        meaning: "directory with the cluster's ca.pem, client.pem and client.key, for a head named by `client.cluster` (mutual TLS)",
+        apply: |c, v| {
+            c.client.auth = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
             Ok(())
         },
     },
@@ -678,6 +706,39 @@ pub static SETTINGS: &[Setting] = &[
         },
     },
     Setting {
+        key: "head.auth",
+        env: None,
+        flag: "--auth (head)",
+        default: "none (TCP unauthenticated)",
+        meaning: "the cluster's credentials directory (`head --init --auth DIR` makes it): every TCP connection is then mutual TLS",
+        apply: |c, v| {
+            c.head.auth = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.socket",
+        env: None,
+        flag: "--socket (head)",
+        default: "none",
+        meaning: "Unix socket for local clients; their tasks run as the uid the kernel names",
+        apply: |c, v| {
+            c.head.socket = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
+            Ok(())
+        },
+    },
+    Setting {
+        key: "head.root_tasks",
+        env: None,
+        flag: "--no-root-tasks (head, up)",
+        default: "on",
+        meaning: "whether tasks may run as root (root's own, or a certified remote client's)",
+        apply: |c, v| {
+            c.head.root_tasks = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
         key: "agent.head",
         env: None,
         flag: "--head (agent)",
@@ -810,6 +871,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "free memory (MiB) above which the guests' cap and freeze are lifted",
         apply: |c, v| {
             c.agent.high_water_mib = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.auth",
+        env: None,
+        flag: "--auth (agent)",
+        default: "none (TCP unauthenticated)",
+        meaning: "directory with the cluster's ca.pem, agent.pem and agent.key: the head connection is then mutual TLS",
+        apply: |c, v| {
+            c.agent.auth = Some(v.text()?).filter(|t| !t.is_empty()).map(PathBuf::from);
             Ok(())
         },
     },

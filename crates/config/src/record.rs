@@ -40,6 +40,14 @@ pub struct ClusterState {
     /// emulated ones: then `bridge`, `subnet`, the prefixes and `hosts` are empty.
     #[serde(default)]
     pub slurm: Option<SlurmRecord>,
+    /// The Unix socket local clients dial instead of `head_addr` (the head's,
+    /// or the link relay's when there is a link).
+    #[serde(default)]
+    pub socket: Option<PathBuf>,
+    /// The cluster's credentials, when its TCP connections are mutual TLS
+    /// (`client.pem` there lets root dial `head_addr` too).
+    #[serde(default)]
+    pub auth: Option<PathBuf>,
 }
 
 /// The Slurm job whose nodes run the agents (`starling up --slurm`).
@@ -156,6 +164,8 @@ mod tests {
                 agent_state: "/var/lib/starling/slurm/nodes".into(),
                 conf: Some("/etc/slurm/slurm.conf".into()),
             }),
+            socket: None,
+            auth: None,
         };
         state.write(&path).unwrap();
         assert_eq!(ClusterState::read(&path).unwrap(), Some(state.clone()));

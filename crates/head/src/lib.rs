@@ -35,7 +35,9 @@ use starling_proto::{ClusterStatus, HostInfo, Msg, ProtoError, Role, TaskId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::net::{TcpListener, TcpStream};
+use starling_auth::{AuthDir, Cred, Role as AuthRole, ServerTls, TlsAcceptor, TlsConnector};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::net::{TcpListener, TcpStream, UnixListener};
 
 #[derive(Debug, thiserror::Error)]
 pub enum HeadError {
@@ -47,6 +49,10 @@ pub enum HeadError {
     Accept(#[source] std::io::Error),
     #[error("head: cannot serve /metrics on {addr}: {source}")]
     Metrics { addr: String, #[source] source: std::io::Error },
+    #[error("head: the local clients' socket {}: {source}", path.display())]
+    Socket { path: std::path::PathBuf, #[source] source: std::io::Error },
+    #[error("head: {0}")]
+    Auth(#[from] starling_auth::AuthError),
 }
 
 /// A connected host.
@@ -68,6 +74,8 @@ pub(crate) struct Route {
     pub(crate) host_conn: u64,
     /// Cores the task holds on its host (`TaskSpec::cores`).
     pub(crate) cores: u32,
+    /// The user it runs as (only they, or root, may move it).
+    pub(crate) uid: u32,
     /// For `starling ps`: the command line (shortened), job, start time.
     pub(crate) command: String,
     pub(crate) job: Option<String>,
@@ -130,6 +138,8 @@ pub struct Head {
     facts: Vec<(String, String)>,
     /// The LL policy's episodes and what it is doing per host.
     pub(crate) lingering: Mutex<linger::Lingering>,
+    /// Whether tasks may run as root (`--no-root-tasks` refuses them).
+    root_tasks: bool,
 }
 
 /// What the head knows, at one moment.
@@ -149,11 +159,45 @@ pub struct Snapshot {
     pub facts: Vec<(String, String)>,
 }
 
+/// Who is on the other end of a connection, as established below the
+/// protocol (by the kernel or by a certificate), before any frame is read.
+#[derive(Clone, Debug)]
+pub(crate) enum Peer {
+    /// A local user: on the head's Unix socket, or speaking through the link relay.
+    Local(Cred),
+    /// A TLS peer holding a certificate of this role.
+    Cert(AuthRole),
+    /// Plain TCP to a head started without `--auth`: nothing is known.
+    Unauthenticated,
+}
+
+/// Who a client is, for what it may launch: `Some`: tasks run as this user
+/// whatever their spec says; `None`: the spec's ids are believed (a
+/// certified client, or a head without `--auth`).
+pub(crate) type ClientIdentity = Option<Cred>;
+
+/// What a plain-TCP starling peer of an `--auth` head is told before it is closed.
+const NEEDS_TLS: &str = "this head accepts only mutual-TLS connections with a certificate of its cluster; \
+local users connect through its Unix socket (RUN_DIR/head.sock, found by `starling up`'s record), \
+remote ones need a certificate (README, Authentication)";
+
 /// Run the head until the process is killed.
 pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
     let listener = TcpListener::bind(&settings.listen)
         .await
         .map_err(|source| HeadError::Listen { addr: settings.listen.clone(), source })?;
+    let acceptor = match &settings.auth {
+        Some(dir) => Some(AuthDir::new(dir).acceptor(AuthRole::Head)?),
+        None => None,
+    };
+    let connector = match &settings.auth {
+        Some(dir) if !settings.agents.is_empty() => Some(AuthDir::new(dir).connector(AuthRole::Head)?),
+        _ => None,
+    };
+    let unix = match &settings.socket {
+        Some(path) => Some(bind_socket(path)?),
+        None => None,
+    };
     let counters = Arc::new(metrics::Counters::default());
     let metrics_listener = match &settings.metrics {
         Some(addr) => {
@@ -166,6 +210,10 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         if let Ok(a) = l.local_addr() {
             facts.push(("metrics".into(), format!("http://{a}/metrics")));
         }
+    }
+    facts.push(("auth".into(), if settings.auth.is_some() { "mutual TLS" } else { "none (TCP unauthenticated)" }.into()));
+    if !settings.root_tasks {
+        facts.push(("root_tasks".into(), "refused".into()));
     }
     let relay = if settings.relay_cache {
         let dir = settings.state.join("cache");
@@ -188,6 +236,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         listen: settings.listen.clone(),
         facts,
         lingering: Mutex::new(linger::Lingering::default()),
+        root_tasks: settings.root_tasks,
     });
     *head.me.lock().unwrap() = Arc::downgrade(&head);
     if let Some(l) = metrics_listener {
@@ -202,21 +251,109 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
             }
         });
     }
-    log::info!("head listening on {}", settings.listen);
+    match &acceptor {
+        Some(_) => log::info!("head listening on {} (mutual TLS)", settings.listen),
+        None => log::warn!(
+            "head listening on {} WITHOUT authentication: anyone who reaches it runs tasks as any uid (start it with --auth DIR)",
+            settings.listen
+        ),
+    }
     for addr in settings.agents {
-        tokio::spawn(head.clone().dial_agent(addr));
+        tokio::spawn(head.clone().dial_agent(addr, connector.clone()));
+    }
+    if let Some((l, path)) = unix {
+        log::info!("head listening on {} for local clients", path.display());
+        let head = head.clone();
+        tokio::spawn(async move {
+            loop {
+                let sock = match l.accept().await {
+                    Ok((s, _)) => s,
+                    Err(e) => {
+                        log::warn!("{}: accepting: {e}", path.display());
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let head = head.clone();
+                tokio::spawn(async move {
+                    let cred = match starling_auth::unix_peer(&sock) {
+                        Ok(c) => c,
+                        Err(e) => return log::warn!("local connection: cannot read its credentials: {e}"),
+                    };
+                    let uid = cred.uid;
+                    if let Err(e) = head.serve(sock, Peer::Local(cred)).await {
+                        log::info!("local connection of uid {uid}: {e}");
+                    }
+                });
+            }
+        });
     }
     loop {
         let (sock, peer) = listener.accept().await.map_err(HeadError::Accept)?;
         let _ = sock.set_nodelay(true);
         let head = head.clone();
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
-            if let Err(e) = head.serve(sock).await {
+            let res = match acceptor {
+                None => head.serve(sock, Peer::Unauthenticated).await,
+                Some(acceptor) => match accept_tls(&acceptor, sock).await {
+                    Ok(Some((tls, role))) => head.serve(tls, Peer::Cert(role)).await,
+                    // A port probe (`starling up` waits for the port this way).
+                    Ok(None) => return,
+                    Err(why) => return log::warn!("connection from {peer} refused: {why}"),
+                },
+            };
+            if let Err(e) = res {
                 log::info!("connection from {peer}: {e}");
             }
         });
     }
 }
+
+/// Listen on the local clients' socket: any user may connect (mode 0666);
+/// the kernel tells the head who they are.
+fn bind_socket(path: &std::path::Path) -> Result<(UnixListener, std::path::PathBuf), HeadError> {
+    use std::os::unix::fs::PermissionsExt;
+    let err = |source| HeadError::Socket { path: path.to_path_buf(), source };
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(err(e)),
+    }
+    let l = UnixListener::bind(path).map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(err)?;
+    Ok((l, path.to_path_buf()))
+}
+
+/// The TLS handshake of a TCP peer, and its certificate's role. A
+/// plain starling peer (its first bytes are a frame's magic) is told why in
+/// one frame; anything else that is not TLS with a certificate of the
+/// cluster's CA fails the handshake. Nothing it sent is parsed as a frame.
+async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(ServerTls<TcpStream>, AuthRole)>, String> {
+    let mut first = [0u8; 4];
+    let n = tokio::time::timeout(HANDSHAKE, sock.peek(&mut first)).await.map_err(|_| "no TLS handshake".to_string())?.map_err(|e| e.to_string())?;
+    if n == 0 {
+        return Ok(None);
+    }
+    if first[..n] == starling_proto::MAGIC[..n] {
+        let mut sock = sock;
+        // Take what it sent (so closing does not reset the connection before it reads our answer).
+        let mut sink = [0u8; 4096];
+        while matches!(sock.try_read(&mut sink), Ok(n) if n > 0) {}
+        let _ = starling_proto::write_frame(&mut sock, &Msg::Error { task: None, message: NEEDS_TLS.into() }).await;
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut sock).await;
+        return Err("plain starling connection without TLS (told to use a certificate or the local socket)".into());
+    }
+    let tls = tokio::time::timeout(HANDSHAKE, acceptor.accept(sock))
+        .await
+        .map_err(|_| "TLS handshake timed out".to_string())?
+        .map_err(|e| format!("TLS: {e}"))?;
+    let role = starling_auth::client_role(&tls).ok_or("its certificate names no starling role")?;
+    Ok(Some((tls, role)))
+}
+
+/// Bound on a peer's TLS handshake.
+const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Microseconds since the epoch.
 fn now_us() -> u64 {
@@ -226,13 +363,22 @@ fn now_us() -> u64 {
 }
 
 impl Head {
-    /// Keep a connection to an agent started with `starling agent --listen`.
-    async fn dial_agent(self: Arc<Self>, addr: String) {
+    /// Keep a connection to an agent started with `starling agent --listen`
+    /// (over mutual TLS when the head has credentials: the agent must show
+    /// an agent certificate, and is shown the head's).
+    async fn dial_agent(self: Arc<Self>, addr: String, tls: Option<TlsConnector>) {
         loop {
             match TcpStream::connect(&addr).await {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
-                    if let Err(e) = self.clone().serve(s).await {
+                    let res = match &tls {
+                        None => self.clone().serve(s, Peer::Unauthenticated).await,
+                        Some(c) => match c.connect(starling_auth::server_name(AuthRole::Agent), s).await {
+                            Ok(t) => self.clone().serve(t, Peer::Cert(AuthRole::Agent)).await,
+                            Err(e) => Err(ProtoError::Io(e)),
+                        },
+                    };
+                    if let Err(e) = res {
                         log::warn!("agent {addr}: {e}");
                     }
                 }
@@ -242,18 +388,45 @@ impl Head {
         }
     }
 
-    async fn serve(self: Arc<Self>, sock: TcpStream) -> Result<(), ProtoError> {
-        let (r, w) = sock.into_split();
-        let (peer, mut incoming, tx) = establish(r, w, Role::Head, "head").await?;
+    async fn serve<S>(self: Arc<Self>, sock: S, peer: Peer) -> Result<(), ProtoError>
+    where
+        S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    {
+        let (mut r, mut w) = tokio::io::split(sock);
+        // The link relay speaks for a local user: its first frame says which.
+        let peer = match peer {
+            Peer::Cert(AuthRole::Relay) => match starling_proto::read_frame(&mut r).await? {
+                Msg::OnBehalfOf { uid, gid, groups } => Peer::Local(Cred { uid, gid, groups }),
+                _ => {
+                    let e = "the link relay must first name the user it speaks for";
+                    let _ = starling_proto::write_frame(&mut w, &Msg::Error { task: None, message: e.into() }).await;
+                    return Err(ProtoError::Refused(e.into()));
+                }
+            },
+            p => p,
+        };
+        let (hello, mut incoming, tx) = establish(r, w, Role::Head, "head").await?;
         let conn = self.next_conn.fetch_add(1, Ordering::Relaxed);
-        match peer.role {
+        let refuse = |why: String| async {
+            let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
+            Err(ProtoError::Refused(why))
+        };
+        match hello.role {
             Role::Agent => {
+                if !matches!(peer, Peer::Unauthenticated | Peer::Cert(AuthRole::Agent)) {
+                    return refuse(format!("only a holder of an agent certificate may serve as a host, not {peer:?}")).await;
+                }
                 let res = self.serve_agent(conn, &mut incoming, tx).await;
                 self.agent_gone(conn, &res).await;
                 res
             }
             Role::Client => {
-                let res = self.serve_client(conn, &mut incoming, tx).await;
+                let who: ClientIdentity = match peer {
+                    Peer::Local(cred) => Some(cred),
+                    Peer::Cert(AuthRole::Client) | Peer::Unauthenticated => None,
+                    Peer::Cert(r) => return refuse(format!("a {r:?} certificate cannot be used by a client")).await,
+                };
+                let res = self.serve_client(conn, &mut incoming, tx, who).await;
                 self.client_gone(conn).await;
                 res
             }
@@ -262,6 +435,21 @@ impl Head {
                 Err(ProtoError::UnexpectedPeer { expected: Role::Agent, got: Role::Head })
             }
         }
+    }
+
+    /// The spec a client may launch: a known user's tasks run as that user
+    /// (uid, gid and groups from the kernel, whatever the spec claims); root
+    /// tasks only where the head allows them.
+    pub(crate) fn admit(&self, who: &ClientIdentity, mut spec: starling_proto::TaskSpec) -> Result<starling_proto::TaskSpec, String> {
+        if let Some(c) = who {
+            spec.uid = c.uid;
+            spec.gid = c.gid;
+            spec.groups.clone_from(&c.groups);
+        }
+        if spec.uid == 0 && !self.root_tasks {
+            return Err("this cluster refuses tasks that run as root (its head was started with --no-root-tasks); run as an ordinary user".into());
+        }
+        Ok(spec)
     }
 
     pub(crate) fn self_arc(&self) -> Option<Arc<Head>> {

@@ -78,6 +78,7 @@ impl Head {
             host: host.clone(),
             host_conn,
             cores: q.spec.cores(),
+            uid: q.spec.uid,
             command: crate::ps::command_line(&q.spec.argv),
             job: q.spec.job.clone(),
             started: std::time::Instant::now(),

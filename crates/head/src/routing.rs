@@ -83,15 +83,30 @@ impl Head {
         conn: u64,
         incoming: &mut Incoming<R>,
         tx: Outgoing,
+        who: crate::ClientIdentity,
     ) -> Result<(), ProtoError> {
         loop {
             match incoming.recv().await? {
                 Msg::StatusRequest => {
                     let _ = tx.send(Msg::StatusReply(self.status())).await;
                 }
-                Msg::Launch { spec, reference } => self.launch(conn, &tx, spec, reference).await,
+                Msg::Launch { spec, reference } => match self.admit(&who, spec) {
+                    Ok(spec) => self.launch(conn, &tx, spec, reference).await,
+                    Err(message) => {
+                        let _ = tx.send(Msg::LaunchFailed { reference, message }).await;
+                    }
+                },
                 Msg::LaunchJob { spec, tasks, first_reference } => {
                     let n = tasks.len();
+                    let spec = match self.admit(&who, spec) {
+                        Ok(spec) => spec,
+                        Err(message) => {
+                            for reference in (first_reference..).take(n) {
+                                let _ = tx.send(Msg::LaunchFailed { reference, message: message.clone() }).await;
+                            }
+                            continue;
+                        }
+                    };
                     for (i, (t, reference)) in tasks.into_iter().zip(first_reference..).enumerate() {
                         let mut s = spec.clone();
                         if let Some(argv) = t.argv {
@@ -118,8 +133,16 @@ impl Head {
                     });
                 }
                 Msg::Migrate { task, to, stop_and_copy } => {
-                    // Any client may move any task: the cluster has no users yet
-                    // (`starling migrate` runs beside the task's own client).
+                    // `starling migrate` runs beside the task's own client: a
+                    // local user may move their own tasks (root, any task).
+                    let owner = self.state.lock().unwrap().routes.get(&task).map(|r| r.uid);
+                    if let (Some(c), Some(owner)) = (&who, owner) {
+                        if c.uid != 0 && c.uid != owner {
+                            let result = Err(format!("task {task} runs as uid {owner}: only that user or root may move it"));
+                            let _ = tx.send(Msg::MigrateReply { task, result }).await;
+                            continue;
+                        }
+                    }
                     if let Err(message) = self.migrate(task, to, stop_and_copy, Some(tx.clone())).await {
                         let _ = tx.send(Msg::MigrateReply { task, result: Err(message) }).await;
                     }

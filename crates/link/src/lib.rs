@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -130,8 +130,8 @@ impl Direction {
     /// delay later; segments stay in order.
     async fn pump(
         &self,
-        mut from: tokio::net::tcp::OwnedReadHalf,
-        mut to: tokio::net::tcp::OwnedWriteHalf,
+        mut from: impl AsyncRead + Unpin,
+        mut to: impl AsyncWrite + Unpin + Send + 'static,
         on_bytes: impl Fn(usize, Duration) + Send + 'static,
     ) {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
@@ -188,13 +188,80 @@ pub async fn run_relay_on(
     profile: Profile,
     counters: Arc<Counters>,
 ) -> Result<(), LinkError> {
-    let up_free = Arc::new(std::sync::Mutex::new(Instant::now()));
-    let down_free = Arc::new(std::sync::Mutex::new(Instant::now()));
+    run_relay_with(l, None, target, profile, counters).await
+}
+
+/// With the cluster's relay credentials: local users connect to the relay's
+/// Unix socket, where the kernel names them; the relay dials the head over
+/// mutual TLS with its relay certificate and, before the user's bytes, tells
+/// the head whom it speaks for (`Msg::OnBehalfOf`, a starling frame).
+pub struct RelayAuth {
+    /// The local users' socket (mode 0666).
+    pub socket: tokio::net::UnixListener,
+    pub connector: starling_auth::TlsConnector,
+}
+
+/// Relay connections accepted on `l` (as bytes: a client there speaks TLS to
+/// the head itself, if the head wants it) and, with `auth`, on its Unix
+/// socket (see [`RelayAuth`]), to `target` through a link shaped by `profile`.
+/// The shaping applies to the user's bytes; the relay's own TLS handshake
+/// with the head is not charged to the emulated link.
+pub async fn run_relay_with(
+    l: TcpListener,
+    auth: Option<RelayAuth>,
+    target: String,
+    profile: Profile,
+    counters: Arc<Counters>,
+) -> Result<(), LinkError> {
+    let shared = Arc::new(Shared {
+        profile,
+        counters,
+        up_free: Arc::new(std::sync::Mutex::new(Instant::now())),
+        down_free: Arc::new(std::sync::Mutex::new(Instant::now())),
+    });
+    if let Some(auth) = auth {
+        let (shared, target) = (shared.clone(), target.clone());
+        tokio::spawn(async move {
+            let connector = auth.connector;
+            loop {
+                let client = match auth.socket.accept().await {
+                    Ok((c, _)) => c,
+                    Err(e) => {
+                        log::warn!("link: accepting a local client: {e}");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                };
+                let (shared, target, connector) = (shared.clone(), target.clone(), connector.clone());
+                tokio::spawn(async move {
+                    let cred = match starling_auth::unix_peer(&client) {
+                        Ok(c) => c,
+                        Err(e) => return log::warn!("link: a local client's credentials: {e}"),
+                    };
+                    let server = match TcpStream::connect(&target).await {
+                        Ok(s) => s,
+                        Err(e) => return log::warn!("link: cannot reach {target}: {e}"),
+                    };
+                    let _ = server.set_nodelay(true);
+                    let mut server = match connector.connect(starling_auth::server_name(starling_auth::Role::Head), server).await {
+                        Ok(s) => s,
+                        Err(e) => return log::warn!("link: TLS to the head {target}: {e}"),
+                    };
+                    let who = starling_proto::Msg::OnBehalfOf { uid: cred.uid, gid: cred.gid, groups: cred.groups };
+                    if let Err(e) = starling_proto::write_frame(&mut server, &who).await {
+                        return log::warn!("link: {e}");
+                    }
+                    let (cr, cw) = tokio::io::split(client);
+                    let (sr, sw) = tokio::io::split(server);
+                    shared.relay(cr, cw, sr, sw).await;
+                });
+            }
+        });
+    }
     loop {
         let (client, _) = l.accept().await.map_err(LinkError::Accept)?;
         let target = target.clone();
-        let counters = counters.clone();
-        let (up_free, down_free) = (up_free.clone(), down_free.clone());
+        let shared = shared.clone();
         tokio::spawn(async move {
             let server = match TcpStream::connect(&target).await {
                 Ok(s) => s,
@@ -205,36 +272,60 @@ pub async fn run_relay_on(
             };
             let _ = client.set_nodelay(true);
             let _ = server.set_nodelay(true);
-            counters.connections.fetch_add(1, Ordering::Relaxed);
             let (cr, cw) = client.into_split();
             let (sr, sw) = server.into_split();
-            let one_way = Duration::from_secs_f64(profile.rtt_ms / 2000.0);
-            let up = Direction { one_way, bytes_per_sec: profile.up_kbit * 1000.0 / 8.0, link_free: up_free };
-            let down = Direction { one_way, bytes_per_sec: profile.down_kbit * 1000.0 / 8.0, link_free: down_free };
-            // Flight detection: an upstream segment that follows downstream traffic starts a new flight.
-            let heard_back = Arc::new(std::sync::atomic::AtomicBool::new(true));
-            let (c1, h1) = (counters.clone(), heard_back.clone());
-            let (c2, h2) = (counters.clone(), heard_back.clone());
-            let a = async move {
-                up.pump(cr, sw, move |n, waited| {
-                    c1.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
-                    // A new flight: the client spoke again after hearing from the head,
-                    // having been silent (not merely streaming).
-                    if h1.swap(false, Ordering::Relaxed) && waited >= FLIGHT_GAP {
-                        c1.flights_up.fetch_add(1, Ordering::Relaxed);
-                    }
-                })
-                .await
-            };
-            let b = async move {
-                down.pump(sr, cw, move |n, _| {
-                    c2.bytes_down.fetch_add(n as u64, Ordering::Relaxed);
-                    h2.store(true, Ordering::Relaxed);
-                })
-                .await
-            };
-            tokio::join!(a, b);
+            shared.relay(cr, cw, sr, sw).await;
         });
+    }
+}
+
+/// What every connection crossing the link shares: its shape, its counters
+/// and each direction's queue.
+struct Shared {
+    profile: Profile,
+    counters: Arc<Counters>,
+    up_free: Arc<std::sync::Mutex<Instant>>,
+    down_free: Arc<std::sync::Mutex<Instant>>,
+}
+
+impl Shared {
+    /// Pump one connection's two directions through the link until both end.
+    async fn relay(
+        &self,
+        cr: impl AsyncRead + Unpin,
+        cw: impl AsyncWrite + Unpin + Send + 'static,
+        sr: impl AsyncRead + Unpin,
+        sw: impl AsyncWrite + Unpin + Send + 'static,
+    ) {
+        let counters = &self.counters;
+        let profile = self.profile;
+        counters.connections.fetch_add(1, Ordering::Relaxed);
+        let one_way = Duration::from_secs_f64(profile.rtt_ms / 2000.0);
+        let up = Direction { one_way, bytes_per_sec: profile.up_kbit * 1000.0 / 8.0, link_free: self.up_free.clone() };
+        let down = Direction { one_way, bytes_per_sec: profile.down_kbit * 1000.0 / 8.0, link_free: self.down_free.clone() };
+        // Flight detection: an upstream segment that follows downstream traffic starts a new flight.
+        let heard_back = Arc::new(std::sync::atomic::AtomicBool::new(true));
+        let (c1, h1) = (counters.clone(), heard_back.clone());
+        let (c2, h2) = (counters.clone(), heard_back.clone());
+        let a = async move {
+            up.pump(cr, sw, move |n, waited| {
+                c1.bytes_up.fetch_add(n as u64, Ordering::Relaxed);
+                // A new flight: the client spoke again after hearing from the head,
+                // having been silent (not merely streaming).
+                if h1.swap(false, Ordering::Relaxed) && waited >= FLIGHT_GAP {
+                    c1.flights_up.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+            .await
+        };
+        let b = async move {
+            down.pump(sr, cw, move |n, _| {
+                c2.bytes_down.fetch_add(n as u64, Ordering::Relaxed);
+                h2.store(true, Ordering::Relaxed);
+            })
+            .await
+        };
+        tokio::join!(a, b);
     }
 }
 

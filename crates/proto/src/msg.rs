@@ -168,6 +168,10 @@ pub enum Msg {
     /// Source agent → head: the migration ended (the source holds nothing
     /// of the task any more, or it failed and the task runs where it ran).
     MigrateDone { migration: u64, task: TaskId, result: Result<MigrationReport, String> },
+    /// Link relay → head, before the client's bytes: the credentials the
+    /// kernel gave for the local user the relay accepted (`SO_PEERCRED`). The
+    /// head believes it only on a connection whose certificate is the relay's.
+    OnBehalfOf { uid: u32, gid: u32, groups: Vec<u32> },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -282,6 +286,7 @@ impl Msg {
             Msg::UsageReply { tasks, .. } => check_bytes("task usage rows", tasks.len(), 1 << 20),
             Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
             Msg::MigrateIn { from, .. } => check_bytes("host name", from.len(), 256),
+            Msg::OnBehalfOf { groups, .. } => check_bytes("groups", groups.len(), 65536),
             Msg::MigrateOut { to_host, to_addr, .. } => {
                 check_bytes("host name", to_host.len(), 256)?;
                 check_bytes("address", to_addr.len(), 256)

@@ -31,13 +31,17 @@ pub struct Target {
     pub relay_cache: bool,
     /// The embedded cluster's record, when the head was found through it.
     pub record: Option<ClusterState>,
+    /// The local socket to dial instead of `head_addr` (the kernel names us to the head).
+    pub socket: Option<std::path::PathBuf>,
+    /// Credentials for TLS to `head_addr` (the client certificate).
+    pub auth: Option<std::path::PathBuf>,
 }
 
 impl Target {
     /// The head `client.cluster` names, else the one `instance`'s record names.
     pub fn resolve(client: &ClientSettings, instance: Instance) -> Result<Target, DiscoverError> {
         if let Some(addr) = client.cluster.as_deref().filter(|a| !a.is_empty()) {
-            return Ok(Target::named(addr));
+            return Ok(Target { auth: client.auth.clone(), ..Target::named(addr) });
         }
         let record = ClusterState::read(&instance.cluster_file())?.ok_or(DiscoverError::NoCluster)?;
         Ok(Target::embedded(record))
@@ -45,7 +49,14 @@ impl Target {
 
     /// A head given by address.
     pub fn named(addr: &str) -> Target {
-        Target { head_addr: addr.to_string(), cluster_id: addr.to_string(), relay_cache: true, record: None }
+        Target {
+            head_addr: addr.to_string(),
+            cluster_id: addr.to_string(),
+            relay_cache: true,
+            record: None,
+            socket: None,
+            auth: None,
+        }
     }
 
     /// The head of an embedded cluster, from its record.
@@ -54,6 +65,8 @@ impl Target {
             head_addr: record.head_addr.clone(),
             cluster_id: record.cluster_id(),
             relay_cache: record.relay_cache,
+            socket: record.socket.clone(),
+            auth: record.auth.clone(),
             record: Some(record),
         }
     }

@@ -18,6 +18,7 @@ use starling_proto::{ExitStatus, Hash, JobTask, Msg, ProtoError, Role, Stream, T
 use std::collections::{HashMap, VecDeque};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 
@@ -31,6 +32,12 @@ pub enum SessionError {
     Unreachable { addr: String, #[source] source: std::io::Error },
     #[error("connecting to the cluster head: {0}")]
     Handshake(#[source] ProtoError),
+    #[error("the cluster head accepts TCP clients only with a certificate, and {} is not readable by you: on the cluster's machine use its local socket (`starling up`'s record names it), elsewhere ask its admin for a client certificate", key.display())]
+    NoCertificate { key: PathBuf },
+    #[error("the cluster's credentials: {0}")]
+    Auth(#[source] starling_auth::AuthError),
+    #[error("TLS with the cluster head at {addr}: {source}")]
+    Tls { addr: String, #[source] source: std::io::Error },
     #[error("lost connection to the cluster head")]
     LostHead,
     #[error("protocol error from the cluster head: {0}")]
@@ -161,25 +168,59 @@ pub struct SessionOptions {
     pub chunking: Chunking,
 }
 
+/// Whatever carries a connection to the head: the local Unix socket, TLS
+/// over TCP, or plain TCP.
+pub trait HeadIo: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> HeadIo for T {}
+
+/// The reading half of a connection to the head.
+pub type HeadReader = tokio::io::ReadHalf<Box<dyn HeadIo>>;
+
 /// Connect to the head and introduce ourselves as a client (waiting for the head's hello).
-pub async fn connect(
-    target: &Target,
-) -> Result<(starling_proto::conn::Incoming<tokio::net::tcp::OwnedReadHalf>, Outgoing)> {
+pub async fn connect(target: &Target) -> Result<(starling_proto::conn::Incoming<HeadReader>, Outgoing)> {
     let sock = dial(target).await?;
-    let (r, w) = sock.into_split();
+    let (r, w) = tokio::io::split(sock);
     let (_peer, incoming, tx) = establish(r, w, Role::Client, "client").await.map_err(SessionError::Handshake)?;
     Ok((incoming, tx))
 }
 
-async fn dial(target: &Target) -> Result<TcpStream> {
+/// Reach the head: through the cluster's local socket when there is one
+/// (the kernel tells the head who we are), else over TCP — mutual TLS with
+/// the client certificate when the cluster has credentials.
+async fn dial(target: &Target) -> Result<Box<dyn HeadIo>> {
+    if let Some(path) = target.socket.as_ref().filter(|p| p.exists()) {
+        let addr = path.display().to_string();
+        return match tokio::net::UnixStream::connect(path).await {
+            Ok(s) => Ok(Box::new(s)),
+            Err(source) if target.record.is_some() => Err(SessionError::RecordedHeadGone { addr, source }),
+            Err(source) => Err(SessionError::Unreachable { addr, source }),
+        };
+    }
     let addr = target.head_addr.clone();
+    let connector = match &target.auth {
+        Some(dir) => {
+            let auth = starling_auth::AuthDir::new(dir);
+            let role = starling_auth::Role::Client;
+            if std::fs::File::open(auth.key(role)).is_err() {
+                return Err(SessionError::NoCertificate { key: auth.key(role) });
+            }
+            Some(auth.connector(role).map_err(SessionError::Auth)?)
+        }
+        None => None,
+    };
     let sock = match TcpStream::connect(&addr).await {
         Ok(s) => s,
         Err(source) if target.record.is_some() => return Err(SessionError::RecordedHeadGone { addr, source }),
         Err(source) => return Err(SessionError::Unreachable { addr, source }),
     };
-    sock.set_nodelay(true).map_err(|source| SessionError::Unreachable { addr, source })?;
-    Ok(sock)
+    sock.set_nodelay(true).map_err(|source| SessionError::Unreachable { addr: addr.clone(), source })?;
+    match connector {
+        None => Ok(Box::new(sock)),
+        Some(c) => match c.connect(starling_auth::server_name(starling_auth::Role::Head), sock).await {
+            Ok(t) => Ok(Box::new(t)),
+            Err(source) => Err(SessionError::Tls { addr, source }),
+        },
+    }
 }
 
 impl Session {
@@ -194,7 +235,7 @@ impl Session {
         let files = Arc::new(FileServer::new(cache, opts.compress));
         // Pipelined: the launch can follow our hello in the same flight.
         let sock = dial(target).await?;
-        let (r, w) = sock.into_split();
+        let (r, w) = tokio::io::split(sock);
         let (incoming, tx) =
             open_pipelined(r, w, Role::Client, "client", opts.compress).await.map_err(SessionError::Handshake)?;
         let session = Session {
@@ -320,7 +361,7 @@ impl Session {
         }
     }
 
-    async fn read_loop(self, mut incoming: starling_proto::conn::Incoming<tokio::net::tcp::OwnedReadHalf>) {
+    async fn read_loop(self, mut incoming: starling_proto::conn::Incoming<HeadReader>) {
         let why = loop {
             let msg = match incoming.recv().await {
                 Ok(m) => m,
