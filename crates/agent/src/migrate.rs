@@ -265,6 +265,9 @@ impl Source {
 
 impl SourceHooks for Source {
     fn prepare(&mut self) -> Result<Vec<u8>, String> {
+        if self.live.spec.terminal.is_some() {
+            return Err("the task runs on a terminal (its stdin was a terminal, or -t): moving it is not supported yet; start it with `starling exec -T` to move it".into());
+        }
         encode(&Prepare {
             spec: self.live.spec.clone(),
             bindings: self.live.view.bindings().into_iter().collect(),

@@ -177,6 +177,7 @@ mod tests {
             listings: vec![],
             launch_ns: 0,
             clone: None,
+            terminal: None,
         }
     }
 

@@ -162,6 +162,12 @@ pub enum Msg {
     /// Source agent → head: the migration ended (the source holds nothing
     /// of the task any more, or it failed and the task runs where it ran).
     MigrateDone { migration: u64, task: TaskId, result: Result<MigrationReport, String> },
+
+    // ---- terminal tasks (appended: variants are encoded by index)
+    /// Client → head → agent: the client's terminal changed size; the task's
+    /// pty gets it (TIOCSWINSZ: its foreground process group gets SIGWINCH).
+    /// Ignored for a task without a terminal.
+    Resize { task: TaskId, rows: u16, cols: u16 },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -192,6 +198,7 @@ impl Msg {
             | Msg::StdinEof { task }
             | Msg::Output { task, .. }
             | Msg::Signal { task, .. }
+            | Msg::Resize { task, .. }
             | Msg::FileRequest { task, .. }
             | Msg::FileResponse { task, .. }
             | Msg::ChangeChunks { task, .. }

@@ -85,6 +85,7 @@ fn spec(root: &Path, argv: &[&str]) -> SandboxSpec {
         rootless: false,
         placement: Default::default(),
         confinement: starling_sandbox::Confinement::Task,
+        terminal: None,
     }
 }
 

@@ -57,5 +57,6 @@ pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec, SpecError> {
         listings: Vec::new(),
         launch_ns: now_ns(),
         clone: None,
+        terminal: None,
     })
 }
