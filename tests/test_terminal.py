@@ -145,6 +145,9 @@ def test_no_tty_flag_and_job_tasks_get_pipes(term):
     term.wait(r"^pipes-here\s*$", "-T: no terminal")
     assert term.shell(f"{STARLING} exec --job j -- sh -c 'tty || echo job-pipes'") == 0
     term.wait(r"^job-pipes\s*$", "a --job task: no terminal")
+    # A step of another program in the foreground (as make runs CC): in its process group, pipes.
+    assert term.shell(f"sh -c \"{STARLING} exec -- sh -c 'tty || echo step-pipes'; true\"") == 0
+    term.wait(r"^step-pipes\s*$", "a step of a foreground program: no terminal")
     # stdin not a terminal (even though stdout is): pipes.
     assert term.shell(f"{STARLING} exec -- sh -c 'tty || echo stdin-pipes' </dev/null") == 0
     term.wait(r"^stdin-pipes\s*$", "stdin from /dev/null: no terminal")

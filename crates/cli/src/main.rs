@@ -254,8 +254,8 @@ struct ExecArgs {
     cluster: Option<String>,
     /// Run the command on a terminal (a pty on its host, as `ssh -t`) even if stdin is not one.
     ///
-    /// By default it gets one when stdin is a terminal and starling runs in its foreground (not for
-    /// --job tasks): then `tty`, `stty size`, python3's prompt, less, top and Ctrl-C work as here,
+    /// By default it gets one when stdin is a terminal and starling is its foreground job, as a shell
+    /// starts a command (not a step of make or of a script, not a --job task): then `tty`, `stty size`, python3's prompt, less, top and Ctrl-C work as here,
     /// window-size changes follow, and stdout and stderr arrive as one stream.
     #[arg(short = 't', long = "tty", conflicts_with = "no_tty")]
     tty: bool,

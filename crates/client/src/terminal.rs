@@ -12,9 +12,9 @@ use std::os::fd::RawFd;
 /// Whether `starling exec` runs its task on a terminal.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TerminalMode {
-    /// When our stdin is a terminal and we are in its foreground (so a
-    /// background job, `make -j CC='starling exec ...'` with redirected input,
-    /// or a script never gets one), and never for `--job` tasks.
+    /// When our stdin is a terminal and we are its foreground job (so a
+    /// background job, a step of `make -j CC='starling exec ...'` or of a
+    /// script never gets one), and never for `--job` tasks.
     #[default]
     Auto,
     /// Always (`-t`), even when stdin is not a terminal.
@@ -31,10 +31,17 @@ fn is_tty(fd: RawFd) -> bool {
     unsafe { libc::isatty(fd) == 1 }
 }
 
-/// Whether our process group is `fd`'s terminal's foreground group.
-fn in_foreground(fd: RawFd) -> bool {
-    // SAFETY: tcgetpgrp and getpgrp take no pointers.
-    unsafe { libc::tcgetpgrp(fd) == libc::getpgrp() }
+/// Whether we are a job of our own in the foreground of `fd`'s terminal:
+/// our process group is the terminal's foreground group and we lead it (a
+/// job-control shell starts each command so). A compile step run by `make`
+/// in the foreground is in make's group, not its leader: it gets pipes, so
+/// parallel steps never fight over the terminal.
+fn own_foreground_job(fd: RawFd) -> bool {
+    // SAFETY: tcgetpgrp, getpgrp and getpid take no pointers.
+    unsafe {
+        let pgrp = libc::getpgrp();
+        libc::tcgetpgrp(fd) == pgrp && pgrp == libc::getpid()
+    }
 }
 
 /// The window size of the terminal on `fd`, if it is one and says.
@@ -61,7 +68,7 @@ pub fn decide(mode: TerminalMode, job: bool) -> Option<TerminalSize> {
     let wanted = match mode {
         TerminalMode::Never => false,
         TerminalMode::Always => true,
-        TerminalMode::Auto => stdin_tty && in_foreground(0) && !job,
+        TerminalMode::Auto => stdin_tty && own_foreground_job(0) && !job,
     };
     if !wanted {
         return None;
