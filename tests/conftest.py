@@ -87,7 +87,8 @@ def cluster(session_cluster):
 @pytest.fixture
 def workdir(tmp_path):
     """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too)."""
-    d = pathlib.Path("/var/tmp/starling-tests") / tmp_path.name
+    # Per cluster instance: test runs of other instances on this machine use the same test names.
+    d = pathlib.Path(f"/var/tmp/starling-tests-{os.environ.get('STARLING_INSTANCE', '0')}") / tmp_path.name
     d.mkdir(parents=True, exist_ok=True)
     yield d
     subprocess.run(["rm", "-rf", str(d)])

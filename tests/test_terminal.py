@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, require_tool
+from conftest import STARLING, require_tool, status, wait_for
 
 ROWS, COLS = 30, 100
 
@@ -169,3 +169,38 @@ def test_output_of_a_non_terminal_exec_is_unchanged(cluster):
     assert r.stdout == b"not a tty\nout\n", r.stdout
     assert r.stderr == b"err\n", r.stderr
     assert r.returncode == 0
+
+
+def test_a_terminal_task_refuses_to_move_and_runs_on(cluster):
+    # Moving a task with its pty is not supported yet: the move is refused, saying why, and the task
+    # goes on where it was, still on its terminal.
+    import json
+    hosts = [h["name"] for h in status()["hosts"]]
+    p = subprocess.Popen([STARLING, "exec", "-t", "--host", hosts[0], "--", "sh", "-c",
+                          "echo on-tty-$(tty | cut -c1-8); read x; echo still-$x"],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        line = b""
+        deadline = time.monotonic() + 180
+        while b"on-tty-" not in line:
+            assert time.monotonic() < deadline, "the task did not start"
+            line += p.stdout.read1(4096)
+        assert b"on-tty-/dev/pts" in line, line
+
+        def find():
+            rows = json.loads(subprocess.run([STARLING, "ps", "--json"], capture_output=True, text=True).stdout)
+            return next((r for r in rows if "on-tty-" in r["command"]), None)
+        row = wait_for(find, "the task's ps row")
+        r = subprocess.run([STARLING, "migrate", str(row["task"]), "--to", hosts[1]], capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode != 0, r.stdout
+        assert "terminal" in r.stderr and "-T" in r.stderr, r.stderr
+        assert find()["host"] == hosts[0], "a refused task stays where it was"
+        p.stdin.write(b"go\n")
+        p.stdin.close()
+        out = line + p.stdout.read()
+        assert p.wait(timeout=300) == 0, p.stderr.read()
+        assert b"still-go" in out, out
+    finally:
+        if p.poll() is None:
+            p.kill()
