@@ -49,6 +49,11 @@ fi
 echo "== running the cluster-built interpreter on the cluster"
 $S exec -- "$W/warm/luarun" -e 'print("hello from " .. io.popen("uname -n"):read("*l") .. ", 2^10 = " .. 2^10)'
 echo
+echo "== a terminal on the cluster (as ssh -t; automatic when stdin is your terminal): tty, stty size"
+tty_out=$($S exec -t -- sh -c 'tty; stty size' < /dev/null | tr -d '\r')
+echo "$tty_out" | sed 's/^/   /'
+echo "$tty_out" | grep -q '^/dev/pts/[0-9]*$' || { echo "   NO TERMINAL"; exit 1; }
+echo
 echo "== remote fork (C API): a ClustalW-style pairwise alignment; sf_clone puts $((HOSTS * 2)) clones of the"
 echo "   running process on the hosts (hierarchical: one restore per host), they send scores back over TCP"
 cc -O2 -Iinclude tests/fork/pairscores.c target/release/libstarling.a -lpthread -ldl -lm -o "$W/pairscores"

@@ -8,7 +8,7 @@ use starling_proto::conn::Outgoing;
 use starling_proto::{Msg, Stream, TaskId};
 use std::fs::File;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
 use std::sync::mpsc::{Receiver, Sender};
 use std::thread::JoinHandle;
 
@@ -17,6 +17,8 @@ pub(crate) enum StdinMsg {
     Data(Vec<u8>),
     /// The client closed its stdin.
     Eof,
+    /// The client's terminal has a new size (terminal tasks; else ignored).
+    Resize(u16, u16),
     /// Stop and give back the pipe's write end and the queue (live migration).
     Handover(Sender<StdinHandover>),
 }
@@ -37,17 +39,38 @@ pub(crate) fn start_stdin(writer: Option<File>, rx: Receiver<StdinMsg>, prefill:
         let mut writer = writer;
         let write = |w: &mut Option<File>, data: &[u8]| {
             if let Some(f) = w.as_mut() {
-                if f.write_all(data).is_err() {
+                if write_all_waiting(f, data).is_err() {
                     // The task closed its stdin: take the rest silently.
                     *w = None;
                 }
             }
         };
+        // A terminal task's stdin is its pty's master (shared with its
+        // output pump, hence non-blocking).
+        let terminal = writer.as_ref().is_some_and(|f| {
+            // SAFETY: isatty only inspects the descriptor we hold.
+            unsafe { libc::isatty(f.as_raw_fd()) == 1 }
+        });
         write(&mut writer, &prefill);
         loop {
             match rx.recv() {
                 Ok(StdinMsg::Data(d)) => write(&mut writer, &d),
+                Ok(StdinMsg::Eof) if terminal => {
+                    // The master stays open (its output goes on): the end of
+                    // input is the terminal's EOF character, as a user types it.
+                    let eof = writer
+                        .as_ref()
+                        .and_then(|f| starling_sandbox::terminal::get_modes(f.as_fd()).ok())
+                        .and_then(|m| m.cc.get(libc::VEOF).copied())
+                        .unwrap_or(4);
+                    write(&mut writer, &[eof]);
+                }
                 Ok(StdinMsg::Eof) => writer = None,
+                Ok(StdinMsg::Resize(rows, cols)) => {
+                    if let Some(f) = writer.as_ref().filter(|_| terminal) {
+                        let _ = starling_sandbox::terminal::set_size(f.as_fd(), rows, cols);
+                    }
+                }
                 Ok(StdinMsg::Handover(reply)) => {
                     let _ = reply.send(StdinHandover { writer, rx });
                     return;
@@ -56,6 +79,25 @@ pub(crate) fn start_stdin(writer: Option<File>, rx: Receiver<StdinMsg>, prefill:
             }
         }
     })
+}
+
+/// `write_all` that also works on a non-blocking descriptor: on EAGAIN it
+/// waits until the descriptor is writable again.
+pub(crate) fn write_all_waiting(f: &mut File, mut data: &[u8]) -> std::io::Result<()> {
+    while !data.is_empty() {
+        match f.write(data) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => data = &data[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let mut fds = [libc::pollfd { fd: f.as_raw_fd(), events: libc::POLLOUT, revents: 0 }];
+                // SAFETY: polls one descriptor we hold.
+                unsafe { libc::poll(fds.as_mut_ptr(), 1, -1) };
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// A pump from one of the task's output pipes to the client.

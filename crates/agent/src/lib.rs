@@ -56,6 +56,8 @@ pub enum AgentError {
     Auth(#[from] starling_auth::AuthError),
     #[error("this agent runs without root: remote fork onto it is not supported yet (its clones need kernel-mode userfaultfd, which only root has here); run the agent as root")]
     RootlessClone,
+    #[error("the task's terminal: {0}")]
+    Terminal(#[source] starling_sandbox::TerminalError),
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;
@@ -304,6 +306,11 @@ impl Agent {
                 Msg::StdinEof { task } => {
                     if let Some(t) = self.tasks.lock().unwrap().get(&task) {
                         let _ = t.stdin.send(io::StdinMsg::Eof);
+                    }
+                }
+                Msg::Resize { task, rows, cols } => {
+                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                        let _ = t.stdin.send(io::StdinMsg::Resize(rows, cols));
                     }
                 }
                 Msg::Signal { task, signo } => {

@@ -140,6 +140,9 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
         (t.stdin.clone(), t.life.clone())
     };
     let live = life.live.lock().unwrap().clone().ok_or("the task has not started yet")?;
+    if live.spec.terminal.is_some() {
+        return Err("the task runs on a terminal (its stdin was a terminal, or -t): moving it with its pty is not supported yet; start it with `starling exec -T` to move it".into());
+    }
     if let Some(m) = &live.materialize {
         // A clone started here has part of its memory still at its parent's
         // page server: fetch all of it first, so what moves is an ordinary

@@ -154,6 +154,14 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
     sb.rootless = agent.cfg.rootless;
+    // A terminal task's stdin is the line its sandbox sends the pty's master on.
+    let (line, stdin_r) = match &sb.terminal {
+        Some(_) => {
+            let (line, theirs) = starling_sandbox::TerminalLine::new().map_err(|e| AgentError::Terminal(e))?;
+            (Some(line), theirs)
+        }
+        None => (None, stdin_r),
+    };
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
@@ -174,11 +182,28 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         let _ = child.signal(early);
     }
     log::info!("task {task} started: {:?} (pid {})", String::from_utf8_lossy(&spec.argv[0]), child.pid());
-    crate::io::start_stdin(Some(std::fs::File::from(stdin_w)), stdin_rx, Vec::new());
-    let outputs = vec![
+    let mut outputs = vec![
         OutputPump::start(task, Stream::Stdout, stdout_r, tx.clone()).map_err(io_step(Step::Pipe))?,
         OutputPump::start(task, Stream::Stderr, stderr_r, tx.clone()).map_err(io_step(Step::Pipe))?,
     ];
+    match line {
+        None => drop(crate::io::start_stdin(Some(std::fs::File::from(stdin_w)), stdin_rx, Vec::new())),
+        Some(line) => {
+            drop(stdin_w);
+            // None: the sandbox failed before it made the pty (its stderr says why).
+            let master = line.receive_master().map_err(|e| AgentError::Terminal(starling_sandbox::TerminalError::Line(e)))?;
+            let writer = match master {
+                Some(m) => {
+                    let w = m.try_clone().map_err(io_step(Step::Pipe))?;
+                    // The pty's output (the task's stdout and stderr together).
+                    outputs.push(OutputPump::start(task, Stream::Stdout, m, tx.clone()).map_err(io_step(Step::Pipe))?);
+                    Some(std::fs::File::from(w))
+                }
+                None => None,
+            };
+            drop(crate::io::start_stdin(writer, stdin_rx, Vec::new()));
+        }
+    }
     let live = Arc::new(LiveTask {
         spec,
         dir: dir.to_path_buf(),
@@ -217,6 +242,8 @@ pub(crate) fn sandbox_spec(agent: &Agent, spec: &TaskSpec, root: &Path) -> starl
         rootless: false,
         placement: agent.linger.placement(),
         confinement: starling_sandbox::Confinement::Task,
+        // Clones restore a process: they keep the descriptors it had.
+        terminal: if spec.clone.is_none() { spec.terminal.clone() } else { None },
     }
 }
 

@@ -268,6 +268,16 @@ struct ExecArgs {
     /// programs that are deterministic and read no terminal). [default: the host's policy]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
+    /// Run the command on a terminal (a pty on its host, as `ssh -t`) even if stdin is not one.
+    ///
+    /// By default it gets one when stdin is a terminal and starling is its foreground job, as a shell
+    /// starts a command (not a step of make or of a script, not a --job task): then `tty`, `stty size`, python3's prompt, less, top and Ctrl-C work as here,
+    /// window-size changes follow, and stdout and stderr arrive as one stream.
+    #[arg(short = 't', long = "tty", conflicts_with = "no_tty")]
+    tty: bool,
+    /// Never a terminal: stdin, stdout and stderr stay pipes (stdout and stderr apart).
+    #[arg(short = 'T', long = "no-tty")]
+    no_tty: bool,
     /// Send file contents and messages uncompressed (for measurements).
     #[arg(long)]
     no_compress: bool,
@@ -485,7 +495,12 @@ fn run(cli: Cli) -> Result<i32> {
             let ctx = client_context(&cfg, a.cluster)?;
             let mut spec = starling_session::spec::capture(a.command)?;
             spec.policy = a.policy;
-            let opts = starling_client::exec::ExecOptions { host: a.host, job: a.job };
+            let terminal = match (a.tty, a.no_tty) {
+                (true, _) => starling_client::terminal::TerminalMode::Always,
+                (_, true) => starling_client::terminal::TerminalMode::Never,
+                _ => starling_client::terminal::TerminalMode::Auto,
+            };
+            let opts = starling_client::exec::ExecOptions { host: a.host, job: a.job, terminal };
             Ok(runtime().block_on(starling_client::exec::run(&ctx, spec, opts))?)
         }
         Cmd::Run(a) => {

@@ -1,5 +1,6 @@
 //! `starling exec`: run one command on the cluster as if it ran here.
 
+use crate::terminal::{RawMode, TerminalMode};
 use crate::{launch, ClientError, Context, Result, EXIT_STARLING_FAILURE};
 use starling_proto::{Msg, Stream, TaskSpec};
 use starling_session::commit::{CommitError, CommitReport};
@@ -12,6 +13,8 @@ pub struct ExecOptions {
     pub host: Option<String>,
     /// The job the task belongs to (a shared consistency point).
     pub job: Option<String>,
+    /// Whether the task runs on a terminal (a pty on its host).
+    pub terminal: TerminalMode,
 }
 
 /// Copy our stdin to the task from a plain thread (stdin may be a terminal
@@ -81,6 +84,9 @@ pub fn report_commit(commit: &std::result::Result<CommitReport, std::sync::Arc<C
 pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result<i32> {
     spec.host = opts.host.clone();
     spec.job = opts.job.clone();
+    spec.terminal = crate::terminal::decide(opts.terminal, opts.job.is_some());
+    let on_terminal = spec.terminal.is_some();
+    let mut winch = signal(SignalKind::window_change()).map_err(ClientError::Signals)?;
     // SIGPIPE would kill us mid-commit if our stdout goes away; handle EPIPE instead.
     // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety implications.
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
@@ -104,6 +110,9 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
             }
         }
     }
+    // From here what is typed goes to the task's pty as it is (Ctrl-C
+    // included: the remote line discipline makes it a SIGINT there).
+    let mut raw = if on_terminal { RawMode::enter() } else { None };
     stdin_pump(&handle);
 
     let mut stdout = std::io::stdout();
@@ -113,7 +122,17 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
         let ev = tokio::select! {
             ev = handle.events.recv() => ev,
             Some(no) = sigs.recv() => { handle.signal(no).await; continue; }
+            Some(()) = winch.recv(), if on_terminal => {
+                if let Some((rows, cols)) = crate::terminal::window_size(0).or_else(|| crate::terminal::window_size(1)) {
+                    let _ = handle.sender().send(Msg::Resize { task: handle.task, rows, cols }).await;
+                }
+                continue;
+            }
         };
+        if matches!(ev, Some(TaskEvent::Finished { .. } | TaskEvent::Refused(_) | TaskEvent::Lost(_)) | None) {
+            // Our own messages below are printed on a terminal in its usual modes.
+            drop(raw.take());
+        }
         match ev {
             Some(TaskEvent::Output(stream, data)) => {
                 let res = match stream {

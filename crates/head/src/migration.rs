@@ -292,7 +292,7 @@ impl Head {
                 let to = r.target_file_ids.remove(&id);
                 Err(to.and_then(|h| st.hosts.get(&h).map(|h| (h.tx.clone(), Msg::FileResponse { task, id: id & !TARGET_FILE_ID, resp }))))
             }
-            Msg::Stdin { .. } | Msg::StdinEof { .. } | Msg::Signal { .. } => match r.moving.as_mut() {
+            Msg::Stdin { .. } | Msg::StdinEof { .. } | Msg::Signal { .. } | Msg::Resize { .. } => match r.moving.as_mut() {
                 Some(mv) if mv.holding => {
                     mv.held_input.push(m);
                     Err(None)

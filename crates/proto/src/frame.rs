@@ -178,6 +178,7 @@ mod tests {
             launch_ns: 0,
             clone: None,
             policy: None,
+            terminal: None,
         }
     }
 

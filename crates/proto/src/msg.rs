@@ -172,6 +172,12 @@ pub enum Msg {
     /// kernel gave for the local user the relay accepted (`SO_PEERCRED`). The
     /// head believes it only on a connection whose certificate is the relay's.
     OnBehalfOf { uid: u32, gid: u32, groups: Vec<u32> },
+
+    // ---- terminal tasks (appended: variants are encoded by index)
+    /// Client → head → agent: the client's terminal changed size; the task's
+    /// pty gets it (TIOCSWINSZ: its foreground process group gets SIGWINCH).
+    /// Ignored for a task without a terminal.
+    Resize { task: TaskId, rows: u16, cols: u16 },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -202,6 +208,7 @@ impl Msg {
             | Msg::StdinEof { task }
             | Msg::Output { task, .. }
             | Msg::Signal { task, .. }
+            | Msg::Resize { task, .. }
             | Msg::FileRequest { task, .. }
             | Msg::FileResponse { task, .. }
             | Msg::ChangeChunks { task, .. }

@@ -419,6 +419,11 @@ pub struct TaskSpec {
     /// Set when the task is a clone of a running process (the fork API):
     /// instead of exec'ing `argv`, the host restores the process.
     pub clone: Option<CloneSpec>,
+    /// Run the task on a pseudo-terminal of this size and these modes (the
+    /// client's stdin is a terminal, or `-t`): stdout and stderr are then
+    /// one stream, as with `ssh -t`. `None`: plain pipes.
+    #[serde(default)]
+    pub terminal: Option<TerminalSize>,
     /// What happens to this task when its host's owner becomes active
     /// (`exec/run --policy`); `None`: the host's own policy.
     pub policy: Option<GuestPolicy>,
@@ -460,6 +465,34 @@ impl GuestPolicy {
         }
     }
 }
+
+/// The terminal a task runs on: the client terminal's window size and line
+/// modes (its termios), recreated on the task's host.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TerminalSize {
+    pub rows: u16,
+    pub cols: u16,
+    /// The client terminal's modes as it had them before starling put it in
+    /// raw mode; `None`: the kernel's defaults for a new pty.
+    pub modes: Option<TerminalModes>,
+}
+
+/// A terminal's line modes: the fields of Linux's `struct termios`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TerminalModes {
+    pub iflag: u32,
+    pub oflag: u32,
+    pub cflag: u32,
+    pub lflag: u32,
+    pub line: u8,
+    /// Control characters (`c_cc`, [`TERMINAL_CC_LEN`] entries at most).
+    pub cc: Vec<u8>,
+    pub ispeed: u32,
+    pub ospeed: u32,
+}
+
+/// Most control characters a [`TerminalModes`] carries (Linux's NCCS).
+pub const TERMINAL_CC_LEN: usize = 32;
 
 /// Largest encoded process descriptor accepted (they are kilobytes).
 pub const MAX_DESCRIPTOR: usize = 16 << 20;
@@ -527,6 +560,11 @@ impl TaskSpec {
         }
         if self.umask > 0o777 {
             return Err(Invalid::Umask.into());
+        }
+        if let Some(t) = &self.terminal {
+            if t.modes.as_ref().is_some_and(|m| m.cc.len() > TERMINAL_CC_LEN) {
+                return Err(Invalid::TerminalModes.into());
+            }
         }
         for (p, entries) in &self.listings {
             p.validate()?;
@@ -646,5 +684,37 @@ impl Change {
             }
             _ => Ok(()),
         }
+    }
+}
+
+impl TerminalModes {
+    /// The modes of a terminal as `tcgetattr(3)` gave them.
+    pub fn from_termios(t: &libc::termios) -> TerminalModes {
+        TerminalModes {
+            iflag: t.c_iflag,
+            oflag: t.c_oflag,
+            cflag: t.c_cflag,
+            lflag: t.c_lflag,
+            line: t.c_line,
+            cc: t.c_cc.to_vec(),
+            ispeed: t.c_ispeed,
+            ospeed: t.c_ospeed,
+        }
+    }
+
+    /// These modes over `base` (a terminal's current termios), for `tcsetattr(3)`.
+    pub fn to_termios(&self, base: &libc::termios) -> libc::termios {
+        let mut t = *base;
+        t.c_iflag = self.iflag;
+        t.c_oflag = self.oflag;
+        t.c_cflag = self.cflag;
+        t.c_lflag = self.lflag;
+        t.c_line = self.line;
+        for (dst, src) in t.c_cc.iter_mut().zip(&self.cc) {
+            *dst = *src;
+        }
+        t.c_ispeed = self.ispeed;
+        t.c_ospeed = self.ospeed;
+        t
     }
 }

@@ -170,6 +170,11 @@ fn start_and_supervise(
         Ok(ForkResult::Parent { child }) => child,
     };
     crate::program::close_copies(program);
+    if spec.terminal.is_some() {
+        // Our stdin is the agent's terminal line: only PID 1 may answer on it,
+        // and the agent must see it close if PID 1 dies without answering.
+        null_stdin();
+    }
     drop(report_write);
     fcntl(report_read.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(|e| format!("fcntl: {e}"))?;
     let mut report = File::from(report_read);
@@ -270,6 +275,18 @@ fn reaper_main(spec: &SandboxSpec, program: &Option<ProgramWire>, report_write: 
             exit_with(ExitStatus::Code(EXIT_SETUP_FAILED))
         }
     };
+    // A terminal task: the pty is made here, in the sandbox's own devpts,
+    // and its master goes to the agent on our stdin (see crate::terminal).
+    let slave = match &spec.terminal {
+        None => None,
+        Some(term) => match start_terminal(spec, term) {
+            Ok(slave) => Some(slave),
+            Err(e) => {
+                let _ = writeln!(std::io::stderr(), "starling: {e}");
+                exit_with(ExitStatus::Code(EXIT_SETUP_FAILED))
+            }
+        },
+    };
     let reaper_pid = getpid();
     // SAFETY: PID 1 is a fork of a single-threaded process and started no
     // thread, so the child may run arbitrary code.
@@ -280,10 +297,12 @@ fn reaper_main(spec: &SandboxSpec, program: &Option<ProgramWire>, report_write: 
         }
         Ok(ForkResult::Child) => {
             drop(sigfd);
-            task_main(spec, program, reaper_pid)
+            task_main(spec, program, reaper_pid, slave)
         }
         Ok(ForkResult::Parent { child }) => child,
     };
+    // The task holds the terminal now: its end (EIO on the master) is the task's.
+    drop(slave);
     crate::program::close_copies(program);
     loop {
         let signo = match sigfd.read_signal() {
@@ -311,6 +330,33 @@ fn reaper_main(spec: &SandboxSpec, program: &Option<ProgramWire>, report_write: 
                 Ok(WaitStatus::StillAlive) | Err(_) => break,
                 Ok(_) => continue,
             }
+        }
+    }
+}
+
+/// Make the task's pty and send its master to the agent; returns the slave.
+fn start_terminal(spec: &SandboxSpec, term: &starling_proto::TerminalSize) -> Result<OwnedFd, crate::TerminalError> {
+    let owner = if spec.rootless { None } else { Some(spec.uid) };
+    let (master, slave) = crate::terminal::open_pty(term, owner)?;
+    // SAFETY: fd 0 is the agent's terminal line, open for this process's life.
+    let line = unsafe { std::os::fd::BorrowedFd::borrow_raw(0) };
+    crate::terminal::send_fd(line, master.as_fd())?;
+    drop(master);
+    null_stdin();
+    Ok(slave)
+}
+
+/// Put /dev/null on fd 0 (closing what was there).
+fn null_stdin() {
+    // SAFETY: open(2) of a literal path; dup2 onto fd 0, which no owned
+    // value in this process holds; then the temporary descriptor is closed.
+    unsafe {
+        let fd = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
+        if fd >= 0 {
+            libc::dup2(fd, 0);
+            libc::close(fd);
+        } else {
+            libc::close(0);
         }
     }
 }
@@ -433,7 +479,13 @@ fn close_from(first: RawFd) {
 }
 
 /// PID 2: become the client, then exec the command. Never returns.
-fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid) -> ! {
+fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid, terminal: Option<OwnedFd>) -> ! {
+    // A terminal task: its own session, the pty its controlling terminal on 0/1/2.
+    if let Some(slave) = terminal {
+        if let Err(e) = crate::terminal::make_controlling(&slave, false) {
+            die(e)
+        }
+    }
     // Only the three stdio descriptors may reach the task (plus, for the
     // program extension, its descriptors at their fixed numbers).
     let program_fd = match program {

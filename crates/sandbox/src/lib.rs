@@ -96,6 +96,7 @@ mod init;
 pub mod program;
 mod spawn;
 mod status;
+pub mod terminal;
 
 use serde::{Deserialize, Serialize};
 use std::io;
@@ -105,6 +106,7 @@ pub use harden::HardenError;
 pub use init::init_main;
 pub use program::TaskProgram;
 pub use spawn::{spawn, spawn_program, Sandboxed};
+pub use terminal::{TerminalError, TerminalLine};
 pub use starling_proto::ExitStatus;
 
 /// The hidden subcommand the agent's binary must route to [`init_main`].
@@ -149,6 +151,11 @@ pub struct SandboxSpec {
     /// What the program gives up before it starts.
     #[serde(default)]
     pub confinement: Confinement,
+    /// Run the task on a new pty of this size and modes, its controlling
+    /// terminal; the sandbox's stdin must then be the other end of a
+    /// [`TerminalLine`], which receives the pty's master (see [`terminal`]).
+    #[serde(default)]
+    pub terminal: Option<starling_proto::TerminalSize>,
 }
 
 /// What the sandbox's first process does to itself before exec, so that it

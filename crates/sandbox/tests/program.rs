@@ -59,6 +59,7 @@ fn memfd_program_gets_its_extra_fds_at_fixed_numbers_only() {
             rootless: false,
             placement: Default::default(),
             confinement: starling_sandbox::Confinement::Task,
+            terminal: None,
         };
         // Seek the extra memfd to 0 through a clone of it (shared offset).
         {
@@ -117,6 +118,7 @@ fn program_extension_refuses_bad_targets() {
         rootless: false,
         placement: Default::default(),
         confinement: starling_sandbox::Confinement::Task,
+        terminal: None,
     };
     let null = || -> OwnedFd { fs::File::open("/dev/null").unwrap().into() };
     let err = spawn_program(Path::new(EXE), &spec, TaskProgram { program, fds: vec![(3, a), (3, b)] }, null(), null(), null())

@@ -85,6 +85,7 @@ fn spec(root: &Path, argv: &[&str]) -> SandboxSpec {
         rootless: false,
         placement: Default::default(),
         confinement: starling_sandbox::Confinement::Task,
+        terminal: None,
     }
 }
 
@@ -531,4 +532,56 @@ fn a_restorer_task_is_left_unconfined() {
         assert_eq!(status_field(&o.stdout, "NoNewPrivs"), "0");
         assert_eq!(status_field(&o.stdout, "Seccomp"), "0");
     })
+}
+
+/// A terminal task: PID 1 makes a pty in the sandbox's own devpts, the
+/// master comes back on the terminal line, the task runs on the slave as its
+/// controlling terminal with the requested size and modes, and a window-size
+/// change reaches it as SIGWINCH.
+#[test]
+fn terminal_task_gets_a_pty_of_the_requested_size() {
+    with_root(|root| {
+        let mut s = spec(root, &["sh", "-c", "trap 'stty size; exit 7' WINCH; tty; stty size; stty -a | grep -o -- '-echo '; echo ready; while :; do sleep 0.1; done"]);
+        // Modes: the kernel's defaults with ECHO off (a visible, checkable difference).
+        let (m, _probe) = {
+            // A pty of our own, only to read default modes from.
+            // SAFETY: posix_openpt with flags; checked below.
+            let fd = unsafe { libc::posix_openpt(libc::O_RDWR | libc::O_NOCTTY) };
+            assert!(fd >= 0);
+            // SAFETY: the descriptor was just opened and is owned here.
+            let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+            let mut modes = starling_sandbox::terminal::get_modes(owned.as_fd()).unwrap();
+            modes.lflag &= !libc::ECHO;
+            (modes, owned)
+        };
+        s.terminal = Some(starling_proto::TerminalSize { rows: 33, cols: 111, modes: Some(m) });
+        let (line, theirs) = starling_sandbox::TerminalLine::new().unwrap();
+        let (out_r, out_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let (err_r, err_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC).unwrap();
+        let mut sandbox = spawn(Path::new(EXE), &s, theirs, out_w, err_w).expect("spawn");
+        drop((out_r, err_r));
+        let master = line.receive_master().expect("terminal line").expect("a pty master from the sandbox");
+        let mut reader = BufReader::new(fs::File::from(master.try_clone().unwrap()));
+        let mut seen = String::new();
+        loop {
+            let mut l = String::new();
+            assert!(reader.read_line(&mut l).unwrap() > 0, "the pty closed early; got {seen:?}");
+            seen.push_str(&l);
+            if l.starts_with("ready") {
+                break;
+            }
+        }
+        assert!(seen.contains("/dev/pts/0\r\n"), "{seen:?}");
+        assert!(seen.contains("33 111\r\n"), "{seen:?}");
+        assert!(seen.contains("-echo "), "ECHO off as requested: {seen:?}");
+        starling_sandbox::terminal::set_size(master.as_fd(), 20, 70).unwrap();
+        let mut rest = String::new();
+        let mut buf = [0u8; 4096];
+        // Until the task ended (EIO on the master once every slave is closed).
+        while let Ok(n @ 1..) = reader.get_mut().read(&mut buf) {
+            rest.push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+        assert!(rest.contains("20 70\r\n"), "the SIGWINCH trap printed the new size: {rest:?}");
+        assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(120)), ExitStatus::Code(7));
+    });
 }

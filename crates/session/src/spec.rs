@@ -58,5 +58,6 @@ pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec, SpecError> {
         launch_ns: now_ns(),
         clone: None,
         policy: None,
+        terminal: None,
     })
 }

@@ -37,6 +37,7 @@ fn hold(root: PathBuf, argv: Vec<Vec<u8>>) {
         rootless: false,
         placement: Default::default(),
         confinement: starling_sandbox::Confinement::Task,
+        terminal: None,
     };
     let null = || -> OwnedFd { std::fs::File::options().read(true).write(true).open("/dev/null").expect("open /dev/null").into() };
     let exe = std::env::current_exe().expect("current_exe");
