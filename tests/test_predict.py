@@ -115,3 +115,22 @@ def test_header_changed_between_builds_is_never_seen_stale(cluster, workdir, tmp
     assert after == local_objects(d), "objects differ from a local build with the changed header"
     assert all(after[n] != before[n] for n in before), "an object was built from the old header"
     launches(stats)
+
+
+def test_fresh_client_cache_does_not_push_what_the_cluster_holds(cluster, workdir, tmp_path):
+    """A launch's planned push of ≥ 16 KiB first asks the head what it holds (HoldsQuery): a
+    second client cache pushes nothing of a file the first one already pushed."""
+    big = workdir / "big.bin"
+    big.write_bytes(os.urandom(256 << 10))  # new content: no cache on the cluster holds it
+    stats = tmp_path / "stats.jsonl"
+    outs = []
+    for cache in ("cache-a", "cache-b"):
+        r = subprocess.run([STARLING, "exec", "--", "md5sum", str(big)], cwd=workdir, env=env(tmp_path / cache, stats),
+                           capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stderr
+        outs.append(r.stdout)
+    a, b = launches(stats)
+    assert outs[0] == outs[1] and outs[0].split()[0] == subprocess.run(
+        ["md5sum", str(big)], capture_output=True, text=True, check=True).stdout.split()[0]
+    assert a["pushed_bytes"] > 128 << 10, f"the first client cache pushes the new file: {a}"
+    assert b["pushed_bytes"] == 0 and b["push_held_skipped"] > 0, f"the second asked and pushed nothing: {b}"

@@ -22,13 +22,6 @@ impl Head {
                     log::debug!("host {} ({}) reports load {:.2}, {} running", info.name, info.addr, info.load, info.running);
                     st.hosts.insert(info.name.clone(), crate::Host { info, tx: tx.clone(), cores_busy, conn_id: conn });
                 }
-                Msg::HoldsQuery { nonce, names } => {
-                    let held = match &self.relay {
-                        Some(relay) => relay.holds(&names),
-                        None => Vec::new(),
-                    };
-                    let _ = tx.send(Msg::HoldsReply { nonce, held }).await;
-                }
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
@@ -110,6 +103,13 @@ impl Head {
                     if let Some(relay) = &self.relay {
                         relay.take_push(&recipes, &chunks);
                     }
+                }
+                Msg::HoldsQuery { nonce, names } => {
+                    let held = match &self.relay {
+                        Some(relay) => relay.holds(&names),
+                        None => Vec::new(),
+                    };
+                    let _ = tx.send(Msg::HoldsReply { nonce, held }).await;
                 }
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
