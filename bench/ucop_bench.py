@@ -316,14 +316,15 @@ def run_predict(a, work, ran_on):
            "notes": {"build1": "fresh client cache; the relay cache was warmed by another client cache's build",
                      "prethrow_bytes": "encoded bindings + listings sent with the launches (the prediction's cost on the wire)",
                      "hosts": "emulated hosts share this machine's cores; figures under load (shared machine)"}}
-    (OUT / "predict.json").write_text(json.dumps(doc, indent=2) + "\n")
+    doc["binary"] = a.binary or "target/release/starling"
+    (OUT / a.json).write_text(json.dumps(doc, indent=2) + "\n")
     for k, r in res.items():
         print(f"{k:<7} wall {r['wall_s']:.2f} s, launches {r['launches']}, file requests {r['file_requests']} "
               f"({dash_f(r['requests_per_launch'])}/launch), up {fmt_bytes(r['bytes_up'])}, pushed {fmt_bytes(r['pushed_bytes'])}, "
               f"prediction {dash_f(r['prethrow_bytes_per_launch'], '{:.0f}')} B/launch", flush=True)
     for k, v in verdicts.items():
         print(f"{k}: {'met' if v else 'NOT met'}")
-    print(f"wrote {OUT / 'predict.json'} (python3 bench/tables.py puts it into bench/README.md)")
+    print(f"wrote {OUT / a.json} (python3 bench/tables.py puts predict.json into bench/README.md)")
 
 
 def dash_f(v, fmt="{:.2f}"):
@@ -382,6 +383,9 @@ def main():
     ap.add_argument("--keep", action="store_true", help="leave the cluster instance up")
     ap.add_argument("--predict", action="store_true", help="run ONLY issue 19's scenario (job prediction, shadow; "
                     "coffee-shop, full config, a few minutes): bench/out/predict.json")
+    ap.add_argument("--binary", help="with --predict: measure this starling binary instead of target/release/starling "
+                    "(e.g. an older build, for a before/after comparison)")
+    ap.add_argument("--json", default="predict.json", help="with --predict: the JSON's name in bench/out")
     ap.add_argument("--from", dest="from_json", help="resume: take the local baseline and the configurations that "
                     "succeeded from this JSON (e.g. bench/out/ucop.partial.json of an interrupted run); run the rest")
     ap.add_argument("--timeout", type=int, default=420, help="seconds before one measured command is abandoned")
@@ -390,6 +394,8 @@ def main():
     if os.geteuid() != 0:
         sys.exit("ucop_bench: the embedded cluster needs root")
     if a.predict:
+        if a.binary:
+            exec_bench.STARLING = os.path.abspath(a.binary)
         if not os.path.exists(exec_bench.STARLING):
             sys.exit("ucop_bench: build first: cargo build --release --workspace")
         OUT.mkdir(parents=True, exist_ok=True)
