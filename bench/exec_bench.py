@@ -45,7 +45,8 @@ from provenance import provenance
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
 OUT = ROOT / "bench/out"
-INSTANCE = "4"
+# The cluster instance every bench runs on: STARLING_INSTANCE if set, else 4.
+INSTANCE = os.environ.get("STARLING_INSTANCE", "4")
 RUN_DIR = pathlib.Path(f"/run/starling-{INSTANCE}")
 STATE_DIR = pathlib.Path(f"/var/lib/starling-{INSTANCE}")
 MEASURE_TIMEOUT_S = 600
@@ -174,6 +175,8 @@ def measure(cmd, env, cwd, timeout=None, check=True):
         res["rt_per_launch_mean"] = statistics.mean(per)
         res["prethrow_bindings"] = sum(l.get("prethrow_bindings", 0) for l in lines)
         res["pushed_bytes"] = sum(l.get("pushed_bytes", 0) for l in lines)
+        res["prethrow_bytes"] = sum(l.get("prethrow_bytes", 0) for l in lines)
+        res["job_predicted"] = sum(l.get("job_predicted", 0) for l in lines)
     return res
 
 

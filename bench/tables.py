@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (exec, ucop, fork, mcdist, migrate, executor). Each starts with what the run was made on: the
+the renderers below (predict, exec, ucop, fork, mcdist, migrate, executor). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -271,7 +271,31 @@ def render_auth(doc):
     return "\n".join(out)
 
 
-RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
+def render_predict(doc):
+    loc = doc["local"]
+    names = {"build1": "first build (fresh client cache, warm cluster)", "build2": "second build", "build3": "third build",
+             "edit": "lvm.c edited (one line)"}
+    rows = []
+    for k in ("build1", "build2", "build3", "edit"):
+        r = doc["results"][k]
+        rows.append([names[k], f"{r['wall_s']:.2f}", dash(r["launches"]), dash(r["file_requests"]),
+                     dash(r["requests_per_launch"], "{:.2f}"), fmt_bytes(r["bytes_up"]), fmt_bytes(r["pushed_bytes"]),
+                     dash(r["prethrow_bytes_per_launch"], "{:.0f} B")])
+    head = ["case", "wall s", "launches", "file requests", "per launch", "WAN up", "pushed", "prediction sent per launch"]
+    v = doc["verdicts"]
+    yes = lambda k: "met" if v[k] else "NOT met"  # noqa: E731
+    out = [provenance_line(doc), "",
+           f"Lua, `make -j{doc['jobs']} CC='starling exec --job J gcc'`, {doc['link']}, `{doc['config']}`, {doc['hosts']} hosts "
+           f"(emulated, sharing the machine's cores; under load). Local: build {loc['build_wall_s']:.2f} s, "
+           f"edit {loc['edit_wall_s']:.2f} s.", "", table(head, rows), "",
+           f"* second build ≤ 1 file request per launch: {yes('second_build_le_1_request_per_launch')}",
+           f"* second build ≤ 1.3 × local wall: {yes('second_build_le_1_3_local')}",
+           f"* edit ≤ 1.5 × local wall: {yes('edit_le_1_5_local')}",
+           f"* fresh client cache on a warm cluster pushes ≤ 1 MB: {yes('fresh_client_warm_cluster_pushes_le_1MB')}"]
+    return "\n".join(out)
+
+
+RENDERERS = {"predict": render_predict, "exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""UCop's decomposition (issue 3) on the embedded cluster, instance 4.
+"""UCop's decomposition (issue 3) on the embedded cluster, instance 4 (or STARLING_INSTANCE).
 
 Two real programs, each run through starling across an emulated WAN link
 (lan with byte counters, cable-modem, coffee-shop; see `starling up --help`):
@@ -43,6 +43,18 @@ The emulated hosts share this machine's cores: wall times show starling's
 overheads and the link's cost, not a speedup. Table on stdout, JSON in
 bench/out/ucop.json, bar chart in bench/out/ucop.png. Needs root, povray
 (`apt-get install -y povray`), gcc/make. Leaves instance 4 down unless --keep.
+
+`--predict` runs ONLY the job-prediction scenario (issue 19; a few minutes
+instead of the whole ~25 min run; needs no POV-Ray): Lua with `make -jN
+CC='starling exec --job J gcc'` on coffee-shop, `full` config. The relay
+cache is first warmed by one build through another client cache on
+lan+counters; then a FRESH client cache builds three times from clean and
+once after a one-line edit to lvm.c. Build 1 is thus also "a fresh client
+cache against a warm cluster" (its bytes pushed). Per build: wall, file
+requests answered (STARLING_STATS_FILE), WAN bytes up, bytes pushed, and the
+prediction's cost (encoded bindings + listings sent per launch). Targets:
+second build ≤ 1 file request per launch on average and ≤ 1.3 × local wall;
+the edit ≤ 1.5 × local; build 1 pushes ≤ 1 MB. JSON in bench/out/predict.json.
 """
 import argparse
 import json
@@ -243,6 +255,82 @@ class Bench:
         }
 
 
+def run_predict(a, work, ran_on):
+    """Issue 19's scenario only (see the module doc, --predict)."""
+    lua = work / "lua"
+    shutil.copytree(lua_sources(), lua)
+    edits = [0]
+
+    def edit():
+        edits[0] += 1
+        with open(lua / "lvm.c", "a") as f:
+            f.write(f"/* edit {edits[0]} pid {os.getpid()} */\n")
+
+    def cmd(job, cc_prefix=True):
+        cc = f"{exec_bench.STARLING} exec --job {job} gcc" if cc_prefix else "gcc"
+        return lua_make_cmd(lua, a.jobs, cc)
+
+    local_env = starling_env("/nonexistent")
+    print("local baseline ...", flush=True)
+    bdir = work / "build-local"
+    clean_build_dir(bdir)
+    local_build = measure(cmd(None, False), local_env, bdir)
+    edit()
+    local_edit = measure(cmd(None, False), local_env, bdir)
+    local = {"build_wall_s": local_build["wall_s"], "edit_wall_s": local_edit["wall_s"]}
+    print(f"  local: build {local['build_wall_s']:.2f} s, edit {local['edit_wall_s']:.2f} s", flush=True)
+
+    print("warming the cluster's relay cache through another client cache (lan+counters) ...", flush=True)
+    cluster_up("lan+counters", hosts=a.hosts)
+    wdir = work / "build-warm"
+    clean_build_dir(wdir)
+    measure(cmd(f"predict-warm-{os.getpid()}"), starling_env(work / "cache-warmup"), wdir)
+
+    cluster_up("coffee-shop", hosts=a.hosts)
+    env = starling_env(work / "cache-predict")
+    bdir = work / "build-predict"
+    rows = {}
+    for i in (1, 2, 3):
+        clean_build_dir(bdir)
+        print(f"coffee-shop: build {i} ...", flush=True)
+        rows[f"build{i}"] = measure(cmd(f"predict-{i}-{os.getpid()}"), env, bdir)
+    edit()
+    print("coffee-shop: lvm.c edited ...", flush=True)
+    rows["edit"] = measure(cmd(f"predict-edit-{os.getpid()}"), env, bdir)
+    keep = ("wall_s", "bytes_up", "bytes_down", "launches", "file_requests", "pushed_bytes", "prethrow_bytes",
+            "prethrow_bindings", "job_predicted", "rt_per_launch_max")
+    res = {k: {f: v.get(f) for f in keep} for k, v in rows.items()}
+    for r in res.values():
+        n = r["launches"] or 0
+        r["requests_per_launch"] = (r["file_requests"] or 0) / n if n else None
+        r["prethrow_bytes_per_launch"] = (r["prethrow_bytes"] or 0) / n if n else None
+    b2, ed, b1 = res["build2"], res["edit"], res["build1"]
+    verdicts = {
+        "second_build_le_1_request_per_launch": b2["requests_per_launch"] is not None and b2["requests_per_launch"] <= 1,
+        "second_build_le_1_3_local": b2["wall_s"] <= 1.3 * local["build_wall_s"],
+        "edit_le_1_5_local": ed["wall_s"] <= 1.5 * local["edit_wall_s"],
+        "fresh_client_warm_cluster_pushes_le_1MB": (b1["pushed_bytes"] or 0) <= 1_000_000,
+    }
+    doc = {"provenance": ran_on, "instance": exec_bench.INSTANCE, "hosts": a.hosts, "jobs": a.jobs, "link": "coffee-shop",
+           "config": "full", "local": local, "results": res, "verdicts": verdicts,
+           "notes": {"build1": "fresh client cache; the relay cache was warmed by another client cache's build",
+                     "prethrow_bytes": "encoded bindings + listings sent with the launches (the prediction's cost on the wire)",
+                     "hosts": "emulated hosts share this machine's cores; figures under load (shared machine)"}}
+    doc["binary"] = a.binary or "target/release/starling"
+    (OUT / a.json).write_text(json.dumps(doc, indent=2) + "\n")
+    for k, r in res.items():
+        print(f"{k:<7} wall {r['wall_s']:.2f} s, launches {r['launches']}, file requests {r['file_requests']} "
+              f"({dash_f(r['requests_per_launch'])}/launch), up {fmt_bytes(r['bytes_up'])}, pushed {fmt_bytes(r['pushed_bytes'])}, "
+              f"prediction {dash_f(r['prethrow_bytes_per_launch'], '{:.0f}')} B/launch", flush=True)
+    for k, v in verdicts.items():
+        print(f"{k}: {'met' if v else 'NOT met'}")
+    print(f"wrote {OUT / a.json} (python3 bench/tables.py puts predict.json into bench/README.md)")
+
+
+def dash_f(v, fmt="{:.2f}"):
+    return "-" if v is None else fmt.format(v)
+
+
 def guarded(f, *args):
     """A failed or timed-out configuration is recorded, not fatal to the whole run."""
     try:
@@ -292,7 +380,12 @@ def main():
     ap.add_argument("--height", type=int, default=360)
     ap.add_argument("--jobs", type=int, default=8, help="make -jN")
     ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--keep", action="store_true", help="leave instance 4 up")
+    ap.add_argument("--keep", action="store_true", help="leave the cluster instance up")
+    ap.add_argument("--predict", action="store_true", help="run ONLY issue 19's scenario (job prediction, shadow; "
+                    "coffee-shop, full config, a few minutes): bench/out/predict.json")
+    ap.add_argument("--binary", help="with --predict: measure this starling binary instead of target/release/starling "
+                    "(e.g. an older build, for a before/after comparison)")
+    ap.add_argument("--json", default="predict.json", help="with --predict: the JSON's name in bench/out")
     ap.add_argument("--from", dest="from_json", help="resume: take the local baseline and the configurations that "
                     "succeeded from this JSON (e.g. bench/out/ucop.partial.json of an interrupted run); run the rest")
     ap.add_argument("--timeout", type=int, default=420, help="seconds before one measured command is abandoned")
@@ -300,6 +393,22 @@ def main():
     exec_bench.MEASURE_TIMEOUT_S = a.timeout
     if os.geteuid() != 0:
         sys.exit("ucop_bench: the embedded cluster needs root")
+    if a.predict:
+        if a.binary:
+            exec_bench.STARLING = os.path.abspath(a.binary)
+        if not os.path.exists(exec_bench.STARLING):
+            sys.exit("ucop_bench: build first: cargo build --release --workspace")
+        OUT.mkdir(parents=True, exist_ok=True)
+        ran_on = provenance()
+        work = pathlib.Path(tempfile.mkdtemp(prefix="starling-predict-bench-", dir="/var/tmp"))
+        exec_bench.snapshot_binary(work)
+        try:
+            run_predict(a, work, ran_on)
+        finally:
+            if not a.keep:
+                cluster_down()
+            shutil.rmtree(work, ignore_errors=True)
+        return
     if shutil.which("povray") is None:
         sys.exit("ucop_bench: POV-Ray is not installed; install it with: apt-get install -y povray")
     if not os.path.exists(exec_bench.STARLING):
@@ -373,7 +482,7 @@ def main():
         verdicts["second_host_zero_wan_bytes_up"] = s["h2"]["bytes_up"] is not None and s["h2"]["bytes_up"] < 16 * 1024
         print(f"16 MiB file read on h1 then h2: WAN up h1 {fmt_bytes(s['h1']['bytes_up'])}, h2 {fmt_bytes(s['h2']['bytes_up'])} "
               f"(target ~0, i.e. only the launch): {'met' if verdicts['second_host_zero_wan_bytes_up'] else 'NOT met'}")
-    doc = {"provenance": ran_on, "resumed_from_provenance": resumed_from, "instance": "4", "hosts": a.hosts, "repeat": a.repeat, "tiles": a.tiles, "width": a.width, "height": a.height,
+    doc = {"provenance": ran_on, "resumed_from_provenance": resumed_from, "instance": exec_bench.INSTANCE, "hosts": a.hosts, "repeat": a.repeat, "tiles": a.tiles, "width": a.width, "height": a.height,
            "jobs": a.jobs, "links": links, "configs": configs, "local": local, "results": results, "checks": checks,
            "verdicts": verdicts,
            "notes": {"lan+counters": "link relay with no shaping (0 ms, unlimited), so bytes can be counted",

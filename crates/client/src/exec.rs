@@ -93,7 +93,7 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     let mut sigs = forwarded_signals()?;
     let t0 = std::time::Instant::now();
     let session = ctx.session().await?;
-    let (spec, mut prediction) = launch::prepare(ctx, &session, spec).await?;
+    let (spec, mut prediction) = launch::prepare(ctx, &session, spec, opts.job.as_ref().map(|_| "job")).await?;
     let launch = session.launch(spec);
     tokio::pin!(launch);
     let mut handle = tokio::select! {

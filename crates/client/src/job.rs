@@ -83,7 +83,8 @@ pub async fn run(ctx: &Context, base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let mut sigs = crate::exec::forwarded_signals()?;
     let session = ctx.session().await?;
-    let (base, mut prediction) = launch::prepare(ctx, &session, base).await?;
+    // What the tasks of this run use, the next run's tasks get bound from the start.
+    let (base, mut prediction) = launch::prepare(ctx, &session, base, Some("run")).await?;
     let mut events = launch_all(&session, base, argvs, opts.prethrow_per_task).await?;
     let mut view = JobView::new(n, opts.report);
     let mut interrupted = None;

@@ -3,13 +3,19 @@
 //! content the head lacks, all in the launch's flight; after the run,
 //! learn from what it used.
 
-use crate::shadow::{JobBindings, Shadow};
+use crate::shadow::{JobBindings, JobPaths, Shadow};
 use crate::{ClientError, Context, Result};
 use starling_session::files::FileServer;
 use starling_session::prethrow::{self, Profile};
 use starling_session::Session;
 use starling_proto::{ChunkData, Recipe, TaskSpec, WirePath};
+use starling_proto::Hash;
+use std::collections::HashSet;
 use std::io::Write;
+
+/// A planned push of at least this many bytes first asks the head what it
+/// holds (one round trip; on a slow link 16 KiB take longer than that).
+pub const HOLDS_QUERY_MIN_BYTES: u64 = 16 << 10;
 
 /// Learned prethrow state of one launch: the profile and what was sent.
 pub struct Prediction {
@@ -19,9 +25,20 @@ pub struct Prediction {
     pub push: (Vec<Recipe>, Vec<ChunkData>),
     pub shadow: Option<Shadow>,
     pub job: Option<JobBindings>,
+    /// What earlier tasks of this program used in this job (see [`JobPaths`]).
+    pub job_paths: Option<JobPaths>,
+    /// The temp directories of the launch (not remembered in `job_paths`).
+    pub temp_dirs: Vec<WirePath>,
     /// For reports: bindings sent, and (recipes, chunks, bytes) pushed.
     pub sent_bindings: usize,
     pub pushed: (usize, usize, u64),
+    /// Encoded size of the bindings and listings sent with the launch, and
+    /// of those bound only because earlier tasks of the job used them: what
+    /// the prediction costs on the wire.
+    pub prethrow_bytes: u64,
+    pub job_predicted: usize,
+    /// Planned pushes the head turned out to hold (recipes and chunks).
+    pub held_skipped: usize,
 }
 
 impl Prediction {
@@ -29,10 +46,12 @@ impl Prediction {
     pub fn finish(&mut self, files: &FileServer, accessed: &[WirePath]) {
         self.profile.record(accessed, &self.sent);
         self.profile.save();
+        if let Some(j) = self.job_paths.as_mut() {
+            j.record(accessed, &self.temp_dirs);
+        }
         if let Some(s) = self.shadow.as_mut() {
-            for h in files.take_served() {
-                s.note(h);
-            }
+            // Already appended to the shadow as they were served (see `prepare`).
+            files.take_served();
             s.save();
         }
     }
@@ -54,6 +73,9 @@ pub fn write_stats(ctx: &Context, files: &FileServer, prediction: Option<&Predic
         "pushed_recipes": prediction.map_or(0, |p| p.pushed.0),
         "pushed_chunks": prediction.map_or(0, |p| p.pushed.1),
         "pushed_bytes": prediction.map_or(0, |p| p.pushed.2),
+        "prethrow_bytes": prediction.map_or(0, |p| p.prethrow_bytes),
+        "job_predicted": prediction.map_or(0, |p| p.job_predicted),
+        "push_held_skipped": prediction.map_or(0, |p| p.held_skipped),
     });
     // One write(2) per line: concurrent clients (make -j) append to the same
     // file, and O_APPEND keeps whole writes apart but not the many small
@@ -70,13 +92,28 @@ pub fn write_stats(ctx: &Context, files: &FileServer, prediction: Option<&Predic
 /// sent, and every binding the head holds is re-validated here first, so
 /// none can go stale. Pushing is pointless when the head keeps no relay
 /// cache, and can be switched off (`client.push`) to measure what it saves.
-pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec) -> Prediction {
+///
+/// `job_pool`: for a task of a job, which kind (`exec --job`: "job";
+/// `run`/`batch`: "run"): it then also binds every path earlier tasks of
+/// its program used in jobs of that kind run from the same directory —
+/// this build's and the last one's, whatever the jobs were named (builds
+/// often name theirs afresh) — see [`JobPaths`]. `None` for a lone exec.
+pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec, job_pool: Option<&str>) -> Prediction {
     let cache_dir = &ctx.settings.cache_dir;
     let cluster_id = &ctx.target.cluster_id;
     let key = prethrow::profile_key(spec);
     let profile = Profile::load(&cache_dir.join("profiles"), &key);
     let mut job = spec.job.as_deref().map(|j| JobBindings::load(&cache_dir.join("jobs"), cluster_id, j));
+    let cwd = String::from_utf8_lossy(spec.cwd.as_bytes()).into_owned();
+    let job_paths = job_pool.map(|j| JobPaths::load(&cache_dir.join("job-paths"), j, &key, &cwd));
     let mut paths = profile.predicted();
+    let own = paths.len();
+    if let Some(j) = &job_paths {
+        paths.extend(j.paths());
+    }
+    paths.sort();
+    paths.dedup();
+    let job_predicted = paths.len() - own;
     // The root is looked up when the view mounts, before the task runs.
     paths.push(WirePath::root());
     paths.extend(prethrow::argv_paths(spec));
@@ -87,6 +124,7 @@ pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec) -> Predic
     paths.dedup();
     let bindings = prethrow::bind(files, &paths);
     spec.listings = prethrow::list(files, &prethrow::listing_dirs(spec));
+    let temp_dirs = prethrow::temp_dirs(spec);
     let push_on = ctx.settings.push && ctx.target.relay_cache;
     let mut shadow = push_on.then(|| Shadow::load(&cache_dir.join("shadow"), cluster_id));
     let push = match shadow.as_mut() {
@@ -109,28 +147,62 @@ pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec) -> Predic
         push.1.len()
     );
     let pushed = (push.0.len(), push.1.len(), push.1.iter().map(|c| c.data.len() as u64).sum());
-    Prediction { profile, sent: paths, push, shadow, job, sent_bindings: spec.prethrow.len(), pushed }
+    let prethrow_bytes =
+        bincode::serialized_size(&spec.prethrow).unwrap_or(0) + bincode::serialized_size(&spec.listings).unwrap_or(0);
+    Prediction {
+        profile,
+        sent: paths,
+        push,
+        shadow,
+        job,
+        job_paths,
+        temp_dirs,
+        sent_bindings: spec.prethrow.len(),
+        pushed,
+        prethrow_bytes,
+        job_predicted,
+        held_skipped: 0,
+    }
 }
 
 /// Before a launch: bind the predicted paths into `spec` and push what the
 /// head lacks (the same flight as the launch that follows). `None` when
 /// prethrow is off (`client.prethrow`).
-pub async fn prepare(ctx: &Context, session: &Session, spec: TaskSpec) -> Result<(TaskSpec, Option<Prediction>)> {
+pub async fn prepare(ctx: &Context, session: &Session, spec: TaskSpec, job_pool: Option<&'static str>) -> Result<(TaskSpec, Option<Prediction>)> {
     if !ctx.settings.prethrow {
         return Ok((spec, None));
+    }
+    if ctx.settings.push && ctx.target.relay_cache {
+        // What the cluster fetches from us it holds from then on: write it to
+        // the shadow as it is served, so concurrent execs of one build know
+        // at once instead of when this task ends.
+        session.files().log_served_to(Shadow::file_for(&ctx.settings.cache_dir.join("shadow"), &ctx.target.cluster_id));
     }
     let files = session.files().clone();
     let ctx2 = ctx.clone();
     let (mut p, spec) = tokio::task::spawn_blocking(move || {
         let mut spec = spec;
-        let p = predict(&ctx2, &files, &mut spec);
+        let p = predict(&ctx2, &files, &mut spec, job_pool);
         (p, spec)
     })
     .await
     .map_err(|_| ClientError::Interrupted)?;
-    let (recipes, chunks) = std::mem::take(&mut p.push);
+    let (mut recipes, mut chunks) = std::mem::take(&mut p.push);
+    if p.pushed.2 >= HOLDS_QUERY_MIN_BYTES {
+        // A large push: ask first what the head already holds (a shadow knows
+        // only what this client cache saw; a fresh one against a warm cluster
+        // would push it all). The answer is in the shadow already: the plan
+        // marked every planned name known.
+        let names: Vec<Hash> = recipes.iter().map(Recipe::name).chain(chunks.iter().map(|c| c.hash)).collect();
+        let held: HashSet<Hash> = session.holds(names).await?.into_iter().collect();
+        recipes.retain(|r| !held.contains(&r.name()));
+        chunks.retain(|c| !held.contains(&c.hash));
+        p.pushed = (recipes.len(), chunks.len(), chunks.iter().map(|c| c.data.len() as u64).sum());
+        p.held_skipped = held.len();
+    }
     if !recipes.is_empty() || !chunks.is_empty() {
         session.push(recipes, chunks).await?;
     }
     Ok((spec, Some(p)))
 }
+

@@ -32,8 +32,13 @@ pub struct Shadow {
 
 impl Shadow {
     /// The shadow for the cluster reached at `head_addr`.
+    /// The file holding the shadow for the cluster reached at `head_addr`.
+    pub fn file_for(dir: &Path, head_addr: &str) -> PathBuf {
+        dir.join(format!("{}.bin", key_name(&[head_addr])))
+    }
+
     pub fn load(dir: &Path, head_addr: &str) -> Shadow {
-        let file = dir.join(format!("{}.bin", key_name(&[head_addr])));
+        let file = Shadow::file_for(dir, head_addr);
         let bytes = std::fs::read(&file).unwrap_or_default();
         let known = bytes.chunks_exact(32).map(|c| Hash(c.try_into().expect("32 bytes"))).collect();
         Shadow { file, known, added: Vec::new() }
@@ -168,6 +173,101 @@ impl JobBindings {
     }
 }
 
+/// Most paths one job remembers for one program (the oldest are dropped).
+pub const MAX_JOB_PATHS: usize = 20_000;
+
+/// Paths the earlier tasks of one program used in jobs (`exec --job NAME`,
+/// or the tasks of `run`/`batch`) run from one directory, in this build or
+/// the last: the
+/// next task of the job binds them all from its first launch, instead of
+/// waiting until the program's own profile has seen a path twice. A wrong
+/// guess costs bytes of bindings, never correctness (bindings are computed
+/// from the files at launch). Append-only file of length-prefixed paths, so
+/// concurrent execs of one build (make -j) add to it without losing each
+/// other's records; it is compacted when it holds many duplicates.
+pub struct JobPaths {
+    file: PathBuf,
+    known: std::collections::BTreeSet<WirePath>,
+    records: usize,
+}
+
+impl JobPaths {
+    /// The paths of `program`'s tasks in jobs of kind `pool` run from `cwd`.
+    pub fn load(dir: &Path, pool: &str, program: &str, cwd: &str) -> JobPaths {
+        let file = dir.join(format!("{}.paths", key_name(&[pool, program, cwd])));
+        let bytes = std::fs::read(&file).unwrap_or_default();
+        let mut known = std::collections::BTreeSet::new();
+        let mut records = 0;
+        let mut rest = &bytes[..];
+        while rest.len() >= 4 {
+            let len = usize::try_from(u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]])).unwrap_or(usize::MAX);
+            let Some(p) = rest.get(4..).and_then(|r| r.get(..len)) else { break };
+            if let Ok(w) = WirePath::new(p.to_vec()) {
+                known.insert(w);
+            }
+            records += 1;
+            rest = &rest[4 + len..];
+        }
+        JobPaths { file, known, records }
+    }
+
+    pub fn paths(&self) -> Vec<WirePath> {
+        self.known.iter().cloned().collect()
+    }
+
+    /// Remember what one task used, except paths under `skip` (the temp
+    /// directory: its names are new every run, and its listing travels
+    /// with every launch anyway).
+    pub fn record(&mut self, accessed: &[WirePath], skip: &[WirePath]) {
+        let under = |p: &WirePath, d: &WirePath| {
+            let (p, d) = (p.as_bytes(), d.as_bytes());
+            d != b"/" && p.len() > d.len() && p.starts_with(d) && p[d.len()] == b'/'
+        };
+        let new: Vec<&WirePath> =
+            accessed.iter().filter(|p| !self.known.contains(*p) && !skip.iter().any(|d| under(p, d))).collect();
+        if new.is_empty() {
+            return;
+        }
+        if let Some(d) = self.file.parent() {
+            let _ = std::fs::create_dir_all(d);
+        }
+        let compact = self.records > 4 * (self.known.len() + new.len()) || self.known.len() + new.len() > MAX_JOB_PATHS;
+        let mut buf = Vec::new();
+        let mut put = |p: &WirePath| {
+            let b = p.as_bytes();
+            if let Ok(n) = u32::try_from(b.len()) {
+                buf.extend_from_slice(&n.to_le_bytes());
+                buf.extend_from_slice(b);
+            }
+        };
+        for p in &new {
+            self.known.insert((*p).clone());
+        }
+        if compact {
+            while self.known.len() > MAX_JOB_PATHS {
+                self.known.pop_first();
+            }
+            for p in &self.known {
+                put(p);
+            }
+            let tmp = self.file.with_extension(format!("tmp{}", std::process::id()));
+            if std::fs::write(&tmp, &buf).is_ok() {
+                let _ = std::fs::rename(&tmp, &self.file);
+            }
+            self.records = self.known.len();
+        } else {
+            for p in &new {
+                put(p);
+            }
+            // One write(2), O_APPEND: concurrent clients interleave whole records.
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&self.file) {
+                let _ = f.write_all(&buf);
+            }
+            self.records += new.len();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,6 +292,21 @@ mod tests {
         let changed = vec![(p.clone(), Lookup::File(attr(2), Hash::of(b"2"))), (q, Lookup::Absent)];
         assert_eq!(j.delta(changed), vec![(p, Lookup::File(attr(2), Hash::of(b"2")))], "only the changed binding");
         assert!(JobBindings::load(dir.path(), "head:1", "other").paths().is_empty(), "per job");
+    }
+
+    #[test]
+    fn job_paths_are_shared_by_later_tasks_and_skip_temp_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |s: &str| WirePath::new(s.as_bytes().to_vec()).unwrap();
+        let mut a = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        let mut b = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        a.record(&[w("/src/a.h"), w("/tmp/cc1.s")], &[w("/tmp")]);
+        b.record(&[w("/src/b.h")], &[w("/tmp")]);
+        let c = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        assert_eq!(c.paths(), vec![w("/src/a.h"), w("/src/b.h")], "both concurrent tasks' paths, no temp name");
+        assert!(JobPaths::load(dir.path(), "run", "/usr/bin/gcc", "/src").paths().is_empty(), "per kind of job");
+        assert!(JobPaths::load(dir.path(), "job", "/usr/bin/ld", "/src").paths().is_empty(), "per program");
+        assert!(JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/elsewhere").paths().is_empty(), "per directory");
     }
 
     #[test]

@@ -55,6 +55,15 @@ impl Relay {
         }
     }
 
+    /// Of `names` (recipe or chunk names), those the cache holds.
+    pub(crate) fn holds(&self, names: &[Hash]) -> Vec<Hash> {
+        names
+            .iter()
+            .filter(|h| self.cache.has_chunk(h) || matches!(self.cache.get_recipe(h), Ok(Some(_))))
+            .copied()
+            .collect()
+    }
+
     /// Whether a client's answer `id` answers a request of ours.
     pub(crate) fn is_ours(&self, id: u64) -> bool {
         id & HEAD_ID_BIT != 0

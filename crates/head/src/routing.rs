@@ -121,6 +121,13 @@ impl Head {
                         relay.take_push(&recipes, &chunks);
                     }
                 }
+                Msg::HoldsQuery { nonce, names } => {
+                    let held = match &self.relay {
+                        Some(relay) => relay.holds(&names),
+                        None => Vec::new(),
+                    };
+                    let _ = tx.send(Msg::HoldsReply { nonce, held }).await;
+                }
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }

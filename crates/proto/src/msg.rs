@@ -61,6 +61,9 @@ pub struct ClusterStatus {
 /// Largest number of hashes in one GetChunks request.
 pub const MAX_BATCH: usize = 4096;
 
+/// Largest number of names in one `HoldsQuery` (or its reply).
+pub const MAX_HOLDS_QUERY: usize = 1 << 16;
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub enum Msg {
     /// First frame in each direction on every connection. `compress`: the
@@ -115,6 +118,13 @@ pub enum Msg {
     /// Client → head, ahead of a launch in the same flight: content the
     /// client's shadow index says the head lacks (UCop's proposed push).
     Push { recipes: Vec<Recipe>, chunks: Vec<ChunkData> },
+    /// Client → head, before a large push: which of these recipe and chunk
+    /// names does the relay cache hold already? (A client whose shadow index
+    /// is cold — a fresh client cache against a warm cluster — would
+    /// otherwise push content the head has.)
+    HoldsQuery { nonce: u64, names: Vec<Hash> },
+    /// Head → client: the queried names the relay cache holds (none without one).
+    HoldsReply { nonce: u64, held: Vec<Hash> },
     /// Client → head: start several tasks sharing one spec, one prethrow and
     /// one consistency point (a job). Task i gets `STARLING_TASK=i`,
     /// `STARLING_TASKS=n` and, if given, its own argv. Answered by one
@@ -261,6 +271,8 @@ impl Msg {
                 changes.iter().try_for_each(|c| c.validate())?;
                 accessed.iter().try_for_each(|p| p.validate())
             }
+            Msg::HoldsQuery { names, .. } => check_bytes("queried names", names.len(), MAX_HOLDS_QUERY),
+            Msg::HoldsReply { held, .. } => check_bytes("held names", held.len(), MAX_HOLDS_QUERY),
             Msg::Push { recipes, chunks } => {
                 check_bytes("pushed chunks", chunks.len(), MAX_BATCH)?;
                 recipes.iter().try_for_each(|r| r.validate())

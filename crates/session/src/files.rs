@@ -71,6 +71,9 @@ pub struct FileServer {
     stats: Mutex<ServeStats>,
     /// Recipe and chunk names handed to the cluster (its relay cache now holds them).
     served: Mutex<Vec<Hash>>,
+    /// Where to append the names in `served` as they are served (the
+    /// client's shadow index), so concurrent clients learn them at once.
+    served_log: Mutex<Option<PathBuf>>,
     /// Recipes this process had to (re)compute: files new or changed since the client last looked.
     fresh: Mutex<std::collections::HashSet<Hash>>,
 }
@@ -84,6 +87,7 @@ impl FileServer {
             by_chunk: Mutex::new(HashMap::new()),
             stats: Mutex::new(ServeStats::default()),
             served: Mutex::new(Vec::new()),
+            served_log: Mutex::new(None),
             fresh: Mutex::new(std::collections::HashSet::new()),
         }
     }
@@ -96,6 +100,31 @@ impl FileServer {
     /// A recipe this server has handed out, with the file that holds it.
     pub fn recipe_by_name(&self, name: &Hash) -> Option<(PathBuf, Recipe)> {
         self.by_name.lock().unwrap().get(name).cloned()
+    }
+
+    /// From now on, append the name of every recipe and chunk served to the
+    /// cluster to `file` (32 bytes each, one write per answer: concurrent
+    /// clients appending to one file keep whole records).
+    pub fn log_served_to(&self, file: PathBuf) {
+        *self.served_log.lock().unwrap() = Some(file);
+    }
+
+    fn note_served(&self, names: &[Hash]) {
+        if names.is_empty() {
+            return;
+        }
+        self.served.lock().unwrap().extend_from_slice(names);
+        let log = self.served_log.lock().unwrap().clone();
+        if let Some(file) = log {
+            if let Some(d) = file.parent() {
+                let _ = std::fs::create_dir_all(d);
+            }
+            let buf: Vec<u8> = names.iter().flat_map(|h| h.0).collect();
+            if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(&file) {
+                use std::io::Write;
+                let _ = f.write_all(&buf);
+            }
+        }
     }
 
     /// Names of the recipes and chunks sent to the cluster since the last call.
@@ -125,7 +154,7 @@ impl FileServer {
                 self.stats.lock().unwrap().recipes += 1;
                 let r = self.by_name.lock().unwrap().get(name).map(|(_, r)| r.clone());
                 if r.is_some() {
-                    self.served.lock().unwrap().push(*name);
+                    self.note_served(&[*name]);
                 }
                 FileResp::Recipe(r)
             }
@@ -247,7 +276,7 @@ impl FileServer {
             }
         }
         let out: Vec<ChunkData> = hashes.iter().filter_map(|h| found.get(h).cloned()).collect();
-        self.served.lock().unwrap().extend(out.iter().map(|c| c.hash));
+        self.note_served(&out.iter().map(|c| c.hash).collect::<Vec<_>>());
         let mut st = self.stats.lock().unwrap();
         st.chunks_sent += out.len() as u64;
         st.chunk_bytes_sent += out.iter().map(|c| c.data.len() as u64).sum::<u64>();

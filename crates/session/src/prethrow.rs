@@ -166,15 +166,37 @@ pub fn argv_paths(spec: &TaskSpec) -> Vec<WirePath> {
     out
 }
 
+/// The task's temp directory (`TMPDIR`, else /tmp).
+pub fn temp_dirs(spec: &TaskSpec) -> Vec<WirePath> {
+    let tmp = spec.env.iter().find(|(k, _)| k == b"TMPDIR").map(|(_, v)| v.clone()).unwrap_or_else(|| b"/tmp".to_vec());
+    normalise(&spec.cwd.as_path().join(std::ffi::OsStr::from_bytes(&tmp))).into_iter().collect()
+}
+
+/// Include-path flags whose directory is searched (`-Idir` or `-I dir`).
+const INCLUDE_FLAGS: [&[u8]; 4] = [b"-I", b"-iquote", b"-isystem", b"-idirafter"];
+
 /// Directories worth binding whole at launch: the temp directory, the
-/// working directory, and the directories of paths named on the command
-/// line (outputs). Their new names (temp files, outputs) are then known
-/// absent without asking back across the link.
+/// working directory, the directories of paths named on the command line
+/// (outputs, sources) and the directories its include flags (`-I`) name.
+/// Their new names (temp files, outputs) are then known absent without
+/// asking back across the link, and a header search answers its misses
+/// from the listing.
 pub fn listing_dirs(spec: &TaskSpec) -> Vec<WirePath> {
     let cwd = spec.cwd.as_path();
     let tmp = spec.env.iter().find(|(k, _)| k == b"TMPDIR").map(|(_, v)| v.clone()).unwrap_or_else(|| b"/tmp".to_vec());
     let mut dirs = vec![cwd.join(std::ffi::OsStr::from_bytes(&tmp)), cwd.to_path_buf()];
-    for a in spec.argv.iter().skip(1) {
+    let mut args = spec.argv.iter().skip(1).peekable();
+    while let Some(a) = args.next() {
+        if let Some(flag) = INCLUDE_FLAGS.iter().find(|f| a.starts_with(f)) {
+            let dir = match &a[flag.len()..] {
+                b"" => args.next().map(|d| d.as_slice()),
+                d => Some(d),
+            };
+            if let Some(d) = dir {
+                dirs.push(cwd.join(std::ffi::OsStr::from_bytes(d)));
+            }
+            continue;
+        }
         let a = a.strip_prefix(b"-o").filter(|r| !r.is_empty()).unwrap_or(a);
         if a.starts_with(b"-") || !a.contains(&b'/') {
             continue;
@@ -247,6 +269,41 @@ mod tests {
         q.record(&[], &[wp("/a")]);
         assert!(q.predicted().is_empty(), "reported unused twice: expired");
         assert!(Profile::load(dir.path(), "/usr/bin/cc").predicted().is_empty(), "profiles are per program");
+    }
+
+    #[test]
+    fn include_flags_name_listing_dirs() {
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["inc", "sys", "src"] {
+            std::fs::create_dir(dir.path().join(d)).unwrap();
+        }
+        let cwd = dir.path().canonicalize().unwrap();
+        let argv: Vec<Vec<u8>> =
+            ["gcc", "-Iinc", "-isystem", "sys", "-I", "missing", "-c", "src/a.c"].iter().map(|a| a.as_bytes().to_vec()).collect();
+        let spec = TaskSpec {
+            argv,
+            env: vec![(b"TMPDIR".to_vec(), cwd.join("src").as_os_str().as_bytes().to_vec())],
+            cwd: normalise(&cwd).unwrap(),
+            umask: 0o22,
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            rlimits: Vec::new(),
+            host: None,
+            job: None,
+            prethrow: Vec::new(),
+            listings: Vec::new(),
+            launch_ns: 0,
+            clone: None,
+        };
+        let got = listing_dirs(&spec);
+        let want = |s: &str| normalise(&cwd.join(s)).unwrap();
+        for d in ["inc", "sys", "src"] {
+            assert!(got.contains(&want(d)), "{d} listed: {got:?}");
+        }
+        assert!(got.contains(&normalise(&cwd).unwrap()), "the working directory");
+        assert!(!got.contains(&want("missing")), "a directory that does not exist is not listed");
+        assert_eq!(temp_dirs(&spec), vec![want("src")]);
     }
 
     #[test]

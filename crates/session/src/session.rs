@@ -128,6 +128,9 @@ struct State {
     sinks: HashMap<u64, TaskSink>,
     by_task: HashMap<TaskId, u64>,
     tickets: VecDeque<oneshot::Sender<Result<Grant>>>,
+    /// `holds` queries waiting for their answers, by nonce.
+    holds: HashMap<u64, oneshot::Sender<Vec<starling_proto::Hash>>>,
+    next_holds: u64,
     /// Why the session ended, once it has.
     closed: Option<Closed>,
 }
@@ -327,6 +330,28 @@ impl Session {
         Ok(())
     }
 
+    /// Of `names` (recipe and chunk names), those the head's relay cache
+    /// already holds: one round trip, worth it before a large push.
+    pub async fn holds(&self, names: Vec<starling_proto::Hash>) -> Result<Vec<starling_proto::Hash>> {
+        let mut held = Vec::new();
+        for part in names.chunks(starling_proto::MAX_HOLDS_QUERY) {
+            let (done_tx, done_rx) = oneshot::channel();
+            let nonce = {
+                let mut st = self.state.lock().unwrap();
+                if let Some(why) = &st.closed {
+                    return Err(why.error());
+                }
+                st.next_holds += 1;
+                let n = st.next_holds;
+                st.holds.insert(n, done_tx);
+                n
+            };
+            self.tx.send(Msg::HoldsQuery { nonce, names: part.to_vec() }).await.map_err(|_| SessionError::LostHead)?;
+            held.extend(done_rx.await.map_err(|_| SessionError::LostHead)?);
+        }
+        Ok(held)
+    }
+
     /// Reserve up to `n` clones (the fork API's `sf_request_ticket`).
     pub async fn request_ticket(&self, n: u32, hierarchical: bool) -> Result<Grant> {
         let (done_tx, done_rx) = oneshot::channel();
@@ -374,6 +399,11 @@ impl Session {
                     self.emit_ref(reference, TaskEvent::Started { task, host, job_fresh });
                 }
                 Msg::LaunchFailed { reference, message } => self.emit_ref(reference, TaskEvent::Refused(message)),
+                Msg::HoldsReply { nonce, held } => {
+                    if let Some(w) = self.state.lock().unwrap().holds.remove(&nonce) {
+                        let _ = w.send(held);
+                    }
+                }
                 Msg::TicketGrant { ticket, granted } => {
                     if let Some(w) = self.state.lock().unwrap().tickets.pop_front() {
                         let _ = w.send(granted.map(|g| (ticket, g)).map_err(SessionError::TicketRefused));
@@ -441,6 +471,8 @@ impl Session {
             for w in st.tickets.drain(..) {
                 let _ = w.send(Err(why.error()));
             }
+            // Dropping the senders ends the waiting queries (LostHead).
+            st.holds.clear();
             st.sinks.iter().filter(|(_, s)| !s.finishing).map(|(r, _)| *r).collect()
         };
         for r in refs {
