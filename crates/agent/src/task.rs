@@ -291,13 +291,27 @@ pub(crate) fn end_task(
     let mut accessed = live.earlier_accessed.clone();
     accessed.extend(live.view.accessed_paths());
     stamp("view_stats");
-    overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
-    stamp("overlay_unmount");
-    let changes = collect_changes(task, &live.dir.join("upper"), &bindings, &agent.cfg, tx)?;
+    // The upper dir is read while the overlay is still mounted: every process
+    // of the sandbox is gone (its PID namespace ended with the outer init), so
+    // nothing writes through the overlay any more, and reading the upper dir
+    // directly is allowed. The unmount then happens after the reply, off the
+    // task's critical path.
+    let changes = match collect_changes(task, &live.dir.join("upper"), &bindings, &agent.cfg, tx) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = overlay.unmount();
+            return Err(e);
+        }
+    };
     stamp("exit_scan");
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
-    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost)?;
+    let sent = tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost);
     stamp("send");
+    if let Err(e) = overlay.unmount() {
+        log::warn!("task {task}: unmounting its overlay: {e}");
+    }
+    stamp("overlay_unmount");
+    sent?;
     if let Some(s) = &stages {
         log::info!("task {task} stages_ms:{}", s.line());
     }
