@@ -541,7 +541,7 @@ def main():
                     help="runs of each command in the per-stage breakdown (CPU is averaged over them)")
     ap.add_argument("--only", choices=["breakdown"],
                     help="run only the per-stage breakdown (and distcc's tiny gcc -c); "
-                         "writes bench/out/exec-breakdown.json, which no table reads")
+                         "writes bench/out/exec_breakdown.json (table exec_breakdown)")
     a = ap.parse_args()
     if a.instance:
         set_instance(a.instance)
@@ -560,7 +560,7 @@ def main():
             bd["distcc"] = distcc_rows(a.breakdown_repeat, a.jobs, work)
             from tables import render_breakdown
             print(render_breakdown(bd))
-            (OUT / "exec-breakdown.json").write_text(json.dumps({"provenance": ran_on, **bd}, indent=2) + "\n")
+            (OUT / "exec_breakdown.json").write_text(json.dumps({"provenance": ran_on, **bd}, indent=2) + "\n")
             return
         bd = breakdown(a.breakdown_repeat, work)
         bd["distcc"] = distcc_rows(a.breakdown_repeat, a.jobs, work)

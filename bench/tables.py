@@ -108,9 +108,9 @@ AGENT_STAGES = [("view_mount", "FUSE view mounted (its request threads started)"
                 ("run", "namespaces, mounts, the program, until its exit"),
                 ("pumps_join", "output pumps drained"),
                 ("view_stats", "bindings and accessed paths taken from the view"),
-                ("overlay_unmount", "overlay unmounted"),
                 ("exit_scan", "upper dir scanned and chunked into changes"),
-                ("send", "Finished queued to the head")]
+                ("send", "Finished queued to the head"),
+                ("overlay_unmount", "overlay unmounted (before exit_scan until issue 18; now after send)")]
 
 
 def render_breakdown(bd):
@@ -309,7 +309,11 @@ def render_linger(doc):
 
 
 
-RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
+def render_exec_breakdown(doc):
+    return provenance_line(doc) + "\n\n" + render_breakdown(doc)
+
+
+RENDERERS = {"exec": render_exec, "exec_breakdown": render_exec_breakdown, "exec_breakdown_before": render_exec_breakdown, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
