@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Remote-exec benchmark (issue 2) on the embedded cluster.
 
-Measures, on cluster instance 4 (STARLING_INSTANCE=4, so it can run beside
-other clusters on this machine):
+Measures, on cluster instance 4 (or --instance N / STARLING_INSTANCE=N, so
+it can run beside other clusters on this machine):
 
 * `starling exec -- true`, cold (host, relay and client caches empty) and
   warm (median of --repeat runs), over
@@ -16,7 +16,19 @@ other clusters on this machine):
 * a parallel build of Lua 5.4 (tests/fixtures/fetch-lua.sh, 33 files)
   with `make -jN CC="starling exec --job NAME gcc"` on lan with 4 hosts,
   cold and warm, against the same `make -jN` done locally; the outputs are
-  checked byte-identical.
+  checked byte-identical;
+* issue 18: where one warm `exec -- true` and one warm tiny `gcc -c` spend
+  their time and CPU, stage by stage: the client's stages (the stats line
+  it writes to STARLING_STATS_FILE: setup = process start to launch, connect,
+  prepare = cache/profile loading and binding, launch, run_commit, learn),
+  the agent's (the `stages_ms` line it logs per task: view_mount, preload,
+  overlay, spawn, run, pumps, overlay_unmount, exit_scan, send; cleanup =
+  FUSE unmount and removal, after the reply), and the CPU of each process
+  (client rusage; head and agents from /proc/PID/stat, children included);
+* distcc beside it (Debian's `distcc`; `distccd` started in each host's
+  network namespace): the same tiny `gcc -c`, and the Lua build with
+  `make -jN CC='distcc gcc'`. Skipped (and said so) if distcc is not
+  installed: `apt-get install distcc`.
 
 The emulated hosts share this machine's cores, so a cluster build can't be
 faster than a local one here: the numbers show starling's overhead.
@@ -32,6 +44,7 @@ import hashlib
 import json
 import os
 import pathlib
+import resource
 import shutil
 import signal
 import statistics
@@ -49,6 +62,13 @@ OUT = ROOT / "bench/out"
 INSTANCE = os.environ.get("STARLING_INSTANCE", "4")
 RUN_DIR = pathlib.Path(f"/run/starling-{INSTANCE}")
 STATE_DIR = pathlib.Path(f"/var/lib/starling-{INSTANCE}")
+
+
+def set_instance(n):
+    global INSTANCE, RUN_DIR, STATE_DIR
+    INSTANCE = str(n)
+    RUN_DIR = pathlib.Path(f"/run/starling-{INSTANCE}")
+    STATE_DIR = pathlib.Path(f"/var/lib/starling-{INSTANCE}")
 MEASURE_TIMEOUT_S = 600
 LUA_MAKEFILE = ROOT / "tests/fixtures/lua/Makefile"
 # Link profiles by name. `lan` is the real thing (no relay in the path, no
@@ -269,13 +289,265 @@ def lua_build(jobs, hosts, work):
             for k, v in res.items()} | {"files": len(want), "identical": True}
 
 
+# ------------------------------------------------ issue 18: per-stage breakdown
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def proc_table():
+    """pid -> (ppid, utime+stime+cutime+cstime in s) of every live process."""
+    out = {}
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            f = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields after the comm: state ppid ... utime(12th) stime cutime cstime
+        out[int(d.name)] = (int(f[1]), sum(int(x) for x in f[11:15]) / CLK_TCK)
+    return out
+
+
+def tree_cpu(table, root):
+    """CPU of `root` and its live descendants (each with its reaped children)."""
+    kids = {}
+    for pid, (ppid, _) in table.items():
+        kids.setdefault(ppid, []).append(pid)
+    total, todo, seen = 0.0, [root], set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen or pid not in table:
+            continue
+        seen.add(pid)
+        total += table[pid][1]
+        todo.extend(kids.get(pid, []))
+    return total
+
+
+def cluster_cpu():
+    """CPU so far of the head and of each host's agent (its whole process tree)."""
+    st = json.loads((RUN_DIR / "cluster.json").read_text())
+    t = proc_table()
+    return {"head": tree_cpu(t, st["head_pid"]), **{h["name"]: tree_cpu(t, h["boot_pid"]) for h in st["hosts"]}}
+
+
+def host_ips():
+    st = json.loads((RUN_DIR / "cluster.json").read_text())
+    return [(h["name"], h["netns"], h["ip"]) for h in st["hosts"]]
+
+
+def log_sizes():
+    d = RUN_DIR / "logs"
+    return {p.name: p.stat().st_size for p in d.glob("*.log")}
+
+
+def new_agent_stages(since):
+    """The agents' per-task `stages_ms` and `cleanup_ms` lines logged after `since` (log sizes)."""
+    stages, cleanup = [], []
+    for p in (RUN_DIR / "logs").glob("*.log"):
+        with open(p, "rb") as f:
+            f.seek(since.get(p.name, 0))
+            text = f.read().decode(errors="replace")
+        for line in text.splitlines():
+            if " stages_ms: " in line or " stages_ms:" in line:
+                kv = line.split("stages_ms:", 1)[1].split()
+                stages.append({k: float(v) for k, v in (x.split("=") for x in kv)})
+            elif " cleanup_ms: " in line:
+                cleanup.append(float(line.split("cleanup_ms: ", 1)[1].split()[0]))
+    return stages, cleanup
+
+
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return round(statistics.median(xs), 3) if xs else None
+
+
+def run_batch(cmd, env, cwd, n, check_rc=0):
+    """Run `cmd` n times one after another; per-run wall and client stats,
+    the agents' stage lines, and CPU per run of client, head and agents."""
+    stats = pathlib.Path(tempfile.mktemp(prefix="starling-stats-", dir="/tmp"))
+    env = dict(env, STARLING_STATS_FILE=str(stats))
+    logs = log_sizes()
+    cpu0, ru0, t_start = cluster_cpu(), resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
+    walls = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        r = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, timeout=MEASURE_TIMEOUT_S)
+        walls.append(time.monotonic() - t0)
+        if r.returncode != check_rc:
+            raise RuntimeError(f"{cmd} exited {r.returncode}: {r.stderr.decode(errors='replace')[-2000:]}")
+    span = time.monotonic() - t_start
+    cpu1, ru1 = cluster_cpu(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    time.sleep(0.3)  # the agents log cleanup after replying
+    agent, cleanup = new_agent_stages(logs)
+    lines = [json.loads(l) for l in stats.read_text().splitlines()] if stats.exists() else []
+    stats.unlink(missing_ok=True)
+    client_cpu = ((ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)) / n
+    head_cpu = (cpu1["head"] - cpu0["head"]) / n
+    agents_cpu = sum(cpu1[h] - cpu0[h] for h in cpu1 if h != "head") / n
+    cstages = {}
+    for l in lines:
+        for k, v in (l.get("stages_ms") or {}).items():
+            cstages.setdefault(k, []).append(v)
+    astages = {}
+    for a in agent:
+        for k, v in a.items():
+            astages.setdefault(k, []).append(v)
+    return {
+        "runs": n,
+        "wall_ms": med([w * 1000 for w in walls]),
+        "wall_ms_all": [round(w * 1000, 2) for w in walls],
+        "client_stages_ms": {k: med(v) for k, v in cstages.items()},
+        "client_since_main_ms": med([l.get("since_main_ms") for l in lines]),
+        "client_cpu_ms_in_process": med([l.get("cpu_user_ms", 0) + l.get("cpu_sys_ms", 0) for l in lines]),
+        "agent_stages_ms": {k: med(v) for k, v in astages.items()},
+        "agent_cleanup_ms": med(cleanup),
+        # CPU per run, averaged over the batch (the /proc tick is 10 ms).
+        "cpu_ms": {"client": round(client_cpu * 1000, 2), "head": round(head_cpu * 1000, 2),
+                   "agents": round(agents_cpu * 1000, 2),
+                   "total": round((client_cpu + head_cpu + agents_cpu) * 1000, 2)},
+        "machine_busy_ms_per_run": None,
+        "span_s": round(span, 3),
+    }
+
+
+TINY_C = "int tiny(int x) { return x * 3 + 1; }\n"
+
+
+def breakdown(repeat, work):
+    """Warm `exec -- true` and a warm tiny `gcc -c`, stage by stage, on a warm lan cluster."""
+    cache = work / "cache-breakdown"
+    shutil.rmtree(cache, ignore_errors=True)
+    cluster_up("lan")
+    env = starling_env(cache)
+    d = work / "tiny"
+    d.mkdir(exist_ok=True)
+    (d / "tiny.c").write_text(TINY_C)
+    load0 = os.getloadavg()
+    out = {}
+    for name, cmd in (("exec_true", [STARLING, "exec", "--", "true"]),
+                      ("gcc_c", [STARLING, "exec", "--", "gcc", "-c", "tiny.c", "-o", "tiny.o"])):
+        run_batch(cmd, env, d, 3)  # warm the caches and profiles
+        out[name] = run_batch(cmd, env, d, repeat)
+    local = []
+    for _ in range(repeat):
+        t0 = time.monotonic()
+        subprocess.run(["gcc", "-c", "tiny.c", "-o", "tiny-local.o"], cwd=d, check=True)
+        local.append((time.monotonic() - t0) * 1000)
+    out["gcc_c_local_ms"] = med(local)
+    out["loadavg"] = [round(x, 2) for x in load0]
+    return out
+
+
+# ------------------------------------------------------------------ distcc
+
+def distcc_available():
+    return shutil.which("distcc") and shutil.which("distccd")
+
+
+def distccd_start(work):
+    """One distccd per host, in its network namespace, listening on its address."""
+    pids = []
+    for name, netns, ip in host_ips():
+        pidfile = work / f"distccd-{name}.pid"
+        r = sh("ip", "netns", "exec", netns, "distccd", "--daemon", "--user", "nobody", "--allow", "0.0.0.0/0",
+               "--listen", ip, "--pid-file", str(pidfile), "--log-file", str(work / f"distccd-{name}.log"),
+               "--jobs", "4", "--enable-tcp-insecure")
+        if r.returncode:
+            raise RuntimeError(f"distccd in {netns} failed: {r.stderr}")
+        pids.append(pidfile)
+    # wait until each listens
+    import socket
+    for name, _, ip in host_ips():
+        for _ in range(100):
+            try:
+                socket.create_connection((ip, 3632), timeout=0.5).close()
+                break
+            except OSError:
+                time.sleep(0.05)
+    return pids
+
+
+def distccd_stop(pidfiles):
+    for p in pidfiles:
+        try:
+            pid = int(p.read_text().strip())
+        except (OSError, ValueError):
+            continue
+        # distccd's parent process: its children die with it (SIGTERM to the group it leads).
+        try:
+            os.killpg(pid, signal.SIGTERM)
+        except OSError:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+
+
+def distcc_rows(repeat, jobs, work):
+    """The tiny `gcc -c` and the warm Lua build through distcc on the running cluster's hosts."""
+    if not distcc_available():
+        return {"skipped": "distcc is not installed (apt-get install distcc)"}
+    pidfiles = distccd_start(work)
+    try:
+        (work / "distcc-dir").mkdir(exist_ok=True)
+        env = dict(os.environ, DISTCC_HOSTS=" ".join(f"{ip}/4" for _, _, ip in host_ips()),
+                   DISTCC_DIR=str(work / "distcc-dir"), DISTCC_FALLBACK="0")
+        d = work / "tiny"
+        d.mkdir(exist_ok=True)
+        (d / "tiny.c").write_text(TINY_C)
+        walls = []
+        for i in range(repeat + 2):
+            t0 = time.monotonic()
+            r = subprocess.run(["distcc", "gcc", "-c", "tiny.c", "-o", "tiny-distcc.o"], cwd=d, env=env,
+                               capture_output=True, text=True)
+            if r.returncode:
+                raise RuntimeError(f"distcc gcc -c failed: {r.stderr}")
+            if i >= 2:
+                walls.append((time.monotonic() - t0) * 1000)
+        src = lua_sources()
+        lua = work / "lua-distcc"
+        shutil.rmtree(lua, ignore_errors=True)
+        shutil.copytree(src, lua)
+        local = work / "build-local-d"
+        clean_build_dir(local)
+        subprocess.run(lua_make_cmd(lua, jobs, "gcc"), shell=True, cwd=local, check=True, capture_output=True)
+        want = tree_digest(local)
+        builds = []
+        for name in ("first", "warm"):
+            b = work / f"build-distcc-{name}"
+            clean_build_dir(b)
+            t0 = time.monotonic()
+            r = subprocess.run(lua_make_cmd(lua, jobs, "distcc gcc"), shell=True, cwd=b, env=env,
+                               capture_output=True, text=True)
+            builds.append(time.monotonic() - t0)
+            if r.returncode:
+                raise RuntimeError(f"distcc Lua build failed: {r.stderr[-2000:]}")
+            if tree_digest(b) != want:
+                raise RuntimeError("distcc Lua build differs from the local build")
+        return {"gcc_c_ms": med(walls), "gcc_c_ms_all": [round(w, 2) for w in walls],
+                "lua_build_s": round(builds[1], 3), "lua_build_first_s": round(builds[0], 3), "identical": True,
+                "loadavg": [round(x, 2) for x in os.getloadavg()]}
+    finally:
+        distccd_stop(pidfiles)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeat", type=int, default=5, help="warm `exec -- true` runs (median reported)")
     ap.add_argument("--jobs", type=int, default=8, help="make -jN for the Lua build")
     ap.add_argument("--hosts", type=int, default=4)
-    ap.add_argument("--keep", action="store_true", help="leave instance 4 up")
+    ap.add_argument("--keep", action="store_true", help="leave the cluster instance up")
+    ap.add_argument("--instance", help="cluster instance to use [default: $STARLING_INSTANCE or 4]")
+    ap.add_argument("--breakdown-repeat", type=int, default=20,
+                    help="runs of each command in the per-stage breakdown (CPU is averaged over them)")
+    ap.add_argument("--only", choices=["breakdown"],
+                    help="run only the per-stage breakdown (and distcc's tiny gcc -c); "
+                         "writes bench/out/exec_breakdown.json (table exec_breakdown)")
     a = ap.parse_args()
+    if a.instance:
+        set_instance(a.instance)
     if os.geteuid() != 0:
         sys.exit("exec_bench: the embedded cluster needs root")
     if not os.path.exists(STARLING):
@@ -285,6 +557,16 @@ def main():
     work = pathlib.Path(tempfile.mkdtemp(prefix="starling-exec-bench-", dir="/var/tmp"))
     snapshot_binary(work)
     try:
+        if a.only == "breakdown":
+            bd = breakdown(a.breakdown_repeat, work)
+            print(json.dumps(bd, indent=1), flush=True)
+            bd["distcc"] = distcc_rows(a.breakdown_repeat, a.jobs, work)
+            from tables import render_breakdown
+            print(render_breakdown(bd))
+            (OUT / "exec_breakdown.json").write_text(json.dumps({"provenance": ran_on, **bd}, indent=2) + "\n")
+            return
+        bd = breakdown(a.breakdown_repeat, work)
+        bd["distcc"] = distcc_rows(a.breakdown_repeat, a.jobs, work)
         true_rows = {link: exec_true(link, a.repeat, work) for link in ("lan", "coffee-shop")}
         build = lua_build(a.jobs, a.hosts, work)
     finally:
@@ -306,8 +588,11 @@ def main():
         x = build[k]
         rts = f"{x['rt_per_launch_mean']:.2f}" if x.get("rt_per_launch_mean") else "-"
         print(f"{k:<8} {x['wall_s']:>7.2f} {x['launches'] or '-':>8} {rts:>10}")
+    print()
+    from tables import render_breakdown
+    print(render_breakdown(bd))
     doc = {"provenance": ran_on, "instance": INSTANCE, "hosts": a.hosts, "repeat": a.repeat, "jobs": a.jobs, "exec_true": true_rows,
-           "lua_build": build, "note": "emulated hosts share this machine's cores; lan = no link relay (no byte counters)"}
+           "lua_build": build, "breakdown": bd, "note": "emulated hosts share this machine's cores; lan = no link relay (no byte counters)"}
     (OUT / "exec.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {OUT / 'exec.json'} (python3 bench/tables.py puts it into bench/README.md)")
     try:

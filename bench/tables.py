@@ -85,7 +85,59 @@ def render_exec(doc):
         x = b[k]
         rts = f"{x['rt_per_launch_mean']:.2f}" if x.get("rt_per_launch_mean") else "-"
         rows.append([k, f"{x['wall_s']:.2f}", x["launches"] or "-", rts])
+    dc = (doc.get("breakdown") or {}).get("distcc") or {}
+    if dc.get("lua_build_s") is not None:
+        rows.append(["distcc, warm", f"{dc['lua_build_s']:.2f}", "-", "-"])
     out.append(table(["build", "wall s", "launches", "RTs/launch"], rows))
+    if doc.get("breakdown"):
+        out += ["", render_breakdown(doc["breakdown"])]
+    return "\n".join(out)
+
+
+CLIENT_STAGES = [("setup", "main() to launch start: config, head address, argv/env capture, runtime"),
+                 ("connect", "TCP + hello to the head"),
+                 ("prepare", "profile, job record and shadow index loaded; paths bound; push planned"),
+                 ("launch", "Launch sent until the head says where it started"),
+                 ("run_commit", "until Finished arrived and its changes were committed here"),
+                 ("learn", "profile and shadow index saved")]
+AGENT_STAGES = [("view_mount", "FUSE view mounted (its request threads started)"),
+                ("preload", "prethrown bindings and listings loaded into it"),
+                ("overlay", "overlayfs mounted over it"),
+                ("spawn", "sandbox init forked and exec'd"),
+                ("pumps_start", "stdin/stdout/stderr pumps started"),
+                ("run", "namespaces, mounts, the program, until its exit"),
+                ("pumps_join", "output pumps drained"),
+                ("view_stats", "bindings and accessed paths taken from the view"),
+                ("exit_scan", "upper dir scanned and chunked into changes"),
+                ("send", "Finished queued to the head"),
+                ("overlay_unmount", "overlay unmounted (before exit_scan until issue 18; now after send)")]
+
+
+def render_breakdown(bd):
+    """Issue 18: one warm `exec -- true` and one warm tiny `gcc -c`, stage by stage (medians)."""
+    a, b = bd["exec_true"], bd["gcc_c"]
+    rows = []
+    for k, what in CLIENT_STAGES:
+        rows.append(["client", k, what, dash(a["client_stages_ms"].get(k), "{:.2f}"), dash(b["client_stages_ms"].get(k), "{:.2f}")])
+    proc = [None if x["client_since_main_ms"] is None else x["wall_ms"] - x["client_since_main_ms"] for x in (a, b)]
+    rows.append(["client", "process", "exec of the binary before main() and exit after the stats line",
+                 dash(proc[0], "{:.2f}"), dash(proc[1], "{:.2f}")])
+    for k, what in AGENT_STAGES:
+        rows.append(["agent", k, what, dash(a["agent_stages_ms"].get(k), "{:.2f}"), dash(b["agent_stages_ms"].get(k), "{:.2f}")])
+    rows.append(["agent", "cleanup", "after the reply: FUSE view unmounted, task dir removed",
+                 dash(a.get("agent_cleanup_ms"), "{:.2f}"), dash(b.get("agent_cleanup_ms"), "{:.2f}")])
+    rows.append(["**all**", "**wall**", "median of the runs", f"**{a['wall_ms']:.1f}**", f"**{b['wall_ms']:.1f}**"])
+    for k, what in (("client", "the starling process (rusage)"), ("head", "head process"),
+                    ("agents", "agents and their sandboxes (/proc, children included)"), ("total", "machine CPU per run")):
+        rows.append(["CPU", k, what, f"{a['cpu_ms'][k]:.1f}", f"{b['cpu_ms'][k]:.1f}"])
+    out = [f"Where a warm launch goes (issue 18), lan, {a['runs']} runs each (median wall per stage; CPU averaged "
+           f"over the runs; load average at the start {bd.get('loadavg')}, the machine is shared):", "",
+           table(["where", "stage", "what", "`exec -- true` ms", "tiny `gcc -c` ms"], rows, list("lllrr"))]
+    dc = bd.get("distcc") or {}
+    distcc = f"{dc['gcc_c_ms']:.1f} ms" if dc.get("gcc_c_ms") is not None else dc.get("skipped", "not measured")
+    out += ["", f"Tiny `gcc -c`: local {dash(bd.get('gcc_c_local_ms'), '{:.1f}')} ms, distcc {distcc}, "
+                f"starling {b['wall_ms']:.1f} ms. Targets: `exec -- true` ≤ 8 ms wall and ≤ 5 ms CPU "
+                f"(now {a['wall_ms']:.1f} ms, {a['cpu_ms']['total']:.1f} ms); tiny `gcc -c` ≤ distcc."]
     return "\n".join(out)
 
 
@@ -295,7 +347,12 @@ def render_predict(doc):
     return "\n".join(out)
 
 
-RENDERERS = {"predict": render_predict, "exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
+def render_exec_breakdown(doc):
+    return provenance_line(doc) + "\n\n" + render_breakdown(doc)
+
+
+RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": render_exec_breakdown, "exec_breakdown_before": render_exec_breakdown,
+             "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)

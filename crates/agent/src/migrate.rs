@@ -570,7 +570,7 @@ fn restore_here(
         // stayed with the host it was cloned on).
         let _ = tx.blocking_send(Msg::CloneStats { task, clone_id: c.clone_id, status: Some(status), counters: Default::default() });
     }
-    end_task(agent, task, tx, &life, &live, overlay, status).map_err(|e| (e, true))
+    end_task(agent, task, tx, &life, &live, overlay, status, None).map_err(|e| (e, true))
 }
 
 /// Write a moved task's files through its new overlay, so that its upper

@@ -44,9 +44,11 @@ pub(crate) async fn supervise(
         log::warn!("task {task}: {message}");
         let _ = tx.send(Msg::Error { task: Some(task), message: format!("host {}: {message}", agent.cfg.name) }).await;
     }
+    let t = Instant::now();
     agent.tasks.lock().unwrap().remove(&task);
     let _ = std::fs::remove_dir_all(&dir);
     agent.running.fetch_sub(1, Ordering::Relaxed);
+    log::info!("task {task} cleanup_ms: {:.3}", t.elapsed().as_secs_f64() * 1000.0);
 }
 
 /// The running task's end of its `TaskCtl`: stdin from the head, where its
@@ -132,6 +134,7 @@ pub(crate) fn stdio_pipes() -> Result<Stdio> {
 
 fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing, dir: &Path, port: TaskPort) -> Result<()> {
     let TaskPort { stdin: stdin_rx, pid, pending_signal, life } = port;
+    let mut stages = Stages::start();
     if agent.cfg.rootless && spec.clone.is_some() {
         return Err(AgentError::RootlessClone);
     }
@@ -147,9 +150,12 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         ..Default::default()
     };
     let view = Arc::new(starling_view::mount_with(source, &view_dir, options).map_err(io_step(Step::MountView))?);
+    stages.stamp("view_mount");
     view.preload(spec.prethrow.clone());
     view.preload_listings(spec.listings.clone());
+    stages.stamp("preload");
     let overlay = starling_view::Overlay::mount(&view_dir, dir).map_err(io_step(Step::MountOverlay))?;
+    stages.stamp("overlay");
 
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
@@ -175,6 +181,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         }
     };
     let mut child = child.map_err(io_step(Step::StartSandbox))?;
+    stages.stamp("spawn");
     pid.store(child.pid(), Ordering::SeqCst);
     // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.
     let early = pending_signal.load(Ordering::SeqCst);
@@ -218,12 +225,37 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         materialize: clone_run.as_ref().and_then(|r| r.materialize.clone()),
     });
     *life.live.lock().unwrap() = Some(live.clone());
+    stages.stamp("pumps_start");
     let status = child.wait().map_err(io_step(Step::WaitTask))?;
+    stages.stamp("run");
     pid.store(0, Ordering::SeqCst);
     if let Some(run) = clone_run {
         run.finish(task, tx, life.moved.load(Ordering::SeqCst));
     }
-    end_task(agent, task, tx, &life, &live, overlay, status)
+    end_task(agent, task, tx, &life, &live, overlay, status, Some(stages))
+}
+
+/// Wall time of each stage of a task here, logged when it ends (`bench/exec_bench.py` reads it).
+pub(crate) struct Stages {
+    last: Instant,
+    done: Vec<(&'static str, std::time::Duration)>,
+}
+
+impl Stages {
+    pub(crate) fn start() -> Self {
+        Stages { last: Instant::now(), done: Vec::new() }
+    }
+
+    /// The stage `name` ends now.
+    pub(crate) fn stamp(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.done.push((name, now - self.last));
+        self.last = now;
+    }
+
+    fn line(&self) -> String {
+        self.done.iter().map(|(k, d)| format!(" {k}={:.3}", d.as_secs_f64() * 1000.0)).collect()
+    }
 }
 
 /// How the task's sandbox is set up from its spec (in the agent's guest cgroup).
@@ -250,6 +282,7 @@ pub(crate) fn sandbox_spec(agent: &Agent, spec: &TaskSpec, root: &Path) -> starl
 /// After the task's processes ended here: its output is sent, its changes
 /// go to the client with `Finished` — unless it moved away (its end is
 /// another host's to report) or was lost.
+#[allow(clippy::too_many_arguments)] // one call site per way a task ends here; a struct would only rename them
 pub(crate) fn end_task(
     agent: &Arc<Agent>,
     task: TaskId,
@@ -258,10 +291,17 @@ pub(crate) fn end_task(
     live: &LiveTask,
     overlay: starling_view::Overlay,
     status: ExitStatus,
+    mut stages: Option<Stages>,
 ) -> Result<()> {
+    let mut stamp = |name| {
+        if let Some(s) = stages.as_mut() {
+            s.stamp(name);
+        }
+    };
     for pump in std::mem::take(&mut *live.outputs.lock().unwrap()) {
         pump.join();
     }
+    stamp("pumps_join");
     if life.moved.load(Ordering::SeqCst) {
         log::info!("task {task} moved away; nothing of it is left here");
         overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
@@ -277,10 +317,31 @@ pub(crate) fn end_task(
     let stats = live.view.stats();
     let mut accessed = live.earlier_accessed.clone();
     accessed.extend(live.view.accessed_paths());
-    overlay.unmount().map_err(io_step(Step::UnmountOverlay))?;
-    let changes = collect_changes(task, &live.dir.join("upper"), &bindings, &agent.cfg, tx)?;
+    stamp("view_stats");
+    // The upper dir is read while the overlay is still mounted: every process
+    // of the sandbox is gone (its PID namespace ended with the outer init), so
+    // nothing writes through the overlay any more, and reading the upper dir
+    // directly is allowed. The unmount then happens after the reply, off the
+    // task's critical path.
+    let changes = match collect_changes(task, &live.dir.join("upper"), &bindings, &agent.cfg, tx) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = overlay.unmount();
+            return Err(e);
+        }
+    };
+    stamp("exit_scan");
     log::info!("task {task} ended {status:?}: {} change(s); view {:?}", changes.len(), stats);
-    tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost)?;
+    let sent = tx.blocking_send(Msg::Finished { task, status, changes, accessed }).map_err(|_| AgentError::HeadLost);
+    stamp("send");
+    if let Err(e) = overlay.unmount() {
+        log::warn!("task {task}: unmounting its overlay: {e}");
+    }
+    stamp("overlay_unmount");
+    sent?;
+    if let Some(s) = &stages {
+        log::info!("task {task} stages_ms:{}", s.line());
+    }
     Ok(())
 }
 

@@ -429,7 +429,11 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
 }
 
+/// When `main` began: the client's per-stage times count from here.
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
 fn main() {
+    STARTED.get_or_init(std::time::Instant::now);
     // Behave like other Unix tools when our output pipe closes (`starling status | head`):
     // die quietly of SIGPIPE. `exec` handles EPIPE itself.
     // SAFETY: restoring the default disposition of a signal touches no memory.
@@ -482,7 +486,7 @@ fn client_context(cfg: &Config, cluster: Option<String>) -> Result<Context> {
         settings.cluster = cluster;
     }
     let target = Target::resolve(&settings, cfg.instance)?;
-    Ok(Context { target, settings })
+    Ok(Context { target, settings, started: *STARTED.get_or_init(std::time::Instant::now) })
 }
 
 fn run(cli: Cli) -> Result<i32> {

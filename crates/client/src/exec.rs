@@ -92,8 +92,12 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
     let mut sigs = forwarded_signals()?;
     let t0 = std::time::Instant::now();
+    let mut stages = launch::Stages::default();
+    stages.stamp("setup", ctx.started, t0);
     let session = ctx.session().await?;
+    let mut t = stages.stamp("connect", t0, std::time::Instant::now());
     let (spec, mut prediction) = launch::prepare(ctx, &session, spec, opts.job.as_ref().map(|_| "job")).await?;
+    t = stages.stamp("prepare", t, std::time::Instant::now());
     let launch = session.launch(spec);
     tokio::pin!(launch);
     let mut handle = tokio::select! {
@@ -101,6 +105,7 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
         // Not started yet: nothing remote to stop.
         Some(no) = sigs.recv() => return Ok(128 + no),
     };
+    t = stages.stamp("launch", t, std::time::Instant::now());
     log::info!("task {} started on {}", handle.task, handle.host);
     if handle.job_fresh {
         if let Some(j) = prediction.as_mut().and_then(|p| p.job.as_mut()) {
@@ -147,10 +152,12 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
                 }
             }
             Some(TaskEvent::Finished { status, commit, accessed }) => {
+                t = stages.stamp("run_commit", t, std::time::Instant::now());
                 if let Some(p) = prediction.as_mut() {
                     p.finish(session.files(), &accessed);
                 }
-                launch::write_stats(ctx, session.files(), prediction.as_ref(), 1, t0.elapsed());
+                stages.stamp("learn", t, std::time::Instant::now());
+                launch::write_stats(ctx, session.files(), prediction.as_ref(), 1, t0.elapsed(), Some(&stages));
                 if !report_commit(&commit) {
                     return Ok(EXIT_STARLING_FAILURE);
                 }

@@ -111,7 +111,7 @@ pub async fn run(ctx: &Context, base: TaskSpec, argvs: Vec<Option<Vec<Vec<u8>>>>
         let accessed: Vec<WirePath> = std::mem::take(&mut view.accessed).into_iter().collect();
         p.finish(session.files(), &accessed);
     }
-    launch::write_stats(ctx, session.files(), prediction.as_ref(), n, view.t0.elapsed());
+    launch::write_stats(ctx, session.files(), prediction.as_ref(), n, view.t0.elapsed(), None);
     view.summary();
     Ok(view.exit_status())
 }

@@ -57,13 +57,49 @@ impl Prediction {
     }
 }
 
+/// Wall time of each stage of one launch, in order (for `client.stats_file`).
+#[derive(Default, Debug)]
+pub struct Stages(Vec<(&'static str, std::time::Duration)>);
+
+impl Stages {
+    /// Record stage `name` as lasting from `from` to `to`; returns `to`.
+    pub fn stamp(&mut self, name: &'static str, from: std::time::Instant, to: std::time::Instant) -> std::time::Instant {
+        self.0.push((name, to.saturating_duration_since(from)));
+        to
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        self.0.iter().map(|(k, d)| ((*k).to_string(), serde_json::json!(d.as_secs_f64() * 1000.0))).collect::<serde_json::Map<_, _>>().into()
+    }
+}
+
+/// CPU this process used so far: (user, system) in ms.
+fn own_cpu_ms() -> (f64, f64) {
+    // SAFETY: getrusage writes one rusage struct into memory we own.
+    let ru = unsafe {
+        let mut ru = std::mem::zeroed::<libc::rusage>();
+        libc::getrusage(libc::RUSAGE_SELF, &raw mut ru);
+        ru
+    };
+    let ms = |t: libc::timeval| t.tv_sec as f64 * 1000.0 + t.tv_usec as f64 / 1000.0;
+    (ms(ru.ru_utime), ms(ru.ru_stime))
+}
+
 /// With `client.stats_file` set, append one JSON line per launch: what
 /// the client had to answer while the task ran (each request is a round
 /// trip on the critical path), what it pushed, and how long it took. For
 /// benchmarks.
-pub fn write_stats(ctx: &Context, files: &FileServer, prediction: Option<&Prediction>, tasks: usize, wall: std::time::Duration) {
+pub fn write_stats(
+    ctx: &Context,
+    files: &FileServer,
+    prediction: Option<&Prediction>,
+    tasks: usize,
+    wall: std::time::Duration,
+    stages: Option<&Stages>,
+) {
     let Some(path) = &ctx.settings.stats_file else { return };
     let st = files.stats();
+    let (cpu_user_ms, cpu_sys_ms) = own_cpu_ms();
     let line = serde_json::json!({
         "tasks": tasks,
         "wall_s": wall.as_secs_f64(),
@@ -76,6 +112,10 @@ pub fn write_stats(ctx: &Context, files: &FileServer, prediction: Option<&Predic
         "prethrow_bytes": prediction.map_or(0, |p| p.prethrow_bytes),
         "job_predicted": prediction.map_or(0, |p| p.job_predicted),
         "push_held_skipped": prediction.map_or(0, |p| p.held_skipped),
+        "stages_ms": stages.map(Stages::to_json),
+        "since_main_ms": ctx.started.elapsed().as_secs_f64() * 1000.0,
+        "cpu_user_ms": cpu_user_ms,
+        "cpu_sys_ms": cpu_sys_ms,
     });
     // One write(2) per line: concurrent clients (make -j) append to the same
     // file, and O_APPEND keeps whole writes apart but not the many small

@@ -42,6 +42,8 @@ pub type Result<T, E = ClientError> = std::result::Result<T, E>;
 pub struct Context {
     pub target: Target,
     pub settings: ClientSettings,
+    /// When the command started (for the per-stage times of `client.stats_file`).
+    pub started: std::time::Instant,
 }
 
 impl Context {
