@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (exec, ucop, fork, mcdist, migrate, executor). Each starts with what the run was made on: the
+the renderers below (exec, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -256,9 +256,42 @@ def render_linger(doc):
     return provenance_line(doc) + "\n\n" + note + "\n\n" + table(head, rows)
 
 
+def render_linger_sim(doc):
+    seed_pol = doc["seed_policies"]
+    out = [provenance_line(doc), "",
+           f"Simulated: {doc['nodes']} nodes, synthetic trace (seed {doc['seed']}: idle "
+           f"{doc['trace']['idle_fraction'] * 100:.1f}% of the time; CPU < 10% {doc['trace']['util_lt_10'] * 100:.1f}%, "
+           f"10–80% {doc['trace']['util_10_80'] * 100:.1f}%, ≥ 80% {doc['trace']['util_ge_80'] * 100:.1f}%), "
+           f"T_migr {doc['t_migr_s']:.1f} s, PM pause {doc['pm_pause_s']:.0f} s, context switch "
+           f"{doc['cs_s'] * 1e6:.0f} µs; simulated in {doc['runtime_s']:.1f} s. \"seed\" = the dissertation's Table 1. "
+           "Throughput = guest CPU-s per second (of 64 nodes) over one hour with the job count held constant."]
+    names = {"workload1": "Workload-1 (128 jobs × 600 CPU-s)", "workload2": "Workload-2 (16 jobs × 1800 CPU-s)"}
+    for wl, rows in doc["results"].items():
+        seed = doc["seed_table1"][wl]
+        trs = []
+        for p, r in rows.items():
+            k = seed_pol.index(p) if p in seed_pol else None
+            sv = (lambda m, f: f.format(seed[m][k]) if k is not None else "-")
+            trs.append([p, f"{r['avg_job_time_s']:.0f}", sv("avg_job_time_s", "{}"),
+                        f"{r['variation_pct']:.1f}%", sv("variation_pct", "{}%"),
+                        f"{r['family_time_s']:.0f}", sv("family_time_s", "{}"),
+                        f"{r['throughput']:.1f}", sv("throughput", "{}"),
+                        r["migrations"], r["restarts"], f"{r['linger_share_pct']:.0f}%", f"{r['owner_delay_pct']:.2f}%"])
+        out += ["", names.get(wl, wl) + ":", "",
+                table(["policy", "avg job s", "seed", "variation", "seed", "family s", "seed", "throughput", "seed",
+                       "migrations", "restarts", "CPU lingering", "owner delay"], trs)]
+    v = doc["verdicts"]
+    met = lambda k: "met" if v.get(k) else "NOT met"
+    out += ["", f"* Workload-1: min(LL, LF) ÷ max(IE, PM) throughput = {doc['w1_throughput_ratio']:.2f} "
+                f"(target ≥ 1.5: {met('w1_linger_ge_1_5x_evict')}; the seed's: {52.2 / 34.6:.2f})",
+            f"* Workload-2: LL/LF/IE throughput max ÷ min = {doc['w2_throughput_spread']:.3f} (tie within 5%: "
+            f"{met('w2_ll_lf_ie_tie_within_5pct')}; the seed's all-four spread: {15.0 / 14.5:.3f})"]
+    return "\n".join(out)
+
 
 RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
-             "slurm": render_slurm, "executor": render_executor, "linger": render_linger}
+             "slurm": render_slurm, "executor": render_executor, "linger": render_linger,
+             "linger_sim": render_linger_sim}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
