@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (exec, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim). Each starts with what the run was made on: the
+the renderers below (exec, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -289,9 +289,28 @@ def render_linger_sim(doc):
     return "\n".join(out)
 
 
+def render_linger_policy(doc):
+    rows = []
+    for r in doc["rows"]:
+        rows.append([r["policy"], f"{r['makespan_s']:.1f}", dash(r.get("mean_job_s"), "{:.1f}"),
+                     f"{r['throughput_steps_per_s']:.2f}", r["moves"], r["reruns"],
+                     dash(r.get("owner_delay_pct"), "{:+.1f}%"), f"{r['outputs_ok']}/{doc['jobs']}", r["exit"]])
+    note = (f"{doc['hosts']} emulated hosts; {doc['jobs']} guest jobs of {doc['steps']} steps (0.25 s sleep + a short "
+            f"loop each); owners' keyboard episodes from linger_sim's synthetic trace (seed {doc['seed']}) compressed "
+            f"{doc['compress']:.0f}× (owners active {doc['owner_active_share'] * 100:.0f}% of the replayed time); "
+            f"PM pause {doc['pm_pause_s']} s. Owner delay: a fixed owner CPU probe during the run against alone "
+            "(the machine's other load moves it by more than the guests do).")
+    ratio = doc.get("ll_ie_ratio")
+    tail = f"\n\n* LL ÷ IE throughput = {ratio:.2f} (issue target ≥ 1.6)" if ratio else ""
+    return (provenance_line(doc) + "\n\n" + note + "\n\n" +
+            table(["policy", "makespan s", "mean job s", "steps/s", "moves", "IE reruns", "owner delay", "outputs ok",
+                   "exit"], rows) + tail)
+
+
 RENDERERS = {"exec": render_exec, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger,
-             "linger_sim": render_linger_sim}
+             "linger_sim": render_linger_sim,
+             "linger_policy": render_linger_policy}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
