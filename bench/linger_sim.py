@@ -176,9 +176,9 @@ def lognormal(rng, mean, sigma=1.0):
     return rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)
 
 
-def node_trace(rng, windows):
+def node_trace(rng, windows, episode_mean=EPISODE_MEAN_S):
     """[(level, idle)] per 2 s window for one node (see the module docstring)."""
-    idle_mean = EPISODE_MEAN_S * IDLE_FRACTION / (1 - IDLE_FRACTION)
+    idle_mean = episode_mean * IDLE_FRACTION / (1 - IDLE_FRACTION)
     out = []
     state_idle = rng.random() < IDLE_FRACTION
     first = True
@@ -195,7 +195,7 @@ def node_trace(rng, windows):
                 seg -= 1
                 out.append((lv, True))
         else:
-            total = max(RECRUIT_S, lognormal(rng, EPISODE_MEAN_S))
+            total = max(RECRUIT_S, lognormal(rng, episode_mean))
             if first:
                 total = max(RECRUIT_S, total * rng.random())
             busy = round((total - RECRUIT_S) / WINDOW)
@@ -222,11 +222,11 @@ class Cluster:
     """The owners' side, shared by every policy: per node and window the trace level, the idle flag
     and the fine-grained outcome (guest CPU available, owner CPU, context switches)."""
 
-    def __init__(self, seed=1, nodes=64, windows=3600, traces=None, cs=CS):
+    def __init__(self, seed=1, nodes=64, windows=3600, traces=None, cs=CS, episode_mean=EPISODE_MEAN_S):
         rng = random.Random(seed)
         pools = burst_pools(random.Random(seed * 7919 + 1), cs)
         self.nodes = nodes
-        self.traces = traces if traces is not None else [node_trace(rng, windows) for _ in range(nodes)]
+        self.traces = traces if traces is not None else [node_trace(rng, windows, episode_mean) for _ in range(nodes)]
         self.windows = min(len(t) for t in self.traces)
         self.level, self.idle, self.guest, self.owner, self.switches = [], [], [], [], []
         for tr in self.traces:
@@ -395,12 +395,12 @@ def simulate(cluster, policy, jobs, work, constant=False, horizon_s=None, tm=Non
     return res
 
 
-def run_all(seed=1, nodes=64, hour_s=3600.0):
-    cluster = Cluster(seed=seed, nodes=nodes, windows=int(3 * hour_s / WINDOW))
+def run_all(seed=1, nodes=64, hour_s=3600.0, episode_mean=EPISODE_MEAN_S, policies=POLICIES):
+    cluster = Cluster(seed=seed, nodes=nodes, windows=int(3 * hour_s / WINDOW), episode_mean=episode_mean)
     out = {}
     for wl, (jobs, work) in WORKLOADS.items():
         rows = {}
-        for p in POLICIES:
+        for p in policies:
             fin = simulate(cluster, p, jobs, work)
             thr = simulate(cluster, p, jobs, work, constant=True, horizon_s=hour_s)
             rows[p] = {k: fin.get(k) for k in ("avg_job_time_s", "variation_pct", "family_time_s", "migrations",
@@ -410,6 +410,26 @@ def run_all(seed=1, nodes=64, hour_s=3600.0):
             rows[p]["owner_delay_pct"] = thr["owner_delay_pct"]
         out[wl] = rows
     return cluster, out
+
+
+def verdicts_of(res):
+    w1, w2 = res["workload1"], res["workload2"]
+    ratio = min(w1["LL"]["throughput"], w1["LF"]["throughput"]) / max(w1["IE"]["throughput"], w1["PM"]["throughput"])
+    tie = ("LL", "LF", "IE")  # PM idles through its 10-min pauses even when idle nodes are free
+    spread2 = max(w2[p]["throughput"] for p in tie) / min(w2[p]["throughput"] for p in tie)
+    return ratio, spread2
+
+
+def sensitivity(nodes):
+    """Workload-1 ratio and Workload-2 spread for other seeds and episode lengths (assumptions)."""
+    out = []
+    for seed, ep in [(2, EPISODE_MEAN_S), (3, EPISODE_MEAN_S), (1, 600.0), (1, 3600.0)]:
+        c, res = run_all(seed, nodes, episode_mean=ep, policies=SEED_POLICIES)
+        ratio, spread2 = verdicts_of(res)
+        out.append({"seed": seed, "episode_mean_s": ep, "idle_fraction": c.stats()["idle_fraction"],
+                    "w1_throughput": {p: round(r["throughput"], 1) for p, r in res["workload1"].items()},
+                    "w1_ratio": ratio, "w2_spread": spread2})
+    return out
 
 
 def main():
@@ -431,22 +451,23 @@ def main():
             print(f"{p:<11}{r['avg_job_time_s']:>10.0f}{r['variation_pct']:>7.1f}{r['family_time_s']:>10.0f}"
                   f"{r['throughput']:>9.1f}{r['migrations']:>6}{r['restarts']:>8}{r['linger_share_pct']:>9.1f}"
                   f"{r['owner_delay_pct']:>12.2f}")
-    w1 = res["workload1"]
-    w2 = res["workload2"]
-    ratio = min(w1["LL"]["throughput"], w1["LF"]["throughput"]) / max(w1["IE"]["throughput"], w1["PM"]["throughput"])
-    tie = ("LL", "LF", "IE")  # PM idles through its 10-min pauses even when idle nodes are free
-    spread2 = max(w2[p]["throughput"] for p in tie) / min(w2[p]["throughput"] for p in tie)
+    ratio, spread2 = verdicts_of(res)
     verdicts = {"w1_linger_ge_1_5x_evict": ratio >= 1.5, "w2_ll_lf_ie_tie_within_5pct": spread2 <= 1.05}
     print(f"\nWorkload-1 min(LL,LF) / max(IE,PM) throughput = {ratio:.2f} (target >= 1.5: "
           f"{'met' if verdicts['w1_linger_ge_1_5x_evict'] else 'NOT met'}); Workload-2 LL/LF/IE max/min = {spread2:.3f} "
           f"(tie within 5%: {'met' if verdicts['w2_ll_lf_ie_tie_within_5pct'] else 'NOT met'})")
+    sens = sensitivity(a.nodes)
+    for x in sens:
+        print(f"sensitivity: seed {x['seed']}, episodes {x['episode_mean_s']:.0f} s, idle {x['idle_fraction']:.3f}: "
+              f"W1 ratio {x['w1_ratio']:.2f}, W2 spread {x['w2_spread']:.3f}, W1 throughput {x['w1_throughput']}")
+    took = time.time() - t0
     if a.no_json:
         return
     from provenance import provenance
     doc = {"bench": "linger_sim", "seed": a.seed, "nodes": a.nodes, "t_migr_s": t_migr(), "pm_pause_s": PM_PAUSE_S,
            "cs_s": CS, "trace": cluster.stats(), "results": res, "seed_table1": SEED_TABLE1,
            "seed_policies": SEED_POLICIES, "w1_throughput_ratio": ratio, "w2_throughput_spread": spread2,
-           "verdicts": verdicts, "runtime_s": took, "provenance": provenance()}
+           "verdicts": verdicts, "sensitivity": sens, "runtime_s": took, "provenance": provenance()}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "linger_sim.json").write_text(json.dumps(doc, indent=2) + "\n")
     print("wrote", OUT / "linger_sim.json")

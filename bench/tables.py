@@ -286,6 +286,14 @@ def render_linger_sim(doc):
                 f"(target ≥ 1.5: {met('w1_linger_ge_1_5x_evict')}; the seed's: {52.2 / 34.6:.2f})",
             f"* Workload-2: LL/LF/IE throughput max ÷ min = {doc['w2_throughput_spread']:.3f} (tie within 5%: "
             f"{met('w2_ll_lf_ie_tie_within_5pct')}; the seed's all-four spread: {15.0 / 14.5:.3f})"]
+    sens = doc.get("sensitivity") or []
+    if sens:
+        rows = [[x["seed"], f"{x['episode_mean_s'] / 60:.0f}", f"{x['idle_fraction'] * 100:.1f}%"] +
+                [f"{x['w1_throughput'][p]:.1f}" for p in seed_pol] + [f"{x['w1_ratio']:.2f}", f"{x['w2_spread']:.3f}"]
+                for x in sens]
+        out += ["", "The same with other trace seeds and non-idle episode means (the trace's assumptions):", "",
+                table(["seed", "episode mean min", "idle"] + [f"W-1 {p}" for p in seed_pol] +
+                      ["W-1 ratio", "W-2 LL/LF/IE spread"], rows)]
     return "\n".join(out)
 
 
