@@ -54,6 +54,7 @@ bench: build
 	$(PYTHON) bench/migrate_bench.py
 	$(PYTHON) bench/slurm_bench.py
 	$(PYTHON) bench/executor_bench.py
+	$(PYTHON) bench/linger_sim.py
 	$(PYTHON) bench/tables.py
 
 install:

@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (predict, exec, ucop, fork, mcdist, migrate, executor). Each starts with what the run was made on: the
+the renderers below (predict, exec, exec_breakdown, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -308,6 +308,64 @@ def render_linger(doc):
     return provenance_line(doc) + "\n\n" + note + "\n\n" + table(head, rows)
 
 
+def render_linger_sim(doc):
+    seed_pol = doc["seed_policies"]
+    out = [provenance_line(doc), "",
+           f"Simulated: {doc['nodes']} nodes, synthetic trace (seed {doc['seed']}: idle "
+           f"{doc['trace']['idle_fraction'] * 100:.1f}% of the time; CPU < 10% {doc['trace']['util_lt_10'] * 100:.1f}%, "
+           f"10–80% {doc['trace']['util_10_80'] * 100:.1f}%, ≥ 80% {doc['trace']['util_ge_80'] * 100:.1f}%), "
+           f"T_migr {doc['t_migr_s']:.1f} s, PM pause {doc['pm_pause_s']:.0f} s, context switch "
+           f"{doc['cs_s'] * 1e6:.0f} µs; simulated in {doc['runtime_s']:.1f} s. \"seed\" = the dissertation's Table 1. "
+           "Throughput = guest CPU-s per second (of 64 nodes) over one hour with the job count held constant."]
+    names = {"workload1": "Workload-1 (128 jobs × 600 CPU-s)", "workload2": "Workload-2 (16 jobs × 1800 CPU-s)"}
+    for wl, rows in doc["results"].items():
+        seed = doc["seed_table1"][wl]
+        trs = []
+        for p, r in rows.items():
+            k = seed_pol.index(p) if p in seed_pol else None
+            sv = (lambda m, f: f.format(seed[m][k]) if k is not None else "-")
+            trs.append([p, f"{r['avg_job_time_s']:.0f}", sv("avg_job_time_s", "{}"),
+                        f"{r['variation_pct']:.1f}%", sv("variation_pct", "{}%"),
+                        f"{r['family_time_s']:.0f}", sv("family_time_s", "{}"),
+                        f"{r['throughput']:.1f}", sv("throughput", "{}"),
+                        r["migrations"], r["restarts"], f"{r['linger_share_pct']:.0f}%", f"{r['owner_delay_pct']:.2f}%"])
+        out += ["", names.get(wl, wl) + ":", "",
+                table(["policy", "avg job s", "seed", "variation", "seed", "family s", "seed", "throughput", "seed",
+                       "migrations", "restarts", "CPU lingering", "owner delay"], trs)]
+    v = doc["verdicts"]
+    met = lambda k: "met" if v.get(k) else "NOT met"
+    out += ["", f"* Workload-1: min(LL, LF) ÷ max(IE, PM) throughput = {doc['w1_throughput_ratio']:.2f} "
+                f"(target ≥ 1.5: {met('w1_linger_ge_1_5x_evict')}; the seed's: {52.2 / 34.6:.2f})",
+            f"* Workload-2: LL/LF/IE throughput max ÷ min = {doc['w2_throughput_spread']:.3f} (tie within 5%: "
+            f"{met('w2_ll_lf_ie_tie_within_5pct')}; the seed's all-four spread: {15.0 / 14.5:.3f})"]
+    sens = doc.get("sensitivity") or []
+    if sens:
+        rows = [[x["seed"], f"{x['episode_mean_s'] / 60:.0f}", f"{x['idle_fraction'] * 100:.1f}%"] +
+                [f"{x['w1_throughput'][p]:.1f}" for p in seed_pol] + [f"{x['w1_ratio']:.2f}", f"{x['w2_spread']:.3f}"]
+                for x in sens]
+        out += ["", "The same with other trace seeds and non-idle episode means (the trace's assumptions):", "",
+                table(["seed", "episode mean min", "idle"] + [f"W-1 {p}" for p in seed_pol] +
+                      ["W-1 ratio", "W-2 LL/LF/IE spread"], rows)]
+    return "\n".join(out)
+
+
+def render_linger_policy(doc):
+    rows = []
+    for r in doc["rows"]:
+        rows.append([r["policy"], f"{r['makespan_s']:.1f}", dash(r.get("mean_job_s"), "{:.1f}"),
+                     f"{r['throughput_steps_per_s']:.2f}", r["moves"], r["reruns"],
+                     dash(r.get("owner_delay_pct"), "{:+.1f}%"), f"{r['outputs_ok']}/{doc['jobs']}", r["exit"]])
+    note = (f"{doc['hosts']} emulated hosts; {doc['jobs']} guest jobs of {doc['steps']} steps (0.25 s sleep + a short "
+            f"loop each); owners' keyboard episodes from linger_sim's synthetic trace (seed {doc['seed']}) compressed "
+            f"{doc['compress']:.0f}× (owners active {doc['owner_active_share'] * 100:.0f}% of the replayed time); "
+            f"PM pause {doc['pm_pause_s']} s. Owner delay: a fixed owner CPU probe during the run against alone "
+            "(the machine's other load moves it by more than the guests do).")
+    ratio = doc.get("ll_ie_ratio")
+    tail = f"\n\n* LL ÷ IE throughput = {ratio:.2f} (issue target ≥ 1.6)" if ratio else ""
+    return (provenance_line(doc) + "\n\n" + note + "\n\n" +
+            table(["policy", "makespan s", "mean job s", "steps/s", "moves", "IE reruns", "owner delay", "outputs ok",
+                   "exit"], rows) + tail)
+
 
 def render_auth(doc):
     rows = [[r["path"], f"{r['insecure_ms']:.1f}", f"{r['auth_ms']:.1f}", f"{r['delta_pct']:+.1f}%", r["runs"]]
@@ -353,7 +411,8 @@ def render_exec_breakdown(doc):
 
 RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": render_exec_breakdown, "exec_breakdown_before": render_exec_breakdown,
              "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
-             "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth}
+             "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth,
+             "linger_sim": render_linger_sim, "linger_policy": render_linger_policy}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 
