@@ -239,6 +239,7 @@ mod tests {
             launch_ns: 0,
             clone: None,
             policy: Some(GuestPolicy::ImmediateEviction),
+            terminal: None,
         }
     }
 

@@ -295,6 +295,8 @@ mod tests {
             listings: Vec::new(),
             launch_ns: 0,
             clone: None,
+            policy: None,
+            terminal: None,
         };
         let got = listing_dirs(&spec);
         let want = |s: &str| normalise(&cwd.join(s)).unwrap();
