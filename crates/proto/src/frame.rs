@@ -26,25 +26,30 @@ pub fn encode(msg: &Msg) -> Result<Vec<u8>, ProtoError> {
 /// Encode a message; with `compress`, a body worth it is zstd-compressed
 /// (kept only if that saves at least an eighth).
 pub fn encode_with(msg: &Msg, compress: bool) -> Result<Vec<u8>, ProtoError> {
-    let mut body = codec().serialize(msg).map_err(ProtoError::Encode)?;
+    // Serialize straight after a header placeholder: a frame of chunk data
+    // is copied once, not once more to prepend its header.
+    let mut out = Vec::with_capacity(HEADER + usize::try_from(codec().serialized_size(msg).unwrap_or(0)).unwrap_or(0));
+    out.extend_from_slice(&[0u8; HEADER]);
+    codec().serialize_into(&mut out, msg).map_err(ProtoError::Encode)?;
     let mut flags = 0u16;
-    if compress && body.len() >= COMPRESS_MIN && msg.worth_compressing() {
-        if let Ok(z) = zstd::bulk::compress(&body, 3) {
-            if z.len() + body.len() / 8 < body.len() {
-                body = z;
+    let body_len = out.len() - HEADER;
+    if compress && body_len >= COMPRESS_MIN && msg.worth_compressing() {
+        if let Ok(z) = zstd::bulk::compress(&out[HEADER..], 3) {
+            if z.len() + body_len / 8 < body_len {
+                out.truncate(HEADER);
+                out.extend_from_slice(&z);
                 flags |= FLAG_ZSTD;
             }
         }
     }
-    if body.len() as u64 > u64::from(MAX_FRAME) {
-        return Err(ProtoError::TooLarge(body.len() as u64));
+    let body_len = out.len() - HEADER;
+    if body_len as u64 > u64::from(MAX_FRAME) {
+        return Err(ProtoError::TooLarge(body_len as u64));
     }
-    let mut out = Vec::with_capacity(HEADER + body.len());
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&u32::try_from(body.len()).expect("checked against MAX_FRAME").to_le_bytes());
-    out.extend_from_slice(&body);
+    out[..4].copy_from_slice(&MAGIC);
+    out[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out[6..8].copy_from_slice(&flags.to_le_bytes());
+    out[8..12].copy_from_slice(&u32::try_from(body_len).expect("checked against MAX_FRAME").to_le_bytes());
     Ok(out)
 }
 
