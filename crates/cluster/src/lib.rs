@@ -53,7 +53,7 @@ use nix::fcntl::{Flock, FlockArg};
 pub use boot::{host_boot_main, BootError, HOST_STATE_MOUNT};
 pub use sys::SysError;
 pub use net::{
-    netns_path, NetConfig, NetError, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
+    netns_path, HostLink, NetConfig, NetError, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
     MAX_HOSTS,
 };
 
@@ -102,8 +102,29 @@ impl LocalCluster {
 
     /// Start this instance's cluster.
     pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>) -> Result<ClusterState> {
-        let opts =
-            UpOptions { hosts, exe, state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), head_args, agent_args, link };
+        self.up_shaped(hosts, exe, link, None, head_args, agent_args)
+    }
+
+    /// [`LocalCluster::up`] with each host's link shaped to `host_link`.
+    pub fn up_shaped(
+        &self,
+        hosts: usize,
+        exe: PathBuf,
+        link: Option<String>,
+        host_link: Option<HostLink>,
+        head_args: Vec<String>,
+        agent_args: Vec<String>,
+    ) -> Result<ClusterState> {
+        let opts = UpOptions {
+            hosts,
+            exe,
+            state_dir: self.state_dir.clone(),
+            run_dir: self.run_dir.clone(),
+            head_args,
+            agent_args,
+            link,
+            host_link,
+        };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
@@ -182,6 +203,8 @@ pub struct UpOptions {
     /// WAN link profile between clients and the head (`starling_link::Profile::parse`
     /// syntax). `None` or `lan`: clients talk to the head directly.
     pub link: Option<String>,
+    /// Shape each host's link to this rate (`starling up --host-link`).
+    pub host_link: Option<HostLink>,
 }
 
 impl UpOptions {
@@ -195,6 +218,7 @@ impl UpOptions {
             head_args: Vec::new(),
             agent_args: Vec::new(),
             link: None,
+            host_link: None,
         }
     }
 }
@@ -329,6 +353,9 @@ fn start(
     net::create_bridge(cfg)?;
     for i in 1..=opts.hosts {
         net::create_host_netns(cfg, i)?;
+        if let Some(l) = &opts.host_link {
+            net::shape_host(cfg, i, l)?;
+        }
     }
 
     let cache_mib = cache_mib_per_host(state_dir, opts.hosts);
@@ -412,6 +439,7 @@ fn start(
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
         slurm: None,
+        host_link_bits: opts.host_link.map(|l| l.bits_per_sec),
     };
     state.write(&cluster_file(run_dir))?;
     Ok(state)

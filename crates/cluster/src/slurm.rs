@@ -379,6 +379,7 @@ impl LocalCluster {
             started_at: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
+            host_link_bits: None,
             slurm: Some(SlurmRecord {
                 job_id,
                 submitted: req.existing_job.is_none(),

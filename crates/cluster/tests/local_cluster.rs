@@ -52,6 +52,7 @@ fn options(d: &Dirs, hosts: usize) -> UpOptions {
         head_args: vec!["--test-extra-arg".into()],
         agent_args: Vec::new(),
         link: None,
+        host_link: None,
     }
 }
 

@@ -40,6 +40,10 @@ pub struct ClusterState {
     /// emulated ones: then `bridge`, `subnet`, the prefixes and `hosts` are empty.
     #[serde(default)]
     pub slurm: Option<SlurmRecord>,
+    /// Each host's emulated link rate in bits per second (`starling up
+    /// --host-link`), if shaped.
+    #[serde(default)]
+    pub host_link_bits: Option<u64>,
 }
 
 /// The Slurm job whose nodes run the agents (`starling up --slurm`).
@@ -146,6 +150,7 @@ mod tests {
             }),
             hosts: vec![HostRecord { name: "h1".into(), netns: "starling-h1".into(), ip: "10.213.0.11".into(), boot_pid: 44 }],
             started_at: 1,
+            host_link_bits: None,
             slurm: Some(SlurmRecord {
                 job_id: "12".into(),
                 submitted: true,
