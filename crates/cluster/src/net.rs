@@ -290,3 +290,23 @@ pub(crate) fn ns_id(path: &Path) -> Option<(u64, u64)> {
 pub(crate) fn netns_ids(prefix: &str) -> BTreeSet<(u64, u64)> {
     list_netns(prefix).iter().filter_map(|n| ns_id(&netns_path(n))).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_link_rates_parse_in_tc_notation() {
+        assert_eq!(HostLink::parse("1gbit").unwrap().bits_per_sec, 1_000_000_000);
+        assert_eq!(HostLink::parse("500mbit").unwrap().bits_per_sec, 500_000_000);
+        assert_eq!(HostLink::parse("100Mbps").unwrap().bits_per_sec, 800_000_000);
+        assert_eq!(HostLink::parse("64kbit").unwrap().bits_per_sec, 64_000);
+        assert_eq!(HostLink::parse("1gbit").unwrap().tc_rate(), "1000000000bit");
+        assert_eq!(HostLink::parse("1gbit").unwrap().describe(), "1 Gbit/s");
+        for bad in ["", "fast", "1g", "1.5gbit", "1gbit,10ms", "1kbit", "99999999999999gbit"] {
+            let e = HostLink::parse(bad).unwrap_err();
+            assert!(matches!(e, NetError::BadHostLink { .. }), "{bad:?}: {e}");
+        }
+        assert!(HostLink::parse("1gbit,5ms").unwrap_err().to_string().contains("netem"));
+    }
+}

@@ -166,6 +166,46 @@ mod tests {
     use super::*;
     use crate::*;
 
+    /// Chunk bytes are a bincode byte string: the same bytes a `Vec<u8>` was
+    /// written as before (u64 length, then the bytes), so the wire is unchanged.
+    #[test]
+    fn chunk_bytes_encode_as_a_length_prefixed_byte_string() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let c = ChunkData::seal(&data, false);
+        let enc = codec().serialize(&c).unwrap();
+        let mut want = c.hash.0.to_vec();
+        want.push(0); // compressed: false
+        want.extend_from_slice(&1000u64.to_le_bytes());
+        want.extend_from_slice(&data);
+        assert_eq!(enc, want);
+        let back: ChunkData = codec().deserialize(&enc).unwrap();
+        assert_eq!(back.into_verified().unwrap(), data);
+    }
+
+    #[test]
+    fn sealed_chunks_verify_and_incompressible_ones_go_as_is() {
+        let text = b"compressible text ".repeat(4096);
+        let z = ChunkData::seal(&text, true);
+        assert!(z.compressed && z.data.len() < text.len() / 4);
+        assert_eq!(z.open().unwrap(), text);
+        // Random bytes: not compressed (the prefix sample says so).
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let noise: Vec<u8> = (0..65536)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()[0]
+            })
+            .collect();
+        let n = ChunkData::seal(&noise, true);
+        assert!(!n.compressed);
+        assert_eq!(n.data, noise);
+        // seal_named trusts the caller's name; the receiver does not.
+        let lie = ChunkData::seal_named(Hash::of(b"something else"), noise.clone(), false);
+        assert!(matches!(lie.into_verified(), Err(ProtoError::Invalid(Invalid::ChunkMismatch(_)))));
+    }
+
     fn spec() -> TaskSpec {
         TaskSpec {
             argv: vec![b"true".to_vec()],
