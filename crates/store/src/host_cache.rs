@@ -152,6 +152,10 @@ pub struct HostCache {
     root: PathBuf,
     max_bytes: u64,
     index: Mutex<Index>,
+    /// Files being assembled by [`HostCache::assemble_fetching`], by content
+    /// id: a second task opening the same new file waits for the first
+    /// rather than fetching it again.
+    assembling: Mutex<HashMap<Hash, std::sync::Arc<Mutex<()>>>>,
 }
 
 impl HostCache {
@@ -189,7 +193,7 @@ impl HostCache {
         for (_, key, size) in found {
             index.use_entry(key, size);
         }
-        let cache = HostCache { root: dir.to_path_buf(), max_bytes, index: Mutex::new(index) };
+        let cache = HostCache { root: dir.to_path_buf(), max_bytes, index: Mutex::new(index), assembling: Mutex::default() };
         cache.evict(&mut cache.lock(), None);
         Ok(cache)
     }
@@ -377,7 +381,9 @@ impl HostCache {
     /// in order of first use, as [`HostCache::missing`] lists them — in that
     /// order, and must return bytes it has verified against the name.
     /// Fails with `NotFound` if a chunk that was cached vanished meanwhile
-    /// (call again: it is then among the missing).
+    /// (call again: it is then among the missing). Callers assembling the
+    /// same content at once take turns: the later ones find the file made
+    /// and fetch nothing.
     pub fn assemble_fetching(
         &self,
         r: &Recipe,
@@ -387,11 +393,30 @@ impl HostCache {
         r.validate().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
         let key = (Kind::File, r.content_id());
         let path = self.path(key);
-        if let Ok(m) = fs::metadata(&path) {
-            if m.is_file() && m.len() == r.size {
-                return self.assemble(r);
+        let slot = self.assembling.lock().unwrap_or_else(|e| e.into_inner()).entry(key.1).or_default().clone();
+        let result = {
+            let _one_at_a_time = slot.lock().unwrap_or_else(|e| e.into_inner());
+            match fs::metadata(&path) {
+                // Assembled meanwhile (by another task): nothing to fetch.
+                Ok(m) if m.is_file() && m.len() == r.size => self.assemble(r),
+                _ => self.assemble_fetching_now(r, key, missing, fetch),
             }
+        };
+        let mut assembling = self.assembling.lock().unwrap_or_else(|e| e.into_inner());
+        if std::sync::Arc::strong_count(&slot) == 2 {
+            assembling.remove(&key.1);
         }
+        result
+    }
+
+    fn assemble_fetching_now(
+        &self,
+        r: &Recipe,
+        key: Key,
+        missing: &[Hash],
+        fetch: &mut dyn FnMut(&Hash) -> io::Result<Vec<u8>>,
+    ) -> io::Result<PathBuf> {
+        let path = self.path(key);
         let _pin = Pin::new(self, r.chunks.iter().map(|c| (Kind::Chunk, c.hash)).collect());
         let missing: HashSet<&Hash> = missing.iter().collect();
         let mut uses: HashMap<Hash, u32> = HashMap::new();
