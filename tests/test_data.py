@@ -61,3 +61,36 @@ def test_new_file_read_at_once_everywhere_is_identical_and_never_stale(cluster, 
     data = bytearray(os.urandom(SIZE))
     path.write_bytes(data)
     check_all(path, workdir, hashlib.md5(data).hexdigest())
+
+
+def instance():
+    """The instance's part of interface names (instance 0 has none)."""
+    i = os.environ.get("STARLING_INSTANCE", "")
+    return "" if i in ("", "0") else i
+
+
+def test_host_link_shapes_every_hosts_veth_both_ways(cluster):
+    """`starling up --host-link RATE` puts a tbf of that rate on both ends of every host's veth
+    (read back from the kernel with tc), `status` reports it, a delay is refused with the reason,
+    and the 4-host cluster is left behind as it was (unshaped)."""
+    from conftest import sh, starling, up
+    bad = starling("up", "--hosts", "4", "--host-link", "1gbit,10ms", check=False)
+    assert bad.returncode != 0 and "netem" in bad.stderr, bad.stderr
+    starling("down", check=False)
+    try:
+        r = starling("up", "--hosts", "4", "--host-link", "40mbit", check=False, timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        st = status()
+        assert st["network"]["host_link"] == "40 Mbit/s", st["network"]
+        inst = instance()
+        for h in st["hosts"]:
+            veth = f"stv{inst}-{h['name']}"
+            ns = f"starling{inst}-{h['name']}"
+            for where in (sh("tc", "qdisc", "show", "dev", veth).stdout,
+                          sh("ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", "eth0").stdout):
+                assert "tbf" in where and "rate 40Mbit" in where, (h["name"], where)
+    finally:
+        up(4)
+    for h in status()["hosts"]:
+        veth = f"stv{instance()}-{h['name']}"
+        assert "tbf" not in sh("tc", "qdisc", "show", "dev", veth).stdout, "the plain cluster is unshaped"
