@@ -52,6 +52,7 @@ bench: build
 	$(PYTHON) bench/fork_bench.py
 	$(PYTHON) bench/mcdist_bench.py
 	$(PYTHON) bench/migrate_bench.py
+	$(PYTHON) bench/data_bench.py
 	$(PYTHON) bench/slurm_bench.py
 	$(PYTHON) bench/executor_bench.py
 	$(PYTHON) bench/linger_sim.py

@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (predict, exec, exec_breakdown, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth). Each starts with what the run was made on: the
+the renderers below (predict, exec, exec_breakdown, data, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -409,8 +409,51 @@ def render_exec_breakdown(doc):
     return provenance_line(doc) + "\n\n" + render_breakdown(doc)
 
 
+def render_data(doc):
+    mib = doc["mib"]
+    mb = mib * (1 << 20) / 1e6
+
+    def rate(t, minus=0.0):
+        t = t - minus
+        return f"{mb / t:.0f}" if t > 0 else "-"
+
+    rows = []
+    for tag, run in doc["runs"].items():
+        s = run["single"]
+        over = run["exec_true_s"] + doc["local_md5_s"]
+        for what, label in (("cold", "cold, one host"), ("relay", "relay cache, another host"), ("warm", "warm (host cache)")):
+            x = s[what]
+            rows.append([tag, label, f"{x['wall_s']:.2f}", rate(x["wall_s"]),
+                         rate(x["wall_s"], over) if what != "warm" else "-", fmt_bytes(x["to_hosts_bytes"]),
+                         dash(x.get("cpu_s"), "{:.2f}")])
+    single = table(["hosts' links", "read of a new file", "wall s", "MB/s end to end", "data MB/s", "to hosts",
+                    "data-path CPU s"], rows, list("llrrrrr"))
+    frows = []
+    for tag, run in doc["runs"].items():
+        one = next((f["wall_s"] for f in run["fanout"] if f["hosts"] == 1), None)
+        for f in run["fanout"]:
+            frows.append([tag, f["hosts"], f["distinct_hosts"], f"{f['wall_s']:.2f}",
+                          dash(one and f["wall_s"] / one, "{:.2f}×"), fmt_bytes(f["head_egress_bytes"]),
+                          f"{f['head_egress_bytes'] / (mib << 20):.2f}×", dash(f.get("cpu_s"), "{:.2f}"),
+                          f"{f['load_before']:.1f}"])
+    fan = table(["hosts' links", "tasks", "hosts", "wall s", "÷ one", "head egress", "÷ file", "data-path CPU s",
+                 "load before"], frows, list("lrrrrrrrr"))
+    warm = [f"{tag}: warm exec {run['single']['warm']['wall_s']:.2f} s ÷ local {doc['local_md5_s']:.2f} s = "
+            f"{run['single']['warm']['wall_s'] / doc['local_md5_s']:.2f} (`exec -- true` alone: {run['exec_true_s']:.2f} s)"
+            for tag, run in doc["runs"].items()]
+    note = (f"A new {mib} MiB file of random bytes per measurement, on a cluster of {doc['hosts']} emulated hosts "
+            f"sharing this machine's {(doc.get('provenance') or {}).get('machine', {}).get('cores', '?')} cores with "
+            f"the head, the client and other work. Local `md5sum`: {doc['local_md5_s']:.2f} s; "
+            "\"data MB/s\" leaves out the exec's own time (`exec -- true`) and the local md5sum. "
+            "Warm read ÷ local: " + "; ".join(warm) + ". "
+            "Data-path CPU: seconds the head, the agents and the client used (tasks excluded)."
+            + (f" {doc['note']}" if doc.get("note") else ""))
+    return (provenance_line(doc) + "\n\n" + note + "\n\n" + single + "\n\n"
+            + "`starling run -n N -- md5sum F` (one task per host), all at once:\n\n" + fan)
+
+
 RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": render_exec_breakdown, "exec_breakdown_before": render_exec_breakdown,
-             "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
+             "data": render_data, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth,
              "linger_sim": render_linger_sim, "linger_policy": render_linger_policy}
 

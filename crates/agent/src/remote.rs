@@ -4,7 +4,7 @@
 use starling_proto::conn::Outgoing;
 use starling_proto::{DirEntry, FileReq, FileResp, Hash, Lookup, Msg, TaskId, WirePath};
 use starling_store::HostCache;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -56,10 +56,7 @@ fn eio(msg: impl Into<String>) -> io::Error {
 impl RemoteSource {
     /// One blocking round trip to the client. Called from FUSE threads.
     fn request(&self, req: FileReq) -> io::Result<FileResp> {
-        let (id, rx) = self.waiters.register();
-        self.tx
-            .blocking_send(Msg::FileRequest { task: self.task, id, req })
-            .map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+        let rx = self.send(req)?;
         match rx.recv_timeout(REQUEST_TIMEOUT) {
             Ok(FileResp::Errno(e)) => Err(io::Error::from_raw_os_error(e)),
             Ok(r) => Ok(r),
@@ -67,21 +64,66 @@ impl RemoteSource {
         }
     }
 
-    fn fetch_chunks(&self, missing: &[Hash]) -> io::Result<()> {
-        for batch in missing.chunks(CHUNK_BATCH) {
-            let FileResp::Chunks(got) = self.request(FileReq::GetChunks { hashes: batch.to_vec() })? else {
-                return Err(eio("client answered GetChunks with something else"));
-            };
-            let wanted: HashSet<&Hash> = batch.iter().collect();
-            for c in got {
-                if !wanted.contains(&c.hash) {
-                    return Err(eio(format!("client sent chunk {:?} that was not asked for", c.hash)));
-                }
-                let bytes = c.open().map_err(|e| eio(format!("chunk from client rejected: {e}")))?;
-                self.cache.put_chunk(&c.hash, &bytes)?;
+    /// Send a request without waiting for its answer (the answer comes on the receiver; see [`Fetch`]).
+    fn send(&self, req: FileReq) -> io::Result<mpsc::Receiver<FileResp>> {
+        let (id, rx) = self.waiters.register();
+        self.tx
+            .blocking_send(Msg::FileRequest { task: self.task, id, req })
+            .map_err(|_| io::Error::from_raw_os_error(libc::EIO))?;
+        Ok(rx)
+    }
+}
+
+/// Batches of GetChunks requests kept in flight at once: the next batches
+/// travel (client → head → here) while this thread verifies and writes the
+/// current one, so no chunk waits for a round trip of its own.
+const WINDOW: usize = 4;
+
+/// A pipelined fetch of chunks, handed out one by one in the order asked.
+struct Fetch<'a> {
+    src: &'a RemoteSource,
+    /// Batches not yet requested.
+    to_send: std::collections::VecDeque<&'a [Hash]>,
+    /// Batches requested, oldest first, with their answer channels.
+    in_flight: std::collections::VecDeque<(&'a [Hash], mpsc::Receiver<FileResp>)>,
+    /// Chunks of the oldest answered batch not yet handed out.
+    ready: std::collections::VecDeque<starling_proto::ChunkData>,
+}
+
+impl<'a> Fetch<'a> {
+    fn new(src: &'a RemoteSource, missing: &'a [Hash]) -> Self {
+        Fetch { src, to_send: missing.chunks(CHUNK_BATCH).collect(), in_flight: Default::default(), ready: Default::default() }
+    }
+
+    /// The verified bytes of `want`, the next chunk in the order asked.
+    fn next(&mut self, want: &Hash) -> io::Result<Vec<u8>> {
+        while self.ready.is_empty() {
+            while self.in_flight.len() < WINDOW {
+                let Some(batch) = self.to_send.pop_front() else { break };
+                let rx = self.src.send(FileReq::GetChunks { hashes: batch.to_vec() })?;
+                self.in_flight.push_back((batch, rx));
             }
+            let Some((batch, rx)) = self.in_flight.pop_front() else {
+                return Err(eio(format!("chunk {want:?} was not among those fetched")));
+            };
+            let got = match rx.recv_timeout(REQUEST_TIMEOUT) {
+                Ok(FileResp::Chunks(got)) => got,
+                Ok(FileResp::Errno(e)) => return Err(io::Error::from_raw_os_error(e)),
+                Ok(_) => return Err(eio("client answered GetChunks with something else")),
+                Err(_) => return Err(io::Error::from_raw_os_error(libc::EIO)),
+            };
+            // Answers list the chunks in the order asked (the relay and the
+            // client both do); anything else is refused.
+            if got.len() != batch.len() || got.iter().zip(batch).any(|(c, h)| c.hash != *h) {
+                return Err(eio(format!("GetChunks answered {} chunk(s), not the {} asked for in order", got.len(), batch.len())));
+            }
+            self.ready.extend(got);
         }
-        Ok(())
+        let c = self.ready.pop_front().expect("refilled above");
+        if c.hash != *want {
+            return Err(eio(format!("chunk {:?} arrived where {want:?} was expected", c.hash)));
+        }
+        c.into_verified().map_err(|e| eio(format!("chunk from client rejected: {e}")))
     }
 }
 
@@ -121,10 +163,13 @@ impl starling_view::Source for RemoteSource {
         let mut attempt = 0;
         loop {
             let missing = self.cache.missing(&recipe);
-            if !missing.is_empty() {
-                self.fetch_chunks(&missing)?;
-            }
-            match self.cache.assemble(&recipe).and_then(std::fs::File::open) {
+            let assembled = if missing.is_empty() {
+                self.cache.assemble(&recipe)
+            } else {
+                let mut fetch = Fetch::new(self, &missing);
+                self.cache.assemble_fetching(&recipe, &missing, &mut |h| fetch.next(h))
+            };
+            match assembled.and_then(std::fs::File::open) {
                 Ok(f) => return Ok(f),
                 Err(e) if e.kind() == io::ErrorKind::NotFound && attempt < 3 => {
                     attempt += 1;

@@ -32,6 +32,7 @@ Quick start (an embedded cluster of emulated hosts on this machine, needs root):
   starling down                  # remove everything
 
   starling up --link coffee-shop # the same, behind an emulated slow link (160 ms RTT, ~1.4 Mbit/s)
+  starling up --host-link 1gbit  # each emulated host behind its own 1 Gbit/s link
   starling up --slurm -N 4       # or: the hosts are 4 nodes of a Slurm job (agents as a job step)
 
 Programs can also fork themselves onto the cluster: see include/starling.h (C) and `import starling`.
@@ -195,6 +196,12 @@ struct UpArgs {
     /// coffee-shop (160 ms RTT, 1400 Kib/s up, 1500 Kib/s down), or RTT_MS,UP_KBIT,DOWN_KBIT.
     #[arg(long, default_value = "lan", value_parser = parse_link)]
     link: String,
+    /// Shape each emulated host's own link (its veth pair, both directions) to RATE with a
+    /// token bucket: NUMBER[k|m|g]bit, e.g. 1gbit or 100mbit (or ...bps for bytes/s), so
+    /// fan-out is measured with a per-machine bottleneck. Rate only: no delay (the kernel
+    /// here has no netem). Separate from --link (client ↔ head).
+    #[arg(long, value_name = "RATE", value_parser = parse_host_link, conflicts_with = "slurm")]
+    host_link: Option<starling_cluster::HostLink>,
     /// Run the head without its shared relay cache: every content request goes to the client
     /// (for measuring what the cache saves).
     #[arg(long)]
@@ -244,6 +251,10 @@ struct UpArgs {
 
 fn parse_policy(s: &str) -> Result<starling_config::GuestPolicy, String> {
     starling_config::GuestPolicy::parse(s).map_err(|e| format!("expected {e}"))
+}
+
+fn parse_host_link(s: &str) -> Result<starling_cluster::HostLink, String> {
+    starling_cluster::HostLink::parse(s).map_err(|e| e.to_string())
 }
 
 fn parse_link(s: &str) -> Result<String, String> {
@@ -902,6 +913,9 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
         let desc = starling_link::Profile::parse(&link).map(|p| p.describe()).unwrap_or(link.clone());
         network.insert("link".into(), link.into());
         network.insert("link_detail".into(), desc.into());
+        if let Some(bits) = l.host_link_bits {
+            network.insert("host_link".into(), starling_cluster::HostLink { bits_per_sec: bits }.describe().into());
+        }
         if let Some(bytes) = l.link.as_ref().and_then(|k| std::fs::read(&k.stats_file).ok()) {
             if let Ok(v) = serde_json::from_slice::<serde_json::Value>(&bytes) {
                 network.insert("link_counters".into(), v["counters"].clone());
@@ -940,6 +954,9 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     }
     if network.contains_key("link") {
         println!("link {}: {}", field("link"), field("link_detail"));
+    }
+    if network.contains_key("host_link") {
+        println!("host links: {} each (tbf)", field("host_link"));
     }
     println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY");
     for h in &st.hosts {
@@ -1010,7 +1027,7 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
         Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
         None => Vec::new(),
     };
-    let state = local.up(a.hosts, exe, Some(a.link.clone()), head_args, agent_args, a.insecure)?;
+    let state = local.up_shaped(a.hosts, exe, Some(a.link.clone()), a.host_link, head_args, agent_args, a.insecure)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();

@@ -53,7 +53,7 @@ use nix::fcntl::{Flock, FlockArg};
 pub use boot::{host_boot_main, BootError, HOST_STATE_MOUNT};
 pub use sys::SysError;
 pub use net::{
-    netns_path, NetConfig, NetError, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
+    netns_path, HostLink, NetConfig, NetError, DEFAULT_BRIDGE, DEFAULT_NETNS_PREFIX, DEFAULT_SUBNET, DEFAULT_VETH_PREFIX, HEAD_PORT,
     MAX_HOSTS,
 };
 
@@ -102,6 +102,20 @@ impl LocalCluster {
 
     /// Start this instance's cluster.
     pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>, insecure: bool) -> Result<ClusterState> {
+        self.up_shaped(hosts, exe, link, None, head_args, agent_args, insecure)
+    }
+
+    /// [`LocalCluster::up`] with each host's link shaped to `host_link`.
+    pub fn up_shaped(
+        &self,
+        hosts: usize,
+        exe: PathBuf,
+        link: Option<String>,
+        host_link: Option<HostLink>,
+        head_args: Vec<String>,
+        agent_args: Vec<String>,
+        insecure: bool,
+    ) -> Result<ClusterState> {
         let opts = UpOptions {
             hosts,
             exe,
@@ -111,6 +125,7 @@ impl LocalCluster {
             agent_args,
             link,
             insecure,
+            host_link,
         };
         up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
@@ -195,6 +210,8 @@ pub struct UpOptions {
     /// For measurements only (`up --insecure`): no credentials, no local socket; every connection
     /// is plain TCP and the head believes every spec's uid, as before authentication existed.
     pub insecure: bool,
+    /// Shape each host's link to this rate (`starling up --host-link`).
+    pub host_link: Option<HostLink>,
 }
 
 impl UpOptions {
@@ -209,6 +226,7 @@ impl UpOptions {
             agent_args: Vec::new(),
             link: None,
             insecure: false,
+            host_link: None,
         }
     }
 }
@@ -343,6 +361,9 @@ fn start(
     net::create_bridge(cfg)?;
     for i in 1..=opts.hosts {
         net::create_host_netns(cfg, i)?;
+        if let Some(l) = &opts.host_link {
+            net::shape_host(cfg, i, l)?;
+        }
     }
 
     let cache_mib = cache_mib_per_host(state_dir, opts.hosts);
@@ -458,6 +479,7 @@ fn start(
         slurm: None,
         socket: auth.is_some().then_some(client_socket),
         auth: auth.is_some().then_some(auth_dir),
+        host_link_bits: opts.host_link.map(|l| l.bits_per_sec),
     };
     state.write(&cluster_file(run_dir))?;
     Ok(state)

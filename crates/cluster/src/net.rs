@@ -46,6 +46,12 @@ pub enum NetError {
     NoIp(#[source] SysError),
     #[error("`ip {command}` failed: {stderr}")]
     Ip { command: String, stderr: String },
+    #[error("cannot run tc(8) (is iproute2 installed?): {0}")]
+    NoTc(#[source] SysError),
+    #[error("`tc {command}` failed: {stderr}")]
+    Tc { command: String, stderr: String },
+    #[error("bad --host-link {given:?}: {why}")]
+    BadHostLink { given: String, why: &'static str },
 }
 
 type Result<T, E = NetError> = std::result::Result<T, E>;
@@ -161,6 +167,92 @@ pub(crate) fn create_host_netns(cfg: &NetConfig, index: usize) -> Result<()> {
     ip(&["-n", &ns, "route", "add", "224.0.0.0/4", "dev", "eth0"])
 }
 
+/// An emulated per-host link (`starling up --host-link RATE`): each host's
+/// veth pair is shaped with a token bucket (tbf) to `bits_per_sec` in each
+/// direction, so the head and the other hosts see it behind a link of that
+/// speed. No added delay: this kernel has no netem, and a delay in user space
+/// would sit in every byte's path.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HostLink {
+    pub bits_per_sec: u64,
+}
+
+impl HostLink {
+    /// `NUMBER[k|m|g]bit` (bits per second, tc's notation: `1gbit`, `500mbit`),
+    /// or the same with `bps` for bytes per second (`100mbps`).
+    pub fn parse(s: &str) -> Result<HostLink> {
+        let bad = |why| NetError::BadHostLink { given: s.to_string(), why };
+        if s.contains(',') {
+            return Err(bad("only a rate is supported (e.g. 1gbit): a delay needs netem, which this kernel lacks"));
+        }
+        let lower = s.trim().to_ascii_lowercase();
+        let (num, per_unit) = if let Some(n) = lower.strip_suffix("bit") {
+            (n, 1u64)
+        } else if let Some(n) = lower.strip_suffix("bps") {
+            (n, 8u64)
+        } else {
+            return Err(bad("expected a rate such as 1gbit, 500mbit or 100mbps"));
+        };
+        let (digits, scale) = match num.as_bytes().last() {
+            Some(b'k') => (&num[..num.len() - 1], 1_000u64),
+            Some(b'm') => (&num[..num.len() - 1], 1_000_000),
+            Some(b'g') => (&num[..num.len() - 1], 1_000_000_000),
+            _ => (num, 1),
+        };
+        let n: u64 = digits.parse().map_err(|_| bad("the rate must be a whole number with an optional k, m or g"))?;
+        let bits = n.checked_mul(scale).and_then(|b| b.checked_mul(per_unit)).ok_or_else(|| bad("rate too large"))?;
+        if bits < 8_000 {
+            return Err(bad("rate below 8kbit"));
+        }
+        Ok(HostLink { bits_per_sec: bits })
+    }
+
+    /// The rate as tc writes it (`1000000000bit`).
+    pub fn tc_rate(&self) -> String {
+        format!("{}bit", self.bits_per_sec)
+    }
+
+    /// Human form (`1 Gbit/s`).
+    pub fn describe(&self) -> String {
+        let b = self.bits_per_sec;
+        if b % 1_000_000_000 == 0 {
+            format!("{} Gbit/s", b / 1_000_000_000)
+        } else if b % 1_000_000 == 0 {
+            format!("{} Mbit/s", b / 1_000_000)
+        } else {
+            format!("{} kbit/s", b / 1_000)
+        }
+    }
+}
+
+/// Run `tc ARGS...`, failing with its stderr.
+fn tc(args: &[&str]) -> Result<()> {
+    let out = Command::new("tc").args(args).output().doing(|| "tc".into()).map_err(NetError::NoTc)?;
+    if !out.status.success() {
+        return Err(NetError::Tc { command: args.join(" "), stderr: String::from_utf8_lossy(&out.stderr).trim().to_string() });
+    }
+    Ok(())
+}
+
+/// Shape host `index`'s link: a tbf on the bridge-side veth end (traffic to
+/// the host) and one on the host's `eth0` (traffic from it).
+pub(crate) fn shape_host(cfg: &NetConfig, index: usize, link: &HostLink) -> Result<()> {
+    let host = NetConfig::host_name(index);
+    let ns = cfg.netns_name(&host);
+    let veth = cfg.veth_name(&host);
+    let rate = link.tc_rate();
+    // The bucket holds 10 ms at the rate (tbf needs at least one timer
+    // tick's worth), at least 64 KiB; the queue holds 50 ms before dropping.
+    let burst = (link.bits_per_sec / 8 / 100).max(64 << 10).to_string();
+    let shaper = ["root", "tbf", "rate", &rate, "burst", &burst, "latency", "50ms"];
+    let mut down = vec!["qdisc", "replace", "dev", &veth];
+    down.extend(shaper);
+    tc(&down)?;
+    let mut up = vec!["-n", &ns, "qdisc", "replace", "dev", "eth0"];
+    up.extend(shaper);
+    tc(&up)
+}
+
 /// Path of a named network namespace's handle.
 pub fn netns_path(name: &str) -> PathBuf {
     Path::new(NETNS_RUN_DIR).join(name)
@@ -197,4 +289,24 @@ pub(crate) fn ns_id(path: &Path) -> Option<(u64, u64)> {
 /// Identities of the existing namespaces with our prefix.
 pub(crate) fn netns_ids(prefix: &str) -> BTreeSet<(u64, u64)> {
     list_netns(prefix).iter().filter_map(|n| ns_id(&netns_path(n))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_link_rates_parse_in_tc_notation() {
+        assert_eq!(HostLink::parse("1gbit").unwrap().bits_per_sec, 1_000_000_000);
+        assert_eq!(HostLink::parse("500mbit").unwrap().bits_per_sec, 500_000_000);
+        assert_eq!(HostLink::parse("100Mbps").unwrap().bits_per_sec, 800_000_000);
+        assert_eq!(HostLink::parse("64kbit").unwrap().bits_per_sec, 64_000);
+        assert_eq!(HostLink::parse("1gbit").unwrap().tc_rate(), "1000000000bit");
+        assert_eq!(HostLink::parse("1gbit").unwrap().describe(), "1 Gbit/s");
+        for bad in ["", "fast", "1g", "1.5gbit", "1gbit,10ms", "1kbit", "99999999999999gbit"] {
+            let e = HostLink::parse(bad).unwrap_err();
+            assert!(matches!(e, NetError::BadHostLink { .. }), "{bad:?}: {e}");
+        }
+        assert!(HostLink::parse("1gbit,5ms").unwrap_err().to_string().contains("netem"));
+    }
 }

@@ -385,6 +385,7 @@ impl LocalCluster {
                 .map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX)),
             socket: Some(self.run_dir.join(crate::HEAD_SOCKET)),
             auth: None,
+            host_link_bits: None,
             slurm: Some(SlurmRecord {
                 job_id,
                 submitted: req.existing_job.is_none(),

@@ -53,6 +53,7 @@ fn options(d: &Dirs, hosts: usize) -> UpOptions {
         agent_args: Vec::new(),
         link: None,
         insecure: false,
+        host_link: None,
     }
 }
 

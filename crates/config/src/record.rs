@@ -48,6 +48,10 @@ pub struct ClusterState {
     /// (`client.pem` there lets root dial `head_addr` too).
     #[serde(default)]
     pub auth: Option<PathBuf>,
+    /// Each host's emulated link rate in bits per second (`starling up
+    /// --host-link`), if shaped.
+    #[serde(default)]
+    pub host_link_bits: Option<u64>,
 }
 
 /// The Slurm job whose nodes run the agents (`starling up --slurm`).
@@ -154,6 +158,7 @@ mod tests {
             }),
             hosts: vec![HostRecord { name: "h1".into(), netns: "starling-h1".into(), ip: "10.213.0.11".into(), boot_pid: 44 }],
             started_at: 1,
+            host_link_bits: None,
             slurm: Some(SlurmRecord {
                 job_id: "12".into(),
                 submitted: true,

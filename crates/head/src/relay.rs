@@ -119,10 +119,12 @@ impl Relay {
         crate::metrics::add(&self.counters.relay_chunk_misses, u64::try_from(hashes.len() - hits).unwrap_or(0));
         // Up to three passes: a chunk another task was fetching may
         // still be missing if that fetch failed; then fetch it ourselves.
+        // What this request fetched itself is served from memory, not read back.
+        let mut fresh: HashMap<Hash, Vec<u8>> = HashMap::new();
         for _ in 0..3 {
             let (mine, theirs, done_tx) = self.claim(hashes);
             if let Some(done_tx) = done_tx {
-                self.fetch_into_cache(client, task, &mine).await;
+                fresh.extend(self.fetch_into_cache(client, task, &mine).await);
                 let mut inflight = self.inflight.lock().unwrap();
                 for h in &mine {
                     inflight.remove(h);
@@ -137,18 +139,24 @@ impl Relay {
             }
         }
         let mut out = Vec::with_capacity(hashes.len());
-        for h in hashes {
-            let mut bytes = self.cache.get_chunk(h).ok().flatten();
+        // Served as stored, not hashed again: they were verified when they
+        // entered this cache, and the host verifies them on receipt (a chunk
+        // damaged on this disk is refused there, never used).
+        for (i, h) in hashes.iter().enumerate() {
+            // A hash asked for twice in one batch is taken from memory once, then read back.
+            let mut bytes = if hashes[i + 1..].contains(h) { fresh.get(h).cloned() } else { fresh.remove(h) };
+            if bytes.is_none() {
+                bytes = self.cache.get_chunk_unverified(h).ok().flatten();
+            }
             if bytes.is_none() {
                 // Evicted (or lost) since it was checked: ask the client again.
-                self.fetch_into_cache(client, task, std::slice::from_ref(h)).await;
-                bytes = self.cache.get_chunk(h).ok().flatten();
+                bytes = self.fetch_into_cache(client, task, std::slice::from_ref(h)).await.remove(h);
             }
             match bytes {
                 // Head → host is the cluster network: no need to spend CPU compressing.
                 Some(bytes) => {
                     crate::metrics::add(&self.counters.relay_bytes_to_hosts, u64::try_from(bytes.len()).unwrap_or(0));
-                    out.push(ChunkData::seal(&bytes, false))
+                    out.push(ChunkData::seal_named(*h, bytes, false))
                 }
                 None => return FileResp::Errno(EIO),
             }
@@ -182,20 +190,25 @@ impl Relay {
         (mine, theirs, Some(done_tx))
     }
 
-    async fn fetch_into_cache(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) {
+    /// Fetch `hashes` from the client into the cache; returns the verified bytes fetched.
+    async fn fetch_into_cache(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) -> HashMap<Hash, Vec<u8>> {
+        let mut fetched = HashMap::new();
         if let Some(FileResp::Chunks(got)) = self.ask_client(client, task, FileReq::GetChunks { hashes: hashes.to_vec() }).await {
             for c in got {
                 if !hashes.contains(&c.hash) {
                     continue;
                 }
-                match c.open() {
+                let hash = c.hash;
+                match c.into_verified() {
                     Ok(bytes) => {
                         crate::metrics::add(&self.counters.relay_bytes_from_clients, u64::try_from(bytes.len()).unwrap_or(0));
-                        let _ = self.cache.put_chunk(&c.hash, &bytes);
+                        let _ = self.cache.put_chunk(&hash, &bytes);
+                        fetched.insert(hash, bytes);
                     }
                     Err(e) => log::warn!("client sent a bad chunk: {e}"),
                 }
             }
         }
+        fetched
     }
 }

@@ -26,25 +26,30 @@ pub fn encode(msg: &Msg) -> Result<Vec<u8>, ProtoError> {
 /// Encode a message; with `compress`, a body worth it is zstd-compressed
 /// (kept only if that saves at least an eighth).
 pub fn encode_with(msg: &Msg, compress: bool) -> Result<Vec<u8>, ProtoError> {
-    let mut body = codec().serialize(msg).map_err(ProtoError::Encode)?;
+    // Serialize straight after a header placeholder: a frame of chunk data
+    // is copied once, not once more to prepend its header.
+    let mut out = Vec::with_capacity(HEADER + usize::try_from(codec().serialized_size(msg).unwrap_or(0)).unwrap_or(0));
+    out.extend_from_slice(&[0u8; HEADER]);
+    codec().serialize_into(&mut out, msg).map_err(ProtoError::Encode)?;
     let mut flags = 0u16;
-    if compress && body.len() >= COMPRESS_MIN && msg.worth_compressing() {
-        if let Ok(z) = zstd::bulk::compress(&body, 3) {
-            if z.len() + body.len() / 8 < body.len() {
-                body = z;
+    let body_len = out.len() - HEADER;
+    if compress && body_len >= COMPRESS_MIN && msg.worth_compressing() {
+        if let Ok(z) = zstd::bulk::compress(&out[HEADER..], 3) {
+            if z.len() + body_len / 8 < body_len {
+                out.truncate(HEADER);
+                out.extend_from_slice(&z);
                 flags |= FLAG_ZSTD;
             }
         }
     }
-    if body.len() as u64 > u64::from(MAX_FRAME) {
-        return Err(ProtoError::TooLarge(body.len() as u64));
+    let body_len = out.len() - HEADER;
+    if body_len as u64 > u64::from(MAX_FRAME) {
+        return Err(ProtoError::TooLarge(body_len as u64));
     }
-    let mut out = Vec::with_capacity(HEADER + body.len());
-    out.extend_from_slice(&MAGIC);
-    out.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    out.extend_from_slice(&flags.to_le_bytes());
-    out.extend_from_slice(&u32::try_from(body.len()).expect("checked against MAX_FRAME").to_le_bytes());
-    out.extend_from_slice(&body);
+    out[..4].copy_from_slice(&MAGIC);
+    out[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+    out[6..8].copy_from_slice(&flags.to_le_bytes());
+    out[8..12].copy_from_slice(&u32::try_from(body_len).expect("checked against MAX_FRAME").to_le_bytes());
     Ok(out)
 }
 
@@ -160,6 +165,46 @@ impl<W: std::io::Write> FrameWriter<W> {
 mod tests {
     use super::*;
     use crate::*;
+
+    /// Chunk bytes are a bincode byte string: the same bytes a `Vec<u8>` was
+    /// written as before (u64 length, then the bytes), so the wire is unchanged.
+    #[test]
+    fn chunk_bytes_encode_as_a_length_prefixed_byte_string() {
+        let data: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+        let c = ChunkData::seal(&data, false);
+        let enc = codec().serialize(&c).unwrap();
+        let mut want = c.hash.0.to_vec();
+        want.push(0); // compressed: false
+        want.extend_from_slice(&1000u64.to_le_bytes());
+        want.extend_from_slice(&data);
+        assert_eq!(enc, want);
+        let back: ChunkData = codec().deserialize(&enc).unwrap();
+        assert_eq!(back.into_verified().unwrap(), data);
+    }
+
+    #[test]
+    fn sealed_chunks_verify_and_incompressible_ones_go_as_is() {
+        let text = b"compressible text ".repeat(4096);
+        let z = ChunkData::seal(&text, true);
+        assert!(z.compressed && z.data.len() < text.len() / 4);
+        assert_eq!(z.open().unwrap(), text);
+        // Random bytes: not compressed (the prefix sample says so).
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let noise: Vec<u8> = (0..65536)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x.to_le_bytes()[0]
+            })
+            .collect();
+        let n = ChunkData::seal(&noise, true);
+        assert!(!n.compressed);
+        assert_eq!(n.data, noise);
+        // seal_named trusts the caller's name; the receiver does not.
+        let lie = ChunkData::seal_named(Hash::of(b"something else"), noise.clone(), false);
+        assert!(matches!(lie.into_verified(), Err(ProtoError::Invalid(Invalid::ChunkMismatch(_)))));
+    }
 
     fn spec() -> TaskSpec {
         TaskSpec {

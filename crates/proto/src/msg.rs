@@ -92,9 +92,18 @@ pub enum Msg {
     StatusReply(ClusterStatus),
 
     // ---- task traffic (routed by the head between client and agent)
-    Stdin { task: TaskId, data: Vec<u8> },
+    Stdin {
+        task: TaskId,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
     StdinEof { task: TaskId },
-    Output { task: TaskId, stream: Stream, data: Vec<u8> },
+    Output {
+        task: TaskId,
+        stream: Stream,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
     Signal { task: TaskId, signo: i32 },
     FileRequest { task: TaskId, id: u64, req: FileReq },
     FileResponse { task: TaskId, id: u64, resp: FileResp },

@@ -186,10 +186,13 @@ impl Recipe {
 
 /// Chunk bytes in flight, optionally zstd-compressed. [`ChunkData::open`]
 /// decompresses and verifies the bytes against the name before anyone uses them.
+/// The bytes travel as one length-prefixed byte string (`serde_bytes`: one
+/// copy, not a sequence decoded element by element).
 #[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChunkData {
     pub hash: Hash,
     pub compressed: bool,
+    #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
 }
 
@@ -199,28 +202,54 @@ impl fmt::Debug for ChunkData {
     }
 }
 
+/// How much of a chunk zstd is tried on first: if this prefix does not
+/// shrink, the chunk is sent as is without compressing the rest.
+const COMPRESS_SAMPLE: usize = 8 << 10;
+
+/// Whether zstd saves at least 1/16 of `bytes`.
+fn shrinks(bytes: &[u8]) -> Option<Vec<u8>> {
+    let z = zstd::bulk::compress(bytes, 3).ok()?;
+    (z.len() + bytes.len() / 16 < bytes.len()).then_some(z)
+}
+
 impl ChunkData {
-    /// Package `bytes` for the wire. With `compress`, zstd is tried and kept
-    /// only if it saves at least 1/16 of the size (incompressible data such
-    /// as video or already-compressed archives is sent as is).
+    /// Package `bytes` for the wire (hashing them for their name). See
+    /// [`ChunkData::seal_named`].
     pub fn seal(bytes: &[u8], compress: bool) -> ChunkData {
-        let hash = Hash::of(bytes);
+        ChunkData::seal_named(Hash::of(bytes), bytes.to_vec(), compress)
+    }
+
+    /// Package bytes whose name `hash` the caller already knows (it read
+    /// and verified them, or they come from its own cache: the receiver
+    /// verifies them anyway), without hashing them again. With `compress`,
+    /// zstd is tried on a prefix first and on the whole chunk only if the
+    /// prefix shrank; the result is kept only if it saves at least 1/16 of
+    /// the size (incompressible data such as video or already-compressed
+    /// archives costs one small attempt per chunk, then goes as is).
+    pub fn seal_named(hash: Hash, bytes: Vec<u8>, compress: bool) -> ChunkData {
         if compress && bytes.len() >= 256 {
-            if let Ok(z) = zstd::bulk::compress(bytes, 3) {
-                if z.len() + bytes.len() / 16 < bytes.len() {
+            let sample_shrinks = bytes.len() <= COMPRESS_SAMPLE || shrinks(&bytes[..COMPRESS_SAMPLE]).is_some();
+            if sample_shrinks {
+                if let Some(z) = shrinks(&bytes) {
                     return ChunkData { hash, compressed: true, data: z };
                 }
             }
         }
-        ChunkData { hash, compressed: false, data: bytes.to_vec() }
+        ChunkData { hash, compressed: false, data: bytes }
     }
+
     /// Decompress (bounded by [`MAX_CHUNK`]) and verify against the name.
     pub fn open(&self) -> Result<Vec<u8>, ProtoError> {
+        self.clone().into_verified()
+    }
+
+    /// [`ChunkData::open`], consuming the chunk (no copy when it was not compressed).
+    pub fn into_verified(self) -> Result<Vec<u8>, ProtoError> {
         let bytes = if self.compressed {
             zstd::bulk::decompress(&self.data, MAX_CHUNK as usize)
                 .map_err(|source| ProtoError::from(Invalid::ChunkZstd { hash: self.hash, source }))?
         } else {
-            self.data.clone()
+            self.data
         };
         if Hash::of(&bytes) != self.hash {
             return Err(Invalid::ChunkMismatch(self.hash).into());

@@ -271,8 +271,21 @@ impl FileServer {
         let mut found: HashMap<Hash, ChunkData> = HashMap::new();
         for (name, wanted) in per_file {
             let (path, recipe) = self.by_name.lock().unwrap().get(&name).cloned().expect("indexed recipe");
+            // read_chunks verified each chunk against its name: seal without hashing again.
             for (h, bytes) in starling_store::read_chunks(&path, &recipe, &wanted)? {
-                found.insert(h, ChunkData::seal(&bytes, self.compress));
+                found.insert(h, ChunkData::seal_named(h, bytes, self.compress));
+            }
+        }
+        // Each chunk is moved into the answer once; a hash asked for twice gets a copy.
+        let mut out: Vec<ChunkData> = Vec::with_capacity(hashes.len());
+        for h in hashes {
+            match found.remove(h) {
+                Some(c) => out.push(c),
+                None => {
+                    if let Some(c) = out.iter().find(|c| c.hash == *h).cloned() {
+                        out.push(c);
+                    }
+                }
             }
         }
         let out: Vec<ChunkData> = hashes.iter().filter_map(|h| found.get(h).cloned()).collect();

@@ -152,6 +152,10 @@ pub struct HostCache {
     root: PathBuf,
     max_bytes: u64,
     index: Mutex<Index>,
+    /// Files being assembled by [`HostCache::assemble_fetching`], by content
+    /// id: a second task opening the same new file waits for the first
+    /// rather than fetching it again.
+    assembling: Mutex<HashMap<Hash, std::sync::Arc<Mutex<()>>>>,
 }
 
 impl HostCache {
@@ -189,7 +193,7 @@ impl HostCache {
         for (_, key, size) in found {
             index.use_entry(key, size);
         }
-        let cache = HostCache { root: dir.to_path_buf(), max_bytes, index: Mutex::new(index) };
+        let cache = HostCache { root: dir.to_path_buf(), max_bytes, index: Mutex::new(index), assembling: Mutex::default() };
         cache.evict(&mut cache.lock(), None);
         Ok(cache)
     }
@@ -236,6 +240,17 @@ impl HostCache {
             self.drop_entry(key);
             return Ok(None);
         }
+        self.note_read(key, bytes.len() as u64);
+        Ok(Some(bytes))
+    }
+
+    /// The bytes of chunk `h` as stored, without re-hashing them: for
+    /// serving to a peer that verifies them on receipt anyway (the relay
+    /// cache answering hosts), where hashing here would be a second hash of
+    /// the same bytes on the same hop. An oversized entry is dropped.
+    pub fn get_chunk_unverified(&self, h: &Hash) -> io::Result<Option<Vec<u8>>> {
+        let key = (Kind::Chunk, *h);
+        let Some(bytes) = self.read_entry(key, u64::from(starling_proto::MAX_CHUNK))? else { return Ok(None) };
         self.note_read(key, bytes.len() as u64);
         Ok(Some(bytes))
     }
@@ -352,6 +367,83 @@ impl HostCache {
             // Tasks read this file directly (passthrough): keep it immutable,
             // and durable before it gets its final name, because assembled
             // files are not re-verified when reused.
+            f.set_permissions(fs::Permissions::from_mode(0o444))?;
+            f.sync_all()
+        })?;
+        Ok(path)
+    }
+
+    /// Like [`HostCache::assemble`], but the chunks not in the cache come
+    /// from `fetch`, written straight into the file as they arrive (one
+    /// copy on this hop: no chunk entries are written for them, except for
+    /// a chunk the file uses more than once). `fetch` is called once per
+    /// chunk of `missing` — the chunks of `r` this cache lacked, each once,
+    /// in order of first use, as [`HostCache::missing`] lists them — in that
+    /// order, and must return bytes it has verified against the name.
+    /// Fails with `NotFound` if a chunk that was cached vanished meanwhile
+    /// (call again: it is then among the missing). Callers assembling the
+    /// same content at once take turns: the later ones find the file made
+    /// and fetch nothing.
+    pub fn assemble_fetching(
+        &self,
+        r: &Recipe,
+        missing: &[Hash],
+        fetch: &mut dyn FnMut(&Hash) -> io::Result<Vec<u8>>,
+    ) -> io::Result<PathBuf> {
+        r.validate().map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+        let key = (Kind::File, r.content_id());
+        let path = self.path(key);
+        let slot = self.assembling.lock().unwrap_or_else(|e| e.into_inner()).entry(key.1).or_default().clone();
+        let result = {
+            let _one_at_a_time = slot.lock().unwrap_or_else(|e| e.into_inner());
+            match fs::metadata(&path) {
+                // Assembled meanwhile (by another task): nothing to fetch.
+                Ok(m) if m.is_file() && m.len() == r.size => self.assemble(r),
+                _ => self.assemble_fetching_now(r, key, missing, fetch),
+            }
+        };
+        let mut assembling = self.assembling.lock().unwrap_or_else(|e| e.into_inner());
+        if std::sync::Arc::strong_count(&slot) == 2 {
+            assembling.remove(&key.1);
+        }
+        result
+    }
+
+    fn assemble_fetching_now(
+        &self,
+        r: &Recipe,
+        key: Key,
+        missing: &[Hash],
+        fetch: &mut dyn FnMut(&Hash) -> io::Result<Vec<u8>>,
+    ) -> io::Result<PathBuf> {
+        let path = self.path(key);
+        let _pin = Pin::new(self, r.chunks.iter().map(|c| (Kind::Chunk, c.hash)).collect());
+        let missing: HashSet<&Hash> = missing.iter().collect();
+        let mut uses: HashMap<Hash, u32> = HashMap::new();
+        for c in &r.chunks {
+            *uses.entry(c.hash).or_insert(0) += 1;
+        }
+        let mut fetched: HashSet<Hash> = HashSet::new();
+        self.store(key, |f| {
+            for c in &r.chunks {
+                let bytes = if missing.contains(&c.hash) && fetched.insert(c.hash) {
+                    let bytes = fetch(&c.hash)?;
+                    if uses[&c.hash] > 1 {
+                        // Used again later in this file: keep it where the second use finds it.
+                        self.put_chunk(&c.hash, &bytes)?;
+                    }
+                    bytes
+                } else {
+                    self.get_chunk(&c.hash)?.ok_or_else(|| not_found_chunks(&[c.hash]))?
+                };
+                if bytes.len() != c.len as usize {
+                    return Err(io::Error::new(
+                        io::ErrorKind::InvalidData,
+                        format!("recipe says chunk {} is {} bytes but it is {}", c.hash, c.len, bytes.len()),
+                    ));
+                }
+                f.write_all(&bytes)?;
+            }
             f.set_permissions(fs::Permissions::from_mode(0o444))?;
             f.sync_all()
         })?;

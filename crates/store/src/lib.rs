@@ -21,11 +21,13 @@
 //!   shared by all tasks on a host and by the head's relay cache.
 //!
 //! Trust: bytes are only ever handed out under a name they match. Peers'
-//! chunks are verified on receipt (`ChunkData::open`), the host cache
-//! re-verifies every chunk and recipe it reads back from disk (BLAKE3 is
-//! cheaper than the disk), and every write goes through a temporary file and
-//! an atomic rename, so neither a crash nor a concurrent reader sees a
-//! partial entry.
+//! chunks are verified on receipt (`ChunkData::into_verified`), once per hop:
+//! the host cache re-verifies every chunk and recipe it reads back from disk
+//! for its own use (`get_chunk`, `get_recipe`), but bytes it only passes on to
+//! a peer that verifies them anyway are not hashed again
+//! (`get_chunk_unverified`, the relay cache serving hosts). Every write goes
+//! through a temporary file and an atomic rename, so neither a crash nor a
+//! concurrent reader sees a partial entry.
 
 pub mod chunker;
 mod host_cache;

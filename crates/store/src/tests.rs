@@ -307,3 +307,41 @@ fn caches_are_shareable_between_threads() {
     shareable::<HostCache>();
     shareable::<RecipeCache>();
 }
+
+#[test]
+fn assemble_fetching_writes_fetched_chunks_straight_into_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = HostCache::open(dir.path(), 64 << 20).unwrap();
+    // Repeated content (shared chunks) and one chunk already cached.
+    let half = random_bytes(9, 2 << 20);
+    let data = [&half[..], &half[..], &random_bytes(10, 1 << 20)[..]].concat();
+    let pieces = chunker::chunk_bytes(&data);
+    let recipe = Recipe { size: data.len() as u64, mode: 0o100644, uid: 0, gid: 0, mtime_ns: 1, chunks: pieces.iter().map(|(r, _)| r.clone()).collect() };
+    let (first, range) = &pieces[0];
+    cache.put_chunk(&first.hash, &data[range.clone()]).unwrap();
+    let missing = cache.missing(&recipe);
+    assert!(!missing.contains(&first.hash));
+    let by_hash: std::collections::HashMap<Hash, Vec<u8>> = pieces.iter().map(|(r, g)| (r.hash, data[g.clone()].to_vec())).collect();
+    let mut asked = Vec::new();
+    let path = cache
+        .assemble_fetching(&recipe, &missing, &mut |h| {
+            asked.push(*h);
+            Ok(by_hash[h].clone())
+        })
+        .unwrap();
+    assert_eq!(asked, missing, "each missing chunk fetched once, in the order listed");
+    assert!(fs::read(&path).unwrap() == data, "assembled bytes differ from the original");
+    // Only the chunks the file repeats were kept as chunk entries.
+    let repeated: std::collections::HashSet<Hash> =
+        recipe.chunks.iter().map(|c| c.hash).filter(|h| recipe.chunks.iter().filter(|c| c.hash == *h).count() > 1).collect();
+    for h in &missing {
+        assert_eq!(chunk_path(dir.path(), h).exists(), repeated.contains(h), "chunk {h}");
+    }
+    // A fetch that fails leaves no file behind.
+    let other = random_bytes(11, 1 << 20);
+    let r2 = Recipe { size: other.len() as u64, mode: 0o100644, uid: 0, gid: 0, mtime_ns: 1, chunks: chunker::chunk_bytes(&other).into_iter().map(|(r, _)| r).collect() };
+    let m2 = cache.missing(&r2);
+    let err = cache.assemble_fetching(&r2, &m2, &mut |_| Err(io::Error::other("gone"))).unwrap_err();
+    assert_eq!(err.to_string(), "gone");
+    assert_eq!(cache.assemble(&r2).unwrap_err().kind(), io::ErrorKind::NotFound);
+}
