@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the `starling` Python wheel (crates/python: its pyproject.toml,
 # the Python package in crates/python/python/starling, the native module from src/lib.rs)
-# and install it into the current Python, with what it needs (cloudpickle:
+# plus the starling binary as the `starling` command) and install it into the current Python, with what it needs (cloudpickle:
 # starling.Executor) and what its tests need (numpy, pytest, joblib,
 # scikit-learn: the joblib backend's test). Idempotent: rebuilding is incremental and the wheel is reinstalled
 # over any previous one.
@@ -17,6 +17,11 @@ wheels=$target/wheels-python
 
 "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore "maturin>=1.5,<2" numpy pytest cloudpickle joblib scikit-learn
 rm -rf "$wheels"
+# The wheel bundles the starling binary (the `starling` command: starling._cli execs it).
+bin=$target/release/starling
+[ -x "$bin" ] || (CARGO_TARGET_DIR=$target cargo build --release -p starling-cli)
+mkdir -p crates/python/python/starling/bin
+strip -o crates/python/python/starling/bin/starling "$bin"
 (cd crates/python && CARGO_TARGET_DIR=$target "$python" -m maturin build --release --strip \
     --interpreter "$python" --out "$wheels")
 "$python" -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --force-reinstall --no-deps "$wheels"/starling-*.whl

@@ -83,6 +83,16 @@ enum Cmd {
         #[arg(long)]
         cluster: Option<String>,
     },
+    /// Print the address of the head's live dashboard (a web page: hosts, jobs and tickets with
+    /// their progress, running tasks and clones, bytes over the link, cache hits, page faults;
+    /// updated live). Open it in a browser. The page is at /, its data at /api/state (JSON) and
+    /// /api/events (server-sent events), on the head's metrics listener: `starling up` starts it on
+    /// 127.0.0.1 (a free port) unless --metrics ADDR or head.metrics says where.
+    Dashboard {
+        /// Cluster head address (default: the embedded cluster started by `starling up`).
+        #[arg(long)]
+        cluster: Option<String>,
+    },
     /// List every running task of the cluster: id, job, host, state, CPU time, resident memory,
     /// how long it has run, command.
     Ps {
@@ -552,6 +562,20 @@ fn run(cli: Cli) -> Result<i32> {
             let ctx = client_context(&cfg, cluster)?;
             runtime().block_on(status(json, &ctx.target))
         }
+        Cmd::Dashboard { cluster } => {
+            init_logging(cfg.log.as_deref(), "warn");
+            let ctx = client_context(&cfg, cluster)?;
+            let st = runtime().block_on(fetch_status(&ctx.target))?;
+            match st.facts.iter().find(|(k, _)| k == "metrics") {
+                Some((_, url)) => {
+                    println!("{}", url.strip_suffix("metrics").unwrap_or(url));
+                    Ok(0)
+                }
+                None => anyhow::bail!(
+                    "the head serves no dashboard: it was started without a metrics listener (start it with `starling up --metrics 127.0.0.1:9477`, `starling head --metrics ADDR` or head.metrics in the config)"
+                ),
+            }
+        }
         Cmd::Ps { json, cluster } => {
             init_logging(cfg.log.as_deref(), "warn");
             let ctx = client_context(&cfg, cluster)?;
@@ -1006,9 +1030,9 @@ fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>, no_root_
     if no_relay_cache || !cfg.head.relay_cache {
         args.push("--no-relay-cache".to_string());
     }
-    if let Some(m) = metrics.or(cfg.head.metrics.as_deref()) {
-        args.extend(["--metrics".to_string(), m.to_string()]);
-    }
+    // The dashboard and /metrics: where asked, else on a free port of this machine's loopback.
+    let m = metrics.or(cfg.head.metrics.as_deref()).unwrap_or("127.0.0.1:0");
+    args.extend(["--metrics".to_string(), m.to_string()]);
     args
 }
 

@@ -232,6 +232,19 @@ pub fn dump_fds(pid: i32, skip: i32) -> Result<Vec<FdEntry>> {
         .filter(|&fd| fd != skip)
         .collect();
     fds.sort_unstable();
+    // The files stdout and stderr write to, when they are regular files
+    // opened for writing (`prog > log`): every descriptor of such a file is
+    // a stream (see `FdKind::Stream`).
+    let written_file = |fd: i32| -> Option<(u64, u64)> {
+        let info = read_proc(&format!("/proc/{pid}/fdinfo/{fd}")).ok()?;
+        let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok())?;
+        if flags & libc::O_ACCMODE as u32 == libc::O_RDONLY as u32 {
+            return None;
+        }
+        let m = std::fs::metadata(format!("{dir}/{fd}")).ok()?;
+        m.file_type().is_file().then(|| (m.dev(), m.ino()))
+    };
+    let std_files: Vec<(i32, (u64, u64))> = [1, 2].into_iter().filter_map(|fd| Some((fd, written_file(fd)?))).collect();
     let mut out = Vec::new();
     for fd in fds {
         let link = format!("{dir}/{fd}");
@@ -241,8 +254,15 @@ pub fn dump_fds(pid: i32, skip: i32) -> Result<Vec<FdEntry>> {
         let field = |name: &str| info.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
         let flags = field("flags:").and_then(|v| u32::from_str_radix(v, 8).ok()).unwrap_or(0);
         let pos = field("pos:").and_then(|v| v.parse().ok()).unwrap_or(0);
+        let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
         let kind = if target.starts_with('/') && !target.ends_with(" (deleted)") {
             match std::fs::metadata(&link) {
+                Ok(m) if m.file_type().is_file() && writes && std_files.iter().any(|(_, f)| *f == (m.dev(), m.ino())) => {
+                    // fd 1 and 2 stream to themselves; another descriptor of
+                    // the same file to the first of them that writes it.
+                    let of = if fd == 1 || fd == 2 { fd } else { std_files.iter().find(|(_, f)| *f == (m.dev(), m.ino())).map_or(1, |(s, _)| *s) };
+                    FdKind::Stream { of }
+                }
                 Ok(m) if m.file_type().is_file() || m.file_type().is_dir() => {
                     FdKind::Reopen { path: target, flags, offset: pos }
                 }

@@ -18,6 +18,7 @@
 //! [`relay`] (the shared content cache), [`jobs`] (job bindings). What the
 //! head knows is read through [`Head::snapshot`].
 
+mod dashboard;
 mod eviction;
 mod jobs;
 mod linger;
@@ -133,6 +134,8 @@ pub struct Head {
     pub(crate) next_task: AtomicU64,
     /// What `/metrics` counts (`metrics` module).
     pub(crate) counters: Arc<metrics::Counters>,
+    /// Progress of jobs and tickets, for the dashboard.
+    pub(crate) groups: Mutex<dashboard::Groups>,
     next_conn: AtomicU64,
     listen: String,
     facts: Vec<(String, String)>,
@@ -232,6 +235,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         // Task ids are unique across head restarts too (hosts keep per-task dirs).
         next_task: AtomicU64::new(now_us()),
         counters,
+        groups: Mutex::new(dashboard::Groups::default()),
         next_conn: AtomicU64::new(1),
         listen: settings.listen.clone(),
         facts,
@@ -492,6 +496,7 @@ impl Head {
     pub(crate) async fn lose_task(&self, task: TaskId, why: &str) {
         let Some(mut r) = self.state.lock().unwrap().end_route(task) else { return };
         metrics::add(&self.counters.tasks_lost, 1);
+        self.groups.lock().unwrap().lost(task);
         self.move_outlived(task, r.moving.take()).await;
         if let Some(c) = r.client {
             let _ = c.send(Msg::Error { task: Some(task), message: why.to_string() }).await;

@@ -49,6 +49,7 @@ impl Head {
     pub(crate) fn count(&self, m: &starling_proto::Msg) {
         use starling_proto::Msg;
         let c = &self.counters;
+        self.groups.lock().unwrap().count(m);
         match m {
             Msg::Finished { .. } => add(&c.tasks_finished, 1),
             Msg::Error { .. } => add(&c.tasks_failed, 1),
@@ -195,13 +196,17 @@ async fn answer(head: &Head, mut sock: TcpStream) -> std::io::Result<()> {
     let line = String::from_utf8_lossy(&buf);
     let mut words = line.split_whitespace();
     let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
-    let (status, body) = match (method, path.split('?').next().unwrap_or("")) {
-        ("GET", "/metrics") => ("200 OK", render(head)),
-        ("GET", _) => ("404 Not Found", "starling: only /metrics is served here\n".to_string()),
-        _ => ("405 Method Not Allowed", "starling: GET /metrics\n".to_string()),
+    const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+    let (status, kind, body) = match (method, path.split('?').next().unwrap_or("")) {
+        ("GET", "/metrics") => ("200 OK", TEXT, render(head)),
+        ("GET", "/" | "/index.html") => ("200 OK", "text/html; charset=utf-8", crate::dashboard::page(head)),
+        ("GET", "/api/state") => ("200 OK", "application/json", crate::dashboard::state_json(head)),
+        ("GET", "/api/events") => return crate::dashboard::events(head, &mut sock).await,
+        ("GET", _) => ("404 Not Found", TEXT, "starling: served here: / (dashboard), /api/state, /api/events, /metrics\n".to_string()),
+        _ => ("405 Method Not Allowed", TEXT, "starling: GET /, /api/state, /api/events or /metrics\n".to_string()),
     };
     let reply = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "HTTP/1.1 {status}\r\nContent-Type: {kind}\r\nContent-Length: {}\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n{body}",
         body.len()
     );
     sock.write_all(reply.as_bytes()).await?;

@@ -89,6 +89,7 @@ impl Head {
             cpu_before: 0.0,
             target_file_ids: Default::default(),
         };
+        self.groups.lock().unwrap().started(task, q.conn, &q.spec, &route.command);
         self.state.lock().unwrap().routes.insert(task, route);
         crate::metrics::add(&self.counters.tasks_started, 1);
         let _ = q.client.send(Msg::Started { task, host: host.clone(), reference: q.reference, job_fresh: q.job_fresh }).await;

@@ -13,7 +13,7 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 2;
+pub const DESCRIPTOR_VERSION: u32 = 3;
 /// Upper bound accepted by [`Descriptor::decode`].
 pub const MAX_DESCRIPTOR_BYTES: u64 = 64 << 20;
 /// Largest FPU area accepted (XSAVE with AMX is ~11 KiB).
@@ -131,6 +131,13 @@ pub enum FdKind {
     Reopen { path: String, flags: u32, offset: u64 },
     PipeRead,
     PipeWrite,
+    /// A regular file open for writing that is the process's stdout or
+    /// stderr (fd 1 or 2 itself, or another descriptor of the same file, as
+    /// `prog > log` or pytest's saved copy of fd 1 give). A clone writes it
+    /// as a stream: the descriptor becomes a copy of the clone's own fd `of`
+    /// (1 or 2), which the agent relays to the client, who appends it to its
+    /// own fd — the file is never reopened, so never committed as a whole.
+    Stream { of: i32 },
     Socket,
     /// Character/block device, anon inode (eventfd, epoll…), deleted file.
     Other { target: String },
@@ -264,6 +271,11 @@ impl Descriptor {
             if let FdKind::Reopen { path, .. } = &f.kind {
                 if path.contains('\0') || path.len() >= 4096 {
                     return bad(format!("fd {} path", f.fd));
+                }
+            }
+            if let FdKind::Stream { of } = f.kind {
+                if of != 1 && of != 2 {
+                    return bad(format!("fd {} streams to fd {of}", f.fd));
                 }
             }
             prev_fd = f.fd;

@@ -115,6 +115,10 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
                 }
                 FdKind::PipeRead => e.kind = FdRestore::PipeReadEof as u64,
                 FdKind::PipeWrite => e.kind = FdRestore::PipeWriteEpipe as u64,
+                FdKind::Stream { of } => {
+                    e.kind = FdRestore::Dup as u64;
+                    e.offset = u64::try_from(*of).ok()?;
+                }
                 FdKind::Socket | FdKind::Other { .. } => return None,
             }
             Some(e)

@@ -38,6 +38,7 @@ fn descriptor() -> Descriptor {
             FdEntry { fd: 1, kind: FdKind::PipeWrite },
             FdEntry { fd: 5, kind: FdKind::Reopen { path: "/data/in".to_string(), flags: 2, offset: 77 } },
             FdEntry { fd: 6, kind: FdKind::Socket },
+            FdEntry { fd: 9, kind: FdKind::Stream { of: 2 } },
         ],
         threads: vec![thread(42, 832), thread(43, FXSAVE_BYTES)],
         sigactions: SigactionTable::default(),
@@ -65,7 +66,7 @@ fn lowered_plan_reads_back_as_the_restorer_reads_it() {
     let h: PlanHeader = read(&plan, 0);
     assert_eq!((h.magic, h.version, h.total_len), (PLAN_MAGIC, PLAN_VERSION, plan.len() as u64));
     assert_eq!(h.flags, PLAN_FLAG_NEW_PIDNS | PLAN_FLAG_CLONE_ID_IN_RAX);
-    assert_eq!((h.clone_id, h.n_threads, h.n_regions, h.n_fds, h.n_signals), (3, 2, 2, 2, 1));
+    assert_eq!((h.clone_id, h.n_threads, h.n_regions, h.n_fds, h.n_signals), (3, 2, 2, 3, 1));
     assert_eq!(h.blob_off % 64, 0);
     assert_eq!(h.process.pid, 42);
     let blob = |r: BlobRef| &plan[(h.blob_off + r.off) as usize..(h.blob_off + r.off + r.len) as usize];
@@ -87,6 +88,9 @@ fn lowered_plan_reads_back_as_the_restorer_reads_it() {
     let file: PlanFd = read(&plan, h.fds_off + FD_SIZE as u64);
     assert_eq!((file.fd, file.restore_kind(), file.offset, file.open_flags), (5, Some(FdRestore::Reopen), 77, 2));
     assert_eq!(blob(file.path), b"/data/in");
+    // A descriptor of the file stderr writes to: a dup of fd 2, no path.
+    let stream: PlanFd = read(&plan, h.fds_off + 2 * FD_SIZE as u64);
+    assert_eq!((stream.fd, stream.restore_kind(), stream.offset, stream.path.len), (9, Some(FdRestore::Dup), 2, 0));
     let sig: PlanSignal = read(&plan, h.signals_off);
     assert_eq!((sig.tid, sig.info.signo()), (0, 10));
 }
@@ -105,6 +109,9 @@ fn validation_refuses_inconsistent_threads() {
     let mut d = descriptor();
     d.threads[0].fpu[464] = 0; // XSAVE area without its magic
     assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("magic")));
+    let mut d = descriptor();
+    d.fds[3].kind = FdKind::Stream { of: 5 }; // only stdout or stderr is a stream
+    assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("streams")));
 }
 
 #[test]

@@ -131,6 +131,13 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect();
     fds.sort_unstable();
+    // A clone's copy of its stdout/stderr (`FdKind::Stream`, restored as a
+    // dup of fd 1/2) is the same pipe as that fd: it moves as such a copy.
+    let std_pipes: Vec<(i32, String)> = [1, 2]
+        .into_iter()
+        .filter_map(|fd| Some((fd, std::fs::read_link(format!("{dir}/{fd}")).ok()?.to_string_lossy().into_owned())))
+        .filter(|(_, t)| t.starts_with("pipe:"))
+        .collect();
     let mut out = Vec::new();
     for fd in fds {
         let link = format!("{dir}/{fd}");
@@ -146,6 +153,10 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
             // Beyond stdio only a dead end moves (what a clone's pipe
             // placeholders are): its other end is held by no process, and
             // nothing is left to read. It is restored as such a placeholder.
+            if let Some((of, _)) = std_pipes.iter().find(|(_, t)| *t == target).filter(|_| fd > 2 && write) {
+                out.push(FdEntry { fd, kind: FdKind::Stream { of: *of } });
+                continue;
+            }
             if fd > 2 && !dead_end(pid, &target, &link, write) {
                 return refuse("a pipe: processes connected by pipes cannot move yet");
             }

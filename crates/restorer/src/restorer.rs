@@ -1013,6 +1013,16 @@ fn restore_fds(keep_above: i32) {
                     keep as isize
                 }
             }
+            // The stream (stdout/stderr, fds below this one: restored
+            // already) that this descriptor of the same file writes to.
+            Some(FdRestore::Dup) => {
+                if f.offset != 1 && f.offset != 2 {
+                    die(RestorerExit::BadPlan, "dup of fd", f.offset, 0);
+                }
+                // SAFETY: dup2 of fd 1 or 2, which the restorer holds (or
+                // EBADF), onto the image's fd number.
+                unsafe { sys!(nr::DUP2, f.offset, target) }
+            }
             None => die(RestorerExit::BadPlan, "unknown fd kind", f.kind, 0),
         };
         if opened < 0 {

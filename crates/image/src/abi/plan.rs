@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 4;
+pub const PLAN_VERSION: u64 = 5;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -163,6 +163,10 @@ pub enum FdRestore {
     PipeReadEof = 3,
     /// Placeholder: write end of a pipe whose reader is gone (EPIPE).
     PipeWriteEpipe = 4,
+    /// `dup2(offset, fd)`: a copy of the restored process's stdout or stderr
+    /// (`offset` is 1 or 2), for a descriptor of the file stdout/stderr
+    /// writes to.
+    Dup = 5,
 }
 
 impl FdRestore {
@@ -172,6 +176,7 @@ impl FdRestore {
             2 => FdRestore::Reopen,
             3 => FdRestore::PipeReadEof,
             4 => FdRestore::PipeWriteEpipe,
+            5 => FdRestore::Dup,
             _ => return None,
         })
     }

@@ -420,6 +420,25 @@ class Executor(_cf.Executor):
 
     # -- shutting down ------------------------------------------------------------------------
 
+    @property
+    def dashboard_url(self):
+        """The address of the cluster head's live dashboard (this pool shows there as a ticket), as
+        ``starling dashboard`` prints it; None if the head serves none or the command is not found
+        (the wheel's bundled binary, else ``starling`` on PATH)."""
+        import shutil
+        import subprocess
+
+        from . import _cli
+
+        exe = _cli.binary() if os.access(_cli.binary(), os.X_OK) else shutil.which("starling")
+        if exe is None:
+            return None
+        try:
+            r = subprocess.run([exe, "dashboard"], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return (r.stdout.strip() or None) if r.returncode == 0 else None
+
     def shutdown(self, wait=True, *, cancel_futures=False):
         with self._lock:
             self._shutdown = True

@@ -1,0 +1,44 @@
+/* A parent whose stdout/stderr may be a regular file (`prog > out.txt`):
+ * it writes a line, clones N workers that each write one line to stdout and
+ * one to stderr, writes a line while they run, joins, and writes a final
+ * line. Every line must end up in the file, in the parent's order for its
+ * own lines, nothing replaced.
+ * With DUP=1 the parent first keeps a copy of fd 1 on fd 9 (as pytest's
+ * output capture does) and the clones write through that copy too.
+ * Usage: output_file N HIERARCHICAL(0|1) DUP(0|1) */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "starling.h"
+
+static void say(int fd, const char *fmt, int a) {
+    char buf[128];
+    int n = snprintf(buf, sizeof buf, fmt, a);
+    if (write(fd, buf, (size_t)n) != n) _exit(5);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 4) { fprintf(stderr, "usage: output_file N HIERARCHICAL DUP\n"); return 2; }
+    int n = atoi(argv[1]);
+    int dup_fd = atoi(argv[3]) ? 9 : -1;
+    if (dup_fd >= 0 && dup2(1, dup_fd) < 0) { perror("dup2"); return 2; }
+    say(1, "PARENT first\n", 0);
+    sf_ticket_t *t = sf_request_ticket(n, atoi(argv[2]) != 0);
+    if (!t) { fprintf(stderr, "ticket: %s\n", sf_last_error()); return 2; }
+    int id = sf_clone(t);
+    if (id < 0) { fprintf(stderr, "sf_clone: %s\n", sf_last_error()); return 2; }
+    if (id > 0) {
+        say(1, "CLONE %d out\n", id);
+        say(2, "CLONE %d err\n", id);
+        if (dup_fd >= 0) say(dup_fd, "CLONE %d dup\n", id);
+        sf_exit(0);
+    }
+    say(1, "PARENT during\n", 0);
+    if (sf_join(t) != 0) { fprintf(stderr, "sf_join: %s\n", sf_last_error()); return 3; }
+    for (int i = 1; i <= sf_ticket_allocation(t); i++)
+        if (sf_clone_status(t, i) != 0) { fprintf(stderr, "clone %d status %d\n", i, sf_clone_status(t, i)); return 4; }
+    say(1, "PARENT last %d\n", sf_ticket_allocation(t));
+    return 0;
+}
