@@ -299,6 +299,8 @@ mod tests {
             listings: vec![],
             launch_ns: 0,
             clone: None,
+            policy: None,
+            terminal: None,
         };
         if let Some(n) = count {
             s.set_task_index(0, usize::try_from(n).unwrap());
