@@ -288,7 +288,6 @@ impl FileServer {
                 }
             }
         }
-        let out: Vec<ChunkData> = hashes.iter().filter_map(|h| found.get(h).cloned()).collect();
         self.note_served(&out.iter().map(|c| c.hash).collect::<Vec<_>>());
         let mut st = self.stats.lock().unwrap();
         st.chunks_sent += out.len() as u64;
