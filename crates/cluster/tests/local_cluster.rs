@@ -328,8 +328,9 @@ fn test_failed_up_cleans_up(f: &mut Vec<String>) {
 }
 
 /// Without an override a host execs `exe agent --head ADDR --name NAME --state HOST_STATE_MOUNT --cache-mib N
-/// --cgroup NETNS --owner emulated` in its own root (its guest cgroup named after its network namespace, its
-/// owner the emulated one that `starling owner` drives).
+/// --cgroup NETNS --owner emulated --auth=HOST_STATE_MOUNT/auth` in its own root (its guest cgroup named after
+/// its network namespace, its owner the emulated one that `starling owner` drives, its credentials the copy
+/// `up` gave the host).
 fn test_default_agent_command(f: &mut Vec<String>) {
     let d = dirs("agent");
     let overrides = UpOverrides { host_command: None, ..sleeping_hosts() };
@@ -341,11 +342,12 @@ fn test_default_agent_command(f: &mut Vec<String>) {
                 [exe.as_str(), "agent", "--head", "10.219.0.1:7077", "--name", "h1", "--state", HOST_STATE_MOUNT];
             let argv = procs::cmdline(pid);
             // Then the cache bound `up` chose for the machine's free disk (256..=8192 MiB), then the host's
-            // guest cgroup (its network namespace's name) and the emulated owner.
-            let cache_ok = argv.len() == expected.len() + 6
+            // guest cgroup (its network namespace's name), the emulated owner and the host's credentials.
+            let auth = format!("--auth={HOST_STATE_MOUNT}/auth");
+            let cache_ok = argv.len() == expected.len() + 7
                 && argv[expected.len()] == "--cache-mib"
                 && argv[expected.len() + 1].parse::<u64>().is_ok_and(|m| (256..=8192).contains(&m))
-                && argv[expected.len() + 2..] == ["--cgroup", "stt-h1", "--owner", "emulated"];
+                && argv[expected.len() + 2..] == ["--cgroup", "stt-h1", "--owner", "emulated", auth.as_str()];
             check(argv[..expected.len().min(argv.len())] == expected && cache_ok, &format!("agent command line {argv:?}"), f);
             let (_, hostname) = in_host(pid, &["hostname"]);
             check(hostname == "h1", "the agent runs in host h1", f);

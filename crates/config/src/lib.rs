@@ -557,7 +557,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_STATS_FILE"),
         flag: "",
         default: "none",
-        meaning: "append one JSON line of client-side counters per launch (benchmarks)",
+        meaning: "append one JSON line of client-side counters per launch (benchmarks); `starling exec` adds its stage times (`stages_ms`: setup, connect, prepare, launch, run_commit, learn), `since_main_ms` and its own CPU (`cpu_user_ms`, `cpu_sys_ms`)",
         apply: |c, v| {
             c.client.stats_file = Some(v.text()?.into());
             Ok(())
@@ -698,8 +698,8 @@ pub static SETTINGS: &[Setting] = &[
         key: "head.metrics",
         env: None,
         flag: "--metrics (head, up)",
-        default: "none",
-        meaning: "IP:PORT where the head serves Prometheus `/metrics` (tasks by state, relay cache, clones, page faults, per-host cores and load)",
+        default: "none (`up`: 127.0.0.1, a free port)",
+        meaning: "IP:PORT where the head serves Prometheus `/metrics` (tasks by state, relay cache, clones, page faults, per-host cores and load) and the live dashboard (`/`, `/api/state`, `/api/events`)",
         apply: |c, v| {
             c.head.metrics = Some(v.text()?).filter(|t| !t.is_empty());
             Ok(())
@@ -835,7 +835,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_POLICY"),
         flag: "--policy (agent, up)",
         default: "LF",
-        meaning: "what the host's guests do when its owner becomes active: `LF` (linger at starvation priority, never move), `LL` (linger, then move to an idle host after T_lingr = ((1−l)/(h−l))·T_migr) or `PM` (suspend, move to an idle host if the owner is still active after `agent.pm_pause_s`)",
+        meaning: "what the host's guests do when its owner becomes active: `LF` (linger at starvation priority, never move), `LL` (linger, then move to an idle host after T_lingr = ((1−l)/(h−l))·T_migr) `PM` (suspend, move to an idle host if the owner is still active after `agent.pm_pause_s`) or `IE` (kill, rerun from the start on an idle host); a task's `exec/run/batch --policy` wins",
         apply: |c, v| {
             c.agent.policy = GuestPolicy::parse(&v.text()?)?;
             Ok(())
