@@ -86,9 +86,11 @@ def cluster(session_cluster):
 
 @pytest.fixture
 def workdir(tmp_path):
-    """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too), of this
-    pytest process's own: concurrent runs (other instances) must not share or remove it."""
-    d = pathlib.Path("/var/tmp/starling-tests") / str(os.getpid()) / tmp_path.name
+    """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too). Its path is
+    kept short: tests find their task in `starling ps` by a path in its command line, which ps cuts at
+    120 characters. Two pytest runs on one machine (other instances) share these names: run them in
+    separate checkouts' order, not at once."""
+    d = pathlib.Path("/var/tmp/starling-tests") / tmp_path.name
     d.mkdir(parents=True, exist_ok=True)
     yield d
     subprocess.run(["rm", "-rf", str(d)])
