@@ -75,7 +75,7 @@ impl PageRuns {
     pub fn expand(&self) -> Vec<PageClass> {
         let mut v = Vec::with_capacity(usize::try_from(self.pages()).unwrap_or(0));
         for &(c, n) in &self.0 {
-            v.extend(core::iter::repeat(c).take(n as usize));
+            v.extend(core::iter::repeat_n(c, n as usize));
         }
         v
     }

@@ -34,7 +34,7 @@ mod lower;
 pub use descriptor::*;
 #[cfg(feature = "std")]
 pub use lower::{lower, map_kind, PlanOptions};
-pub use abi::PAGE_SIZE;
+pub use abi::{PAGE_BYTES, PAGE_SIZE};
 
 #[cfg(test)]
 mod tests;

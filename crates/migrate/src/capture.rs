@@ -169,7 +169,7 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
             let meta = std::fs::metadata(&link).map_err(|e| MigrateError::Proc { path: link.clone(), source: e })?;
             let ft = meta.file_type();
             if ft.is_char_device() {
-                let (major, minor) = (libc::major(meta.rdev()) as u64, libc::minor(meta.rdev()) as u64);
+                let (major, minor) = (u64::from(libc::major(meta.rdev())), u64::from(libc::minor(meta.rdev())));
                 match SANDBOX_DEVICES.iter().find(|d| (d.1, d.2) == (major, minor)) {
                     Some(d) => FdKind::Reopen { path: format!("/dev/{}", d.0), flags, offset: 0 },
                     None => return refuse("a device"),
@@ -226,17 +226,17 @@ pub fn prepare_restart(r: &mut GpRegs) {
     const ERESTARTNOINTR: i64 = -513;
     const ERESTARTNOHAND: i64 = -514;
     const ERESTART_RESTARTBLOCK: i64 = -516;
-    if (r.orig_rax as i64) < 0 {
+    if r.orig_rax.cast_signed() < 0 {
         return;
     }
-    match r.rax as i64 {
+    match r.rax.cast_signed() {
         ERESTARTSYS | ERESTARTNOINTR | ERESTARTNOHAND => {
             r.rax = r.orig_rax;
             r.rip -= 2;
         }
         // The restart block is kernel state that does not move: the call
         // returns EINTR (a relative sleep reports what is left if asked).
-        ERESTART_RESTARTBLOCK => r.rax = (-i64::from(libc::EINTR)) as u64,
+        ERESTART_RESTARTBLOCK => r.rax = (-i64::from(libc::EINTR)).cast_unsigned(),
         _ => {}
     }
 }

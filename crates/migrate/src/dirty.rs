@@ -18,7 +18,7 @@
 use crate::freeze::Frozen;
 use crate::inject::Injector;
 use crate::{MigrateError, Result};
-use starling_image::PAGE_SIZE;
+use starling_image::PAGE_BYTES;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
@@ -110,7 +110,8 @@ impl DirtyTracker {
         let pid = frozen.pid;
         let flags = (libc::O_CLOEXEC | libc::O_NONBLOCK) as u64 | UFFD_USER_MODE_ONLY;
         let theirs = inj.call(pid, libc::SYS_userfaultfd, [flags, 0, 0, 0, 0, 0])?;
-        let ours = take_fd(pid, theirs as i32);
+        // A descriptor number the kernel just returned fits an int.
+        let ours = take_fd(pid, i32::try_from(theirs).unwrap_or(-1));
         inj.call(pid, libc::SYS_close, [theirs, 0, 0, 0, 0, 0])?;
         let uffd = ours?;
         let mut api = UffdioApi { api: UFFD_API, features: UFFD_FEATURE_WP_ASYNC | UFFD_FEATURE_WP_UNPOPULATED, ioctls: 0 };
@@ -166,7 +167,7 @@ impl DirtyTracker {
                     Err(e) => return Err(e),
                 };
                 for r in &out[..n.min(out.len())] {
-                    pages.extend((r.start..r.end).step_by(PAGE_SIZE as usize));
+                    pages.extend((r.start..r.end).step_by(PAGE_BYTES));
                 }
                 if arg.walk_end <= at {
                     break;
@@ -186,11 +187,15 @@ fn take_fd(pid: i32, fd: i32) -> Result<OwnedFd> {
         if pidfd < 0 {
             return Err(MigrateError::Tracking { what: "pidfd_open", source: std::io::Error::last_os_error() });
         }
+        // syscall(2) widens the int it returns to long: narrowing back is exact.
+        #[allow(clippy::cast_possible_truncation)]
         let pidfd = OwnedFd::from_raw_fd(pidfd as i32);
         let ours = libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), fd, 0);
         if ours < 0 {
             return Err(MigrateError::Tracking { what: "pidfd_getfd", source: std::io::Error::last_os_error() });
         }
+        // As above: an int widened to long.
+        #[allow(clippy::cast_possible_truncation)]
         Ok(OwnedFd::from_raw_fd(ours as i32))
     }
 }

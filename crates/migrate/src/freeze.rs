@@ -112,7 +112,7 @@ impl Frozen {
         self.released = true;
         let mut first = Ok(());
         for &tid in &self.tids {
-            let sig = self.caught.get(&tid).map_or(0, |i| i.signo() as i32);
+            let sig = self.caught.get(&tid).map_or(0, |i| i.signo().cast_signed());
             if let Err(e) = ptrace::detach(tid, sig) {
                 if first.is_ok() {
                     first = Err(e);
@@ -139,7 +139,7 @@ impl Frozen {
             // wait until it has exited.
             let mut info: libc::siginfo_t = unsafe_zeroed_siginfo();
             // SAFETY: waitid writes a siginfo; WNOWAIT leaves the zombie.
-            unsafe { libc::waitid(libc::P_PID, self.pid as libc::id_t, &mut info, libc::WEXITED | libc::WNOWAIT | libc::__WALL) };
+            unsafe { libc::waitid(libc::P_PID, self.pid.cast_unsigned(), &mut info, libc::WEXITED | libc::WNOWAIT | libc::__WALL) };
         } else {
             // Released to its real parent (the sandbox's reaper).
             while !matches!(ptrace::wait_stop(self.pid), Ok(Stop::Exited) | Err(_)) {

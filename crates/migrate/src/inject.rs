@@ -62,7 +62,7 @@ impl<'a> Injector<'a> {
         let mask = ptrace::get_sigmask(tid)?;
         ptrace::set_sigmask(tid, !0)?;
         let mut r = saved;
-        r.rax = nr as u64;
+        r.rax = nr.cast_unsigned();
         r.orig_rax = u64::MAX;
         r.rdi = args[0];
         r.rsi = args[1];
@@ -78,7 +78,7 @@ impl<'a> Injector<'a> {
             Stop::Signal(sig) => return Err(MigrateError::Injection { tid, nr, detail: format!("stopped by signal {sig}") }),
             Stop::Exited => return Err(MigrateError::Gone(tid)),
         }
-        let result = ptrace::get_regs(tid)?.rax as i64;
+        let result = ptrace::get_regs(tid)?.rax.cast_signed();
         ptrace::set_regs(tid, &saved)?;
         ptrace::set_sigmask(tid, mask)?;
         Ok(result)
@@ -90,7 +90,7 @@ impl<'a> Injector<'a> {
         if (-4095..0).contains(&r) {
             return Err(MigrateError::Injection { tid, nr, detail: format!("errno {}", -r) });
         }
-        Ok(r as u64)
+        Ok(r.cast_unsigned())
     }
 
     /// A page in the process for out-arguments.

@@ -205,7 +205,7 @@ pub fn peek(tid: i32, addr: u64) -> Result<u64> {
         if v == -1 && *libc::__errno_location() != 0 {
             return Err(MigrateError::Ptrace { what: "PTRACE_PEEKDATA", tid, source: std::io::Error::last_os_error() });
         }
-        Ok(v as u64)
+        Ok(v.cast_unsigned())
     }
 }
 

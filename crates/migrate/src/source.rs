@@ -9,7 +9,7 @@ use crate::wire::{self, ToSource, ToTarget};
 use crate::{MigrateError, Result};
 use starling_fork::dump::{dump_regions, RegionOptions};
 use starling_fork::page_server::{PageServer, PageServerOptions};
-use starling_image::{PageClass, Region, RegionKind, PAGE_SIZE};
+use starling_image::{PageClass, Region, RegionKind, PAGE_BYTES, PAGE_SIZE};
 use std::collections::HashSet;
 use std::io::BufWriter;
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -97,25 +97,26 @@ fn fetch_pages(regions: &[Region]) -> Vec<u64> {
 /// Read `addrs` from `pid` and send them in batches; returns bytes sent.
 fn send_pages(pid: i32, addrs: &[u64], w: &mut BufWriter<TcpStream>) -> Result<u64> {
     let mut bytes = 0;
-    let mut buf = vec![0u8; BATCH_PAGES * PAGE_SIZE as usize];
+    let mut buf = vec![0u8; BATCH_PAGES * PAGE_BYTES];
     for batch in addrs.chunks(BATCH_PAGES) {
-        let data = &mut buf[..batch.len() * PAGE_SIZE as usize];
+        let data = &mut buf[..batch.len() * PAGE_BYTES];
         let local = [libc::iovec { iov_base: data.as_mut_ptr().cast(), iov_len: data.len() }];
         let remote: Vec<libc::iovec> =
-            batch.iter().map(|&a| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE_SIZE as usize }).collect();
+            batch.iter().map(|&a| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE_BYTES }).collect();
         // SAFETY: reads into our own buffer of exactly the requested size.
         let n = unsafe { libc::process_vm_readv(pid, local.as_ptr(), 1, remote.as_ptr(), remote.len() as libc::c_ulong, 0) };
-        if n != data.len() as isize {
+        if usize::try_from(n).ok() != Some(data.len()) {
             // A page went away (unmapped meanwhile): send what is there page
             // by page; a missing one is simply not staged.
             let mut addrs_ok = Vec::new();
             let mut ok = Vec::new();
             for (i, &a) in batch.iter().enumerate() {
-                let page = &mut data[i * PAGE_SIZE as usize..(i + 1) * PAGE_SIZE as usize];
+                let page = &mut data[i * PAGE_BYTES..(i + 1) * PAGE_BYTES];
                 let l = [libc::iovec { iov_base: page.as_mut_ptr().cast(), iov_len: page.len() }];
                 let r = [libc::iovec { iov_base: a as *mut libc::c_void, iov_len: page.len() }];
                 // SAFETY: as above, one page.
-                if unsafe { libc::process_vm_readv(pid, l.as_ptr(), 1, r.as_ptr(), 1, 0) } == page.len() as isize {
+                let got = unsafe { libc::process_vm_readv(pid, l.as_ptr(), 1, r.as_ptr(), 1, 0) };
+                if usize::try_from(got).ok() == Some(page.len()) {
                     addrs_ok.push(a);
                     ok.extend_from_slice(page);
                 }

@@ -7,10 +7,10 @@
 //! exec, and no allocator ever hands these pages to anything else.
 
 use starling_fork::fault::LocalPages;
-use starling_image::PAGE_SIZE;
+use starling_image::PAGE_BYTES;
 use std::collections::HashMap;
 
-const PAGE: usize = PAGE_SIZE as usize;
+const PAGE: usize = PAGE_BYTES;
 /// Pages per mapping (64 MiB).
 const SLAB_PAGES: usize = 16384;
 

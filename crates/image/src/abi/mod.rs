@@ -25,6 +25,8 @@ pub mod thread;
 
 /// Page size assumed throughout (x86-64).
 pub const PAGE_SIZE: u64 = 4096;
+/// [`PAGE_SIZE`] as a buffer length.
+pub const PAGE_BYTES: usize = 4096;
 
 /// The restorer's own image is linked at this address; the window from here
 /// of [`RESTORER_WINDOW`] bytes is reserved for it. A restored process keeps

@@ -38,7 +38,10 @@ pub struct SigInfo(pub [u64; SIGINFO_BYTES / 8]);
 impl SigInfo {
     /// The signal number (`si_signo`, the first `int`).
     pub const fn signo(&self) -> u32 {
-        self.0[0] as u32
+        // The low 32 bits of the first word are `si_signo` (little-endian x86-64): truncation is the point.
+        #[allow(clippy::cast_possible_truncation)]
+        let signo = self.0[0] as u32;
+        signo
     }
 }
 
