@@ -12,12 +12,16 @@
 //! restore; the restorer checks it against every region and refuses on
 //! collision, and a capture leaves a previous restorer's pages there out.
 
+// The abi layer below is shared with the image library, where `feature = "std"` adds serde; this
+// build script has no such feature (cfg checking of early-expanded `mod` items ignores an outer allow).
+#![allow(unexpected_cfgs)]
+
 use std::path::PathBuf;
 use std::process::Command;
 
 #[path = "../image/src/abi/mod.rs"]
 // The abi layer is shared with the library (`feature = "std"` adds serde there).
-#[allow(dead_code, unexpected_cfgs)]
+#[allow(dead_code)]
 mod abi;
 
 fn main() {
@@ -25,6 +29,9 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let rustc = std::env::var("RUSTC").unwrap_or_else(|_| "rustc".into());
     let src = manifest.join("src/restorer.rs");
+    // The image's abi layer (compiled in here) keeps its serde derives behind the image crate's
+    // `std` feature, which this crate does not have: declare the name so the cfg is checked, not unknown.
+    println!("cargo::rustc-check-cfg=cfg(feature, values(\"std\"))");
     println!("cargo:rerun-if-changed={}", src.display());
     println!("cargo:rerun-if-changed={}", manifest.join("../image/src/abi").display());
     let bin = out.join("starling-restorer-static");
