@@ -284,24 +284,7 @@ mod tests {
     use starling_proto::WirePath;
 
     fn spec(job: Option<&str>, count: Option<u32>) -> TaskSpec {
-        let mut s = TaskSpec {
-            argv: vec![b"true".to_vec()],
-            env: vec![],
-            cwd: WirePath::root(),
-            umask: 0o22,
-            uid: 0,
-            gid: 0,
-            groups: vec![],
-            rlimits: vec![],
-            host: None,
-            job: job.map(str::to_string),
-            prethrow: vec![],
-            listings: vec![],
-            launch_ns: 0,
-            clone: None,
-            policy: None,
-            terminal: None,
-        };
+        let mut s = TaskSpec { job: job.map(str::to_string), ..TaskSpec::new(vec![b"true".to_vec()], WirePath::root()) };
         if let Some(n) = count {
             s.set_task_index(0, usize::try_from(n).unwrap());
         }

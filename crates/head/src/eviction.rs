@@ -224,22 +224,8 @@ mod tests {
 
     fn spec() -> TaskSpec {
         TaskSpec {
-            argv: vec![b"true".to_vec()],
-            env: vec![],
-            cwd: starling_proto::WirePath::new(b"/".to_vec()).unwrap(),
-            umask: 0o22,
-            uid: 0,
-            gid: 0,
-            groups: vec![],
-            rlimits: vec![],
-            host: None,
-            job: None,
-            prethrow: vec![],
-            listings: vec![],
-            launch_ns: 0,
-            clone: None,
             policy: Some(GuestPolicy::ImmediateEviction),
-            terminal: None,
+            ..TaskSpec::new(vec![b"true".to_vec()], starling_proto::WirePath::root())
         }
     }
 

@@ -208,22 +208,8 @@ mod tests {
 
     fn spec() -> TaskSpec {
         TaskSpec {
-            argv: vec![b"true".to_vec()],
             env: vec![(b"A".to_vec(), b"1".to_vec())],
-            cwd: WirePath::new(b"/tmp".to_vec()).unwrap(),
-            umask: 0o022,
-            uid: 0,
-            gid: 0,
-            groups: vec![],
-            rlimits: vec![],
-            host: None,
-            job: None,
-            prethrow: vec![],
-            listings: vec![],
-            launch_ns: 0,
-            clone: None,
-            policy: None,
-            terminal: None,
+            ..TaskSpec::new(vec![b"true".to_vec()], WirePath::new(b"/tmp".to_vec()).unwrap())
         }
     }
 

@@ -553,6 +553,30 @@ pub const TASK_INDEX_ENV: &str = "STARLING_TASK";
 pub const TASK_COUNT_ENV: &str = "STARLING_TASKS";
 
 impl TaskSpec {
+    /// `argv` in `cwd` as root with umask 022, and nothing else: no
+    /// environment, limits, host, job, bindings, clone, terminal or policy.
+    /// Callers set the fields they mean (the client fills every one).
+    pub fn new(argv: Vec<Vec<u8>>, cwd: WirePath) -> TaskSpec {
+        TaskSpec {
+            argv,
+            env: Vec::new(),
+            cwd,
+            umask: 0o022,
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+            rlimits: Vec::new(),
+            host: None,
+            job: None,
+            prethrow: Vec::new(),
+            listings: Vec::new(),
+            launch_ns: 0,
+            clone: None,
+            terminal: None,
+            policy: None,
+        }
+    }
+
     /// Make this the spec of task `index` of a job of `count` tasks
     /// ([`TASK_INDEX_ENV`], [`TASK_COUNT_ENV`]).
     pub fn set_task_index(&mut self, index: usize, count: usize) {

@@ -281,22 +281,8 @@ mod tests {
         let argv: Vec<Vec<u8>> =
             ["gcc", "-Iinc", "-isystem", "sys", "-I", "missing", "-c", "src/a.c"].iter().map(|a| a.as_bytes().to_vec()).collect();
         let spec = TaskSpec {
-            argv,
             env: vec![(b"TMPDIR".to_vec(), cwd.join("src").as_os_str().as_bytes().to_vec())],
-            cwd: normalise(&cwd).unwrap(),
-            umask: 0o22,
-            uid: 0,
-            gid: 0,
-            groups: Vec::new(),
-            rlimits: Vec::new(),
-            host: None,
-            job: None,
-            prethrow: Vec::new(),
-            listings: Vec::new(),
-            launch_ns: 0,
-            clone: None,
-            policy: None,
-            terminal: None,
+            ..TaskSpec::new(argv, normalise(&cwd).unwrap())
         };
         let got = listing_dirs(&spec);
         let want = |s: &str| normalise(&cwd.join(s)).unwrap();
