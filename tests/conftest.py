@@ -1,7 +1,10 @@
 """Shared fixtures: a real embedded cluster started with the project's own commands."""
+import contextlib
 import json
 import os
 import pathlib
+import pwd
+import shutil
 import subprocess
 import time
 
@@ -40,6 +43,62 @@ def wait_for(predicate, what, timeout=120.0, interval=0.1):
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def recv_until_closed(s, tolerate=()):
+    """Everything a peer sends on socket `s` until it closes; an exception of a type in `tolerate`
+    (e.g. a reset, a TLS alert) ends the read like a close. A socket timeout is not tolerated unless
+    named: a peer that keeps the connection open is a failure of its own."""
+    data = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except tolerate:
+        pass
+    return data
+
+
+@contextlib.contextmanager
+def local_account(user, groups=()):
+    """A local user `user` (with its own group, and member of `groups`) and a home directory under
+    /var/tmp/starling-tests owned by it, as an admin would make them; yields (pwd entry, home).
+    Accounts and groups this made are removed afterwards; ones that existed are left alone."""
+    require_root("creating a test user")
+    require_tool("useradd", "passwd")
+    require_tool("setpriv", "util-linux")
+    made = []
+    for g in groups:
+        if subprocess.run(["getent", "group", g], capture_output=True).returncode != 0:
+            sh("groupadd", g)
+            made.append(("groupdel", g))
+    if subprocess.run(["getent", "passwd", user], capture_output=True).returncode != 0:
+        extra = ["-G", ",".join(groups)] if groups else []
+        sh("useradd", "-M", "-s", "/bin/sh", "-U", *extra, user)
+        made.append(("userdel", user))
+    pw = pwd.getpwnam(user)
+    home = pathlib.Path(f"/var/tmp/starling-tests/{user}")
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    os.chown(home, pw.pw_uid, pw.pw_gid)
+    try:
+        yield pw, home
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+        for cmd, name in reversed(made):
+            sh(cmd, name, check=False)
+
+
+def as_user(pw, home, *argv, timeout=300):
+    """Run argv as the account `pw` (setpriv, with its groups) in `home`, with a minimal environment
+    that still names this test run's cluster (STARLING_INSTANCE)."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LC_ALL": "C"}
+    if "STARLING_INSTANCE" in os.environ:
+        env["STARLING_INSTANCE"] = os.environ["STARLING_INSTANCE"]
+    return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv],
+                          cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def cores_by_host(st=None):

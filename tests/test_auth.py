@@ -10,8 +10,6 @@ answered; a non-root user's task runs with its uid, also when its client forges 
 import json
 import os
 import pathlib
-import pwd
-import shutil
 import socket
 import ssl
 import struct
@@ -19,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, require_root, require_tool, running_tasks, sh, starling, up, wait_for
+from conftest import ROOT, STARLING, as_user, local_account, recv_until_closed, running_tasks, sh, starling, up
 
 INSTANCE = int(os.environ.get("STARLING_INSTANCE", "").strip() or "0")
 RUN_DIR = pathlib.Path("/run/starling" if INSTANCE == 0 else f"/run/starling-{INSTANCE}")
@@ -43,44 +41,10 @@ def hello_frame():
     return b"STRL" + struct.pack("<HHI", 7, 0, 0)
 
 
-def read_all(s):
-    data = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-    except (ConnectionResetError, ssl.SSLError, OSError):
-        pass
-    return data
-
-
 @pytest.fixture(scope="module")
 def user():
-    require_root("creating a test user")
-    require_tool("useradd", "passwd")
-    require_tool("setpriv", "util-linux")
-    made = subprocess.run(["getent", "passwd", USER], capture_output=True).returncode != 0
-    if made:
-        sh("useradd", "-M", "-s", "/bin/sh", "-U", USER)
-    pw = pwd.getpwnam(USER)
-    home = pathlib.Path(f"/var/tmp/starling-tests/{USER}")
-    shutil.rmtree(home, ignore_errors=True)
-    home.mkdir(parents=True)
-    os.chown(home, pw.pw_uid, pw.pw_gid)
-    yield pw, home
-    shutil.rmtree(home, ignore_errors=True)
-    if made:
-        sh("userdel", USER, check=False)
-
-
-def as_user(pw, home, *argv, timeout=300):
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LC_ALL": "C"}
-    if "STARLING_INSTANCE" in os.environ:
-        env["STARLING_INSTANCE"] = os.environ["STARLING_INSTANCE"]
-    return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv],
-                          cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
+    with local_account(USER) as account:
+        yield account
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +67,7 @@ def test_the_credentials_are_private(cluster):
 def test_plain_tcp_is_told_why_and_closed_and_nothing_runs(cluster):
     s = socket.create_connection(head_tcp(), timeout=60)
     s.sendall(hello_frame())
-    reply = read_all(s)
+    reply = recv_until_closed(s, (ConnectionResetError, ssl.SSLError, OSError))
     s.close()
     assert b"mutual-TLS" in reply and b"head.sock" in reply, reply
     assert not reply.startswith(b"STRL\x07\x00\x00\x00") or b"Hello" not in reply
@@ -122,7 +86,7 @@ def tls_exchange(cert_dir):
     try:
         s = ctx.wrap_socket(raw)
         s.sendall(hello_frame())
-        return read_all(s)
+        return recv_until_closed(s, (ConnectionResetError, ssl.SSLError, OSError))
     except (ssl.SSLError, ConnectionResetError, OSError):
         return b""
     finally:

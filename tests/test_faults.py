@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, down, sh, starling, status, up
+from conftest import STARLING, down, recv_until_closed, sh, starling, status, up
 
 
 # The instance these tests run on (STARLING_INSTANCE, as `starling` itself reads it): its names
@@ -124,13 +124,8 @@ def test_head_survives_garbage_and_wrong_version(fresh_cluster):
     s = dial_head()
     s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     s.settimeout(60)  # the head closes at once; the deadline only bounds a hang
-    data = b""
     try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        recv_until_closed(s)
     except socket.timeout:
         pytest.fail("head kept a garbage connection open")
     s.close()
@@ -138,12 +133,7 @@ def test_head_survives_garbage_and_wrong_version(fresh_cluster):
     s = dial_head()
     s.sendall(b"STRL" + struct.pack("<HHI", 99, 0, 0))
     s.settimeout(60)
-    reply = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        reply += chunk
+    reply = recv_until_closed(s)
     assert b"v99" in reply, reply
     # Truncated frame then close.
     s = dial_head()

@@ -15,10 +15,10 @@ import subprocess
 
 import pytest
 
-from conftest import STARLING, require_tool, status
+from conftest import STARLING, as_user, require_tool, status
 from test_exec import exec_, readline_within
 from test_migrate import Task, migrate
-from test_user import as_user, user  # noqa: F401  (the fixture: a user and group made for the test)
+from test_user import user  # noqa: F401  (the fixture: a user and group made for the test)
 
 # System call numbers the tasks try directly (so the error is the kernel's answer, not a tool's guess).
 SYSCALLS = {

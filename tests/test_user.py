@@ -5,49 +5,18 @@ dropped by the restorer: not checked), and what they write comes home owned by t
 The test creates its own user and group (useradd/groupadd, as an admin would), and removes them."""
 import grp
 import os
-import pathlib
-import pwd
-import shutil
-import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, require_root, require_tool, sh
+from conftest import ROOT, STARLING, as_user, local_account, sh
 
 USER, EXTRA_GROUP = "starling-tu", "starling-tg"
 
 
 @pytest.fixture(scope="module")
 def user():
-    require_root("creating a test user")
-    require_tool("useradd", "passwd")
-    require_tool("setpriv", "util-linux")
-    made = []
-    for name, cmd in [(EXTRA_GROUP, ["groupadd", EXTRA_GROUP]),
-                      (USER, ["useradd", "-M", "-s", "/bin/sh", "-U", "-G", EXTRA_GROUP, USER])]:
-        exists = subprocess.run(["getent", "group" if name == EXTRA_GROUP else "passwd", name], capture_output=True)
-        if exists.returncode != 0:
-            sh(*cmd)
-            made.append(name)
-    pw = pwd.getpwnam(USER)
-    home = pathlib.Path(f"/var/tmp/starling-tests/{USER}")
-    shutil.rmtree(home, ignore_errors=True)
-    home.mkdir(parents=True)
-    os.chown(home, pw.pw_uid, pw.pw_gid)
-    yield pw, home
-    shutil.rmtree(home, ignore_errors=True)
-    if USER in made:
-        sh("userdel", USER, check=False)
-    if EXTRA_GROUP in made:
-        sh("groupdel", EXTRA_GROUP, check=False)
-
-
-def as_user(pw, home, *argv, timeout=300):
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LC_ALL": "C"}
-    if "STARLING_INSTANCE" in os.environ:  # the cluster the tests started, not the default one
-        env["STARLING_INSTANCE"] = os.environ["STARLING_INSTANCE"]
-    return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", *argv],
-                          cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
+    with local_account(USER, groups=[EXTRA_GROUP]) as account:
+        yield account
 
 
 def test_exec_runs_as_the_caller(cluster, user):
