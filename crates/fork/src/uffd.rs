@@ -1,18 +1,13 @@
-//! Minimal userfaultfd handler-side interface (the `userfaultfd` crate needs
-//! libclang at build time, which this platform lacks): read events, and the
-//! COPY / ZEROPAGE / WAKE ioctls. Layouts are from `<linux/userfaultfd.h>`.
+//! Minimal userfaultfd handler-side interface: read events, and the
+//! COPY / ZEROPAGE / WAKE ioctls. The kernel ABI (numbers, layouts) is
+//! `starling_image::abi::uffd`, shared with the restorer and the dirty tracker.
 
 use std::os::fd::{AsRawFd, OwnedFd};
 
-const UFFDIO_WAKE: libc::c_ulong = 0x8010_aa02;
-const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
-const UFFDIO_ZEROPAGE: libc::c_ulong = 0xc020_aa04;
-
-const EVENT_PAGEFAULT: u8 = 0x12;
-const EVENT_FORK: u8 = 0x13;
-const EVENT_REMAP: u8 = 0x14;
-const EVENT_REMOVE: u8 = 0x15;
-const EVENT_UNMAP: u8 = 0x16;
+use starling_image::abi::uffd::{
+    UffdioCopy, UffdioRange, UffdioZeropage, UFFDIO_COPY, UFFDIO_WAKE, UFFDIO_ZEROPAGE, UFFD_EVENT_FORK, UFFD_EVENT_PAGEFAULT,
+    UFFD_EVENT_REMAP, UFFD_EVENT_REMOVE, UFFD_EVENT_UNMAP, UFFD_MSG_BYTES,
+};
 
 /// One userfaultfd message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,28 +22,6 @@ pub enum Event {
 
 pub struct Uffd(OwnedFd);
 
-#[repr(C)]
-struct Range {
-    start: u64,
-    len: u64,
-}
-
-#[repr(C)]
-struct Copy {
-    dst: u64,
-    src: u64,
-    len: u64,
-    mode: u64,
-    copy: i64,
-}
-
-#[repr(C)]
-struct Zeropage {
-    range: Range,
-    mode: u64,
-    zeropage: i64,
-}
-
 impl Uffd {
     /// Wrap a userfaultfd (opened O_NONBLOCK by the restorer).
     pub fn new(fd: OwnedFd) -> Uffd {
@@ -61,9 +34,9 @@ impl Uffd {
 
     /// Read one pending event; Ok(None) if none is pending.
     pub fn read_event(&self) -> std::io::Result<Option<Event>> {
-        let mut msg = [0u8; 32];
+        let mut msg = [0u8; UFFD_MSG_BYTES];
         loop {
-            // SAFETY: reads at most 32 bytes into our buffer.
+            // SAFETY: reads at most UFFD_MSG_BYTES into our buffer.
             let n = unsafe { libc::read(self.raw(), msg.as_mut_ptr().cast(), msg.len()) };
             if n < 0 {
                 let e = std::io::Error::last_os_error();
@@ -76,7 +49,7 @@ impl Uffd {
             if n == 0 {
                 return Err(std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "userfaultfd EOF"));
             }
-            if n != 32 {
+            if usize::try_from(n).ok() != Some(UFFD_MSG_BYTES) {
                 return Err(std::io::Error::other(format!("short userfaultfd message ({n} bytes)")));
             }
             break;
@@ -84,11 +57,11 @@ impl Uffd {
         let u = |off: usize| u64::from_le_bytes(msg[off..off + 8].try_into().expect("8 bytes"));
         // Union starts at offset 8.
         Ok(Some(match msg[0] {
-            EVENT_PAGEFAULT => Event::Pagefault { addr: u(16) },
-            EVENT_FORK => Event::Fork,
-            EVENT_REMAP => Event::Remap { from: u(8), to: u(16), len: u(24) },
-            EVENT_REMOVE => Event::Remove { start: u(8), end: u(16) },
-            EVENT_UNMAP => Event::Unmap { start: u(8), end: u(16) },
+            UFFD_EVENT_PAGEFAULT => Event::Pagefault { addr: u(16) },
+            UFFD_EVENT_FORK => Event::Fork,
+            UFFD_EVENT_REMAP => Event::Remap { from: u(8), to: u(16), len: u(24) },
+            UFFD_EVENT_REMOVE => Event::Remove { start: u(8), end: u(16) },
+            UFFD_EVENT_UNMAP => Event::Unmap { start: u(8), end: u(16) },
             other => Event::Unknown(other),
         }))
     }
@@ -96,26 +69,26 @@ impl Uffd {
     /// UFFDIO_COPY one buffer to `dst` (in the clone) and wake waiters.
     /// Returns the errno on failure.
     pub fn copy(&self, dst: u64, src: &[u8]) -> Result<(), i32> {
-        let mut c = Copy { dst, src: src.as_ptr() as u64, len: src.len() as u64, mode: 0, copy: 0 };
+        let mut c = UffdioCopy { dst, src: src.as_ptr() as u64, len: src.len() as u64, mode: 0, copy: 0 };
         // SAFETY: the kernel reads `src.len()` bytes from our live slice and
         // writes into the clone's registered range (validated by the kernel
         // against the clone's mm, not ours).
-        let r = unsafe { libc::ioctl(self.raw(), UFFDIO_COPY, &mut c as *mut Copy) };
+        let r = unsafe { libc::ioctl(self.raw(), UFFDIO_COPY, &mut c as *mut UffdioCopy) };
         if r < 0 { Err(errno()) } else { Ok(()) }
     }
 
     /// UFFDIO_ZEROPAGE a range and wake waiters.
     pub fn zeropage(&self, start: u64, len: u64) -> Result<(), i32> {
-        let mut z = Zeropage { range: Range { start, len }, mode: 0, zeropage: 0 };
+        let mut z = UffdioZeropage { range: UffdioRange { start, len }, mode: 0, zeropage: 0 };
         // SAFETY: the kernel reads/writes only the struct we pass.
-        let r = unsafe { libc::ioctl(self.raw(), UFFDIO_ZEROPAGE, &mut z as *mut Zeropage) };
+        let r = unsafe { libc::ioctl(self.raw(), UFFDIO_ZEROPAGE, &mut z as *mut UffdioZeropage) };
         if r < 0 { Err(errno()) } else { Ok(()) }
     }
 
     pub fn wake(&self, start: u64, len: u64) {
-        let mut rg = Range { start, len };
+        let mut rg = UffdioRange { start, len };
         // SAFETY: the kernel reads only the struct we pass.
-        unsafe { libc::ioctl(self.raw(), UFFDIO_WAKE, &mut rg as *mut Range) };
+        unsafe { libc::ioctl(self.raw(), UFFDIO_WAKE, &mut rg as *mut UffdioRange) };
     }
 }
 

@@ -18,46 +18,19 @@
 use crate::freeze::Frozen;
 use crate::inject::Injector;
 use crate::{MigrateError, Result};
+use starling_image::abi::uffd::{
+    UffdioApi, UffdioRange, UffdioRegister, UffdioWriteprotect, UFFDIO_API, UFFDIO_REGISTER, UFFDIO_REGISTER_MODE_WP,
+    UFFDIO_WRITEPROTECT, UFFDIO_WRITEPROTECT_MODE_WP, UFFD_API, UFFD_FEATURE_WP_ASYNC, UFFD_FEATURE_WP_UNPOPULATED,
+    UFFD_USER_MODE_ONLY,
+};
 use starling_image::PAGE_BYTES;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
-const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
-const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xc018_aa06;
-const UFFD_API: u64 = 0xaa;
-const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
-const UFFD_FEATURE_WP_ASYNC: u64 = 1 << 15;
-const UFFDIO_REGISTER_MODE_WP: u64 = 2;
-const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1;
-/// `UFFD_USER_MODE_ONLY`: no kernel-mode faults, so no privilege needed.
-const UFFD_USER_MODE_ONLY: u64 = 1;
 /// `_IOWR('f', 16, struct pm_scan_arg)`.
 const PAGEMAP_SCAN: libc::c_ulong = 0xc060_6610;
 const PM_SCAN_WP_MATCHING: u64 = 1 << 0;
 const PM_SCAN_CHECK_WPASYNC: u64 = 1 << 1;
 const PAGE_IS_WRITTEN: u64 = 1 << 1;
-
-#[repr(C)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-struct UffdioRegister {
-    start: u64,
-    len: u64,
-    mode: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-struct UffdioWriteprotect {
-    start: u64,
-    len: u64,
-    mode: u64,
-}
 
 #[repr(C)]
 #[derive(Default)]
@@ -118,13 +91,13 @@ impl DirtyTracker {
         ioctl(uffd.as_raw_fd(), UFFDIO_API, &mut api, "UFFDIO_API (write-protect, async)")?;
         let mut tracked = Vec::new();
         for &(start, end) in ranges {
-            let mut reg = UffdioRegister { start, len: end - start, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
+            let mut reg = UffdioRegister { range: UffdioRange { start, len: end - start }, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
             if let Err(e) = ioctl(uffd.as_raw_fd(), UFFDIO_REGISTER, &mut reg, "UFFDIO_REGISTER") {
                 // Untracked: every page of it counts as written at the end.
                 log::debug!("migration: not tracking {start:#x}-{end:#x}: {e}");
                 continue;
             }
-            let mut wp = UffdioWriteprotect { start, len: end - start, mode: UFFDIO_WRITEPROTECT_MODE_WP };
+            let mut wp = UffdioWriteprotect { range: UffdioRange { start, len: end - start }, mode: UFFDIO_WRITEPROTECT_MODE_WP };
             ioctl(uffd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp, "UFFDIO_WRITEPROTECT")?;
             tracked.push((start, end));
         }

@@ -881,26 +881,10 @@ fn map_regions() {
     }
 }
 
-#[repr(C)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-struct UffdioRegister {
-    start: u64,
-    len: u64,
-    mode: u64,
-    ioctls: u64,
-}
-
-const UFFDIO_API: u64 = 0xc018_aa3f;
-const UFFDIO_REGISTER: u64 = 0xc020_aa00;
-const UFFD_FEATURE_EVENT_REMAP: u64 = 1 << 2;
-const UFFD_FEATURE_EVENT_REMOVE: u64 = 1 << 3;
-const UFFD_FEATURE_EVENT_UNMAP: u64 = 1 << 6;
+use abi::uffd::{
+    UffdioApi, UffdioRange, UffdioRegister, UFFDIO_API, UFFDIO_REGISTER, UFFDIO_REGISTER_MODE_MISSING, UFFD_API,
+    UFFD_FEATURE_EVENT_REMAP, UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_EVENT_UNMAP,
+};
 
 /// Create the userfaultfd, register the regions that need filling, and
 /// return the fd (or -1 if no region needs it).
@@ -916,7 +900,7 @@ fn register_regions() -> isize {
         die(RestorerExit::Userfaultfd, "userfaultfd", 0, uffd);
     }
     let mut api = UffdioApi {
-        api: 0xAA,
+        api: UFFD_API,
         features: UFFD_FEATURE_EVENT_REMAP | UFFD_FEATURE_EVENT_REMOVE | UFFD_FEATURE_EVENT_UNMAP,
         ioctls: 0,
     };
@@ -926,7 +910,11 @@ fn register_regions() -> isize {
         die(RestorerExit::Userfaultfd, "UFFDIO_API", api.features, r);
     }
     for reg in registered() {
-        let mut rg = UffdioRegister { start: reg.start, len: reg.end - reg.start, mode: 1 /* MISSING */, ioctls: 0 };
+        let mut rg = UffdioRegister {
+            range: UffdioRange { start: reg.start, len: reg.end - reg.start },
+            mode: UFFDIO_REGISTER_MODE_MISSING,
+            ioctls: 0,
+        };
         // SAFETY: UFFDIO_REGISTER reads and writes the struct we pass.
         let r = unsafe { sys!(nr::IOCTL, uffd, UFFDIO_REGISTER, &mut rg as *mut UffdioRegister) };
         if r < 0 {

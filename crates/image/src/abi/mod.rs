@@ -14,6 +14,7 @@
 //! | [`plan`] | the flat restore plan the restorer reads on [`restorer::PLAN_FD`] |
 //! | [`restorer`] | the restorer's fd contract, its records on [`restorer::HANDLER_FD`] and its exit codes |
 //! | [`counters`] | the named per-clone fault-handler counters |
+//! | [`uffd`] | the userfaultfd kernel ABI the restorer, fault handler and dirty tracker share |
 
 pub mod counters;
 pub mod plan;
@@ -22,6 +23,7 @@ pub mod regs;
 pub mod restorer;
 pub mod signal;
 pub mod thread;
+pub mod uffd;
 
 /// Page size assumed throughout (x86-64).
 pub const PAGE_SIZE: u64 = 4096;
