@@ -2,7 +2,8 @@
 # The main job on the embedded cluster: a real parallel C build (Lua 5.4, 33 files)
 # through `starling exec`, timed against the same build done locally, outputs compared;
 # then a remote fork: a running C program cloned onto every core of the cluster;
-# then a live migration: a running program moved between three hosts.
+# then a live migration: a running program moved between three hosts; then Linger-Longer (a guest
+# under an active owner, an IE rerun); then a Slurm pilot job (`up --slurm`) on a local Slurm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=$PWD/target/release/starling
@@ -133,6 +134,24 @@ if [ "$rc" = 3 ] && [ "$(cat "$W/ie.out")" = "$(for i in $(seq 1 12); do echo " 
     echo "   12 lines, each once; exit status 3; where.txt says $(cat "$W/where.txt") (the killed run's file on h1 was discarded)"
 else
     echo "   IE RERUN DIFFERS (exit $rc)"; cat "$W/ie.out"; exit 1
+fi
+echo
+# A pilot job on a real Slurm (scripts/slurm-local.sh: slurmctld + 2 slurmd in network namespaces on this
+# machine), as on a cluster where Slurm owns the nodes: `up --slurm` asks Slurm for them, the agents run as
+# a job step, and `down` cancels the job. Its own instance, so the embedded cluster above stays up.
+if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null && command -v munged >/dev/null; then
+    echo "== Slurm pilot: starling up --slurm -N 2 on a local Slurm of 2 nodes; run -n 4 lands on Slurm's nodes"
+    SLURM_INST=${DEMO_SLURM_INSTANCE:-5}
+    scripts/slurm-local.sh up 2 | sed 's/^/   /'
+    export SLURM_CONF=/run/starling-slurm/slurm.conf
+    STARLING_INSTANCE=$SLURM_INST $S down >/dev/null 2>&1 || true
+    STARLING_INSTANCE=$SLURM_INST $S up --slurm -N 2 | sed 's/^/   /'
+    (cd "$W" && STARLING_INSTANCE=$SLURM_INST "$S" run -n 4 --quiet -- sh -c 'echo "   task $STARLING_TASK ran on $(uname -n)"') | sort
+    STARLING_INSTANCE=$SLURM_INST $S down -v | sed 's/^/   /'
+    scripts/slurm-local.sh down | sed 's/^/   /'
+    unset SLURM_CONF
+else
+    echo "== (skipping the Slurm pilot: it needs Debian's slurmctld, slurmd, slurm-client and munge, as .ci/run installs)"
 fi
 echo
 $S status
