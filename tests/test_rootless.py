@@ -12,7 +12,6 @@ import json
 import os
 import pathlib
 import pwd
-import re
 import shutil
 import socket
 import subprocess
@@ -20,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, require_root, require_tool, sh, wait_for
+from conftest import STARLING, fuse_granted, require_root, require_tool, sh, wait_for
 
 USER = "starling-rl"
 BASE = pathlib.Path("/var/tmp/starling-tests/rootless")
@@ -55,34 +54,31 @@ def rootless():
         (BASE / d).mkdir(parents=True)
     for d in ["state", "home"]:
         os.chown(BASE / d, uid, uid)
-    # Named entries (user:NAME: / group:NAME:) mean someone else granted it too: keep theirs.
-    had_acl = bool(re.search(r"^(user|group):[^:]+:", sh("getfacl", "-c", "/dev/fuse").stdout, re.M))
-    sh("setfacl", "-m", f"u:{USER}:rw", "/dev/fuse")  # what an admin does once
-    port = free_port()
-    cluster = f"127.0.0.1:{port}"
-    logs = {n: open(BASE / f"{n}.log", "wb") for n in ["head", "agent"]}
-    env = dict(os.environ, STARLING_LOG="info")
-    head = subprocess.Popen([STARLING, "head", "--listen", cluster, "--state", str(BASE / "head")], env=env,
-                            stdout=logs["head"], stderr=subprocess.STDOUT)
-    agent = subprocess.Popen(as_user(STARLING, "agent", "--head", cluster, "--name", "rl1", "--state", str(BASE / "state")),
-                             env=env, stdout=logs["agent"], stderr=subprocess.STDOUT)
     try:
-        def hosts():
-            r = subprocess.run([STARLING, "status", "--json", "--cluster", cluster], capture_output=True, text=True, timeout=30)
-            return json.loads(r.stdout)["hosts"] if r.returncode == 0 else []
-        wait_for(lambda: hosts(), "the rootless agent to register", timeout=60)
-        yield {"cluster": cluster, "uid": uid, "agent": agent, "hosts": hosts}
-    finally:
-        for p in (agent, head):
-            p.terminate()
+        with fuse_granted(USER):  # what an admin does once
+            port = free_port()
+            cluster = f"127.0.0.1:{port}"
+            logs = {n: open(BASE / f"{n}.log", "wb") for n in ["head", "agent"]}
+            env = dict(os.environ, STARLING_LOG="info")
+            head = subprocess.Popen([STARLING, "head", "--listen", cluster, "--state", str(BASE / "head")], env=env,
+                                    stdout=logs["head"], stderr=subprocess.STDOUT)
+            agent = subprocess.Popen(as_user(STARLING, "agent", "--head", cluster, "--name", "rl1", "--state", str(BASE / "state")),
+                                     env=env, stdout=logs["agent"], stderr=subprocess.STDOUT)
             try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        sh("setfacl", "-x", f"u:{USER}", "/dev/fuse", check=False)
-        if not had_acl:
-            sh("setfacl", "-b", "/dev/fuse", check=False)
+                def hosts():
+                    r = subprocess.run([STARLING, "status", "--json", "--cluster", cluster], capture_output=True, text=True, timeout=30)
+                    return json.loads(r.stdout)["hosts"] if r.returncode == 0 else []
+                wait_for(lambda: hosts(), "the rootless agent to register", timeout=60)
+                yield {"cluster": cluster, "uid": uid, "agent": agent, "hosts": hosts}
+            finally:
+                for p in (agent, head):
+                    p.terminate()
+                    try:
+                        p.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
+    finally:
         sh("userdel", USER, check=False)
         shutil.rmtree(BASE, ignore_errors=True)
 

@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, require_root, require_tool, sh, starling, status, up, wait_for
+from conftest import ROOT, STARLING, fuse_granted, local_account, require_root, require_tool, sh, starling, status, up, wait_for
 
 SCRIPT = str(ROOT / "scripts" / "slurm-local.sh")
 CONF = "/run/starling-slurm/slurm.conf"
@@ -235,3 +235,57 @@ def test_node_killed_mid_task_is_lost_and_down_still_ends_the_job(slurm):
     down_leaves_nothing(job)
     # The script brings the dead node back (a fresh cluster) and down removes it all.
     local_up()
+
+
+SLURM_USER = "starling-su"
+
+
+def test_an_ordinary_user_starts_their_own_slurm_cluster(slurm):
+    """`up --slurm` run by a non-root user (as on a login node): the head and agents run as that user (the
+    agents without root, in user namespaces), the cluster's files live in the user's own directories, the
+    user's commands find it, root's commands do not see it, files come home owned by the user, and the
+    user's `down` cancels the job."""
+    starling("down", check=False)
+    with local_account(SLURM_USER) as (pw, home), fuse_granted(SLURM_USER):
+        state = pathlib.Path(home) / "state"
+
+        def user(*argv, timeout=240):
+            env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LC_ALL": "C", "SLURM_CONF": CONF,
+                   "XDG_STATE_HOME": str(state)}
+            if "STARLING_INSTANCE" in os.environ:
+                env["STARLING_INSTANCE"] = os.environ["STARLING_INSTANCE"]
+            return subprocess.run(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups", STARLING, *argv],
+                                  cwd=home, env=env, capture_output=True, text=True, timeout=timeout)
+
+        r = user("up", "--slurm", "-N", "2")
+        assert r.returncode == 0, r.stdout + r.stderr
+        job = None
+        try:
+            n = os.environ.get("STARLING_INSTANCE", "").strip()
+            mine = state / ("starling" + (f"-{n}" if n and n != "0" else ""))
+            assert (mine / "slurm").is_dir(), f"the user's state dir {mine} was not used"
+            st = json.loads(user("status", "--json").stdout)
+            job = st["slurm"]["job_id"]
+            assert len(st["hosts"]) == 2, st
+            # The job is the user's, in Slurm's own books.
+            owner = sh("squeue", "-h", "-j", job, "-o", "%u").stdout.strip()
+            assert owner == SLURM_USER, owner
+            # Root has no cluster of this instance running: the user's is theirs alone.
+            r_root = subprocess.run([STARLING, "status"], capture_output=True, text=True, timeout=30)
+            assert r_root.returncode != 0 and "starling up" in r_root.stderr, (r_root.stdout, r_root.stderr)
+            # Tasks run on Slurm's nodes; what they write comes home owned by the user.
+            r = user("run", "-n", "4", "--quiet", "--", "sh", "-c", "uname -n > out.$STARLING_TASK")
+            assert r.returncode == 0, r.stdout + r.stderr
+            nodes = set(st["slurm"]["nodes"])
+            for i in range(4):
+                f = pathlib.Path(home) / f"out.{i}"
+                assert f.read_text().strip() in nodes, f.read_text()
+                assert f.stat().st_uid == pw.pw_uid, (f, f.stat().st_uid)
+            # The head and agents run as the user.
+            pids = [int(p) for p in sh("pgrep", "-u", str(pw.pw_uid), "-f", "starling (head|agent)", check=False).stdout.split()]
+            assert pids, "no head or agent of the user's runs"
+            assert not [p for p in sh("pgrep", "-u", "0", "-f", f"starling (head|agent).*{home}", check=False).stdout.split()]
+        finally:
+            r = user("down", "-v")
+        assert r.returncode == 0 and f"cancelled Slurm job {job}" in r.stdout, r.stdout + r.stderr
+        assert not [l for l in active_jobs() if l.split("|")[0] == job], active_jobs()

@@ -497,7 +497,9 @@ fn one_line(e: &anyhow::Error) -> String {
 /// The configuration: defaults, the file, then the environment (flags are applied by each command).
 fn load_config(file: Option<&std::path::Path>) -> Result<Config> {
     let env = |k: &str| std::env::var_os(k);
-    Ok(Config::load(&Sources { file, env: &env })?)
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    Ok(Config::load(&Sources { file, env: &env, euid })?)
 }
 
 /// The head the client settings (and flags) name, found once.
@@ -506,7 +508,7 @@ fn client_context(cfg: &Config, cluster: Option<String>) -> Result<Context> {
     if cluster.is_some() {
         settings.cluster = cluster;
     }
-    let target = Target::resolve(&settings, cfg.instance)?;
+    let target = Target::resolve(&settings, &cfg.dirs())?;
     Ok(Context { target, settings, started: *STARTED.get_or_init(std::time::Instant::now) })
 }
 
@@ -594,7 +596,7 @@ fn run(cli: Cli) -> Result<i32> {
         }
         Cmd::Down { verbose } => {
             init_logging(cfg.log.as_deref(), "warn");
-            let removed = LocalCluster::new(cfg.instance).down()?;
+            let removed = LocalCluster::new(cfg.instance, cfg.dirs()).down()?;
             if removed.is_empty() {
                 println!("no starling cluster was running; nothing to remove");
             } else {
@@ -1044,7 +1046,7 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
         anyhow::bail!("--hosts must be between 1 and 64");
     }
     let exe = std::env::current_exe().context("locating the starling binary")?;
-    let local = LocalCluster::new(cfg.instance);
+    let local = LocalCluster::new(cfg.instance, cfg.dirs());
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
     let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
     let agent_args = match &a.policy {
@@ -1087,7 +1089,7 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
     if a.nodes == Some(0) {
         anyhow::bail!("-N must be at least 1");
     }
-    let local = LocalCluster::new(cfg.instance);
+    let local = LocalCluster::new(cfg.instance, cfg.dirs());
     let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
     // The edge reads Slurm's environment: inside an allocation, use it.
     let existing_job = std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty());

@@ -12,7 +12,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 
 pub fn run(cfg: &Config, host: &str, active: bool, idle: bool, command: Vec<OsString>) -> Result<i32> {
-    let local = LocalCluster::new(cfg.instance);
+    let local = LocalCluster::new(cfg.instance, cfg.dirs());
     let Some(state) = local.load_state() else {
         bail!("no embedded cluster is running (instance {}); `starling owner` plays the owner of an emulated host of `starling up`", cfg.instance.number());
     };

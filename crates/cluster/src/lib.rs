@@ -58,7 +58,7 @@ pub use net::{
 };
 
 pub use starling_config::instance::{CLUSTER_FILE, RUN_DIR as DEFAULT_RUN_DIR, STATE_DIR as DEFAULT_STATE_DIR};
-pub use starling_config::{ClusterState, HostRecord, Instance, LinkRecord};
+pub use starling_config::{ClusterDirs, ClusterState, HostRecord, Instance, LinkRecord};
 
 pub use starling_config::roles::CLUSTER_ROLES;
 use starling_config::roles;
@@ -78,7 +78,8 @@ pub struct LocalCluster {
 }
 
 impl LocalCluster {
-    pub fn new(instance: Instance) -> LocalCluster {
+    /// Instance `instance`'s cluster, its files in `dirs` (root's or a user's own: [`ClusterDirs`]).
+    pub fn new(instance: Instance, dirs: ClusterDirs) -> LocalCluster {
         let n = instance.number();
         let net = if n == 0 {
             NetConfig::default()
@@ -93,8 +94,8 @@ impl LocalCluster {
         };
         LocalCluster {
             instance,
-            run_dir: instance.run_dir(),
-            state_dir: instance.state_dir(),
+            run_dir: dirs.run,
+            state_dir: dirs.state,
             net,
             link_port: LINK_PORT + u16::from(n),
         }
@@ -155,6 +156,8 @@ pub enum ClusterError {
     Leftovers(Vec<String>),
     #[error("another `starling up` or `down` is in progress ({} is locked)", .0.display())]
     Busy(PathBuf),
+    #[error("{} belongs to uid {owner}, not to you (uid {me}): a cluster's run directory must be its owner's; remove it or set XDG_RUNTIME_DIR", path.display())]
+    NotOurs { path: PathBuf, owner: u32, me: u32 },
     #[error("the head (pid {pid}) exited before listening on {addr}:\n{log}")]
     HeadExited { pid: u32, addr: SocketAddr, log: String },
     #[error("the head (pid {pid}) is not listening on {addr} after {START_TIMEOUT:?}:\n{log}")]
@@ -325,6 +328,13 @@ pub fn up_with(opts: &UpOptions, overrides: &UpOverrides) -> Result<ClusterState
 /// (which is bounded by its start timeouts).
 fn lock_run_dir(run_dir: &Path, wait: bool) -> Result<Flock<File>> {
     std::fs::create_dir_all(run_dir).doing(|| format!("mkdir {}", run_dir.display()))?;
+    // A user's run dir may sit in a shared place (`/tmp/starling-UID-run` without HOME): never use
+    // one that someone else made first.
+    let owner = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(run_dir).doing(|| format!("stat {}", run_dir.display()))?);
+    let me = nix::unistd::geteuid().as_raw();
+    if owner != me {
+        return Err(ClusterError::NotOurs { path: run_dir.to_path_buf(), owner, me });
+    }
     let path = run_dir.join(".lock");
     let file = File::options()
         .create(true)

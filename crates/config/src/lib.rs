@@ -39,7 +39,7 @@ pub mod instance;
 pub mod record;
 pub mod roles;
 
-pub use instance::Instance;
+pub use instance::{ClusterDirs, DirOwner, Instance};
 pub use record::{ClusterState, HostRecord, LinkRecord, SlurmRecord};
 
 use std::ffi::OsString;
@@ -78,6 +78,8 @@ pub struct Config {
     pub log: Option<String>,
     /// Which embedded cluster (`starling up`) commands mean.
     pub instance: Instance,
+    /// Whose: root's system directories, or the user's own (from the effective uid).
+    pub owner: DirOwner,
     pub client: ClientSettings,
     pub fork: ForkSettings,
     pub head: HeadSettings,
@@ -292,14 +294,22 @@ pub struct Sources<'a> {
     pub file: Option<&'a Path>,
     /// The process environment; the edges pass `|k| std::env::var_os(k)`.
     pub env: &'a dyn Fn(&str) -> Option<OsString>,
+    /// The process's effective uid: an ordinary user's clusters live in their own directories.
+    pub euid: u32,
 }
 
 impl Config {
+    /// Where this command's embedded cluster keeps its files ([`Config::instance`] of [`Config::owner`]).
+    pub fn dirs(&self) -> ClusterDirs {
+        ClusterDirs::new(self.instance, &self.owner)
+    }
+
     /// Defaults, then the file, then the environment.
     pub fn load(src: &Sources) -> Result<Config, ConfigError> {
         let mut cfg = Config {
             log: None,
             instance: Instance::default(),
+            owner: DirOwner::of(src.euid, src.env),
             client: ClientSettings::defaults(src.env),
             fork: ForkSettings::default(),
             head: HeadSettings::default(),
@@ -924,7 +934,7 @@ mod tests {
         if let Some(text) = file {
             std::fs::write(&path, text).unwrap();
         }
-        let cfg = Config::load(&Sources { file: file.map(|_| path.as_path()), env: &env });
+        let cfg = Config::load(&Sources { file: file.map(|_| path.as_path()), env: &env, euid: 0 });
         let _ = std::fs::remove_dir_all(&dir);
         cfg
     }

@@ -123,7 +123,7 @@ impl ClusterLink {
         if let Some(l) = g.as_ref() {
             return Ok(l.clone());
         }
-        let target = Target::resolve(&config.client, config.instance)?;
+        let target = Target::resolve(&config.client, &config.dirs())?;
         let parent_ip = local_ip_towards(&target.head_addr)?;
         let _ = PARENT_HOST.set(std::ffi::CString::new(parent_ip.to_string()).expect("an IP has no NUL"));
         // Clones inherit the parent's memory, environ included: set it here

@@ -42,7 +42,7 @@ pub type SfTicket = Ticket;
 /// environment between tickets.
 fn config() -> crate::Result<Config> {
     let env = |k: &str| std::env::var_os(k);
-    Ok(Config::load(&Sources { file: None, env: &env })?)
+    Ok(Config::load(&Sources { file: None, env: &env, euid: nix::unistd::geteuid().as_raw() })?)
 }
 
 #[no_mangle]

@@ -118,7 +118,9 @@ fn request_ticket(n: i32, hierarchical: bool) -> PyResult<Ticket> {
 /// `STARLING_*` as `os.environ` has them) on every ticket request.
 fn config() -> Result<starling_config::Config, ForkError> {
     let env = |k: &str| std::env::var_os(k);
-    Ok(starling_config::Config::load(&starling_config::Sources { file: None, env: &env })?)
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    Ok(starling_config::Config::load(&starling_config::Sources { file: None, env: &env, euid })?)
 }
 
 /// Runs in the template (the fork child the clones are made from) before it

@@ -3,7 +3,7 @@
 //! embedded cluster's record written by `starling up`. Resolved once per
 //! command into a [`Target`], which carries what else the record says.
 
-use starling_config::{ClientSettings, ClusterState, ConfigError, Instance};
+use starling_config::{ClientSettings, ClusterState, ClusterDirs, ConfigError};
 
 /// One line telling the user how to get a cluster.
 pub const NO_CLUSTER: &str =
@@ -38,13 +38,18 @@ pub struct Target {
 }
 
 impl Target {
-    /// The head `client.cluster` names, else the one `instance`'s record names.
-    pub fn resolve(client: &ClientSettings, instance: Instance) -> Result<Target, DiscoverError> {
+    /// The head `client.cluster` names, else the one the first running record in `dirs` names
+    /// (a user's own cluster, then root's).
+    pub fn resolve(client: &ClientSettings, dirs: &ClusterDirs) -> Result<Target, DiscoverError> {
         if let Some(addr) = client.cluster.as_deref().filter(|a| !a.is_empty()) {
             return Ok(Target { auth: client.auth.clone(), ..Target::named(addr) });
         }
-        let record = ClusterState::read(&instance.cluster_file())?.ok_or(DiscoverError::NoCluster)?;
-        Ok(Target::embedded(record))
+        for file in dirs.cluster_files() {
+            if let Some(record) = ClusterState::read(&file)? {
+                return Ok(Target::embedded(record));
+            }
+        }
+        Err(DiscoverError::NoCluster)
     }
 
     /// A head given by address.
