@@ -93,19 +93,20 @@ def local_account(user, groups=()):
 
 
 @contextlib.contextmanager
-def fuse_granted(user):
-    """/dev/fuse read-write for `user` (an ACL entry, what an admin does once so agents can run without
-    root), taken back afterwards; named entries someone else granted are kept."""
+def device_granted(user, device="/dev/fuse"):
+    """`device` read-write for `user` (an ACL entry: what an admin does once so agents can run without
+    root; here /dev/fuse and /dev/userfaultfd are root-only), taken back afterwards; named entries
+    someone else granted are kept."""
     require_tool("setfacl", "acl")
     require_tool("getfacl", "acl")
-    had_acl = bool(re.search(r"^(user|group):[^:]+:", sh("getfacl", "-c", "/dev/fuse").stdout, re.M))
-    sh("setfacl", "-m", f"u:{user}:rw", "/dev/fuse")
+    had_acl = bool(re.search(r"^(user|group):[^:]+:", sh("getfacl", "-c", device).stdout, re.M))
+    sh("setfacl", "-m", f"u:{user}:rw", device)
     try:
         yield
     finally:
-        sh("setfacl", "-x", f"u:{user}", "/dev/fuse", check=False)
+        sh("setfacl", "-x", f"u:{user}", device, check=False)
         if not had_acl:
-            sh("setfacl", "-b", "/dev/fuse", check=False)
+            sh("setfacl", "-b", device, check=False)
 
 
 def as_user(pw, home, *argv, timeout=300):

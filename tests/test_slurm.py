@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, fuse_granted, local_account, require_root, require_tool, sh, starling, status, up, wait_for
+from conftest import ROOT, STARLING, device_granted, local_account, require_root, require_tool, sh, starling, status, up, wait_for
 
 SCRIPT = str(ROOT / "scripts" / "slurm-local.sh")
 CONF = "/run/starling-slurm/slurm.conf"
@@ -246,7 +246,7 @@ def test_an_ordinary_user_starts_their_own_slurm_cluster(slurm):
     user's commands find it, root's commands do not see it, files come home owned by the user, and the
     user's `down` cancels the job."""
     starling("down", check=False)
-    with local_account(SLURM_USER) as (pw, home), fuse_granted(SLURM_USER):
+    with local_account(SLURM_USER) as (pw, home), device_granted(SLURM_USER):
         state = pathlib.Path(home) / "state"
 
         def user(*argv, timeout=240):

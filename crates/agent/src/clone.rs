@@ -25,6 +25,7 @@
 
 use crate::{fork_step, AgentError, Result, Step};
 use starling_fork::fault::{FaultHandler, FaultStats, Materialize};
+use starling_fork::image::abi::process::Creds;
 use starling_fork::image::{Descriptor, PlanOptions, Region, RegionKind};
 use starling_fork::page_server::PageClient;
 use starling_fork::restore::{Restore, Serve};
@@ -96,6 +97,7 @@ pub(crate) fn prepare(
     root: &Path,
     distribution: DistributionReport,
     settings: &starling_config::ForkSettings,
+    rootless: bool,
 ) -> Result<(TaskProgram, CloneRun)> {
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| AgentError::PageServerAddress(spec.page_server.clone()))?;
@@ -103,7 +105,13 @@ pub(crate) fn prepare(
     let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
         .map_err(fork_step(Step::FetchDescriptor))?;
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
-    let desc = Descriptor::decode(&encoded).map_err(|e| fork_step(Step::DecodeDescriptor)(e.into()))?;
+    let mut desc = Descriptor::decode(&encoded).map_err(|e| fork_step(Step::DecodeDescriptor)(e.into()))?;
+    if rootless {
+        // The agent's user namespace maps one id, 0 (its user outside): the clone runs as that
+        // user whoever the template was, as this agent's exec tasks do.
+        desc.process.core.creds = Creds::default();
+        desc.process.groups.clear();
+    }
     let (first, count) = (spec.clone_id, 1 + spec.local_forks);
     let handler_desc = Arc::new(rooted(&desc, root));
     let report = distribution.clone();

@@ -54,8 +54,8 @@ pub enum AgentError {
     Filter(#[source] starling_sandbox::HardenError),
     #[error("agent: {0}")]
     Auth(#[from] starling_auth::AuthError),
-    #[error("this agent runs without root: remote fork onto it is not supported yet (its clones need kernel-mode userfaultfd, which only root has here); run the agent as root")]
-    RootlessClone,
+    #[error("this agent runs without root and cannot open /dev/userfaultfd ({0}): its clones need kernel-mode userfaultfd; an admin grants it once, e.g. `setfacl -m u:$(id -un):rw /dev/userfaultfd` (or run the agent as root)")]
+    RootlessClone(std::io::Error),
     #[error("the task's terminal: {0}")]
     Terminal(#[source] starling_sandbox::TerminalError),
 }

@@ -136,7 +136,9 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     let TaskPort { stdin: stdin_rx, pid, pending_signal, life } = port;
     let mut stages = Stages::start();
     if agent.cfg.rootless && spec.clone.is_some() {
-        return Err(AgentError::RootlessClone);
+        // The restorer will need the device (crates/restorer: register_regions): say so now, in
+        // one line naming the fix, rather than as a restorer exit code.
+        std::fs::OpenOptions::new().read(true).write(true).open("/dev/userfaultfd").map_err(AgentError::RootlessClone)?;
     }
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
@@ -172,7 +174,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     let (child, clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
-            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork)?;
+            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork, agent.cfg.rootless)?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());

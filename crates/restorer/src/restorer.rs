@@ -883,7 +883,7 @@ fn map_regions() {
 
 use abi::uffd::{
     UffdioApi, UffdioRange, UffdioRegister, UFFDIO_API, UFFDIO_REGISTER, UFFDIO_REGISTER_MODE_MISSING, UFFD_API,
-    UFFD_FEATURE_EVENT_REMAP, UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_EVENT_UNMAP,
+    USERFAULTFD_IOC_NEW, UFFD_FEATURE_EVENT_REMAP, UFFD_FEATURE_EVENT_REMOVE, UFFD_FEATURE_EVENT_UNMAP,
 };
 
 /// Create the userfaultfd, register the regions that need filling, and
@@ -893,9 +893,23 @@ fn register_regions() -> isize {
     if registered().next().is_none() {
         return -1;
     }
-    // SAFETY: userfaultfd takes flags only (O_CLOEXEC|O_NONBLOCK; kernel-mode
-    // faults must be handled too, so no UFFD_USER_MODE_ONLY).
-    let uffd = unsafe { sys!(nr::USERFAULTFD, 0o2000000 | 0o4000) };
+    const FLAGS: u64 = 0o2000000 | 0o4000; // O_CLOEXEC | O_NONBLOCK
+    // SAFETY: userfaultfd takes flags only (kernel-mode faults must be
+    // handled too, so no UFFD_USER_MODE_ONLY).
+    let mut uffd = unsafe { sys!(nr::USERFAULTFD, FLAGS) };
+    if uffd == -1 {
+        // EPERM: no privilege for kernel-mode faults (an agent without root,
+        // vm.unprivileged_userfaultfd = 0). The device grants the same to
+        // whoever may open it (an admin's ACL); the sandbox shows it then.
+        // SAFETY: open of a NUL-terminated literal path.
+        let dev = unsafe { sys!(nr::OPEN, b"/dev/userfaultfd\0".as_ptr(), 0o2000002 /* O_RDWR | O_CLOEXEC */) };
+        if dev >= 0 {
+            // SAFETY: USERFAULTFD_IOC_NEW takes the flags as its argument.
+            uffd = unsafe { sys!(nr::IOCTL, dev, USERFAULTFD_IOC_NEW, FLAGS) };
+            // SAFETY: closing the device fd we opened.
+            unsafe { sys!(nr::CLOSE, dev) };
+        }
+    }
     if uffd < 0 {
         die(RestorerExit::Userfaultfd, "userfaultfd", 0, uffd);
     }

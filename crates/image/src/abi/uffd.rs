@@ -18,6 +18,12 @@ pub const UFFDIO_ZEROPAGE: u64 = 0xc020_aa04;
 /// `_IOWR(0xAA, 0x06, struct uffdio_writeprotect)`.
 pub const UFFDIO_WRITEPROTECT: u64 = 0xc018_aa06;
 
+/// `_IO(0xAA, 0x00)` on `/dev/userfaultfd`: a userfaultfd for the caller's mm, with the device's
+/// file permissions standing in for the privilege the syscall wants (kernel-mode faults).
+pub const USERFAULTFD_IOC_NEW: u64 = 0xaa00;
+/// The device an admin may grant to a user whose agent runs without root.
+pub const USERFAULTFD_DEVICE: &str = "/dev/userfaultfd";
+
 /// The API version `UFFDIO_API` expects.
 pub const UFFD_API: u64 = 0xaa;
 /// `userfaultfd(2)` flag: no kernel-mode faults, so no privilege needed.
