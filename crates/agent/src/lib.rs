@@ -47,7 +47,7 @@ pub enum AgentError {
     #[error("bad page server address {0:?}")]
     PageServerAddress(String),
     #[error("{step}: {source}")]
-    Fork { step: Step, #[source] source: starling_fork::ForkError },
+    Fork { step: Step, #[source] source: Box<starling_fork::ForkError> },
     #[error("taking a moved task: {0}")]
     Migration(String),
     #[error("the moved task's seccomp filter: {0}")]
@@ -111,7 +111,7 @@ pub(crate) fn io_step(step: Step) -> impl FnOnce(std::io::Error) -> AgentError {
 
 /// `map_err` for a step of the remote fork.
 pub(crate) fn fork_step(step: Step) -> impl FnOnce(starling_fork::ForkError) -> AgentError {
-    move |source| AgentError::Fork { step, source }
+    move |source| AgentError::Fork { step, source: Box::new(source) }
 }
 
 pub struct AgentConfig {

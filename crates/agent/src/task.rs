@@ -165,7 +165,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     // A terminal task's stdin is the line its sandbox sends the pty's master on.
     let (line, stdin_r) = match &sb.terminal {
         Some(_) => {
-            let (line, theirs) = starling_sandbox::TerminalLine::new().map_err(|e| AgentError::Terminal(e))?;
+            let (line, theirs) = starling_sandbox::TerminalLine::new().map_err(AgentError::Terminal)?;
             (Some(line), theirs)
         }
         None => (None, stdin_r),

@@ -8,7 +8,7 @@ mod owner;
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 use starling_client::Context;
-use starling_cluster::LocalCluster;
+use starling_cluster::{LocalCluster, UpOptions};
 use starling_config::{roles, Config, Sources};
 use starling_proto::Msg;
 use starling_session::discover::Target;
@@ -832,9 +832,11 @@ fn human_bytes(b: f64) -> String {
 }
 
 fn human_duration(s: f64) -> String {
+    // Whole seconds, saturating (a negative or NaN age reads as 0).
+    let t = std::time::Duration::try_from_secs_f64(s).map_or(0, |d| d.as_secs());
     match s {
-        s if s >= 3600.0 => format!("{}h{:02}m", (s / 3600.0) as u64, ((s % 3600.0) / 60.0) as u64),
-        s if s >= 60.0 => format!("{}m{:02}s", (s / 60.0) as u64, (s % 60.0) as u64),
+        s if s >= 3600.0 => format!("{}h{:02}m", t / 3600, (t % 3600) / 60),
+        s if s >= 60.0 => format!("{}m{:02}s", t / 60, t % 60),
         s => format!("{s:.1}s"),
     }
 }
@@ -1053,7 +1055,15 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
         Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
         None => Vec::new(),
     };
-    let state = local.up_shaped(a.hosts, exe, Some(a.link.clone()), a.host_link, head_args, agent_args, a.insecure)?;
+    let opts = UpOptions {
+        head_args,
+        agent_args,
+        link: Some(a.link.clone()),
+        insecure: a.insecure,
+        host_link: a.host_link,
+        ..local.options(a.hosts, exe)
+    };
+    let state = local.up(&opts)?;
     let target = Target::embedded(state.clone());
     // Wait until every agent has registered with the head.
     let rt = runtime();

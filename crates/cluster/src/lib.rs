@@ -101,34 +101,14 @@ impl LocalCluster {
         }
     }
 
-    /// Start this instance's cluster.
-    pub fn up(&self, hosts: usize, exe: PathBuf, link: Option<String>, head_args: Vec<String>, agent_args: Vec<String>, insecure: bool) -> Result<ClusterState> {
-        self.up_shaped(hosts, exe, link, None, head_args, agent_args, insecure)
+    /// Options for this instance's cluster of `hosts` hosts: its directories, no extra arguments.
+    pub fn options(&self, hosts: usize, exe: PathBuf) -> UpOptions {
+        UpOptions { state_dir: self.state_dir.clone(), run_dir: self.run_dir.clone(), ..UpOptions::new(hosts, exe) }
     }
 
-    /// [`LocalCluster::up`] with each host's link shaped to `host_link`.
-    pub fn up_shaped(
-        &self,
-        hosts: usize,
-        exe: PathBuf,
-        link: Option<String>,
-        host_link: Option<HostLink>,
-        head_args: Vec<String>,
-        agent_args: Vec<String>,
-        insecure: bool,
-    ) -> Result<ClusterState> {
-        let opts = UpOptions {
-            hosts,
-            exe,
-            state_dir: self.state_dir.clone(),
-            run_dir: self.run_dir.clone(),
-            head_args,
-            agent_args,
-            link,
-            insecure,
-            host_link,
-        };
-        up_with(&opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
+    /// Start this instance's cluster (`opts` from [`LocalCluster::options`]).
+    pub fn up(&self, opts: &UpOptions) -> Result<ClusterState> {
+        up_with(opts, &UpOverrides { net: self.net.clone(), host_command: None, link_port: self.link_port })
     }
 
     pub fn down(&self) -> Result<Removed> {

@@ -215,9 +215,9 @@ impl HostLink {
     /// Human form (`1 Gbit/s`).
     pub fn describe(&self) -> String {
         let b = self.bits_per_sec;
-        if b % 1_000_000_000 == 0 {
+        if b.is_multiple_of(1_000_000_000) {
             format!("{} Gbit/s", b / 1_000_000_000)
-        } else if b % 1_000_000 == 0 {
+        } else if b.is_multiple_of(1_000_000) {
             format!("{} Mbit/s", b / 1_000_000)
         } else {
             format!("{} kbit/s", b / 1_000)
