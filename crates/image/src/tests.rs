@@ -96,6 +96,28 @@ fn lowered_plan_reads_back_as_the_restorer_reads_it() {
 }
 
 #[test]
+fn the_restorers_plan_check_accepts_a_lowered_plan_and_refuses_damaged_ones() {
+    let d = descriptor();
+    let opts = || PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[] };
+    let plan = lower(&d, opts());
+    assert_eq!(crate::abi::plan::validate(&plan), Ok(()));
+    let what = |bytes: &[u8]| crate::abi::plan::validate(bytes).map_err(|e| e.what);
+    assert_eq!(what(&plan[..plan.len() - 1]), Err("plan magic/version/length mismatch"));
+    assert_eq!(what(&plan[..16]), Err("plan shorter than header"));
+    let h: PlanHeader = read(&plan, 0);
+    // A region of an unknown kind (the map field of the first region record).
+    let mut bad = plan.clone();
+    let map_at = h.regions_off as usize + 3 * 8;
+    bad[map_at..map_at + 8].copy_from_slice(&99u64.to_le_bytes());
+    assert_eq!(what(&bad), Err("region"));
+    // A thread table that runs past the end.
+    let mut bad = plan.clone();
+    let n_threads_at = core::mem::offset_of!(PlanHeader, n_threads);
+    bad[n_threads_at..n_threads_at + 8].copy_from_slice(&1_000_000u64.to_le_bytes());
+    assert_eq!(what(&bad), Err("plan tables out of bounds"));
+}
+
+#[test]
 fn validation_refuses_inconsistent_threads() {
     let mut d = descriptor();
     d.threads[0].core.tid = 7;

@@ -394,58 +394,8 @@ fn blob_ok(r: BlobRef) -> bool {
 }
 
 fn validate_plan(len: usize) {
-    if len < HEADER_SIZE {
-        die(RestorerExit::BadPlan, "plan shorter than header", len as u64, 0);
-    }
-    let h = header();
-    if h.magic != PLAN_MAGIC || h.version != PLAN_VERSION || h.total_len != len as u64 {
-        die(RestorerExit::BadPlan, "plan magic/version/length mismatch", h.version, 0);
-    }
-    let in_bounds = |off: u64, count: u64, size: usize| -> bool {
-        count <= (len as u64) && off % 8 == 0
-            && off.checked_add(count.saturating_mul(size as u64)).is_some_and(|e| e <= len as u64)
-    };
-    if !in_bounds(h.threads_off, h.n_threads, THREAD_SIZE)
-        || !in_bounds(h.regions_off, h.n_regions, REGION_SIZE)
-        || !in_bounds(h.fds_off, h.n_fds, FD_SIZE)
-        || !in_bounds(h.signals_off, h.n_signals, SIGNAL_SIZE)
-        || !in_bounds(h.blob_off, h.blob_len, 1)
-        || h.blob_off % 64 != 0
-    {
-        die(RestorerExit::BadPlan, "plan tables out of bounds", len as u64, 0);
-    }
-    if h.n_threads == 0 || h.n_threads > MAX_THREADS {
-        die(RestorerExit::BadPlan, "thread count", h.n_threads, 0);
-    }
-    let several = h.clone_count > 1;
-    if h.clone_count == 0 || h.clone_count > MAX_CLONES_PER_RESTORE
-        || (several && (h.flags & PLAN_FLAG_NEW_PIDNS == 0 || h.n_threads != 1))
-    {
-        die(RestorerExit::BadPlan, "clone count", h.clone_count, 0);
-    }
-    if !blob_ok(h.seccomp) || h.seccomp.len % 8 != 0 || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {
-        die(RestorerExit::BadPlan, "seccomp program", h.seccomp.len, 0);
-    }
-    if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || h.groups.len % 4 != 0 {
-        die(RestorerExit::BadPlan, "cwd/groups out of bounds", 0, 0);
-    }
-    for t in threads() {
-        if !blob_ok(t.fpu) || (t.fpu.off % 64) != 0 || (t.fpu.len as usize) < FXSAVE_BYTES {
-            die(RestorerExit::BadPlan, "thread FPU area", t.core.tid, 0);
-        }
-    }
-    if threads()[0].core.tid != h.process.pid {
-        die(RestorerExit::BadPlan, "leader tid is not the pid", threads()[0].core.tid, 0);
-    }
-    for r in regions() {
-        if !blob_ok(r.path) || r.map_kind().is_none() {
-            die(RestorerExit::BadPlan, "region", r.start, 0);
-        }
-    }
-    for f in fds() {
-        if !blob_ok(f.path) || f.restore_kind().is_none() {
-            die(RestorerExit::BadPlan, "fd", f.fd, 0);
-        }
+    if let Err(e) = abi::plan::validate(&plan_bytes()[..len]) {
+        die(RestorerExit::BadPlan, e.what, e.value, 0);
     }
 }
 

@@ -218,3 +218,90 @@ pub const SIGNAL_SIZE: usize = core::mem::size_of::<PlanSignal>();
 pub const fn align_fpu(n: u64) -> u64 {
     (n + FPU_ALIGN - 1) & !(FPU_ALIGN - 1)
 }
+
+/// Why [`validate`] refused a plan: what was wrong and the value that was.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlanInvalid {
+    pub what: &'static str,
+    pub value: u64,
+}
+
+fn invalid(what: &'static str, value: u64) -> Result<(), PlanInvalid> {
+    Err(PlanInvalid { what, value })
+}
+
+/// Record `i` of a table of `T`s at `off`, read unaligned (bounds checked by the caller).
+fn record<T: Copy>(plan: &[u8], off: u64, i: u64) -> T {
+    let at = off as usize + i as usize * core::mem::size_of::<T>();
+    let bytes = &plan[at..at + core::mem::size_of::<T>()];
+    // SAFETY: `bytes` holds exactly size_of::<T>() bytes, and every plan record is made of integers
+    // (u64s, u8 arrays), valid for any bit pattern; read_unaligned needs no alignment.
+    unsafe { core::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) }
+}
+
+/// Check everything the restorer relies on before it reads a plan in place: the header's magic,
+/// version and length, every table and blob reference inside the plan, counts within the
+/// restorer's limits, known region and fd kinds. The one definition of a well-formed plan: the
+/// restorer runs it on the bytes it read (and dies with its reason), the fuzz target on any bytes.
+#[allow(clippy::cast_possible_truncation)] // offsets are checked against `plan.len()` before any narrowing use
+pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
+    let len = plan.len() as u64;
+    if plan.len() < HEADER_SIZE {
+        return invalid("plan shorter than header", len);
+    }
+    let h: PlanHeader = record(plan, 0, 0);
+    if h.magic != PLAN_MAGIC || h.version != PLAN_VERSION || h.total_len != len {
+        return invalid("plan magic/version/length mismatch", h.version);
+    }
+    let in_bounds = |off: u64, count: u64, size: usize| -> bool {
+        count <= len && off % 8 == 0 && off.checked_add(count.saturating_mul(size as u64)).is_some_and(|e| e <= len)
+    };
+    if !in_bounds(h.threads_off, h.n_threads, THREAD_SIZE)
+        || !in_bounds(h.regions_off, h.n_regions, REGION_SIZE)
+        || !in_bounds(h.fds_off, h.n_fds, FD_SIZE)
+        || !in_bounds(h.signals_off, h.n_signals, SIGNAL_SIZE)
+        || !in_bounds(h.blob_off, h.blob_len, 1)
+        || h.blob_off % 64 != 0
+    {
+        return invalid("plan tables out of bounds", len);
+    }
+    if h.n_threads == 0 || h.n_threads > MAX_THREADS {
+        return invalid("thread count", h.n_threads);
+    }
+    let several = h.clone_count > 1;
+    if h.clone_count == 0
+        || h.clone_count > MAX_CLONES_PER_RESTORE
+        || (several && (h.flags & PLAN_FLAG_NEW_PIDNS == 0 || h.n_threads != 1))
+    {
+        return invalid("clone count", h.clone_count);
+    }
+    let blob_ok = |r: BlobRef| r.off.checked_add(r.len).is_some_and(|e| e <= h.blob_len);
+    if !blob_ok(h.seccomp) || h.seccomp.len % 8 != 0 || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {
+        return invalid("seccomp program", h.seccomp.len);
+    }
+    if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || h.groups.len % 4 != 0 {
+        return invalid("cwd/groups out of bounds", 0);
+    }
+    for i in 0..h.n_threads {
+        let t: PlanThread = record(plan, h.threads_off, i);
+        if !blob_ok(t.fpu) || (t.fpu.off % 64) != 0 || (t.fpu.len as usize) < super::regs::FXSAVE_BYTES {
+            return invalid("thread FPU area", t.core.tid);
+        }
+        if i == 0 && t.core.tid != h.process.pid {
+            return invalid("leader tid is not the pid", t.core.tid);
+        }
+    }
+    for i in 0..h.n_regions {
+        let r: PlanRegion = record(plan, h.regions_off, i);
+        if !blob_ok(r.path) || r.map_kind().is_none() {
+            return invalid("region", r.start);
+        }
+    }
+    for i in 0..h.n_fds {
+        let f: PlanFd = record(plan, h.fds_off, i);
+        if !blob_ok(f.path) || f.restore_kind().is_none() {
+            return invalid("fd", f.fd);
+        }
+    }
+    Ok(())
+}
