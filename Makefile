@@ -11,7 +11,7 @@ LIBDIR ?= $(PREFIX)/lib
 INCLUDEDIR ?= $(PREFIX)/include
 UNITDIR ?= /etc/systemd/system
 
-.PHONY: all build python demo test unit-test integration-test bench-tables bench clean install uninstall
+.PHONY: all build python demo test unit-test integration-test bench-tables bench fuzz fuzz-smoke clean install uninstall
 
 all: build
 
@@ -29,7 +29,7 @@ demo: build python
 
 # Everything CI runs: unit tests, then end-to-end tests against real embedded clusters
 # (exec, faults, WAN links, remote fork, multicast, live migration, Python, Slurm, rootless agents).
-test: build python bench-tables unit-test integration-test
+test: build python bench-tables unit-test fuzz-smoke integration-test
 
 unit-test:
 	$(CARGO) test --release --workspace
@@ -39,6 +39,14 @@ unit-test:
 integration-test: build python
 	$(PYTEST) -v tests/
 	$(PYTEST) -v crates/python/tests
+
+# libFuzzer targets (fuzz/: every decoder of bytes from another machine), run by scripts/fuzz.sh with
+# cargo-fuzz on a nightly toolchain (.ci/run installs both): fuzz-smoke runs each target briefly from
+# its committed corpus (part of `test`); fuzz runs each for 10 million executions.
+fuzz-smoke:
+	bash scripts/fuzz.sh smoke $(FUZZ_SECONDS)
+fuzz:
+	bash scripts/fuzz.sh full $(FUZZ_RUNS)
 
 # The benchmark tables in bench/README.md must be what bench/out/*.json gives (no hand-typed figure).
 bench-tables:
