@@ -523,12 +523,8 @@ fn restore_here(
     };
     let handler_desc = crate::clone::rooted(&incoming.descriptor, overlay.root());
     let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
-    // A moved exec task gets its sandbox's filter back from the restorer; a clone never had one.
-    let seccomp = if spec.clone.is_none() {
-        starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?
-    } else {
-        Vec::new()
-    };
+    // A moved task (exec task or clone) gets its filter back from the restorer.
+    let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?;
     let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &seccomp };
     let (program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;

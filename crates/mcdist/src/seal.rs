@@ -39,14 +39,16 @@ impl Key {
         Key(k)
     }
 
-    /// Keyed BLAKE3 of the concatenation of `parts`, prefixed by a domain label.
+    /// Keyed BLAKE3 of the concatenation of `parts`, then a domain label and
+    /// its length (a suffix, so a page given first starts on a chunk
+    /// boundary and is hashed with all of BLAKE3's SIMD lanes).
     pub fn mac(&self, domain: &[u8], parts: &[&[u8]]) -> [u8; MAC_LEN] {
         let mut h = blake3::Hasher::new_keyed(&self.0);
-        h.update(&u64::try_from(domain.len()).unwrap_or(u64::MAX).to_le_bytes());
-        h.update(domain);
         for p in parts {
             h.update(p);
         }
+        h.update(domain);
+        h.update(&u64::try_from(domain.len()).unwrap_or(u64::MAX).to_le_bytes());
         *h.finalize().as_bytes()
     }
 

@@ -97,7 +97,7 @@ impl DataHeader {
     /// page), of the header's own fields for the other kinds.
     pub fn expected_mac(&self, key: &Key, page: &[u8]) -> [u8; MAC_LEN] {
         if self.kind == KIND_FRAGMENT {
-            key.mac(b"SFMC page", &[&self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), page])
+            key.mac(b"SFMC page", &[page, &self.ticket.to_le_bytes(), &self.addr.to_le_bytes()])
         } else {
             key.mac(b"SFMC control", &[&[self.kind], &self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), &self.seq.to_le_bytes()])
         }
