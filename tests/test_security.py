@@ -5,6 +5,9 @@
 - Inside a task, even as root: mount(2) (and the `mount` command), loading or removing a kernel module and
   ptrace fail with EPERM.
 - A task moved to another host (`starling migrate`, restored by the restorer) is still filtered there.
+- Remote-fork clones run under the same filter (ptrace and mount(2) fail with EPERM, no_new_privs); a
+  non-root user's clones have no capabilities at all, bounding set included, though their parent on the
+  client has a full bounding set and no filter.
 - The symlink-commit attacks write nothing outside the working tree: a symlink to a scratch "etc" put where
   another task made a directory and wrote into it (committed first), and a symlink left where an output goes.
 """
@@ -15,7 +18,7 @@ import subprocess
 
 import pytest
 
-from conftest import STARLING, as_user, require_tool, status
+from conftest import ROOT, STARLING, as_user, require_tool, sh, status
 from test_exec import exec_, readline_within
 from test_migrate import Task, migrate
 from test_user import user  # noqa: F401  (the fixture: a user and group made for the test)
@@ -177,3 +180,61 @@ def test_a_moved_task_is_still_filtered_on_its_new_host(cluster, workdir):
     assert t.lines[-1].split() == [hosts[1], "2", "1", "-1", "1"], "unfiltered after the move: " + t.lines[-1]
     t.p.send_signal(15)
     t.p.wait(timeout=300)
+
+
+def build_confined(where):
+    """tests/fork/confined.c linked with the static libstarling, readable and runnable by anyone."""
+    lib = ROOT / "target/release/libstarling.a"
+    assert lib.exists(), "build it: cargo build --release --workspace"
+    exe = where / "confined"
+    sh("cc", "-O1", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "tests/fork/confined.c"), str(lib),
+       "-lpthread", "-ldl", "-lm", "-o", str(exe))
+    os.chmod(exe, 0o755)
+    return exe
+
+
+def confinement_lines(stdout, clones):
+    """{who-id: fields} of confined's report lines; every clone must have reported and exited 0."""
+    rows = {}
+    for line in stdout.splitlines():
+        parts = line.split()
+        if parts and parts[0] in ("PARENT", "CLONE"):
+            rows[f"{parts[0]}-{parts[1]}"] = dict(zip(
+                ["seccomp", "nnp", "eff", "prm", "inh", "bnd", "amb", "ptrace", "ptrace_errno", "mount", "mount_errno"],
+                parts[2:]))
+    assert sorted(k for k in rows if k.startswith("CLONE")) == [f"CLONE-{i}" for i in range(1, clones + 1)], stdout
+    for i in range(1, clones + 1):
+        assert f"STATUS {i} 0" in stdout, stdout
+    return rows
+
+
+@pytest.mark.parametrize("hierarchical", [False, True])
+def test_clones_are_filtered_like_exec_tasks(cluster, workdir, hierarchical):
+    exe = build_confined(workdir)
+    env = dict(os.environ)
+    env.pop("STARLING_FORK_BACKEND", None)
+    r = subprocess.run([str(exe), "2", "1" if hierarchical else "0"], capture_output=True, text=True, timeout=300, env=env, cwd="/var/tmp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = confinement_lines(r.stdout, 2)
+    assert rows["PARENT-0"]["seccomp"] == "0", "the parent (on the client) has no filter: " + r.stdout
+    for i in (1, 2):
+        c = rows[f"CLONE-{i}"]
+        assert (c["seccomp"], c["nnp"]) == ("2", "1"), f"clone {i} is not filtered: {c}"
+        assert (c["ptrace"], c["ptrace_errno"]) == ("-1", "1"), f"clone {i}: ptrace {c}"
+        assert (c["mount"], c["mount_errno"]) == ("-1", "1"), f"clone {i}: mount {c}"
+        assert int(c["eff"], 16) != 0, "a root clone keeps its capabilities, as a root exec task does"
+
+
+def test_a_non_root_users_clones_have_no_capabilities(cluster, user):  # noqa: F811
+    pw, home = user
+    exe = build_confined(home)
+    r = as_user(pw, home, str(exe), "2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = confinement_lines(r.stdout, 2)
+    assert int(rows["PARENT-0"]["bnd"], 16) != 0, "the parent's bounding set is full: " + r.stdout
+    for i in (1, 2):
+        c = rows[f"CLONE-{i}"]
+        for caps in ["eff", "prm", "inh", "bnd", "amb"]:
+            assert int(c[caps], 16) == 0, f"clone {i}: Cap{caps} {c[caps]}"
+        assert (c["seccomp"], c["nnp"]) == ("2", "1"), f"clone {i} is not filtered: {c}"
+        assert (c["ptrace"], c["ptrace_errno"]) == ("-1", "1"), f"clone {i}: ptrace {c}"

@@ -102,7 +102,8 @@ pub(crate) fn prepare(
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| AgentError::PageServerAddress(spec.page_server.clone()))?;
     let options = starling_fork::fault::FaultOptions::from_settings(settings);
-    let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
+    let key = starling_mcdist::Key(spec.page_key.0);
+    let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &key, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
         .map_err(fork_step(Step::FetchDescriptor))?;
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
     let mut desc = Descriptor::decode(&encoded).map_err(|e| fork_step(Step::DecodeDescriptor)(e.into()))?;
@@ -118,7 +119,7 @@ pub(crate) fn prepare(
     let materialize = if count == 1 { Some(Materialize::new().map_err(fork_step(Step::PrepareRestore))?) } else { None };
     let asked = materialize.clone();
     let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
-        let client = PageClient::connect(server)?;
+        let client = PageClient::connect(server, &key)?;
         let mut h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
         if let Some(m) = &asked {
             h = h.with_materialize(m.clone(), server);
@@ -126,7 +127,10 @@ pub(crate) fn prepare(
         report_mode(&report, clone_id, &stats);
         h.run(stop)
     });
-    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[] };
+    // Clones run under the same filter as exec tasks: the restorer installs
+    // it (with no_new_privs) on every thread just before they resume.
+    let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(crate::AgentError::Filter)?;
+    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
     Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution, materialize }))
 }

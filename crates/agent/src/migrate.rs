@@ -101,6 +101,8 @@ pub(crate) struct Move {
     /// The target agent's migration listener.
     pub to_addr: String,
     pub stop_and_copy: bool,
+    /// The move's secret (proved to the target, and the page server's key).
+    pub key: starling_mcdist::Key,
 }
 
 /// The source's part: move the task to the target, then tell the head how
@@ -156,9 +158,17 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
     )
     .map_err(|e| format!("cannot reach the target at {to_addr}: {e}"))?;
     let _ = stream.set_nodelay(true);
+    {
+        let mut s = &stream;
+        let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
+        starling_fork::page_server::prove_client(&how.key, &mut s, &mut &stream)
+            .map_err(|e| format!("the target at {to_addr} did not take the move's key: {e}"))?;
+        let _ = stream.set_read_timeout(None);
+    }
     let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
     let mut opts = SourceOptions::new(CaptureOptions { root: live.root.clone(), heuristics: agent.cfg.fork.heuristics }, local_ip);
     opts.stop_and_copy = how.stop_and_copy;
+    opts.key = how.key;
     let mut hooks = Source {
         agent: agent.clone(),
         tx: tx.clone(),
@@ -343,7 +353,7 @@ fn read_upper(upper: &Path) -> Result<Vec<UpperItem>, String> {
 
 /// The target's part: listen for the source, tell the head where, and take
 /// the task when it comes.
-pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task: TaskId, from: String) {
+pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task: TaskId, from: String, key: starling_mcdist::Key) {
     let ip = agent.addr.lock().unwrap().clone();
     let listener = match TcpListener::bind((ip.as_str(), 0)) {
         Ok(l) => l,
@@ -361,7 +371,7 @@ pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task
     let body = {
         let (agent, tx, dir) = (agent.clone(), tx.clone(), dir.clone());
         move || {
-            let r = receive(&agent, &tx, migration, task, &dir, listener, &abort);
+            let r = receive(&agent, &tx, migration, task, &dir, listener, &key, &abort);
             agent.incoming.lock().unwrap().remove(&migration);
             r
         }
@@ -369,8 +379,10 @@ pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task
     crate::task::supervise(agent, task, tx, dir, body).await;
 }
 
-/// Wait for the source's connection (until `abort` or [`CONNECT_WAIT`]).
-fn wait_for_source(listener: &TcpListener, abort: &AtomicBool) -> Result<TcpStream, String> {
+/// Wait for the source's connection (until `abort` or [`CONNECT_WAIT`]):
+/// the first that proves the move's `key`. Others are closed at once,
+/// before a byte of theirs is decoded, and the wait goes on.
+fn wait_for_source(listener: &TcpListener, key: &starling_mcdist::Key, abort: &AtomicBool) -> Result<TcpStream, String> {
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let until = Instant::now() + CONNECT_WAIT;
     loop {
@@ -378,7 +390,16 @@ fn wait_for_source(listener: &TcpListener, abort: &AtomicBool) -> Result<TcpStre
             Ok((s, _)) => {
                 s.set_nonblocking(false).map_err(|e| e.to_string())?;
                 let _ = s.set_nodelay(true);
-                return Ok(s);
+                // A peer that says nothing must not hold the listener.
+                let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
+                let mut r = &s;
+                match starling_fork::page_server::prove_server(key, &mut r, &mut &s) {
+                    Ok(()) => {
+                        let _ = s.set_read_timeout(None);
+                        return Ok(s);
+                    }
+                    Err(e) => log::warn!("migration listener: a connection without the move's key was refused ({e})"),
+                }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if abort.load(Ordering::SeqCst) || Instant::now() > until {
@@ -405,6 +426,7 @@ fn receive(
     task: TaskId,
     dir: &Path,
     listener: TcpListener,
+    key: &starling_mcdist::Key,
     abort: &AtomicBool,
 ) -> crate::Result<()> {
     // Until the task resumes here it is the source's: a failure is logged
@@ -413,12 +435,12 @@ fn receive(
         log::warn!("task {task}: not taken from its source: {why}");
         Ok(())
     };
-    let stream = match wait_for_source(&listener, abort) {
+    let stream = match wait_for_source(&listener, key, abort) {
         Ok(s) => s,
         Err(why) => return gave_up(why),
     };
     let mut prepared: Option<Prepared> = None;
-    let incoming = starling_migrate::target::receive(stream, &mut |payload| {
+    let incoming = starling_migrate::target::receive(stream, *key, &mut |payload| {
         let p: Prepare = decode(&payload)?;
         let view_dir = dir.join("view");
         std::fs::create_dir_all(&view_dir).map_err(|e| e.to_string())?;
@@ -501,12 +523,8 @@ fn restore_here(
     };
     let handler_desc = crate::clone::rooted(&incoming.descriptor, overlay.root());
     let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
-    // A moved exec task gets its sandbox's filter back from the restorer; a clone never had one.
-    let seccomp = if spec.clone.is_none() {
-        starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?
-    } else {
-        Vec::new()
-    };
+    // A moved task (exec task or clone) gets its filter back from the restorer.
+    let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?;
     let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &seccomp };
     let (program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;

@@ -139,13 +139,16 @@ impl Ticket {
             None if self.allocation == 1 => Multicast::Off,
             None => Multicast::On,
         };
-        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None };
+        // The ticket's secret: clones get it with their launch (over the
+        // authenticated control channel), nobody else does.
+        let key = starling_mcdist::Key::random();
+        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None, key };
         let server = PageServer::start_with(template.pid, served, bind, opts)?;
         let clones = match &self.backend {
             Backend::Local => {
                 let mut clones = Vec::new();
                 for id in 1..=self.allocation {
-                    match LocalClone::launch(&descriptor, id, server.addr(), &FaultOptions::from_settings(&self.settings)) {
+                    match LocalClone::launch(&descriptor, id, server.addr(), key, &FaultOptions::from_settings(&self.settings)) {
                         Ok(c) => clones.push(c),
                         Err(e) => {
                             clones.iter_mut().for_each(LocalClone::kill);
@@ -166,6 +169,7 @@ impl Ticket {
                 &descriptor,
                 &encoded,
                 server.addr(),
+                key,
             )?),
         };
         self.active = Some(Active { template, server, clones, descriptor_bytes, descriptor });

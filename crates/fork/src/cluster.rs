@@ -237,6 +237,7 @@ struct TicketPlan<'a> {
     descriptor_hash: starling_proto::Hash,
     descriptor_len: u32,
     page_server: SocketAddr,
+    page_key: starling_mcdist::Key,
     placement: &'a [(String, u32)],
 }
 
@@ -263,6 +264,7 @@ impl TicketPlan<'_> {
                     descriptor_hash: self.descriptor_hash,
                     descriptor_len: self.descriptor_len,
                     page_server: self.page_server.to_string(),
+                    page_key: starling_proto::SecretKey(self.page_key.0),
                     local_forks: count - 1,
                 });
                 out.push(CloneTask { ids: id..id + count, host: host.clone(), spec });
@@ -344,6 +346,7 @@ impl ClusterClones {
         desc: &Descriptor,
         encoded: &[u8],
         page_server: SocketAddr,
+        page_key: starling_mcdist::Key,
     ) -> Result<ClusterClones> {
         let mut base = starling_session::spec::capture(vec!["starling-clone".into()])?;
         // Every path the restorer opens, bound now: no clone asks back for them.
@@ -355,6 +358,7 @@ impl ClusterClones {
             descriptor_hash: starling_proto::Hash::of(encoded),
             descriptor_len: u32::try_from(encoded.len()).map_err(|_| ForkError::DescriptorTooLarge(encoded.len()))?,
             page_server,
+            page_key,
             placement,
         };
         let tasks = plan.tasks(&base);

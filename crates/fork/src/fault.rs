@@ -611,7 +611,8 @@ impl FaultHandler {
         if self.drained.is_some() {
             return; // one is under way
         }
-        let started = PageClient::connect(server).and_then(|client| {
+        let key = *self.client.key();
+        let started = PageClient::connect(server, &key).and_then(|client| {
             let m2 = m.clone();
             self.spawn_drain(
                 client,
@@ -967,7 +968,7 @@ fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSi
     #[allow(clippy::cast_possible_truncation)]
     let seq = RECEIVER_SEQ.fetch_add(1, Ordering::Relaxed) as u32;
     let id = (std::process::id() << 12) ^ seq;
-    let mut cfg = ReceiverConfig::new(info.ticket, info.group, iface, info.sender, id);
+    let mut cfg = ReceiverConfig::new(info.ticket, *client.key(), info.group, iface, info.sender, id);
     cfg.probe_timeout = opts.probe_timeout;
     match Receiver::start(cfg, sink) {
         Ok(rx) => (Some(rx), if info.push { Mode::MulticastPush } else { Mode::Multicast }),
@@ -992,12 +993,12 @@ impl PageSink for NoSink {
 /// from the ticket's multicast group when that works here — every host of
 /// the ticket asks at about the same moment and one transmission answers
 /// them all — else over TCP. Returns the bytes and how they came.
-pub fn fetch_descriptor(server: SocketAddr, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
+pub fn fetch_descriptor(server: SocketAddr, key: &starling_mcdist::Key, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
     if len == 0 || len as u64 > starling_image::MAX_DESCRIPTOR_BYTES {
         return Err(PageProtocolError::DescriptorLength(len).into());
     }
     let addrs = crate::page_server::descriptor_pages(len);
-    let mut client = PageClient::connect(server)?;
+    let mut client = PageClient::connect(server, key)?;
     let (rx, mut mode) = join_group(&mut client, opts, Arc::new(NoSink));
     let mut pages: Option<Vec<Fetched>> = None;
     if let Some(mut rx) = rx {

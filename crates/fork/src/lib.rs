@@ -119,6 +119,8 @@ pub enum PageProtocolError {
     DescriptorUnreadable,
     #[error("descriptor does not match its hash")]
     DescriptorHash,
+    #[error("the peer did not prove the ticket's key (wrong key, or not a starling page server)")]
+    KeyProof,
 }
 
 /// A restorer record that does not follow `starling_image::abi::restorer`.

@@ -31,12 +31,12 @@ pub struct LocalClone {
 
 impl LocalClone {
     /// Start clone `id` of the template described by `desc`, whose pages
-    /// are served at `server`, its handler set up by `options`.
-    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, options: &FaultOptions) -> Result<LocalClone> {
+    /// are served at `server` under `key`, its handler set up by `options`.
+    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, key: starling_mcdist::Key, options: &FaultOptions) -> Result<LocalClone> {
         let handler_desc = Arc::new(desc.clone());
         let options = options.clone();
         let serve: Serve = Arc::new(move |_id, uffd, stats, stop| {
-            let client = PageClient::connect(server)?;
+            let client = PageClient::connect(server, &key)?;
             FaultHandler::new_with(uffd, &handler_desc, client, stats, options.clone()).run(stop)
         });
         let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[] };

@@ -1,6 +1,18 @@
 //! The page server: serves a frozen template's pages over TCP.
 //!
-//! Protocol (little-endian, one request in flight per connection):
+//! Protocol (little-endian, one request in flight per connection). Every
+//! connection starts with a mutual proof of the ticket's [`Key`] (keyed
+//! BLAKE3, see `starling_mcdist::seal`); nothing is read from the template,
+//! and no request is parsed, before the client has proved it:
+//!
+//! ```text
+//! client:   "SFPA" | client nonce [32]
+//! server:   "SFPB" | server nonce [32] | MAC("SFP server", client nonce | server nonce) [32]
+//! client:   "SFPC" | MAC("SFP client", client nonce | server nonce) [32]
+//! ```
+//!
+//! A client that fails closes; a server that gets a wrong proof closes
+//! without a byte more. Then:
 //!
 //! ```text
 //! request:  "SFPQ" | count: u32 (1..=MAX_BATCH) | count × page address: u64
@@ -35,7 +47,7 @@
 use crate::{ForkError, PageProtocolError, Result, PAGE_SIZE};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
-use starling_mcdist::{Sender, SenderConfig, Switch};
+use starling_mcdist::{Key, Sender, SenderConfig, Switch};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -64,6 +76,8 @@ pub struct ServerStats {
     pub bytes_wire: AtomicU64,
     /// Descriptor pseudo-pages sent, over TCP or multicast.
     pub descriptor_pages_sent: AtomicU64,
+    /// Connections closed because their peer did not prove the key.
+    pub refused: AtomicU64,
 }
 
 /// Payload of one TCP segment at MTU 1500 with timestamps (1500 − 20 − 32).
@@ -137,6 +151,8 @@ pub struct PageServerOptions {
     pub ticket: Option<u64>,
     /// The encoded descriptor, served at [`DESCRIPTOR_BASE`] (may be empty).
     pub descriptor: Vec<u8>,
+    /// The ticket's key: TCP clients must prove it, multicast is sealed with it.
+    pub key: Key,
 }
 
 /// Where the descriptor's pseudo-pages start (see the module doc).
@@ -195,9 +211,9 @@ impl Image {
 }
 
 impl Default for PageServerOptions {
-    /// Multicast on, no descriptor.
+    /// Multicast on, no descriptor, a fresh random key.
     fn default() -> PageServerOptions {
-        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new() }
+        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new(), key: Key::random() }
     }
 }
 
@@ -253,7 +269,7 @@ impl PageServer {
                 let ticket = opts.ticket.unwrap_or((i64::from(pid).cast_unsigned() << 16) ^ u64::from(a.port()));
                 let group = starling_mcdist::group_for_ticket(ticket);
                 let iface = if a.ip().is_unspecified() { Ipv4Addr::LOCALHOST } else { *a.ip() };
-                let mut cfg = SenderConfig::new(ticket, group, iface);
+                let mut cfg = SenderConfig::new(ticket, opts.key, group, iface);
                 cfg.push = switch == Switch::Push;
                 // Loopback (the local backend) has a 64 KiB MTU: one datagram per page.
                 cfg.mtu = if iface.is_loopback() { 65_535 } else { 1500 };
@@ -272,7 +288,7 @@ impl PageServer {
             (_, SocketAddr::V6(_)) => None,
         };
         let info = mcdist.as_ref().map(|(i, _)| *i);
-        let (stop2, stats2) = (stop.clone(), stats.clone());
+        let (stop2, stats2, key) = (stop.clone(), stats.clone(), opts.key);
         let accept_thread = std::thread::Builder::new()
             .name("sf-page-server".into())
             .spawn(move || {
@@ -284,7 +300,7 @@ impl PageServer {
                     let (image, stats) = (image.clone(), stats2.clone());
                     let _ = std::thread::Builder::new().name("sf-page-conn".into()).spawn(move || {
                         // A protocol error only ends this connection.
-                        let _ = serve_connection(&image, &stats, info, conn);
+                        let _ = serve_connection(&image, &stats, info, &key, conn);
                     });
                 }
             })
@@ -381,10 +397,54 @@ fn encode_mcdist(info: Option<McdistInfo>) -> Vec<u8> {
     out
 }
 
-fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, conn: TcpStream) -> Result<()> {
+const HELLO_MAGIC: [u8; 4] = *b"SFPA";
+const CHALLENGE_MAGIC: [u8; 4] = *b"SFPB";
+const PROOF_MAGIC: [u8; 4] = *b"SFPC";
+const NONCE: usize = 32;
+
+/// Server side of the key proof (module doc); Err closes the connection.
+pub fn prove_server(key: &Key, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
+    let io = |e| ForkError::io("page server handshake", e);
+    let mut hello = [0u8; 4 + NONCE];
+    rd.read_exact(&mut hello).map_err(io)?;
+    if hello[..4] != HELLO_MAGIC {
+        return Err(PageProtocolError::KeyProof.into());
+    }
+    let nonce_c = &hello[4..];
+    let nonce_s = Key::random().0;
+    let mac = key.mac(b"SFP server", &[nonce_c, &nonce_s]);
+    wr.write_all(&CHALLENGE_MAGIC).and_then(|_| wr.write_all(&nonce_s)).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)?;
+    let mut proof = [0u8; 4 + starling_mcdist::seal::MAC_LEN];
+    rd.read_exact(&mut proof).map_err(io)?;
+    if proof[..4] != PROOF_MAGIC || !key.verify(b"SFP client", &[nonce_c, &nonce_s], &proof[4..]) {
+        return Err(PageProtocolError::KeyProof.into());
+    }
+    Ok(())
+}
+
+/// Client side of the key proof (module doc).
+pub fn prove_client(key: &Key, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
+    let io = |e| ForkError::io("page server handshake", e);
+    let nonce_c = Key::random().0;
+    wr.write_all(&HELLO_MAGIC).and_then(|_| wr.write_all(&nonce_c)).and_then(|_| wr.flush()).map_err(io)?;
+    let mut ch = [0u8; 4 + NONCE + starling_mcdist::seal::MAC_LEN];
+    rd.read_exact(&mut ch).map_err(io)?;
+    let nonce_s = &ch[4..4 + NONCE];
+    if ch[..4] != CHALLENGE_MAGIC || !key.verify(b"SFP server", &[&nonce_c, nonce_s], &ch[4 + NONCE..]) {
+        return Err(PageProtocolError::KeyProof.into());
+    }
+    let mac = key.mac(b"SFP client", &[&nonce_c, nonce_s]);
+    wr.write_all(&PROOF_MAGIC).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)
+}
+
+fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, key: &Key, conn: TcpStream) -> Result<()> {
     let _ = conn.set_nodelay(true);
     let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
     let mut wr = BufWriter::with_capacity(256 * 1024, conn);
+    if let Err(e) = prove_server(key, &mut rd, &mut wr) {
+        stats.refused.fetch_add(1, Ordering::Relaxed);
+        return Err(e);
+    }
     // Grown to the largest batch seen, not allocated at MAX_BATCH up front:
     // this runs in the user's process, where a 4 MiB calloc per connection
     // is often served from a malloc arena and memset in full (glibc's
@@ -497,14 +557,23 @@ impl From<PageReply> for starling_mcdist::Fetched {
 pub struct PageClient {
     rd: BufReader<TcpStream>,
     wr: BufWriter<TcpStream>,
+    key: Key,
 }
 
 impl PageClient {
-    pub fn connect(addr: SocketAddr) -> Result<PageClient> {
+    /// Connect and prove `key` (the ticket's); fails if the server does not prove it back.
+    pub fn connect(addr: SocketAddr, key: &Key) -> Result<PageClient> {
         let s = TcpStream::connect(addr).map_err(|e| ForkError::io(format!("connect page server {addr}"), e))?;
         let _ = s.set_nodelay(true);
-        let rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
-        Ok(PageClient { rd, wr: BufWriter::new(s) })
+        let mut rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
+        let mut wr = BufWriter::new(s);
+        prove_client(key, &mut rd, &mut wr)?;
+        Ok(PageClient { rd, wr, key: *key })
+    }
+
+    /// The ticket's key (multicast is sealed with it).
+    pub fn key(&self) -> &Key {
+        &self.key
     }
 
     /// Local address of the connection (the interface to join multicast on).

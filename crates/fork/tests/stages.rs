@@ -2,7 +2,7 @@
 
 use starling_fork::dump::dump;
 use starling_fork::{Descriptor, PageClass};
-use starling_fork::page_server::{PageClient, PageReply, PageServer};
+use starling_fork::page_server::{PageClient, PageReply, PageServer, PageServerOptions};
 use starling_fork::template::TemplateRecord;
 use starling_fork::ForkError;
 
@@ -154,11 +154,29 @@ fn page_server_serves_data_zero_and_refuses_outside() {
     unsafe { buf.add(4096).write_bytes(0xab, 4096) };
     let base = buf as u64;
     let pid = sleeping_child(|| {});
-    let mut server = PageServer::start(pid, vec![(base, base + 3 * 4096)], "127.0.0.1:0".parse().unwrap()).unwrap();
+    let key = starling_mcdist::Key([0x5a; 32]);
+    let opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, key, ..PageServerOptions::default() };
+    let mut server = PageServer::start_with(pid, vec![(base, base + 3 * 4096)], "127.0.0.1:0".parse().unwrap(), opts).unwrap();
     // The parent's later writes do not show: the child's image is frozen.
     // SAFETY: writes inside the allocation.
     unsafe { buf.write_bytes(0x11, 4096) };
-    let mut client = PageClient::connect(server.addr()).unwrap();
+    // Without the key: a client with another key is refused (and sees the
+    // server fail its proof), and a plain request gets not one byte back.
+    assert!(PageClient::connect(server.addr(), &starling_mcdist::Key([0x5b; 32])).is_err());
+    {
+        use std::io::{Read, Write};
+        let mut raw = std::net::TcpStream::connect(server.addr()).unwrap();
+        let mut req = b"SFPQ".to_vec();
+        req.extend_from_slice(&1u32.to_le_bytes());
+        req.extend_from_slice(&(base + 4096).to_le_bytes());
+        req.resize(4 + 32, 0); // as long as a hello, so the server reads it all
+        raw.write_all(&req).unwrap();
+        let mut got = Vec::new();
+        let _ = raw.read_to_end(&mut got); // the server closes
+        assert!(got.is_empty(), "a connection without the key got {} bytes", got.len());
+    }
+    assert!(server.stats().refused.load(std::sync::atomic::Ordering::Relaxed) >= 1);
+    let mut client = PageClient::connect(server.addr(), &key).unwrap();
     let replies = client.fetch(&[base, base + 4096, base + 8192]).unwrap();
     assert!(matches!(replies[0], PageReply::Zero));
     match &replies[1] {
@@ -168,7 +186,7 @@ fn page_server_serves_data_zero_and_refuses_outside() {
     assert!(matches!(replies[2], PageReply::Zero));
     // Outside the served regions: the server closes the connection.
     assert!(client.fetch(&[base + 3 * 4096]).is_err());
-    let mut c2 = PageClient::connect(server.addr()).unwrap();
+    let mut c2 = PageClient::connect(server.addr(), &key).unwrap();
     assert!(c2.fetch(&[base + 1]).is_err(), "unaligned address must be refused");
     server.stop();
     reap(pid);

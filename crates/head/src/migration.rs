@@ -23,7 +23,7 @@
 use crate::placement::natural_key;
 use crate::{Head, Host};
 use starling_proto::conn::Outgoing;
-use starling_proto::{MigrationReport, Msg, TaskId};
+use starling_proto::{MigrationReport, Msg, SecretKey, TaskId};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -37,6 +37,8 @@ pub(crate) struct Moving {
     pub(crate) id: u64,
     pub(crate) from: String,
     pub(crate) to: String,
+    /// The move's secret (`MigrateIn`, `MigrateOut`).
+    key: SecretKey,
     /// Who asked (a client's connection), told the outcome.
     requester: Option<Outgoing>,
     stop_and_copy: bool,
@@ -60,6 +62,7 @@ impl Head {
     /// [`Head::recent_migrations`]).
     pub async fn migrate(&self, task: TaskId, to: Option<String>, stop_and_copy: bool, requester: Option<Outgoing>) -> Result<u64, String> {
         let id = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let key = SecretKey::random();
         let (target_tx, from) = {
             let mut st = self.state.lock().unwrap();
             let st = &mut *st;
@@ -96,6 +99,7 @@ impl Head {
             let target_tx = h.tx.clone();
             let route = st.routes.get_mut(&task).expect("checked above");
             route.moving = Some(Moving {
+                key,
                 id,
                 from: from.clone(),
                 to: target.clone(),
@@ -110,7 +114,7 @@ impl Head {
             (target_tx, from)
         };
         log::info!("migration {id}: task {task} from {from}");
-        if target_tx.send(Msg::MigrateIn { migration: id, task, from }).await.is_err() {
+        if target_tx.send(Msg::MigrateIn { migration: id, task, from, key }).await.is_err() {
             self.migration_failed(task, id, "the target host went away").await;
         }
         Ok(id)
@@ -133,15 +137,16 @@ impl Head {
             Ok(a) => a,
             Err(why) => return self.migration_failed(task, migration, &format!("the target cannot take it: {why}")).await,
         };
-        let (source_tx, to, stop_and_copy) = {
+        let (source_tx, to, stop_and_copy, key) = {
             let st = self.state.lock().unwrap();
             let Some(r) = st.routes.get(&task) else { return };
             let to = r.moving.as_ref().map(|m| m.to.clone()).unwrap_or_default();
             let stop_and_copy = r.moving.as_ref().is_some_and(|m| m.stop_and_copy);
-            (st.hosts.get(&r.host).map(|h| h.tx.clone()), to, stop_and_copy)
+            let Some(key) = r.moving.as_ref().map(|m| m.key) else { return };
+            (st.hosts.get(&r.host).map(|h| h.tx.clone()), to, stop_and_copy, key)
         };
         let sent = match source_tx {
-            Some(tx) => tx.send(Msg::MigrateOut { migration, task, to_host: to, to_addr: addr, stop_and_copy }).await.is_ok(),
+            Some(tx) => tx.send(Msg::MigrateOut { migration, task, to_host: to, to_addr: addr, stop_and_copy, key }).await.is_ok(),
             None => false,
         };
         if !sent {

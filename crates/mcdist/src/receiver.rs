@@ -48,6 +48,8 @@ pub trait PageSink: Send + Sync + 'static {
 #[derive(Debug, Clone)]
 pub struct ReceiverConfig {
     pub ticket: u64,
+    /// The ticket's key: datagrams not sealed with it are dropped.
+    pub key: crate::Key,
     pub group: SocketAddrV4,
     /// Address of the local interface to join the group on.
     pub interface: Ipv4Addr,
@@ -69,9 +71,10 @@ pub struct ReceiverConfig {
 }
 
 impl ReceiverConfig {
-    pub fn new(ticket: u64, group: SocketAddrV4, interface: Ipv4Addr, sender: SocketAddrV4, receiver_id: u32) -> Self {
+    pub fn new(ticket: u64, key: crate::Key, group: SocketAddrV4, interface: Ipv4Addr, sender: SocketAddrV4, receiver_id: u32) -> Self {
         ReceiverConfig {
             ticket,
+            key,
             group,
             interface,
             sender,
@@ -90,6 +93,8 @@ pub struct ReceiverStats {
     pub datagrams: AtomicU64,
     pub bytes: AtomicU64,
     pub malformed: AtomicU64,
+    /// Datagrams and reassembled pages whose MAC did not verify (dropped).
+    pub forged: AtomicU64,
     pub dropped_injected: AtomicU64,
     pub pages_complete: AtomicU64,
     pub pages_corrupt: AtomicU64,
@@ -177,7 +182,7 @@ impl Receiver {
         let deadline = Instant::now() + self.cfg.probe_timeout;
         let hello = Request { kind: wire::REQ_HELLO, ticket: self.cfg.ticket, receiver: self.cfg.receiver_id, rate: 0, rtt_us: 0, addrs: vec![] };
         while Instant::now() < deadline {
-            let _ = self.requests.send_to(&hello.encode(), self.cfg.sender);
+            let _ = self.requests.send_to(&hello.encode_sealed(&self.cfg.key), self.cfg.sender);
             let g = self.shared.lock();
             // The probe may have come back already: its notification only
             // reaches a waiter, so look before waiting (under the lock the
@@ -216,7 +221,7 @@ impl Receiver {
             };
             self.shared.stats.requests.fetch_add(1, Ordering::Relaxed);
             // A failed send is a lost request: the timeout re-sends it.
-            let _ = self.requests.send_to(&q.encode(), self.cfg.sender);
+            let _ = self.requests.send_to(&q.encode_sealed(&self.cfg.key), self.cfg.sender);
         }
     }
 
@@ -340,7 +345,7 @@ fn group_socket(cfg: &ReceiverConfig) -> Result<UdpSocket> {
 }
 
 struct Partial {
-    hash: [u8; 32],
+    mac: [u8; 32],
     count: u8,
     got: u8,
     mask: u8,
@@ -444,6 +449,10 @@ impl RxLoop {
             st.malformed.fetch_add(1, Ordering::Relaxed);
             return None;
         }
+        if h.kind != wire::KIND_FRAGMENT && !h.verify(&self.cfg.key, &[]) {
+            st.forged.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
         if h.kind == wire::KIND_PROBE {
             self.shared.probe_heard.store(true, Ordering::Release);
             let _g = self.shared.lock();
@@ -469,17 +478,17 @@ impl RxLoop {
             _ => {
                 let range = wire::fragment_range(h.index, h.count)?;
                 let p = self.partial.entry(h.addr).or_insert_with(|| Partial {
-                    hash: h.hash,
+                    mac: h.mac,
                     count: h.count,
                     got: 0,
                     mask: 0,
                     data: vec![0u8; wire::PAGE],
                     since: Instant::now(),
                 });
-                if p.hash != h.hash || p.count != h.count {
+                if p.mac != h.mac || p.count != h.count {
                     // A different version of the page (should not happen with
                     // a frozen template): start over with this one.
-                    *p = Partial { hash: h.hash, count: h.count, got: 0, mask: 0, data: vec![0u8; wire::PAGE], since: Instant::now() };
+                    *p = Partial { mac: h.mac, count: h.count, got: 0, mask: 0, data: vec![0u8; wire::PAGE], since: Instant::now() };
                 }
                 if p.mask & (1 << h.index) == 0 {
                     p.mask |= 1 << h.index;
@@ -490,8 +499,11 @@ impl RxLoop {
                     return None;
                 }
                 let p = self.partial.remove(&h.addr)?;
-                if *blake3::hash(&p.data).as_bytes() != p.hash {
+                let whole = DataHeader { mac: p.mac, ..h };
+                if !whole.verify(&self.cfg.key, &p.data) {
+                    // Corrupted on the way, or forged: asked for again.
                     st.pages_corrupt.fetch_add(1, Ordering::Relaxed);
+                    st.forged.fetch_add(1, Ordering::Relaxed);
                     return None;
                 }
                 st.pages_complete.fetch_add(1, Ordering::Relaxed);

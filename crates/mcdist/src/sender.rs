@@ -36,6 +36,8 @@ pub trait PageSource: Send + 'static {
 #[derive(Debug, Clone)]
 pub struct SenderConfig {
     pub ticket: u64,
+    /// The ticket's key: every datagram is sealed with it, requests must be.
+    pub key: crate::Key,
     /// The ticket's multicast group and port.
     pub group: SocketAddrV4,
     /// Address of the interface to send on (IP_MULTICAST_IF).
@@ -65,10 +67,11 @@ pub struct SenderConfig {
 
 impl SenderConfig {
     /// Defaults for a 10 GbE-class bridge.
-    pub fn new(ticket: u64, group: SocketAddrV4, interface: Ipv4Addr) -> SenderConfig {
+    pub fn new(ticket: u64, key: crate::Key, group: SocketAddrV4, interface: Ipv4Addr) -> SenderConfig {
         let link_rate = 1.25e9;
         SenderConfig {
             ticket,
+            key,
             group,
             interface,
             request_bind: SocketAddrV4::new(interface, 0),
@@ -406,7 +409,7 @@ impl SenderCore {
     }
 
     fn on_request(&mut self, d: &[u8]) {
-        let Some(req) = Request::parse(d) else {
+        let Some(req) = Request::parse_sealed(d, &self.cfg.key) else {
             self.stats.invalid.fetch_add(1, Ordering::Relaxed);
             return;
         };
@@ -496,7 +499,8 @@ impl SenderCore {
 
     fn send_probe(&mut self) {
         self.seq += 1;
-        let h = DataHeader { kind: wire::KIND_PROBE, index: 0, count: 0, ticket: self.cfg.ticket, addr: 0, seq: self.seq, hash: [0; 32] };
+        let mut h = DataHeader { kind: wire::KIND_PROBE, index: 0, count: 0, ticket: self.cfg.ticket, addr: 0, seq: self.seq, mac: [0; 32] };
+        h.seal(&self.cfg.key, &[]);
         let mut d = [0u8; wire::DATA_HEADER];
         h.write(&mut d);
         self.emit(&d);
@@ -555,12 +559,13 @@ impl SenderCore {
     }
 
     fn send_page(&mut self, addr: u64, page: &SourcePage) {
-        let mut h = DataHeader { kind: wire::KIND_ZERO, index: 0, count: 0, ticket: self.cfg.ticket, addr, seq: 0, hash: [0; 32] };
+        let mut h = DataHeader { kind: wire::KIND_ZERO, index: 0, count: 0, ticket: self.cfg.ticket, addr, seq: 0, mac: [0; 32] };
         let data = match page {
             SourcePage::Data(d) if d.len() == wire::PAGE && d.iter().any(|&b| b != 0) => d,
             SourcePage::Data(_) | SourcePage::Zero => {
                 self.seq += 1;
                 h.seq = self.seq;
+                h.seal(&self.cfg.key, &[]);
                 let mut d = [0u8; wire::DATA_HEADER];
                 h.write(&mut d);
                 return self.emit(&d);
@@ -569,6 +574,7 @@ impl SenderCore {
                 self.seq += 1;
                 h.kind = wire::KIND_UNREADABLE;
                 h.seq = self.seq;
+                h.seal(&self.cfg.key, &[]);
                 let mut d = [0u8; wire::DATA_HEADER];
                 h.write(&mut d);
                 return self.emit(&d);
@@ -576,7 +582,7 @@ impl SenderCore {
         };
         h.kind = wire::KIND_FRAGMENT;
         h.count = self.fragments;
-        h.hash = *blake3::hash(data).as_bytes();
+        h.seal(&self.cfg.key, data);
         let mut buf = std::mem::take(&mut self.buf);
         for i in 0..self.fragments {
             let Some(r) = wire::fragment_range(i, self.fragments) else { break };

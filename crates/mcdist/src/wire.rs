@@ -12,7 +12,7 @@
 //! ```text
 //! group datagram (sender → G:port), header 64 bytes:
 //!   0 magic "SFMC" | 4 kind u8 | 5 fragment index u8 | 6 fragment count u8 | 7 0
-//!   8 ticket u64 | 16 page address u64 | 24 sequence u64 | 32 BLAKE3 of the page [32]
+//!   8 ticket u64 | 16 page address u64 | 24 sequence u64 | 32 MAC [32]
 //!   64 payload: bytes [index × ceil(4096/count) ..] of the page (kind FRAGMENT only)
 //!   kinds: PROBE (answer to HELLO; address = sequence of the probe), FRAGMENT,
 //!          ZERO (the page is all zero), UNREADABLE (the template cannot read it)
@@ -21,7 +21,18 @@
 //!   0 magic "SFMQ" | 4 kind u8 (HELLO, PAGES) | 5..8 0 | 8 ticket u64
 //!   16 receiver id u32 | 20 count u16 | 22 0 | 24 receive rate bytes/s u64
 //!   32 smoothed request→arrival time µs u32 | 36 0 | 40 count × page address u64
+//!   then MAC [32] = keyed BLAKE3 of everything before it ("SFMQ" domain)
 //! ```
+//!
+//! **MACs** (keyed BLAKE3 under the ticket's [`Key`], see [`crate::seal`]):
+//! a FRAGMENT's MAC covers the ticket, the address and the whole page (every
+//! fragment of a page carries the same one; the receiver checks it on the
+//! reassembled page); a PROBE's, ZERO's or UNREADABLE's covers kind, ticket,
+//! address and sequence. A datagram or page whose MAC does not verify is
+//! dropped (`ReceiverStats::forged`, `SenderStats::invalid`) and the page is
+//! asked for again. Datagrams are not encrypted.
+
+use crate::seal::{Key, MAC_LEN};
 
 pub const PAGE: usize = 4096;
 pub const DATA_MAGIC: [u8; 4] = *b"SFMC";
@@ -65,7 +76,8 @@ pub struct DataHeader {
     pub ticket: u64,
     pub addr: u64,
     pub seq: u64,
-    pub hash: [u8; 32],
+    /// See the module doc ([`DataHeader::seal`]).
+    pub mac: [u8; 32],
 }
 
 impl DataHeader {
@@ -78,7 +90,27 @@ impl DataHeader {
         out[8..16].copy_from_slice(&self.ticket.to_le_bytes());
         out[16..24].copy_from_slice(&self.addr.to_le_bytes());
         out[24..32].copy_from_slice(&self.seq.to_le_bytes());
-        out[32..64].copy_from_slice(&self.hash);
+        out[32..64].copy_from_slice(&self.mac);
+    }
+
+    /// The MAC this header must carry: of `page` for a FRAGMENT (the whole
+    /// page), of the header's own fields for the other kinds.
+    pub fn expected_mac(&self, key: &Key, page: &[u8]) -> [u8; MAC_LEN] {
+        if self.kind == KIND_FRAGMENT {
+            key.mac(b"SFMC page", &[page, &self.ticket.to_le_bytes(), &self.addr.to_le_bytes()])
+        } else {
+            key.mac(b"SFMC control", &[&[self.kind], &self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), &self.seq.to_le_bytes()])
+        }
+    }
+
+    /// Set the MAC (`page`: the whole page of a FRAGMENT, else empty).
+    pub fn seal(&mut self, key: &Key, page: &[u8]) {
+        self.mac = self.expected_mac(key, page);
+    }
+
+    /// Whether the MAC is right (`page` as for [`DataHeader::seal`]; constant time).
+    pub fn verify(&self, key: &Key, page: &[u8]) -> bool {
+        blake3::Hash::from(self.expected_mac(key, page)) == blake3::Hash::from(self.mac)
     }
 
     /// Parse a datagram; None for anything malformed (peers are not trusted).
@@ -94,7 +126,7 @@ impl DataHeader {
             ticket: u(8),
             addr: u(16),
             seq: u(24),
-            hash: d[32..64].try_into().expect("32 bytes"),
+            mac: d[32..64].try_into().expect("32 bytes"),
         };
         let payload = &d[DATA_HEADER..];
         match h.kind {
@@ -133,6 +165,20 @@ impl Request {
             out[REQ_HEADER + 8 * i..REQ_HEADER + 8 * i + 8].copy_from_slice(&a.to_le_bytes());
         }
         out
+    }
+
+    /// [`Request::encode`] followed by its MAC under `key`.
+    pub fn encode_sealed(&self, key: &Key) -> Vec<u8> {
+        let mut out = self.encode();
+        let mac = key.mac(b"SFMQ", &[&out]);
+        out.extend_from_slice(&mac);
+        out
+    }
+
+    /// Parse a datagram of [`Request::encode_sealed`]; None when malformed or its MAC is wrong.
+    pub fn parse_sealed(d: &[u8], key: &Key) -> Option<Request> {
+        let body = d.len().checked_sub(MAC_LEN).map(|n| &d[..n])?;
+        key.verify(b"SFMQ", &[body], &d[body.len()..]).then(|| Request::parse(body))?
     }
 
     pub fn parse(d: &[u8]) -> Option<Request> {
@@ -179,7 +225,7 @@ mod tests {
 
     #[test]
     fn malformed_datagrams_are_refused() {
-        let h = DataHeader { kind: KIND_FRAGMENT, index: 1, count: 3, ticket: 7, addr: 0x1000, seq: 9, hash: [5; 32] };
+        let h = DataHeader { kind: KIND_FRAGMENT, index: 1, count: 3, ticket: 7, addr: 0x1000, seq: 9, mac: [5; 32] };
         let r = fragment_range(1, 3).unwrap();
         let mut d = vec![0u8; DATA_HEADER + r.len()];
         h.write(&mut d);
@@ -192,5 +238,31 @@ mod tests {
         let e = q.encode();
         assert_eq!(Request::parse(&e).unwrap(), q);
         assert!(Request::parse(&e[..e.len() - 8]).is_none());
+    }
+
+    #[test]
+    fn seals_are_checked() {
+        let (key, other) = (Key([9; 32]), Key([8; 32]));
+        let page = vec![7u8; PAGE];
+        let mut h = DataHeader { kind: KIND_FRAGMENT, index: 0, count: 3, ticket: 7, addr: 0x1000, seq: 9, mac: [0; 32] };
+        h.seal(&key, &page);
+        assert!(h.verify(&key, &page));
+        assert!(!h.verify(&other, &page));
+        let mut changed = page.clone();
+        changed[4095] = 0;
+        assert!(!h.verify(&key, &changed));
+        let mut z = DataHeader { kind: KIND_ZERO, index: 0, count: 0, ticket: 7, addr: 0x1000, seq: 3, mac: [0; 32] };
+        z.seal(&key, &[]);
+        assert!(z.verify(&key, &[]));
+        z.addr = 0x2000; // a ZERO moved to another page
+        assert!(!z.verify(&key, &[]));
+        let q = Request { kind: REQ_PAGES, ticket: 7, receiver: 2, rate: 1000, rtt_us: 50, addrs: vec![0x1000] };
+        let e = q.encode_sealed(&key);
+        assert_eq!(Request::parse_sealed(&e, &key).unwrap(), q);
+        assert!(Request::parse_sealed(&e, &other).is_none());
+        assert!(Request::parse_sealed(&q.encode(), &key).is_none());
+        let mut bad = e.clone();
+        bad[REQ_HEADER] ^= 1;
+        assert!(Request::parse_sealed(&bad, &key).is_none());
     }
 }

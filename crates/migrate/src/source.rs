@@ -30,6 +30,8 @@ pub struct SourceOptions {
     pub freeze_send_pages: usize,
     /// Address the page server listens on (reachable by the target).
     pub page_server_ip: IpAddr,
+    /// The move's secret: the key of its page server.
+    pub key: starling_mcdist::Key,
     /// Snowbird's way, kept as the baseline: no copy while it runs, every
     /// page sent while it is frozen.
     pub stop_and_copy: bool,
@@ -37,7 +39,7 @@ pub struct SourceOptions {
 
 impl SourceOptions {
     pub fn new(capture: CaptureOptions, page_server_ip: IpAddr) -> SourceOptions {
-        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false }
+        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_mcdist::Key::random() }
     }
 }
 
@@ -220,7 +222,7 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     };
     let served: Vec<(u64, u64)> =
         desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
-    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new() };
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key };
     let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(
         &mut w,
@@ -262,7 +264,7 @@ fn stop_and_copy(
     report.freeze_pages = pages.len() as u64;
     let served: Vec<(u64, u64)> =
         desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
-    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new() };
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key };
     let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale: Vec::new(), page_server: server.addr().to_string(), payload })?;
     finish(f, reader, server, hooks, frozen_at, start, report)

@@ -21,6 +21,8 @@ pub struct Incoming {
     pub payload: Vec<u8>,
     /// The source's page server (the frozen process's memory).
     pub page_server: SocketAddr,
+    /// The move's secret (proved to the page server).
+    pub key: starling_mcdist::Key,
     pub staged: Arc<Staging>,
     replies: Arc<Mutex<Replies>>,
 }
@@ -65,7 +67,7 @@ pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
 /// Receive a migration on `stream` until its image: `on_prepare` gets the
 /// source's first payload at once (to prepare while pages arrive: pages
 /// wait while it runs) and the source is told `Prepared` when it returns.
-pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
+pub fn receive(stream: TcpStream, key: starling_mcdist::Key, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
     let replies = Arc::new(Mutex::new(Replies {
         stream: stream.try_clone().map_err(wire::WireError::Io)?,
         resumed: false,
@@ -105,7 +107,7 @@ pub fn receive(stream: TcpStream, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::re
                     MigrateError::TargetFailed(format!("bad page server address {page_server:?}"))
                 })?;
                 staging.invalidate(&stale);
-                return Ok(Incoming { descriptor, payload, page_server, staged: Arc::new(staging), replies });
+                return Ok(Incoming { descriptor, payload, page_server, key, staged: Arc::new(staging), replies });
             }
         }
     }
@@ -118,14 +120,14 @@ impl Incoming {
     /// descriptor as the handler sees files (under the task's root).
     pub fn serve(&self, desc: Descriptor, prefetch: usize, on_lost: OnLost) -> Serve {
         let desc = Arc::new(desc);
-        let (staged, server, replies) = (self.staged.clone(), self.page_server, self.replies.clone());
+        let (staged, server, replies, key) = (self.staged.clone(), self.page_server, self.replies.clone(), self.key);
         Arc::new(move |_id, uffd, stats, stop| {
             let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch };
-            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server)?, stats.clone(), opts)
+            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server, &key)?, stats.clone(), opts)
                 .with_local_pages(staged.clone());
             let (replies2, lost2, stats2) = (replies.clone(), on_lost.clone(), stats.clone());
             h.spawn_drain(
-                PageClient::connect(server)?,
+                PageClient::connect(server, &key)?,
                 Box::new(move |r| {
                     let mut s = replies2.lock().unwrap_or_else(|p| p.into_inner());
                     match r {

@@ -119,9 +119,11 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
     let stdout_w: OwnedFd = std::fs::OpenOptions::new().write(true).open(format!("/proc/{}/fd/1", p.pid)).unwrap().into();
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
+    // The move's key (the head makes it on a cluster): the target's page-server client proves it.
+    let key = starling_mcdist::Key::random();
     let target = std::thread::spawn(move || -> TargetEnd {
         let (s, _) = listener.accept().map_err(|e| e.to_string())?;
-        let inc = receive(s, &mut |_| Ok(())).map_err(|e| e.to_string())?;
+        let inc = receive(s, key, &mut |_| Ok(())).map_err(|e| e.to_string())?;
         let desc = inc.descriptor.clone();
         let lost = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let lost2 = lost.clone();
@@ -146,7 +148,8 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         }
         Ok((status, outcomes))
     });
-    let opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
+    let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
+    opts.key = key;
     let report = migrate_out(p.pid, TcpStream::connect(addr).unwrap(), &opts, &mut NoHooks);
     (report, target.join().unwrap())
 }

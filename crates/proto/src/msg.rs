@@ -162,14 +162,18 @@ pub enum Msg {
     Migrate { task: TaskId, to: Option<String>, stop_and_copy: bool },
     /// Head → client: how the move went.
     MigrateReply { task: TaskId, result: Result<MigrationReport, String> },
-    /// Head → target agent: `task` will move here from `from`; listen for it.
-    MigrateIn { migration: u64, task: TaskId, from: String },
+    /// Head → target agent: `task` will move here from `from`; listen for it,
+    /// and take the stream only from a peer that proves `key` (the move's
+    /// secret, made by the head; the source gets it in `MigrateOut`).
+    MigrateIn { migration: u64, task: TaskId, from: String, key: SecretKey },
     /// Target agent → head: listening at this address (or why not).
     MigrateInReady { migration: u64, result: Result<String, String> },
     /// Head → target agent: forget the migration (it failed before the switch).
     MigrateAbort { migration: u64 },
     /// Head → source agent: move `task` to `to_host`, whose agent listens at `to_addr`.
-    MigrateOut { migration: u64, task: TaskId, to_host: String, to_addr: String, stop_and_copy: bool },
+    /// `key`: the move's secret, proved to the target's listener, and the
+    /// key of the page server the target fetches the rest of memory from.
+    MigrateOut { migration: u64, task: TaskId, to_host: String, to_addr: String, stop_and_copy: bool, key: SecretKey },
     /// Source agent → head: the task is frozen; hold what the client sends
     /// it (stdin, signals) until the switch.
     MigrateFreezing { migration: u64, task: TaskId },

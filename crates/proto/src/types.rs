@@ -526,6 +526,35 @@ pub const TERMINAL_CC_LEN: usize = 32;
 /// Largest encoded process descriptor accepted (they are kilobytes).
 pub const MAX_DESCRIPTOR: usize = 16 << 20;
 
+/// A 32-byte secret (a ticket's or a move's key). Its `Debug` never shows it.
+#[derive(Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretKey(pub [u8; 32]);
+
+impl SecretKey {
+    /// A fresh key from the kernel's random source (`getrandom(2)`).
+    pub fn random() -> SecretKey {
+        let mut k = [0u8; 32];
+        let mut got = 0usize;
+        while got < k.len() {
+            // SAFETY: writes at most `k.len() - got` bytes into the live local array from offset `got`.
+            let n = unsafe { libc::getrandom(k[got..].as_mut_ptr().cast(), k.len() - got, 0) };
+            match usize::try_from(n) {
+                Ok(n) => got += n,
+                Err(_) if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted => {}
+                // getrandom(2) only fails on bad arguments (it blocks until the pool is seeded).
+                Err(_) => panic!("getrandom failed: {}", std::io::Error::last_os_error()),
+            }
+        }
+        SecretKey(k)
+    }
+}
+
+impl std::fmt::Debug for SecretKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SecretKey(..)")
+    }
+}
+
 /// What a host needs to restore one clone of a frozen template process.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CloneSpec {
@@ -541,6 +570,10 @@ pub struct CloneSpec {
     pub descriptor_len: u32,
     /// Where the template's page server listens (`IP:PORT`, reachable from hosts).
     pub page_server: String,
+    /// The ticket's secret, made by the parent: the host must prove it to
+    /// the page server, and multicast pages are sealed with it. It travels
+    /// only in this launch (client → head → agent, each hop authenticated).
+    pub page_key: SecretKey,
     /// Hierarchical mode: further clones on this host, forked from the
     /// first by its restorer (ids clone_id+1 ..= clone_id+local_forks); the
     /// task then occupies 1 + local_forks cores.

@@ -71,6 +71,7 @@ mod nr {
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
     pub const SETRESGID: usize = 119;
+    pub const CAPSET: usize = 126;
     pub const RT_SIGTIMEDWAIT: usize = 128;
     pub const RT_SIGQUEUEINFO: usize = 129;
     pub const PRCTL: usize = 157;
@@ -1164,10 +1165,29 @@ fn restore_own_thread(index: usize) {
 }
 
 /// Credentials are per thread in the kernel: each thread sets its own.
+/// A process none of whose uids is 0 also loses what an `exec` task's
+/// sandbox takes from a non-root task: its capability bounding set is
+/// emptied (before `setresuid`, while this thread still has CAP_SETPCAP)
+/// and its inheritable set cleared (after; `setresuid` already cleared the
+/// effective, permitted and ambient sets), so nothing comes back through an
+/// `execve`. A process that is root, or can become root again (a uid of 0),
+/// keeps them, as a root exec task does.
 fn restore_credentials() {
     let h = header();
     let c = &h.process.creds;
     let groups = blob(h.groups);
+    let unprivileged = c.ruid != 0 && c.euid != 0 && c.suid != 0;
+    if unprivileged {
+        // Capabilities 0..=63: the kernel's last one is lower (CAP_LAST_CAP,
+        // 40 on 6.x); the ones it does not know fail with EINVAL, harmlessly.
+        for cap in 0..64usize {
+            // SAFETY: prctl(PR_CAPBSET_DROP = 24, cap) with integer arguments.
+            let r = unsafe { sys!(nr::PRCTL, 24, cap) };
+            if r < 0 && r != -22 {
+                die(RestorerExit::ThreadState, "PR_CAPBSET_DROP", cap as u64, r);
+            }
+        }
+    }
     // SAFETY: credential syscalls with integer arguments and a gid_t array
     // in the plan.
     unsafe {
@@ -1182,6 +1202,22 @@ fn restore_credentials() {
         let r = sys!(nr::SETRESUID, c.ruid, c.euid, c.suid);
         if r < 0 {
             die(RestorerExit::ThreadState, "setresuid", c.euid, r);
+        }
+    }
+    if unprivileged {
+        /// `struct __user_cap_header_struct` and two `__user_cap_data_struct`s (version 3).
+        #[repr(C)]
+        struct CapHeader {
+            version: u32,
+            pid: i32,
+        }
+        let hdr = CapHeader { version: 0x2008_0522, pid: 0 };
+        let data = [0u32; 6];
+        // SAFETY: capset(2) reads a header and two 12-byte data records from
+        // live locals; all-zero sets only drop capabilities.
+        let r = unsafe { sys!(nr::CAPSET, &hdr as *const CapHeader, data.as_ptr()) };
+        if r < 0 {
+            die(RestorerExit::ThreadState, "capset", 0, r);
         }
     }
 }

@@ -321,7 +321,8 @@ pub fn run_scenario(
         Uni(UnicastServer),
     }
     let (sns, sip, img) = (lab.sender_ns.clone(), lab.sender_ip, image.clone());
-    let mut scfg = SenderConfig::new(ticket, group, sip);
+    let key = starling_mcdist::Key::random();
+    let mut scfg = SenderConfig::new(ticket, key, group, sip);
     scfg.push = dist == Dist::MulticastPush;
     tweak_sender(&mut scfg);
     let server = std::thread::spawn(move || -> Result<Server, McdistError> {
@@ -342,7 +343,7 @@ pub fn run_scenario(
     let mut handles = Vec::new();
     for (i, w) in workloads.iter().enumerate() {
         let (ns, rip, w, img) = (lab.receiver_ns[i].clone(), lab.receiver_ips[i], w.clone(), image.clone());
-        let mut rcfg = ReceiverConfig::new(ticket, group, rip, target, u32::try_from(i).expect("a few receivers"));
+        let mut rcfg = ReceiverConfig::new(ticket, key, group, rip, target, u32::try_from(i).expect("a few receivers"));
         tweak_receiver(&mut rcfg);
         handles.push(std::thread::spawn(move || -> (Result<WorkResult, String>, usize, u64, u64, u64) {
             if let Err(e) = enter(&ns) {
