@@ -494,8 +494,7 @@ fn restore_here(
             *life.lost.lock().unwrap() = Some(why);
             let pid = pid_slot.load(Ordering::SeqCst);
             if pid > 0 {
-                // SAFETY: kill(2) on the sandbox we started and have not reaped.
-                unsafe { libc::kill(pid.cast_signed(), libc::SIGKILL) };
+                let _ = starling_sandbox::kill_sandbox(pid);
             }
         })
     };
