@@ -69,8 +69,6 @@ def test_clone_output_to_a_file_is_appended(cluster, prog, workdir, hierarchical
     assert sorted(p.name for p in workdir.iterdir()) == ["out.txt"], list(workdir.iterdir())
 
 
-@pytest.mark.xfail(strict=False, reason="known flaky (passed, then failed, in fresh-clone CI runs of one commit): a worker's "
-                   "relayed output may not be drained before the pool's shutdown returns; quarantined, see issue 14")
 def test_executor_output_to_a_file_is_appended(cluster, workdir):
     """`python3 output_file.py > out.txt 2>&1` with a starling.Executor of 2 workers."""
     require_module("starling", "make python")

@@ -225,8 +225,6 @@ def test_unclonable_state_fails_and_launches_nothing(cluster, progs):
     assert wait_idle() == 0
 
 
-@pytest.mark.xfail(strict=False, reason="known flaky (hier: a clone reported 139 instead of 137 in one of two "
-                   "fresh-clone CI runs of one commit); quarantined, see issue 16")
 @pytest.mark.parametrize("mode", ["spread", "hier"])
 def test_sf_kill_kills_every_clone(cluster, progs, mode):
     """Hierarchical: 3 clones are 2 tasks (2 + 1); killing a task kills the clone its restorer forked too."""

@@ -258,8 +258,6 @@ def test_a_signal_sent_to_the_client_reaches_the_moved_task(cluster, progs, work
     wait_for(lambda: ps_row(task) is None, "the signalled task to leave ps")
 
 
-@pytest.mark.xfail(strict=False, reason="known flaky (failed in two fresh-clone CI runs, passed alone on the same "
-                   "commit: cores not all free again within 120 s); quarantined, see issue 9")
 def test_a_task_that_ends_while_it_moves_ends_the_move_cleanly(cluster, progs, workdir):
     """The copy is slowed (tbf on the target's veth) and the task is let finish during it: the move
     reports that the task ended, the task's exit status and output are its own, and the target's

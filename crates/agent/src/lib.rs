@@ -317,7 +317,12 @@ impl Agent {
                     if let Some(t) = self.tasks.lock().unwrap().get(&task) {
                         t.pending_signal.store(signo, Ordering::SeqCst);
                         let pid = t.pid.load(Ordering::SeqCst);
-                        if pid > 0 {
+                        if pid > 0 && signo == libc::SIGKILL {
+                            // Its whole PID namespace at once: the sandbox ends (and the
+                            // task's runner goes on to stop a clone's fault handlers) only
+                            // when every process in it has.
+                            let _ = starling_sandbox::kill_sandbox(pid);
+                        } else if pid > 0 {
                             // SAFETY: kill(2) on the sandbox we started and have not reaped yet
                             // (the pid is cleared before the task is reaped).
                             unsafe { libc::kill(pid.cast_signed(), signo) };
@@ -373,8 +378,7 @@ impl Agent {
             t.pending_signal.store(libc::SIGKILL, Ordering::SeqCst);
             let pid = t.pid.load(Ordering::SeqCst);
             if pid > 0 {
-                // SAFETY: as above.
-                unsafe { libc::kill(pid.cast_signed(), libc::SIGKILL) };
+                let _ = starling_sandbox::kill_sandbox(pid);
             }
         }
         self.waiters.fail_all();

@@ -188,13 +188,22 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
             if !hooks.switched {
                 hooks.undo();
             }
-            Err(match e {
-                // Its process exited while it was being copied: the move ends with it.
-                starling_migrate::MigrateError::Gone(_) => "the task ended before it could move".to_string(),
-                e => e.to_string(),
-            })
+            // Its process exited while it was being copied: the move ends with
+            // it. Also when the copy failed otherwise and the process is gone
+            // now: a task ending during the capture is torn down under it (its
+            // files unmounted), and what the capture then saw missing is a
+            // symptom of that end, not the move's own failure.
+            let ended = matches!(e, starling_migrate::MigrateError::Gone(_)) || !process_lives(pid);
+            Err(if ended { "the task ended before it could move".to_string() } else { e.to_string() })
         }
     }
+}
+
+/// Whether process `pid` (in our PID namespace) still exists and is not a zombie.
+fn process_lives(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return false };
+    let state = stat.rfind(')').and_then(|i| stat.get(i + 1..)).and_then(|rest| rest.split_whitespace().next());
+    !matches!(state, None | Some("Z" | "X" | "x"))
 }
 
 /// What the freeze took from the task here, to give back if the move fails.
@@ -516,8 +525,7 @@ fn restore_here(
             *life.lost.lock().unwrap() = Some(why);
             let pid = pid_slot.load(Ordering::SeqCst);
             if pid > 0 {
-                // SAFETY: kill(2) on the sandbox we started and have not reaped.
-                unsafe { libc::kill(pid.cast_signed(), libc::SIGKILL) };
+                let _ = starling_sandbox::kill_sandbox(pid);
             }
         })
     };

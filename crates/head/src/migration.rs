@@ -166,7 +166,7 @@ impl Head {
 
     /// The task runs on the target: switch its route, and release what was held.
     pub(crate) async fn migrate_handed_over(&self, migration: u64, task: TaskId, cpu_seconds: f64) {
-        let (client, target, input, output) = {
+        let (target, input, output) = {
             let mut st = self.state.lock().unwrap();
             let st = &mut *st;
             let Some(r) = st.routes.get_mut(&task) else { return };
@@ -184,12 +184,18 @@ impl Head {
                 r.host = to;
                 r.host_conn = *conn;
             }
-            (r.client.clone(), target.map(|t| t.0), input, output)
+            (target.map(|t| t.0), input, output)
         };
         log::info!("migration {migration}: task {task} switched");
-        if let Some(c) = client {
-            for m in output {
-                let _ = c.send(m).await;
+        // The target's output goes the way of any host's now. It may hold
+        // the task's end: a task that read its last input before the freeze
+        // can end on the target before the source says it handed over (two
+        // connections, no order between them). Sent straight to the client,
+        // that end left the route behind and the target's cores busy for
+        // good; routed, it ends the route and tells whoever asked.
+        for m in output {
+            if let Some(m) = self.rerun_filter(m).await {
+                self.route_from_host(m).await;
             }
         }
         if let Some(t) = target {

@@ -56,7 +56,7 @@ impl Head {
 
     /// A host's task message: to the task's client. A task ends with
     /// `Finished`, or with an `Error` when its host could not run it.
-    async fn route_from_host(&self, m: Msg) {
+    pub(crate) async fn route_from_host(&self, m: Msg) {
         let Some(task) = m.task() else {
             log::warn!("agent sent an unroutable message");
             return;

@@ -105,7 +105,7 @@ use std::path::PathBuf;
 pub use harden::HardenError;
 pub use init::init_main;
 pub use program::TaskProgram;
-pub use spawn::{spawn, spawn_program, Sandboxed};
+pub use spawn::{kill_sandbox, spawn, spawn_program, Sandboxed};
 pub use terminal::{TerminalError, TerminalLine};
 pub use starling_proto::ExitStatus;
 

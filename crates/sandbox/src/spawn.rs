@@ -183,6 +183,59 @@ fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(RawFd::try_from(fd).expect("pidfd_open returns an int")) })
 }
 
+/// SIGKILL the sandbox whose outer init is `outer` (an unreaped child of the
+/// caller) so that it ends only once every process in it has ended.
+///
+/// The signal goes to the sandbox's PID 1 (the reaper, the outer init's
+/// child): the kernel takes its whole PID namespace down (nested ones, such
+/// as a hierarchical clone task's restorer namespace, included) before the
+/// reaper's parent sees it die, and the outer init then reports
+/// `Signal(SIGKILL)` and exits. Killing the outer init itself ended it at
+/// once, while the namespace below was still dying: whoever waited on it
+/// went on to tear down what those processes still used (a clone's fault
+/// handler, whose loss made a clone fault on a zero page and die of SIGSEGV
+/// instead of SIGKILL). With no reaper yet (the sandbox is still starting),
+/// the outer init is killed, and the reaper follows by its parent-death
+/// signal.
+pub fn kill_sandbox(outer: u32) -> io::Result<()> {
+    let outer_pid = i32::try_from(outer).map_err(|_| io::Error::from_raw_os_error(libc::ESRCH))?;
+    let children = std::fs::read_to_string(format!("/proc/{outer}/task/{outer}/children")).unwrap_or_default();
+    let mut killed = false;
+    for pid in children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()) {
+        // Pin the process first, then check it is still the outer init's
+        // child: a pid read from /proc may have been reused meanwhile.
+        // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+        let raw = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let Ok(raw) = RawFd::try_from(raw) else { continue };
+        if raw < 0 {
+            continue;
+        }
+        // SAFETY: pidfd_open just returned this descriptor; nothing else owns it.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(raw) };
+        if parent_of(pid) != Some(outer_pid) {
+            continue;
+        }
+        // SAFETY: a signal number, no siginfo (NULL) and no flags, on the pidfd we own.
+        let r = unsafe { libc::syscall(libc::SYS_pidfd_send_signal, pidfd.as_raw_fd(), libc::SIGKILL, std::ptr::null::<libc::siginfo_t>(), 0) };
+        killed |= r == 0;
+    }
+    if killed {
+        return Ok(());
+    }
+    // SAFETY: kill takes plain integers; the caller has not reaped `outer`.
+    if unsafe { libc::kill(outer_pid, libc::SIGKILL) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The parent pid of `pid` (field 4 of /proc/PID/stat, after the command
+/// name's closing parenthesis).
+fn parent_of(pid: i32) -> Option<i32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.get(stat.rfind(')')? + 1..)?.split_whitespace().nth(1)?.parse().ok()
+}
+
 impl Sandboxed {
     /// Pid of the outer `__sandbox-init` process (in the agent's PID namespace).
     pub fn pid(&self) -> u32 {
@@ -201,6 +254,9 @@ impl Sandboxed {
         }
         if self.result.is_some() {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
+        }
+        if signo == libc::SIGKILL {
+            return kill_sandbox(self.child.id());
         }
         // SAFETY: kill takes plain integers; the pid is our unreaped child,
         // so it cannot have been reused by another process.
