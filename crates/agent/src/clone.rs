@@ -118,7 +118,7 @@ pub(crate) fn prepare(
         report_mode(&report, clone_id, &stats);
         h.run(stop)
     });
-    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[] };
+    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
     Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution, materialize }))
 }
