@@ -195,9 +195,10 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
 /// terminal (as `exec -t` starts it): the target recreates exactly that.
 fn terminal_movable(pid: i32) -> Result<(), String> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| format!("reading the task's state: {e}"))?;
-    let fields: Vec<i64> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().skip(2).take(5).filter_map(|f| f.parse().ok()).collect()).unwrap_or_default();
-    // After the state: ppid, pgrp, session, tty_nr, tpgid.
-    let [_, pgrp, session, _, tpgid] = fields[..] else { return Err("unreadable /proc stat of the task".into()) };
+    // After the command: state, ppid, pgrp, session, tty_nr, tpgid.
+    let fields: Vec<i64> =
+        stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().skip(2).take(4).filter_map(|f| f.parse().ok()).collect()).unwrap_or_default();
+    let [pgrp, session, _, tpgid] = fields[..] else { return Err("unreadable /proc stat of the task".into()) };
     if session != i64::from(pid) || tpgid != pgrp {
         return Err(format!(
             "the task runs on a terminal but is not its session's leader in the foreground (pid {pid}, session {session}, foreground group {tpgid}): only such a terminal task can move"
