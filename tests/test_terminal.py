@@ -4,6 +4,7 @@ Driven through tmux (a real terminal emulator, on a private server socket) on th
 cluster. Every wait polls the screen until the expected text appears; the timeouts only bound a hang.
 """
 import os
+import pathlib
 import re
 import subprocess
 import time
@@ -171,36 +172,35 @@ def test_output_of_a_non_terminal_exec_is_unchanged(cluster):
     assert r.returncode == 0
 
 
-def test_a_terminal_task_refuses_to_move_and_runs_on(cluster):
-    # Moving a task with its pty is not supported yet: the move is refused, saying why, and the task
-    # goes on where it was, still on its terminal.
+def test_a_terminal_task_moves_twice_and_keeps_its_terminal(term):
+    # A cbreak-mode program on a pty (tests/terminal/keys.py) moved h0 -> h1 -> h2 with `starling migrate`:
+    # after each move the keys typed in the same tmux pane reach it on its new host, its terminal is still
+    # in cbreak mode and it is still the terminal's foreground group, a resize after a move reaches it as
+    # SIGWINCH, and Ctrl-C kills it (exit 130).
     import json
     hosts = [h["name"] for h in status()["hosts"]]
-    p = subprocess.Popen([STARLING, "exec", "-t", "--host", hosts[0], "--", "sh", "-c",
-                          "echo on-tty-$(tty | cut -c1-8); read x; echo still-$x"],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        line = b""
-        deadline = time.monotonic() + 180
-        while b"on-tty-" not in line:
-            assert time.monotonic() < deadline, "the task did not start"
-            line += p.stdout.read1(4096)
-        assert b"on-tty-/dev/pts" in line, line
+    prog = pathlib.Path(__file__).parent / "terminal" / "keys.py"
+    term.start(f"{STARLING} exec -t --host {hosts[0]} -- /usr/bin/python3 {prog}")
+    term.wait(r"^ready\s*$", "the program to start")
+    term.type("a", enter=False)
+    term.wait(rf"^key a on {hosts[0]} cbreak=True fg=True", "the first key read on the first host")
 
-        def find():
-            rows = json.loads(subprocess.run([STARLING, "ps", "--json"], capture_output=True, text=True).stdout)
-            return next((r for r in rows if "on-tty-" in r["command"]), None)
-        row = wait_for(find, "the task's ps row")
-        r = subprocess.run([STARLING, "migrate", str(row["task"]), "--to", hosts[1]], capture_output=True, text=True,
-                           timeout=300)
-        assert r.returncode != 0, r.stdout
-        assert "terminal" in r.stderr and "-T" in r.stderr, r.stderr
-        assert find()["host"] == hosts[0], "a refused task stays where it was"
-        p.stdin.write(b"go\n")
-        p.stdin.close()
-        out = line + p.stdout.read()
-        assert p.wait(timeout=300) == 0, p.stderr.read()
-        assert b"still-go" in out, out
-    finally:
-        if p.poll() is None:
-            p.kill()
+    def find():
+        rows = json.loads(subprocess.run([STARLING, "ps", "--json"], capture_output=True, text=True).stdout)
+        return next((r for r in rows if "keys.py" in r["command"]), None)
+    task = wait_for(find, "the task's ps row")["task"]
+    for key, host in (("b", hosts[1]), ("c", hosts[2])):
+        r = subprocess.run([STARLING, "migrate", str(task), "--to", host], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert find()["host"] == host
+        term.type(key, enter=False)
+        term.wait(rf"^key {key} on {host} cbreak=True fg=True", f"key {key} read on {host} after the move")
+    term.run("resize-window", "-t", "t", "-x", "90", "-y", "25")
+    term.wait(r"^winch 90 25\s*$", "the resize after the moves")
+    term.key("C-c")
+    assert term.finished("the moved program to end on Ctrl-C") == 130
+    s = term.screen()
+    # Every key read exactly once.
+    for key in "abc":
+        assert len(re.findall(rf"^key {key} on", s, re.M)) == 1, s

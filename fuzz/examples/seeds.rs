@@ -62,7 +62,7 @@ fn main() {
             if count > 1 && threads.len() > 1 {
                 continue;
             }
-            let plan = lower(&d, PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace: pidns, clone_id_in_rax: true, seccomp: &[] });
+            let plan = lower(&d, PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace: pidns, clone_id_in_rax: true, seccomp: &[], terminal: false });
             abi::plan::validate(&plan).expect("the seed plan is valid");
             put(&corpus.join("plan"), &format!("{name}-{mode}"), &plan);
         }

@@ -14,7 +14,7 @@ fuzz_target!(|data: &[u8]| {
         if count > 1 && d.threads.len() != 1 {
             continue;
         }
-        let opts = PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace, clone_id_in_rax: true, seccomp: &[] };
+        let opts = PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace, clone_id_in_rax: true, seccomp: &[], terminal: false };
         let plan = lower(&d, opts);
         if let Err(e) = starling_image::abi::plan::validate(&plan) {
             panic!("a validated descriptor lowered to a plan the restorer refuses: {e:?}");

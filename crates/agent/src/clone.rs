@@ -130,7 +130,7 @@ pub(crate) fn prepare(
     // Clones run under the same filter as exec tasks: the restorer installs
     // it (with no_new_privs) on every thread just before they resume.
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(crate::AgentError::Filter)?;
-    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp };
+    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp, terminal: false };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
     Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution, materialize }))
 }

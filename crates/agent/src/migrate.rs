@@ -80,6 +80,10 @@ struct Handover {
     stdin: Vec<u8>,
     /// The client closed stdin (or the task closed its end).
     stdin_closed: bool,
+    /// A terminal task: its pty's window size and modes now, the target's
+    /// new pty gets them (`stdin` is then what was typed and not read yet,
+    /// put back into the new pty's input queue without a second echo).
+    terminal: Option<starling_proto::TerminalSize>,
 }
 
 fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
@@ -143,7 +147,7 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
     };
     let live = life.live.lock().unwrap().clone().ok_or("the task has not started yet")?;
     if live.spec.terminal.is_some() {
-        return Err("the task runs on a terminal (its stdin was a terminal, or -t): moving it with its pty is not supported yet; start it with `starling exec -T` to move it".into());
+        terminal_movable(live.process()?)?;
     }
     if let Some(m) = &live.materialize {
         // A clone started here has part of its memory still at its parent's
@@ -206,6 +210,22 @@ fn process_lives(pid: i32) -> bool {
     !matches!(state, None | Some("Z" | "X" | "x"))
 }
 
+/// A terminal task moves as its session's leader in the foreground of its
+/// terminal (as `exec -t` starts it): the target recreates exactly that.
+fn terminal_movable(pid: i32) -> Result<(), String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| format!("reading the task's state: {e}"))?;
+    // After the command: state, ppid, pgrp, session, tty_nr, tpgid.
+    let fields: Vec<i64> =
+        stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().skip(2).take(4).filter_map(|f| f.parse().ok()).collect()).unwrap_or_default();
+    let [pgrp, session, _, tpgid] = fields[..] else { return Err("unreadable /proc stat of the task".into()) };
+    if session != i64::from(pid) || tpgid != pgrp {
+        return Err(format!(
+            "the task runs on a terminal but is not its session's leader in the foreground (pid {pid}, session {session}, foreground group {tpgid}): only such a terminal task can move"
+        ));
+    }
+    Ok(())
+}
+
 /// What the freeze took from the task here, to give back if the move fails.
 struct Saved {
     stdin: Option<StdinHandover>,
@@ -234,6 +254,12 @@ impl Source {
     fn take_stdin(&self) -> (Option<StdinHandover>, Vec<u8>) {
         let (reply, handed) = std::sync::mpsc::channel();
         let _ = self.stdin.send(StdinMsg::Handover(reply));
+        if self.live.spec.terminal.is_some() {
+            // Its stdin is the pty (the pump writes the master, which never
+            // blocks for long): what was typed and not read is taken from
+            // the pty's input queue in `at_freeze`.
+            return (handed.recv().ok(), Vec::new());
+        }
         let mut pipe = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NONBLOCK)
@@ -273,6 +299,16 @@ impl Source {
             // Give back what we took out of the pipe, before anything newer.
             let mut writer = st.writer;
             let mut prefill = saved.unread;
+            if self.live.spec.terminal.is_some() {
+                // Typed but unread: back into the pty's input queue, unechoed.
+                if let Some(m) = writer.as_ref() {
+                    use std::os::fd::AsFd;
+                    if let Err(e) = starling_sandbox::terminal::give_pending_input(m.as_fd(), &prefill) {
+                        log::warn!("task {}: giving back its typed input: {e}", self.task);
+                    }
+                }
+                prefill.clear();
+            }
             if writer.is_none() && !prefill.is_empty() {
                 if let Ok(mut w) = std::fs::OpenOptions::new().write(true).open(format!("/proc/{}/fd/0", self.pid)) {
                     let _ = w.write_all(&prefill);
@@ -308,11 +344,35 @@ impl SourceHooks for Source {
         let (stdin, unread) = self.take_stdin();
         let mut outputs = Vec::new();
         let pumps = std::mem::take(&mut *self.live.outputs.lock().unwrap());
-        for (pump, stream) in pumps.into_iter().zip([Stream::Stdout, Stream::Stderr]) {
+        // stdout, stderr, and a terminal task's pty master (its output).
+        for (pump, stream) in pumps.into_iter().zip([Stream::Stdout, Stream::Stderr, Stream::Stdout]) {
             if let Some(fd) = pump.stop() {
                 outputs.push((stream, fd));
             }
         }
+        let mut unread = unread;
+        let terminal = match (&self.live.spec.terminal, stdin.as_ref().and_then(|s| s.writer.as_ref())) {
+            (Some(_), Some(master)) => {
+                use std::os::fd::AsFd;
+                let state = || -> Result<(starling_proto::TerminalSize, Vec<u8>), starling_sandbox::TerminalError> {
+                    let modes = starling_sandbox::terminal::get_modes(master.as_fd())?;
+                    let (rows, cols) = starling_sandbox::terminal::get_size(master.as_fd())?;
+                    let typed = starling_sandbox::terminal::take_pending_input(master.as_fd())?;
+                    Ok((starling_proto::TerminalSize { rows, cols, modes: Some(modes) }, typed))
+                };
+                match state() {
+                    Ok((size, typed)) => {
+                        unread = typed;
+                        Some(size)
+                    }
+                    Err(e) => {
+                        self.saved = Some(Saved { stdin, unread, outputs });
+                        return Err(format!("the task's terminal: {e}"));
+                    }
+                }
+            }
+            _ => None,
+        };
         let stdin_closed = stdin.as_ref().is_none_or(|s| s.writer.is_none());
         let handover = Handover {
             bindings: self.live.view.bindings().into_iter().collect(),
@@ -321,6 +381,7 @@ impl SourceHooks for Source {
             upper: read_upper(&self.live.dir.join("upper"))?,
             stdin: unread.clone(),
             stdin_closed,
+            terminal,
         };
         self.saved = Some(Saved { stdin, unread, outputs });
         let bytes = encode(&handover)?;
@@ -514,8 +575,22 @@ fn restore_here(
     let life = ctl.life.clone();
     agent.tasks.lock().unwrap().insert(task, ctl);
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes().map_err(early)?;
-    let writer = (!h.stdin_closed).then(|| File::from(stdin_w));
-    crate::io::start_stdin(writer, port.stdin, h.stdin);
+    // A terminal task gets a new pty here (made by its sandbox, as for any
+    // terminal task, with the source's size and modes now); its stdin pump
+    // starts on the master once the sandbox has sent it.
+    let terminal = h.terminal.filter(|_| spec.terminal.is_some() && spec.clone.is_none());
+    let (line, stdin_r, pending) = match &terminal {
+        Some(_) => {
+            drop(stdin_w);
+            let (line, theirs) = starling_sandbox::TerminalLine::new().map_err(|e| early(AgentError::Terminal(e)))?;
+            (Some(line), theirs, Some((port.stdin, h.stdin)))
+        }
+        None => {
+            let writer = (!h.stdin_closed).then(|| File::from(stdin_w));
+            crate::io::start_stdin(writer, port.stdin, h.stdin);
+            (None, stdin_r, None)
+        }
+    };
 
     let pid_slot = port.pid.clone();
     let on_lost: starling_migrate::target::OnLost = {
@@ -533,10 +608,18 @@ fn restore_here(
     let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
     // A moved task (exec task or clone) gets its filter back from the restorer.
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?;
-    let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &seccomp };
+    let plan = PlanOptions {
+        clone_id: 0,
+        clone_count: 1,
+        new_pid_namespace: true,
+        clone_id_in_rax: false,
+        seccomp: &seccomp,
+        terminal: terminal.is_some(),
+    };
     let (program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
+    sb.terminal.clone_from(&terminal);
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
     // Its program is the restorer, which needs root; it installs the filter
@@ -547,6 +630,25 @@ fn restore_here(
     let mut child = starling_sandbox::spawn_program(&agent.cfg.exe, &sb, program, stdin_r, stdout_w, stderr_w)
         .map_err(|e| early(io_step(Step::StartSandbox)(e)))?;
     pid_slot.store(child.pid(), Ordering::SeqCst);
+    let mut master_out = None;
+    if let (Some(line), Some((stdin_rx, typed))) = (line, pending) {
+        // None: the sandbox failed before it made the pty (the restore fails below).
+        match line.receive_master() {
+            Ok(Some(m)) => {
+                use std::os::fd::AsFd;
+                // What was typed on the source and not read: in the new pty's
+                // input queue before the task resumes, not echoed twice.
+                if let Err(e) = starling_sandbox::terminal::give_pending_input(m.as_fd(), &typed) {
+                    log::warn!("task {task}: its typed input: {e}");
+                }
+                let w = m.try_clone().map_err(|e| early(io_step(Step::Pipe)(e)))?;
+                crate::io::start_stdin(Some(File::from(w)), stdin_rx, Vec::new());
+                master_out = Some(m);
+            }
+            Ok(None) => drop(crate::io::start_stdin(None, stdin_rx, Vec::new())),
+            Err(e) => return Err(early(AgentError::Terminal(starling_sandbox::TerminalError::Line(e)))),
+        }
+    }
     let t_spawned = Instant::now();
     let running = restore.wait_running(0);
     let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
@@ -568,10 +670,15 @@ fn restore_here(
     }
     incoming.resumed().map_err(|e| (AgentError::Migration(e.to_string()), true))?;
     log::info!("task {task}: runs here now (pid {})", child.pid());
-    let outputs = vec![
+    let mut outputs = vec![
         OutputPump::start(task, Stream::Stdout, stdout_r, tx.clone()).map_err(|e| (io_step(Step::Pipe)(e), true))?,
         OutputPump::start(task, Stream::Stderr, stderr_r, tx.clone()).map_err(|e| (io_step(Step::Pipe)(e), true))?,
     ];
+    if let Some(m) = master_out {
+        // The pty's output (after the pipes', as `task::run` orders them: a
+        // further move stops them in that order).
+        outputs.push(OutputPump::start(task, Stream::Stdout, m, tx.clone()).map_err(|e| (io_step(Step::Pipe)(e), true))?);
+    }
     let live = Arc::new(LiveTask {
         spec,
         dir: dir.to_path_buf(),

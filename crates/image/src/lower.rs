@@ -33,6 +33,9 @@ pub struct PlanOptions<'a> {
     /// A seccomp BPF program (raw `struct sock_filter`s) the process gets
     /// with `no_new_privs` as it resumes; empty: none.
     pub seccomp: &'a [u8],
+    /// The process gets the terminal on its fd 0 back as its controlling
+    /// terminal (`PLAN_FLAG_TERMINAL`: a moved terminal task).
+    pub terminal: bool,
 }
 
 /// How the restorer must map a region.
@@ -146,6 +149,9 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     }
     if opts.clone_id_in_rax {
         flags |= PLAN_FLAG_CLONE_ID_IN_RAX;
+    }
+    if opts.terminal {
+        flags |= PLAN_FLAG_TERMINAL;
     }
     let header = PlanHeader {
         magic: PLAN_MAGIC,

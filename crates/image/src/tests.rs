@@ -61,7 +61,7 @@ fn read<T: Copy>(plan: &[u8], off: u64) -> T {
 fn lowered_plan_reads_back_as_the_restorer_reads_it() {
     let d = descriptor();
     d.validate().expect("valid");
-    let opts = PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[] };
+    let opts = PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
     let plan = lower(&d, opts);
     let h: PlanHeader = read(&plan, 0);
     assert_eq!((h.magic, h.version, h.total_len), (PLAN_MAGIC, PLAN_VERSION, plan.len() as u64));
@@ -98,7 +98,7 @@ fn lowered_plan_reads_back_as_the_restorer_reads_it() {
 #[test]
 fn the_restorers_plan_check_accepts_a_lowered_plan_and_refuses_damaged_ones() {
     let d = descriptor();
-    let opts = || PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[] };
+    let opts = || PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
     let plan = lower(&d, opts());
     assert_eq!(crate::abi::plan::validate(&plan), Ok(()));
     let what = |bytes: &[u8]| crate::abi::plan::validate(bytes).map_err(|e| e.what);

@@ -172,6 +172,10 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
                 let (major, minor) = (u64::from(libc::major(meta.rdev())), u64::from(libc::minor(meta.rdev())));
                 match SANDBOX_DEVICES.iter().find(|d| (d.1, d.2) == (major, minor)) {
                     Some(d) => FdKind::Reopen { path: format!("/dev/{}", d.0), flags, offset: 0 },
+                    // The task's terminal (its pty's slave, or /dev/tty): on
+                    // the target it is the new pty, the restored process's
+                    // controlling terminal, which /dev/tty opens.
+                    None if is_terminal_device(major, minor) => FdKind::Reopen { path: "/dev/tty".into(), flags, offset: 0 },
                     None => return refuse("a device"),
                 }
             } else if ft.is_file() || ft.is_dir() {
@@ -185,6 +189,11 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
         out.push(FdEntry { fd, kind });
     }
     Ok(out)
+}
+
+/// A pty slave (Unix98: majors 136-143) or `/dev/tty` (5, 0).
+fn is_terminal_device(major: u64, minor: u64) -> bool {
+    (136..=143).contains(&major) || (major, minor) == (5, 0)
 }
 
 /// Whether pipe `target` (`pipe:[INODE]`, open at `link` in process `pid`)

@@ -128,7 +128,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         let lost = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let lost2 = lost.clone();
         let serve = inc.serve(desc.clone(), 16, Arc::new(move |why| lost2.lock().unwrap().push(why)));
-        let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[] };
+        let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false };
         let (program, restore) = Restore::start(&desc, plan, serve).map_err(|e| e.to_string())?;
         let mut restorer = spawn_restorer(&program, stdout_w);
         drop(program);

@@ -68,6 +68,7 @@ mod nr {
     pub const FCNTL: usize = 72;
     pub const CHDIR: usize = 80;
     pub const UMASK: usize = 95;
+    pub const SETSID: usize = 112;
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
     pub const SETRESGID: usize = 119;
@@ -1001,6 +1002,24 @@ fn restore_fds(keep_above: i32) {
     }
 }
 
+/// A moved terminal task: its own session again, whose controlling terminal
+/// is the new pty's slave the sandbox left on fd 0 (no session holds it, so
+/// TIOCSCTTY needs no stealing). The kernel makes our process group the
+/// terminal's foreground group, as it was on the source (a terminal task is
+/// moved only as its session's leader).
+fn take_terminal() {
+    const TIOCSCTTY: usize = 0x540E;
+    // SAFETY: setsid takes no arguments; we are not a group leader (a fork
+    // of the PID namespace's init, or the sandbox's task after its setsid,
+    // in which case EPERM is harmless: TIOCSCTTY below reports a real failure).
+    unsafe { sys!(nr::SETSID) };
+    // SAFETY: TIOCSCTTY takes an int by value (0: do not steal).
+    let r = unsafe { sys!(nr::IOCTL, 0, TIOCSCTTY, 0) };
+    if r < 0 {
+        die(RestorerExit::Fd, "TIOCSCTTY on fd", 0, r);
+    }
+}
+
 fn restore_process_state() {
     let h = header();
     if h.cwd.len > 0 {
@@ -1399,6 +1418,9 @@ extern "C" fn restorer_main() -> ! {
         enter_pid_namespace(h.process.pid, h.clone_count);
     }
     // From here on we are the process being restored.
+    if h.flags & PLAN_FLAG_TERMINAL != 0 {
+        take_terminal();
+    }
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
     let handler_sock = move_fd_above(HANDLER_FD, keep_above);

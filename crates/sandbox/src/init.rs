@@ -486,8 +486,16 @@ fn close_from(first: RawFd) {
 /// PID 2: become the client, then exec the command. Never returns.
 fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid, terminal: Option<OwnedFd>) -> ! {
     // A terminal task: its own session, the pty its controlling terminal on 0/1/2.
+    // A moved terminal task's restorer only gets the slave on 0/1/2: the
+    // restored process makes it its controlling terminal in its own session
+    // (PLAN_FLAG_TERMINAL), which must find no session holding it.
     if let Some(slave) = terminal {
-        if let Err(e) = crate::terminal::make_controlling(&slave, false) {
+        let made = if spec.confinement == crate::Confinement::Restorer {
+            crate::terminal::put_on_stdio(&slave)
+        } else {
+            crate::terminal::make_controlling(&slave, false)
+        };
+        if let Err(e) = made {
             die(e)
         }
     }

@@ -139,6 +139,13 @@ pub fn make_controlling(slave: &OwnedFd, steal: bool) -> Result<(), TerminalErro
     if unsafe { libc::ioctl(slave.as_raw_fd(), libc::TIOCSCTTY, libc::c_int::from(steal)) } < 0 {
         return Err(TerminalError::Controlling(last_error()));
     }
+    put_on_stdio(slave)
+}
+
+/// In the task's process, before it execs: the slave on fds 0, 1 and 2
+/// (not made the controlling terminal: a moved task's restorer does that
+/// in the restored process).
+pub fn put_on_stdio(slave: &OwnedFd) -> Result<(), TerminalError> {
     for target in 0..3 {
         // SAFETY: dup2 onto the standard descriptors of this process, which
         // is about to exec; nothing in it holds them as owned values.
@@ -206,4 +213,105 @@ impl TerminalLine {
     pub fn receive_master(self) -> io::Result<Option<OwnedFd>> {
         recv_fd(self.ours.as_fd())
     }
+}
+
+/// A terminal's slave, opened through its master (non-blocking).
+fn peer(master: BorrowedFd<'_>) -> Result<OwnedFd, TerminalError> {
+    // SAFETY: TIOCGPTPEER takes open flags by value and returns a new descriptor.
+    let s = unsafe {
+        libc::ioctl(master.as_raw_fd(), libc::TIOCGPTPEER, libc::O_RDWR | libc::O_NOCTTY | libc::O_NONBLOCK | libc::O_CLOEXEC)
+    };
+    if s < 0 {
+        return Err(TerminalError::OpenSlave(last_error()));
+    }
+    // SAFETY: the ioctl just returned this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(s) })
+}
+
+fn termios_of(fd: BorrowedFd<'_>) -> Result<libc::termios, TerminalError> {
+    // SAFETY: termios is plain old data; all-zero is a valid value.
+    let mut t: libc::termios = unsafe { std::mem::zeroed() };
+    // SAFETY: tcgetattr writes into the live termios we pass.
+    if unsafe { libc::tcgetattr(fd.as_raw_fd(), &raw mut t) } < 0 {
+        return Err(TerminalError::Modes(last_error()));
+    }
+    Ok(t)
+}
+
+fn set_termios(fd: BorrowedFd<'_>, t: &libc::termios) -> Result<(), TerminalError> {
+    // SAFETY: tcsetattr reads the live termios we pass.
+    if unsafe { libc::tcsetattr(fd.as_raw_fd(), libc::TCSANOW, t) } < 0 {
+        return Err(TerminalError::Modes(last_error()));
+    }
+    Ok(())
+}
+
+/// Take out what was typed that the task has not read yet (its process
+/// must be stopped): the line discipline's input queue, already echoed
+/// and edited, including an unfinished line in canonical mode (switching
+/// the slave to non-canonical mode makes it readable). The modes are put
+/// back as they were.
+pub fn take_pending_input(master: BorrowedFd<'_>) -> Result<Vec<u8>, TerminalError> {
+    let slave = peer(master)?;
+    let saved = termios_of(slave.as_fd())?;
+    let mut raw = saved;
+    raw.c_lflag &= !libc::ICANON;
+    raw.c_cc[libc::VMIN] = 0;
+    raw.c_cc[libc::VTIME] = 0;
+    set_termios(slave.as_fd(), &raw)?;
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        // SAFETY: reads into our live buffer from our descriptor.
+        let n = unsafe { libc::read(slave.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        match usize::try_from(n) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => out.extend_from_slice(&buf[..n]),
+        }
+    }
+    set_termios(slave.as_fd(), &saved)?;
+    Ok(out)
+}
+
+/// Put `data` (from [`take_pending_input`]) back into a terminal's input
+/// queue, as typed but not echoed again nor re-interpreted (no signals,
+/// no CR/NL mapping, no flow control), then restore its modes. In canonical
+/// mode its lines are lines again and an unfinished one stays editable.
+pub fn give_pending_input(master: BorrowedFd<'_>, data: &[u8]) -> Result<(), TerminalError> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    let slave = peer(master)?;
+    let saved = termios_of(slave.as_fd())?;
+    let mut quiet = saved;
+    quiet.c_lflag &= !(libc::ECHO | libc::ECHONL | libc::ISIG | libc::IEXTEN);
+    quiet.c_iflag &= !(libc::ICRNL | libc::INLCR | libc::IGNCR | libc::ISTRIP | libc::IXON | libc::IUCLC);
+    set_termios(slave.as_fd(), &quiet)?;
+    let mut rest = data;
+    while !rest.is_empty() {
+        // SAFETY: writes from our live slice to our descriptor.
+        let n = unsafe { libc::write(master.as_raw_fd(), rest.as_ptr().cast(), rest.len()) };
+        match usize::try_from(n) {
+            Ok(n) if n > 0 => rest = &rest[n..],
+            _ => {
+                let e = last_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                if e.kind() == io::ErrorKind::WouldBlock {
+                    let mut fds = [libc::pollfd { fd: master.as_raw_fd(), events: libc::POLLOUT, revents: 0 }];
+                    // SAFETY: polls one descriptor we hold.
+                    unsafe { libc::poll(fds.as_mut_ptr(), 1, -1) };
+                    continue;
+                }
+                return Err(TerminalError::Send(e));
+            }
+        }
+    }
+    // The bytes reach the line discipline from a work queue; polling the
+    // slave runs that work now (n_tty_poll flushes it), with the quiet modes.
+    let mut fds = [libc::pollfd { fd: slave.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+    // SAFETY: polls one descriptor we hold, without waiting.
+    unsafe { libc::poll(fds.as_mut_ptr(), 1, 0) };
+    set_termios(slave.as_fd(), &saved)
 }

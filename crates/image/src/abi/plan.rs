@@ -36,6 +36,11 @@ pub const PLAN_FLAG_NEW_PIDNS: u64 = 1;
 /// template's resume point returns (remote fork). Without it the registers
 /// are restored as captured (migration).
 pub const PLAN_FLAG_CLONE_ID_IN_RAX: u64 = 2;
+/// Plan flag: the process had a controlling terminal. The restorer got the
+/// new pty's slave on fd 0 (no session holds it); the restored process
+/// starts its own session with it as controlling terminal (setsid +
+/// TIOCSCTTY), which makes its process group the terminal's foreground one.
+pub const PLAN_FLAG_TERMINAL: u64 = 4;
 
 /// Most instructions of [`PlanHeader::seccomp`] (the kernel's BPF_MAXINSNS).
 pub const MAX_SECCOMP_INSNS: u64 = 4096;
