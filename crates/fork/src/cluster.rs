@@ -279,12 +279,6 @@ impl TicketPlan<'_> {
 async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<Shared>) {
     let mut events = handle.events;
     let mut end = CloneState::Lost("the session ended without news of the clone".into());
-    // The statuses the restorer reported, made the clones' states only when
-    // the task has ended: the agent sends `CloneStats` before the task's last
-    // output (and its file commit), and a clone whose state is final is one
-    // `wait_all` (sf_join, sf_kill, the Python pool's shutdown) no longer
-    // waits for, so its output could arrive after the parent went on.
-    let mut reported: Vec<(u32, ExitStatus)> = Vec::new();
     while let Some(ev) = events.recv().await {
         match ev {
             TaskEvent::Output(stream, data) => write_fd(if stream == Stream::Stdout { 1 } else { 2 }, &data),
@@ -293,7 +287,7 @@ async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<
                 if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
                     s.stats = Some(counters);
                     if let Some(status) = status {
-                        reported.push((clone_id, status));
+                        s.state = CloneState::from(status);
                     }
                 }
             }
@@ -314,7 +308,7 @@ async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<
     }
     let mut slots = shared.slots.lock().unwrap();
     for s in slots.iter_mut().filter(|s| ids.contains(&s.id) && !s.state.is_final()) {
-        s.state = reported.iter().find(|(id, _)| *id == s.id).map_or_else(|| end.clone(), |(_, st)| CloneState::from(*st));
+        s.state = end.clone();
     }
     shared.changed.notify_all();
 }
