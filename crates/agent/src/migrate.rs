@@ -441,7 +441,7 @@ pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task
     let body = {
         let (agent, tx, dir) = (agent.clone(), tx.clone(), dir.clone());
         move || {
-            let r = receive(&agent, &tx, migration, task, &dir, listener, &key, &abort);
+            let r = receive(&agent, &tx, task, &dir, listener, &key, &abort);
             agent.incoming.lock().unwrap().remove(&migration);
             r
         }
@@ -492,7 +492,6 @@ struct Prepared {
 fn receive(
     agent: &Arc<Agent>,
     tx: &Outgoing,
-    migration: u64,
     task: TaskId,
     dir: &Path,
     listener: TcpListener,
@@ -537,7 +536,7 @@ fn receive(
         incoming.failed("no prepare payload");
         return gave_up("the source sent no prepare payload".into());
     };
-    match restore_here(agent, tx, migration, task, dir, &incoming, prepared) {
+    match restore_here(agent, tx, task, dir, &incoming, prepared) {
         Ok(()) => Ok(()),
         Err((e, resumed)) => {
             if !resumed {
@@ -553,7 +552,6 @@ fn receive(
 fn restore_here(
     agent: &Arc<Agent>,
     tx: &Outgoing,
-    _migration: u64,
     task: TaskId,
     dir: &Path,
     incoming: &starling_migrate::target::Incoming,

@@ -52,6 +52,16 @@ pub(crate) struct Moving {
     started: Instant,
 }
 
+/// Where [`Head::route_client_msg`] sends a client's task message.
+pub(crate) enum ClientMsgRoute {
+    /// On to the task's host, as usual.
+    Pass(Msg),
+    /// To a move's target (an answer to a file request the target made before the switch).
+    ToTarget(Outgoing, Msg),
+    /// Kept by the move (input held while the task is frozen) or no longer wanted.
+    Consumed,
+}
+
 /// Recent migrations' reports, for policies that weigh a move's cost.
 pub(crate) const RECENT_MIGRATIONS: usize = 64;
 
@@ -290,27 +300,31 @@ impl Head {
         }
     }
 
-    /// A client's message for a task that may be frozen for a move: held
-    /// (None) or to pass on. File answers for the target's early requests
-    /// come back here with their host.
-    pub(crate) fn hold_or_pass(&self, m: Msg) -> Result<Msg, Option<(Outgoing, Msg)>> {
-        let Some(task) = m.task() else { return Ok(m) };
+    /// Where a client's message for a task that may be frozen for a move
+    /// goes. File answers for the target's early requests come back here
+    /// and go to the target, whatever the task's route says.
+    pub(crate) fn route_client_msg(&self, m: Msg) -> ClientMsgRoute {
+        let Some(task) = m.task() else { return ClientMsgRoute::Pass(m) };
         let mut st = self.state.lock().unwrap();
         let st = &mut *st;
-        let Some(r) = st.routes.get_mut(&task) else { return Ok(m) };
+        let Some(r) = st.routes.get_mut(&task) else { return ClientMsgRoute::Pass(m) };
         match m {
             Msg::FileResponse { task, id, resp } if id & TARGET_FILE_ID != 0 => {
-                let to = r.target_file_ids.remove(&id);
-                Err(to.and_then(|h| st.hosts.get(&h).map(|h| (h.tx.clone(), Msg::FileResponse { task, id: id & !TARGET_FILE_ID, resp }))))
+                let target = r.target_file_ids.remove(&id).and_then(|h| st.hosts.get(&h)).map(|h| h.tx.clone());
+                match target {
+                    Some(tx) => ClientMsgRoute::ToTarget(tx, Msg::FileResponse { task, id: id & !TARGET_FILE_ID, resp }),
+                    // The move ended and its target with it: nobody waits for this answer.
+                    None => ClientMsgRoute::Consumed,
+                }
             }
             Msg::Stdin { .. } | Msg::StdinEof { .. } | Msg::Signal { .. } | Msg::Resize { .. } => match r.moving.as_mut() {
                 Some(mv) if mv.holding => {
                     mv.held_input.push(m);
-                    Err(None)
+                    ClientMsgRoute::Consumed
                 }
-                _ => Ok(m),
+                _ => ClientMsgRoute::Pass(m),
             },
-            m => Ok(m),
+            m => ClientMsgRoute::Pass(m),
         }
     }
 

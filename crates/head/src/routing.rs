@@ -2,6 +2,7 @@
 //! go to the task's host, a host's to the task's client; content requests
 //! go to the relay cache when there is one.
 
+use crate::migration::ClientMsgRoute;
 use crate::Head;
 use starling_proto::conn::{Incoming, Outgoing};
 use starling_proto::{FileReq, Msg, ProtoError};
@@ -171,13 +172,13 @@ impl Head {
 
     /// A client's task message: to the task's host (only from the task's own client).
     async fn route_from_client(&self, conn: u64, m: Msg) {
-        let m = match self.hold_or_pass(m) {
-            Ok(m) => m,
-            Err(Some((host, m))) => {
-                let _ = host.send(m).await;
+        let m = match self.route_client_msg(m) {
+            ClientMsgRoute::Pass(m) => m,
+            ClientMsgRoute::ToTarget(target, m) => {
+                let _ = target.send(m).await;
                 return;
             }
-            Err(None) => return,
+            ClientMsgRoute::Consumed => return,
         };
         let Some(task) = m.task() else { return };
         self.record_stdin(&m);

@@ -91,7 +91,7 @@ fn start(mut cmd: Command) -> Running {
         });
     }
     let mut child = cmd.spawn().expect("start");
-    let pid = child.id() as i32;
+    let pid = i32::try_from(child.id()).expect("a pid fits in i32");
     let out = BufReader::new(child.stdout.take().unwrap());
     Running { child, pid, out, seen: String::new() }
 }
@@ -136,7 +136,11 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
             inc.failed("the restorer ended before the process ran");
             return Err(format!("restorer failed: {:?}", restorer.wait()));
         }
-        inc.resumed().map_err(|e| e.to_string())?;
+        if let Err(e) = inc.resumed() {
+            let _ = restorer.kill();
+            let _ = restorer.wait();
+            return Err(e.to_string());
+        }
         let status = restorer.wait().unwrap();
         let (outcomes, channel) = restore.finish();
         if let Some(e) = channel {
@@ -200,7 +204,7 @@ fn open_file_timer_handlers_mask_umask_cwd_survive() {
     }
     let exe = build("state");
     let data = std::env::temp_dir().join(format!("migrate-state-{}", std::process::id()));
-    std::fs::write(&data, (0..200u32).map(|i| (i * 7 + 3) as u8).collect::<Vec<u8>>()).unwrap();
+    std::fs::write(&data, (0..200u8).map(|i| i.wrapping_mul(7).wrapping_add(3)).collect::<Vec<u8>>()).unwrap();
     let report = moved_run_matches(
         || {
             let mut c = Command::new(&exe);
@@ -254,7 +258,7 @@ fn a_socket_is_refused_before_anything_is_frozen() {
     let mut p = {
         cmd.stdout(Stdio::piped());
         let mut child = cmd.spawn().expect("start");
-        let pid = child.id() as i32;
+        let pid = i32::try_from(child.id()).expect("a pid fits in i32");
         let out = BufReader::new(child.stdout.take().unwrap());
         Running { child, pid, out, seen: String::new() }
     };

@@ -316,7 +316,7 @@ fn assemble_fetching_writes_fetched_chunks_straight_into_the_file() {
     let half = random_bytes(9, 2 << 20);
     let data = [&half[..], &half[..], &random_bytes(10, 1 << 20)[..]].concat();
     let pieces = chunker::chunk_bytes(&data);
-    let recipe = Recipe { size: data.len() as u64, mode: 0o100644, uid: 0, gid: 0, mtime_ns: 1, chunks: pieces.iter().map(|(r, _)| r.clone()).collect() };
+    let recipe = Recipe { size: data.len() as u64, mode: 0o100644, uid: 0, gid: 0, mtime_ns: 1, chunks: pieces.iter().map(|(r, _)| *r).collect() };
     let (first, range) = &pieces[0];
     cache.put_chunk(&first.hash, &data[range.clone()]).unwrap();
     let missing = cache.missing(&recipe);
