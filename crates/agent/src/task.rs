@@ -100,9 +100,13 @@ impl LiveTask {
     pub fn process(&self) -> std::result::Result<i32, String> {
         let mut pid = i32::try_from(self.sandbox_pid).map_err(|_| "no sandbox".to_string())?;
         for _ in 0..self.depth {
-            let kids: Vec<i32> = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children"))
-                .map_err(|e| format!("reading the children of {pid}: {e}"))?
-                .split_whitespace()
+            let kids: Vec<i32> = match std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+                Ok(kids) => kids,
+                // A link of the chain has gone (reaped): the task ended under us.
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Err("the task has ended".into()),
+                Err(e) => return Err(format!("reading the children of {pid}: {e}")),
+            }
+            .split_whitespace()
                 .filter_map(|c| c.parse().ok())
                 .collect();
             match kids.as_slice() {
