@@ -204,3 +204,28 @@ def test_a_terminal_task_moves_twice_and_keeps_its_terminal(term):
     # Every key read exactly once.
     for key in "abc":
         assert len(re.findall(rf"^key {key} on", s, re.M)) == 1, s
+
+
+def test_less_keeps_paging_after_it_moves(term, workdir):
+    # less reads its keys from /dev/tty, not stdin: after `starling migrate` its /dev/tty must be the
+    # new host's pty, in the modes less set, so the keys typed in the same pane still page it.
+    import json
+    hosts = [h["name"] for h in status()["hosts"]]
+    f = workdir / "long.txt"
+    f.write_text("".join(f"row-{i:04d}\n" for i in range(1, 1001)))
+    term.start(f"{STARLING} exec -t --host {hosts[0]} -- less {f}")
+    term.wait(r"^row-0001\s*$", "less's first page")
+
+    def find():
+        rows = json.loads(subprocess.run([STARLING, "ps", "--json"], capture_output=True, text=True).stdout)
+        return next((r for r in rows if r["command"].startswith("less")), None)
+    task = wait_for(find, "less's ps row")["task"]
+    r = subprocess.run([STARLING, "migrate", str(task), "--to", hosts[1]], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert find()["host"] == hosts[1]
+    term.type(" ", enter=False)
+    term.wait(r"\A(?![\s\S]*^row-0001)[\s\S]*^row-0040", "less's second page after the move (row 40 shown, row 1 gone)")
+    term.type("G", enter=False)
+    term.wait(r"^row-1000\s*$", "less at the end of the file")
+    term.type("q", enter=False)
+    assert term.finished("less to quit") == 0
