@@ -7,6 +7,7 @@ use starling_image::abi::regs::{FP_XSTATE_MAGIC1, FXSAVE_BYTES};
 use starling_image::abi::signal::{SigInfo, SigactionTable};
 use starling_image::abi::thread::ThreadCore;
 use starling_image::*;
+use starling_migrate::wire::{self as migrate_wire, ToSource, ToTarget};
 use starling_proto::{Msg, TaskSpec, WirePath};
 use std::path::Path;
 
@@ -75,5 +76,27 @@ fn main() {
             put(&corpus.join("frame"), &format!("{name}-{}", if compress { "zstd" } else { "plain" }), &bytes);
         }
     }
+    // A whole move as the source sends it, and the target's answers.
+    let mut stream = Vec::new();
+    let to_target = [
+        ToTarget::Prepare { payload: b"view".to_vec() },
+        ToTarget::Pages { addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
+        ToTarget::Image { descriptor: descriptor(&[42]).encode(), stale: vec![0x2000], page_server: "10.0.0.1:4000".into(), payload: b"files".to_vec() },
+    ];
+    for frame in &to_target {
+        migrate_wire::send(&mut stream, frame).expect("encode");
+    }
+    put(&corpus.join("migrate_stream"), "move", &stream);
+    let mut answers = Vec::new();
+    let to_source = [
+        ToSource::Prepared,
+        ToSource::Resumed,
+        ToSource::Complete { local_pages: 1, remote_pages: 1, faults: 1, fault_p50_us: Some(64), fault_p99_us: None },
+        ToSource::Failed { reason: "no room".into() },
+    ];
+    for frame in &to_source {
+        migrate_wire::send(&mut answers, frame).expect("encode");
+    }
+    put(&corpus.join("migrate_stream"), "answers", &answers);
     println!("seeds written under {}", corpus.display());
 }

@@ -61,6 +61,8 @@ pub enum MigrateError {
     Wire(#[from] wire::WireError),
     #[error("the caller's {stage} step failed: {reason}")]
     Hook { stage: &'static str, reason: String },
+    #[error("malformed migration stream: {0}")]
+    Stream(String),
     #[error("the target failed before the process resumed there: {0}")]
     TargetFailed(String),
     #[error("the connection to the other host was lost after the process resumed there: {0}")]

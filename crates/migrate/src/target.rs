@@ -74,42 +74,78 @@ pub fn receive(stream: TcpStream, key: starling_mcdist::Key, on_prepare: &mut dy
         complete: None,
     }));
     let mut r = BufReader::with_capacity(1 << 20, stream);
-    let mut staging = Staging::default();
+    let mut frames = FrameReader::default();
     let fail = |reason: String| {
         let _ = replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Failed { reason });
     };
     loop {
-        match wire::recv::<ToTarget>(&mut r)? {
-            ToTarget::Prepare { payload } => {
+        let frame = wire::recv::<ToTarget>(&mut r)?;
+        match frames.take(frame) {
+            Err(e) => {
+                fail(e.to_string());
+                return Err(e);
+            }
+            Ok(Taken::Staged) => {}
+            Ok(Taken::Prepare(payload)) => {
                 if let Err(reason) = on_prepare(payload) {
                     fail(reason.clone());
                     return Err(MigrateError::Hook { stage: "prepare", reason });
                 }
                 replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Prepared)?;
             }
+            Ok(Taken::Image { descriptor, page_server, payload }) => {
+                let staged = Arc::new(frames.into_staging());
+                return Ok(Incoming { descriptor, payload, page_server, key, staged, replies });
+            }
+        }
+    }
+}
+
+/// The target's reading of the source's frames, one at a time and with no
+/// I/O of its own: [`receive`] drives it over the connection, and the
+/// `migrate_stream` fuzz target over arbitrary bytes.
+#[derive(Default)]
+pub struct FrameReader {
+    staging: Staging,
+}
+
+/// What one frame from the source asks of the target.
+pub enum Taken {
+    /// Prepare the task's surroundings from this payload, then answer `Prepared`.
+    Prepare(Vec<u8>),
+    /// Pages kept for the restore.
+    Staged,
+    /// The process is frozen: restore it from this (pages written since
+    /// they were sent are already dropped from the staging).
+    Image { descriptor: Descriptor, page_server: SocketAddr, payload: Vec<u8> },
+}
+
+impl FrameReader {
+    /// Take one frame; an error is the source's fault and ends the move.
+    pub fn take(&mut self, frame: ToTarget) -> Result<Taken> {
+        match frame {
+            ToTarget::Prepare { payload } => Ok(Taken::Prepare(payload)),
             ToTarget::Pages { addrs, data } => {
-                if !staging.add(&addrs, data) {
-                    let reason = "a pages frame whose bytes do not match its addresses".to_string();
-                    fail(reason.clone());
-                    return Err(MigrateError::TargetFailed(reason));
+                if self.staging.add(&addrs, data) {
+                    Ok(Taken::Staged)
+                } else {
+                    Err(MigrateError::Stream("a pages frame whose bytes do not match its addresses".into()))
                 }
             }
             ToTarget::Image { descriptor, stale, page_server, payload } => {
-                let descriptor = match Descriptor::decode(&descriptor) {
-                    Ok(d) => d,
-                    Err(e) => {
-                        fail(e.to_string());
-                        return Err(e.into());
-                    }
-                };
-                let page_server = page_server.parse().map_err(|_| {
-                    fail(format!("bad page server address {page_server:?}"));
-                    MigrateError::TargetFailed(format!("bad page server address {page_server:?}"))
-                })?;
-                staging.invalidate(&stale);
-                return Ok(Incoming { descriptor, payload, page_server, key, staged: Arc::new(staging), replies });
+                let descriptor = Descriptor::decode(&descriptor)?;
+                let page_server = page_server
+                    .parse()
+                    .map_err(|_| MigrateError::Stream(format!("bad page server address {page_server:?}")))?;
+                self.staging.invalidate(&stale);
+                Ok(Taken::Image { descriptor, page_server, payload })
             }
         }
+    }
+
+    /// The pages staged so far.
+    pub fn into_staging(self) -> Staging {
+        self.staging
     }
 }
 

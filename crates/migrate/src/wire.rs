@@ -74,8 +74,12 @@ pub fn recv<T: DeserializeOwned>(r: &mut impl Read) -> Result<T, WireError> {
     if len > MAX_FRAME {
         return Err(WireError::TooLarge(len));
     }
-    let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body)?;
+    // Grown as bytes arrive, not allocated at the length the peer claims.
+    let mut body = Vec::new();
+    r.take(u64::from(len)).read_to_end(&mut body)?;
+    if body.len() < len as usize {
+        return Err(WireError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+    }
     use bincode::Options;
     bincode::DefaultOptions::new()
         .with_fixint_encoding()
