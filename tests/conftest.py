@@ -165,9 +165,9 @@ def cluster(session_cluster):
 def workdir(tmp_path):
     """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too). Its path is
     kept short: tests find their task in `starling ps` by a path in its command line, which ps cuts at
-    120 characters. Two pytest runs at once on one machine (other instances) would share these
-    directories: run them one after the other."""
-    d = pathlib.Path("/var/tmp/starling-tests") / tmp_path.name
+    120 characters. Runs on other instances (STARLING_INSTANCE) get their own directories; two runs
+    on one instance at once would share them."""
+    d = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}") / tmp_path.name
     d.mkdir(parents=True, exist_ok=True)
     yield d
     subprocess.run(["rm", "-rf", str(d)])

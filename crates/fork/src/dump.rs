@@ -151,8 +151,11 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
                     return refuse("mapping of a deleted file");
                 }
                 // Through the process's own root: a chrooted process in
-                // another mount namespace shows paths relative to it.
+                // another mount namespace shows paths relative to it. But a
+                // file of an overlay mounted where we see it too (a task's
+                // own upper, written by the task) shows our full path to it.
                 let meta = std::fs::metadata(format!("/proc/{pid}/root{n}"))
+                    .or_else(|e| if e.kind() == std::io::ErrorKind::NotFound { std::fs::metadata(n) } else { Err(e) })
                     .map_err(|e| ForkError::Unclonable { mapping: desc.clone(), reason: format!("stat: {e}") })?;
                 if !meta.file_type().is_file() {
                     return refuse("mapping of a device or special file");
