@@ -149,9 +149,18 @@ fn descriptor_round_trips_and_refuses_trailing_bytes() {
 #[test]
 fn counters_by_index_follow_the_c_abi() {
     let c = CloneCounters { faults: 1, pages_fetched: 2, pages_zero: 3, pages_file: 4, fetch_requests: 5,
-                            events_remove: 6, mode: 7, pages_multicast_unsolicited: 8 };
-    let got: Vec<u64> = (0..8).map(|i| c.get(CloneCounter::from_index(i).expect("index"))).collect();
-    assert_eq!(got, vec![1, 2, 3, 4, 5, 6, 7, 8]);
-    assert_eq!(CloneCounter::from_index(8), None);
+                            events_remove: 6, mode: 7, pages_multicast_unsolicited: 8,
+                            stamp_ticket_ns: 9, stamp_template_ns: 10, stamp_descriptor_ns: 11, stamp_placed_ns: 12,
+                            stamp_launch_received_ns: 13, stamp_view_mounted_ns: 14, stamp_sandbox_ready_ns: 15,
+                            stamp_restorer_running_ns: 16, stamp_first_page_ns: 17 };
+    let got: Vec<u64> = (0..17).map(|i| c.get(CloneCounter::from_index(i).expect("index"))).collect();
+    assert_eq!(got, (1..=17).collect::<Vec<u64>>());
+    assert_eq!(CloneCounter::from_index(17), None);
     assert_eq!(CloneCounter::from_index(-1), None);
+    // The header's names for the stamps' indices (include/starling.h).
+    let header = include_str!("../../../include/starling.h");
+    for (name, index) in [("SF_CLONE_STAMP_TICKET", 8), ("SF_CLONE_STAMP_FIRST_PAGE", 16)] {
+        assert!(header.contains(&format!("#define {name} {index}")), "{name} = {index} in starling.h");
+    }
+    assert_eq!(CloneCounter::from_index(16).map(CloneCounter::name), Some("stamp_first_page_ns"));
 }
