@@ -175,8 +175,25 @@ pub fn link_mtu(ip: Ipv4Addr) -> Option<usize> {
         let sin = addr.as_sockaddr_in()?;
         (sin.ip() == ip).then_some(ifa.interface_name)
     })?;
-    // Read from sysfs, which shows this network namespace's interfaces.
-    std::fs::read_to_string(format!("/sys/class/net/{name}/mtu")).ok()?.trim().parse().ok()
+    // SIOCGIFMTU on a socket of this network namespace (sysfs may be another namespace's mount).
+    let sock = std::net::UdpSocket::bind((ip, 0)).ok()?;
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.len() >= req.ifr_name.len() {
+        return None;
+    }
+    for (dst, &b) in req.ifr_name.iter_mut().zip(bytes) {
+        *dst = b.cast_signed();
+    }
+    // SAFETY: SIOCGIFMTU reads ifr_name (NUL-terminated: the rest is zero) and
+    // writes ifru_mtu within `req`, which outlives the call; the fd is open.
+    let rc = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&sock), libc::SIOCGIFMTU, &raw mut req) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: after a successful SIOCGIFMTU the union holds the MTU.
+    usize::try_from(unsafe { req.ifr_ifru.ifru_mtu }).ok()
 }
 
 /// Where the descriptor's pseudo-pages start (see the module doc).
@@ -676,5 +693,22 @@ impl PageClient {
             });
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_mtu_reads_the_interface_holding_the_address() {
+        // What `ip` says loopback's MTU is (another reader than ours).
+        let out = std::process::Command::new("ip").args(["-o", "link", "show", "dev", "lo"]).output().expect("ip");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let want: usize =
+            text.split_whitespace().skip_while(|w| *w != "mtu").nth(1).and_then(|m| m.parse().ok()).expect("ip shows lo's mtu");
+        assert_eq!(link_mtu(Ipv4Addr::LOCALHOST), Some(want));
+        // An address no interface holds.
+        assert_eq!(link_mtu(Ipv4Addr::new(192, 0, 2, 77)), None);
     }
 }
