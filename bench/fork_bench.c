@@ -153,13 +153,22 @@ int main(int argc, char **argv) {
     if (sf_join(t) != 0) { fprintf(stderr, "join: %s\n", sf_last_error()); return 3; }
     long long joined = now_ns();
     printf("PARENT clones=%d hierarchical=%d clone_call_ns=%lld join_ns=%lld descriptor_bytes=%lld rss_kib=%ld "
-           "settle_ns=%lld cores=%ld clk_tck=%ld busy0=%lld bg_ns=%lld bg_ticks=%lld\n",
+           "settle_ns=%lld cores=%ld clk_tck=%ld busy0=%lld bg_ns=%lld bg_ticks=%lld t0_real_ns=%lld\n",
            m, hierarchical ? 1 : 0, returned - t0, joined - t0, sf_descriptor_bytes(t), rss, settle_ns,
-           sysconf(_SC_NPROCESSORS_ONLN), sysconf(_SC_CLK_TCK), busy0, bg_end - bg_start, bg_busy1 - bg_busy0);
+           sysconf(_SC_NPROCESSORS_ONLN), sysconf(_SC_CLK_TCK), busy0, bg_end - bg_start, bg_busy1 - bg_busy0, t0);
     for (int i = 0; i < samples; i++) printf("CPU t_ns=%lld busy=%lld\n", sample_t[i], sample_busy[i]);
     for (int i = 1; i <= m; i++)
         printf("STAT id=%d status=%d faults=%lld fetched=%lld zero=%lld file=%lld requests=%lld\n", i,
                sf_clone_status(t, i), sf_clone_stat(t, i, 0), sf_clone_stat(t, i, 1), sf_clone_stat(t, i, 2),
                sf_clone_stat(t, i, 3), sf_clone_stat(t, i, 4));
+    /* Each clone's critical-path stamps (CLOCK_REALTIME ns, as t0). */
+    for (int i = 1; i <= m; i++)
+        printf("STAMPS id=%d ticket=%lld template=%lld descriptor=%lld placed=%lld launch_received=%lld "
+               "view_mounted=%lld sandbox_ready=%lld restorer_running=%lld first_page=%lld\n", i,
+               sf_clone_stat(t, i, SF_CLONE_STAMP_TICKET), sf_clone_stat(t, i, SF_CLONE_STAMP_TEMPLATE),
+               sf_clone_stat(t, i, SF_CLONE_STAMP_DESCRIPTOR), sf_clone_stat(t, i, SF_CLONE_STAMP_PLACED),
+               sf_clone_stat(t, i, SF_CLONE_STAMP_LAUNCH_RECEIVED), sf_clone_stat(t, i, SF_CLONE_STAMP_VIEW_MOUNTED),
+               sf_clone_stat(t, i, SF_CLONE_STAMP_SANDBOX_READY), sf_clone_stat(t, i, SF_CLONE_STAMP_RESTORER_RUNNING),
+               sf_clone_stat(t, i, SF_CLONE_STAMP_FIRST_PAGE));
     return 0;
 }

@@ -18,7 +18,14 @@ sf_request_ticket(n, true)), it runs bench/fork_bench.c and reports:
 * descriptor bytes; pages fetched per clone vs the parent's resident footprint;
 * page-fault service time (median, p99): first touches of heap pages 64
   pages apart, timed inside the clone — each is a userfault the agent's
-  handler serves from the page server over TCP.
+  handler serves from the page server over TCP;
+* the critical path (issue 16): each clone's stage stamps (sf_clone_stat
+  SF_CLONE_STAMP_*: parent, head, agent and fault handler, one clock here) as
+  a stage table (median per stage), which stages are serial at the parent or
+  head and which run in parallel on the hosts, and a projected time for 32
+  clones on 32 hosts with CPUs of their own: one clone's time + 31 × the
+  serial part per launch (the spacing of the head's placements in the
+  largest run) + the fan-out (head → agent hop), beside the measured one.
 
 Creation and work are kept apart: every clone sleeps until t0 + --settle-ms
 before probing, so the probes of early clones don't steal the CPU that later
@@ -49,6 +56,22 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench/out"
 INSTANCE = "6"
 MODES = {"spread": 0, "hierarchical": 1}
+# Critical-path stages: (name, from stamp, to stamp, where). "t0" is the parent
+# just before sf_clone, "running" the clone's first instruction after it.
+# serial: paid at the parent or head in sequence (once per ticket, or once per
+# launch); parallel: on each host, alongside the other hosts.
+STAGES = [
+    ("template fork", "t0", "template", "serial: parent, once per ticket"),
+    ("descriptor + page server", "template", "descriptor", "serial: parent, once per ticket"),
+    ("launch -> head placement", "descriptor", "placed", "serial: parent + head, per launch"),
+    ("head -> agent (fan-out)", "placed", "launch_received", "parallel: network"),
+    ("view mounted", "launch_received", "view_mounted", "parallel: host"),
+    ("descriptor fetch + sandbox", "view_mounted", "sandbox_ready", "parallel: host"),
+    ("restorer maps the clone", "sandbox_ready", "restorer_running", "parallel: host"),
+    ("clone running", "restorer_running", "running", "parallel: host"),
+]
+STAMP_NAMES = ["ticket", "template", "descriptor", "placed", "launch_received", "view_mounted", "sandbox_ready",
+               "restorer_running", "first_page"]
 
 
 def sh(*a, **kw):
@@ -103,6 +126,7 @@ def run_once(exe, n, mode, heap_mib, probes, settle_ms, quiet=(0.3, 10.0)):
     p = fields(parent.group(0))
     clones = [fields(l) for l in re.findall(r"^CLONE .*$", r.stdout, re.M)]
     stats = [fields(l) for l in re.findall(r"^STAT .*$", r.stdout, re.M)]
+    stamps = {f["id"]: f for f in (fields(l) for l in re.findall(r"^STAMPS .*$", r.stdout, re.M))}
     cpu = [fields(l) for l in re.findall(r"^CPU .*$", r.stdout, re.M)]
     m = p["clones"]
     if m != n or len(clones) != m or any(s["status"] != 0 for s in stats) or not cpu:
@@ -119,6 +143,7 @@ def run_once(exe, n, mode, heap_mib, probes, settle_ms, quiet=(0.3, 10.0)):
     bg_cores = p["bg_ticks"] * tick_ms / (p["bg_ns"] / 1e6)  # cores busy before the run
     cores = p["cores"]
     fetched = [s["fetched"] for s in stats]
+    path = critical_path(p["t0_real_ns"], clones, stamps)
     return {
         "mode": mode,
         "clones": m,
@@ -143,7 +168,77 @@ def run_once(exe, n, mode, heap_mib, probes, settle_ms, quiet=(0.3, 10.0)):
         "background_cores": bg_cores,
         "cpu_background_ms": bg_cores * window_ms,
         "cpu_settle_ms": (cpu[-1]["busy"] - p["busy0"]) * tick_ms,
+        **path,
     }
+
+
+def critical_path(t0, clones, stamps):
+    """Per-stage medians (ms) over the clones, the serial part per launch and
+    the fan-out hop, from the clones' stamps (CLOCK_REALTIME ns) and t0."""
+    per_stage = {name: [] for name, *_ in STAGES}
+    first_page = []
+    for c in clones:
+        st = stamps.get(c["id"])
+        if not st or any(st.get(k, 0) <= 0 for k in STAMP_NAMES):
+            continue  # a stage not recorded (should not happen on a cluster)
+        at = {k: st[k] for k in STAMP_NAMES}
+        at["t0"], at["running"] = t0, t0 + c["start_ns"]
+        for name, a, b, _ in STAGES:
+            per_stage[name].append((at[b] - at[a]) / 1e6)
+        first_page.append((at["first_page"] - at["restorer_running"]) / 1e6)
+    if not first_page:
+        return {"stages_ms": None}
+    # Launches: clones of one launch (a hierarchical host's) share its placement stamp.
+    placed = sorted({stamps[c["id"]]["placed"] for c in clones if c["id"] in stamps})
+    spacing = (placed[-1] - placed[0]) / 1e6 / (len(placed) - 1) if len(placed) > 1 else None
+    return {
+        "stages_ms": {name: statistics.median(v) for name, v in per_stage.items()},
+        "first_page_after_restorer_ms": statistics.median(first_page),
+        "launches": len(placed),
+        "placement_spacing_ms": spacing,
+        "fanout_ms": statistics.median(per_stage["head -> agent (fan-out)"]),
+    }
+
+
+def projection(rows, mode, target=32):
+    """One clone's time + (target - 1) × serial part per launch + fan-out, from
+    the 1-clone row and the largest row of `mode` (serial part: the spacing of
+    the head's placements there — parent and head work per launch, which on
+    this machine also pays for the CPU the hosts take from them, so it is an
+    upper bound; with only one clone measured, the launch -> placement stage)."""
+    by = {x["clones"]: x for x in rows if x["mode"] == mode and x.get("stages_ms")}
+    if 1 not in by:
+        return None
+    one, big = by[1], by[max(by)]
+    serial = big["placement_spacing_ms"] if big["placement_spacing_ms"] is not None else \
+        one["stages_ms"]["launch -> head placement"]
+    fanout = big["fanout_ms"]
+    projected = one["clone_time_ms"] + (target - 1) * serial + fanout
+    measured = by[target]["clone_time_ms"] if target in by else None
+    return {"mode": mode, "one_clone_ms": one["clone_time_ms"], "serial_per_launch_ms": serial,
+            "serial_from": f"{big['clones']} clones ({big['launches']} launches)" if big["placement_spacing_ms"] is not None
+            else "1 clone: launch -> head placement",
+            "fanout_ms": fanout, "projected_ms": projected, "projected_ratio": projected / one["clone_time_ms"],
+            "measured_ms": measured, "measured_ratio": measured / one["clone_time_ms"] if measured else None,
+            "target": target}
+
+
+def print_path(rows, modes):
+    for mode in modes:
+        rs = [x for x in rows if x["mode"] == mode and x.get("stages_ms")]
+        if not rs:
+            print(f"{mode}: no critical-path stamps recorded")
+            continue
+        print(f"\ncritical path, {mode} (median per stage over the clones, ms; serial = at the parent/head "
+              f"in sequence, parallel = on each host):")
+        print(f"{'stage':<28} {'where':<34} " + " ".join(f"{str(x['clones']) + ' cl':>8}" for x in rs))
+        for name, _, _, where in STAGES:
+            print(f"{name:<28} {where:<34} " + " ".join(f"{x['stages_ms'][name]:>8.2f}" for x in rs))
+        print(f"{'(first page after restorer)':<28} {'parallel: host':<34} "
+              + " ".join(f"{x['first_page_after_restorer_ms']:>8.2f}" for x in rs))
+        print(f"{'placement spacing / launch':<28} {'serial: parent + head':<34} "
+              + " ".join(f"{x['placement_spacing_ms']:>8.2f}" if x["placement_spacing_ms"] is not None else f"{'-':>8}"
+                         for x in rs))
 
 
 def median_run(runs):
@@ -176,6 +271,8 @@ def main():
                     help="before each run wait (up to --quiet-timeout s) until the machine's load is below this")
     ap.add_argument("--quiet-timeout", type=float, default=10.0)
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    ap.add_argument("--note", default="",
+                    help="recorded with the results, e.g. 'machine shared with other builds: not a clean figure'")
     a = ap.parse_args()
     quiet = (a.quiet_cores, a.quiet_timeout)
     modes = ["hierarchical"] if a.hierarchical else [m.strip() for m in a.modes.split(",") if m.strip()]
@@ -241,6 +338,22 @@ def main():
     if any(not x["cpu_window_complete"] for x in rows):
         print("WARNING: a creation window outlasted the settle window: its cpu ms is cut at the deadline")
 
+    print_path(rows, modes)
+    projections = {}
+    for mode in modes:
+        pr = projection(rows, mode)
+        if pr is None:
+            continue
+        projections[mode] = pr
+        measured = (f"measured {pr['measured_ms']:.1f} ms (ratio {pr['measured_ratio']:.2f})" if pr["measured_ms"]
+                    else "not measured here")
+        print(f"{mode}: projected {pr['target']} clones on {pr['target']} hosts = {pr['one_clone_ms']:.1f} ms (one clone) "
+              f"+ {pr['target'] - 1} x {pr['serial_per_launch_ms']:.2f} ms (serial per launch, from "
+              f"{pr['serial_from']}) + {pr['fanout_ms']:.2f} ms (fan-out) = {pr['projected_ms']:.1f} ms "
+              f"(ratio {pr['projected_ratio']:.2f}); {measured}")
+    if a.note:
+        print(f"NOTE: {a.note}")
+
     ratios = {}
     for mode in modes:
         by = {x["clones"]: x for x in rows if x["mode"] == mode}
@@ -266,7 +379,9 @@ def main():
            "repeat": a.repeat, "warmup": a.warmup, "settle_ms": a.settle_ms, "modes": modes, "cores": rows[0]["cores"], "rows": rows,
            "warmup_runs": warmups,
            "ratio_32_over_1": ratios.get("spread", next(iter(ratios.values()), None)),
-           "ratio_32_over_1_by_mode": ratios}
+           "ratio_32_over_1_by_mode": ratios,
+           "critical_path_stages": [{"stage": n, "from": f, "to": t, "where": w} for n, f, t, w in STAGES],
+           "projection_32": projections, "note": a.note}
     (OUT / "fork.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"wrote {OUT / 'fork.json'} (python3 bench/tables.py puts it into bench/README.md)")
     plot(rows, modes, a)

@@ -64,8 +64,19 @@ const char *sf_last_error(void);
  * from the page server, 2 zero-filled, 3 read from files, 4 fetch requests,
  * 5 remove/unmap events, 6 page distribution (SF_DIST_*), 7 pages installed
  * from multicast without the clone asking (included in 1). -1 if unknown.
- * Cluster clones report them when they end. */
+ * Cluster clones report them when they end. which = SF_CLONE_STAMP_*: when
+ * each stage of the clone's critical path ended, CLOCK_REALTIME ns (0: not
+ * recorded; the local backend records none of the host's). */
 long long sf_clone_stat(const sf_ticket_t *t, int id, int which);
+#define SF_CLONE_STAMP_TICKET 8           /* parent: ticket granted */
+#define SF_CLONE_STAMP_TEMPLATE 9         /* parent: template forked, record read */
+#define SF_CLONE_STAMP_DESCRIPTOR 10      /* parent: descriptor dumped, page server up */
+#define SF_CLONE_STAMP_PLACED 11          /* head: task placed on a host */
+#define SF_CLONE_STAMP_LAUNCH_RECEIVED 12 /* host: agent received the launch */
+#define SF_CLONE_STAMP_VIEW_MOUNTED 13    /* host: file view + overlay mounted */
+#define SF_CLONE_STAMP_SANDBOX_READY 14   /* host: descriptor fetched, sandbox runs the restorer */
+#define SF_CLONE_STAMP_RESTORER_RUNNING 15 /* host: clone mapped, its userfaultfd handed over */
+#define SF_CLONE_STAMP_FIRST_PAGE 16      /* host: first page from the page server installed */
 #define SF_DIST_UNKNOWN 0
 #define SF_DIST_MULTICAST 1
 #define SF_DIST_MULTICAST_PUSH 2
@@ -87,6 +98,9 @@ long long sf_ticket_stat(const sf_ticket_t *t, int which);
 #define SF_STAT_RATE_MIN 9        /* lowest multicast rate limit, bytes/s */
 #define SF_STAT_RATE_NOW 10
 #define SF_STAT_DESCRIPTOR_PAGES_SENT 11 /* descriptor pages sent: hosts fetch it like a page */
+#define SF_STAT_MC_DATA_PAGES 12     /* multicast pages sent with data */
+#define SF_STAT_MC_DATA_DATAGRAMS 13 /* ... and the datagrams they took (= pages when a page fits the MTU) */
+#define SF_STAT_MC_MTU 14            /* the MTU the multicast sender split pages to (its link's) */
 /* Size in bytes of the encoded process descriptor of the ticket's clone. */
 long long sf_descriptor_bytes(const sf_ticket_t *t);
 /* Free a ticket (kills its clones if they were not joined). */

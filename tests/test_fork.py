@@ -120,6 +120,12 @@ def test_lazy_1gib_heap_fetches_about_what_it_touches(cluster, progs):
     assert 4096 <= fetched <= 4096 * 1.25 + 1000, f"fetched {fetched} pages for 4096 touched"
     # 1 GiB would be 262144 pages: lazily, the clone never saw most of it.
     assert int(re.search(r"descriptor_bytes=(\d+)", r.stdout).group(1)) < 64 * 1024
+    # The clone's critical path, stamped by the parent, head, agent and fault
+    # handler (one clock: the hosts are namespaces of this machine): every
+    # stage recorded, in the order the stages run.
+    stamps = [int(x) for x in re.search(r"STAMPS clone=1((?: -?\d+){9})$", r.stdout, re.M).group(1).split()]
+    assert all(s > 0 for s in stamps), stamps
+    assert stamps == sorted(stamps), stamps
 
 
 def test_clones_send_pair_scores_back_over_tcp(cluster, progs):

@@ -121,13 +121,14 @@ int main(int argc, char **argv) {
                sf_clone_stat(t, i, 3), sf_clone_stat(t, i, 4), sf_clone_stat(t, i, 6), sf_clone_stat(t, i, 7));
     printf("WIRE bytes_wire=%lld bytes_tcp=%lld bytes_multicast=%lld pages_requested=%lld pages_served=%lld "
            "rate_cuts=%lld implicit_losses=%lld lockstep_suppressed=%lld pages_pushed=%lld rate_min=%lld rate_now=%lld "
-           "descriptor_pages_sent=%lld\n",
+           "descriptor_pages_sent=%lld mc_data_pages=%lld mc_data_datagrams=%lld mc_mtu=%lld\n",
            sf_ticket_stat(t, SF_STAT_BYTES_WIRE), sf_ticket_stat(t, SF_STAT_BYTES_TCP),
            sf_ticket_stat(t, SF_STAT_BYTES_MULTICAST), sf_ticket_stat(t, SF_STAT_PAGES_REQUESTED),
            sf_ticket_stat(t, SF_STAT_PAGES_SERVED), sf_ticket_stat(t, SF_STAT_RATE_CUTS),
            sf_ticket_stat(t, SF_STAT_IMPLICIT_LOSSES), sf_ticket_stat(t, SF_STAT_LOCKSTEP_SUPPRESSED),
            sf_ticket_stat(t, SF_STAT_PAGES_PUSHED), sf_ticket_stat(t, SF_STAT_RATE_MIN), sf_ticket_stat(t, SF_STAT_RATE_NOW),
-           sf_ticket_stat(t, SF_STAT_DESCRIPTOR_PAGES_SENT));
+           sf_ticket_stat(t, SF_STAT_DESCRIPTOR_PAGES_SENT), sf_ticket_stat(t, SF_STAT_MC_DATA_PAGES),
+           sf_ticket_stat(t, SF_STAT_MC_DATA_DATAGRAMS), sf_ticket_stat(t, SF_STAT_MC_MTU));
     sf_release_ticket(t);
     return 0;
 }

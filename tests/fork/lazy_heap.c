@@ -46,6 +46,9 @@ int main(int argc, char **argv) {
         printf("STAT clone=%d status=%d fetched=%lld zero=%lld file=%lld faults=%lld requests=%lld touched_pages=%ld\n",
                i, sf_clone_status(t, i), sf_clone_stat(t, i, 1), sf_clone_stat(t, i, 2), sf_clone_stat(t, i, 3),
                sf_clone_stat(t, i, 0), sf_clone_stat(t, i, 4), touch_mib * 256);
+        printf("STAMPS clone=%d", i);
+        for (int k = SF_CLONE_STAMP_TICKET; k <= SF_CLONE_STAMP_FIRST_PAGE; k++) printf(" %lld", sf_clone_stat(t, i, k));
+        printf("\n");
         if (sf_clone_status(t, i) != 0) fails++;
     }
     printf("descriptor_bytes=%lld\n", sf_descriptor_bytes(t));

@@ -44,10 +44,34 @@ pub(crate) struct CloneRun {
     restore: Restore,
     /// The agent's "last clone's page distribution" (shown by `starling status`).
     distribution: DistributionReport,
+    /// The head's placement stamp (`CloneSpec::placed_ns`).
+    placed_ns: u64,
     /// Makes a one-clone task's memory all its own before it moves (none
     /// for a hierarchical task: its clones move as one tree, which is not
     /// supported).
     pub materialize: Option<Materialize>,
+}
+
+/// A clone task's critical-path stamps taken by the agent (CLOCK_REALTIME
+/// ns), shared by all of the task's clones; sent in their `CloneStats`.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct HostStamps {
+    pub launch_received_ns: u64,
+    /// File view and overlay mounted.
+    pub view_mounted_ns: u64,
+    /// Descriptor fetched, sandbox started with the restorer.
+    pub sandbox_ready_ns: u64,
+}
+
+impl HostStamps {
+    /// The clone's counters with the host's stamps and the head's placement stamp filled in.
+    pub fn apply(&self, spec_placed_ns: u64, mut c: starling_proto::CloneCounters) -> starling_proto::CloneCounters {
+        c.stamp_placed_ns = spec_placed_ns;
+        c.stamp_launch_received_ns = self.launch_received_ns;
+        c.stamp_view_mounted_ns = self.view_mounted_ns;
+        c.stamp_sandbox_ready_ns = self.sandbox_ready_ns;
+        c
+    }
 }
 
 /// Where the agent keeps the last clone's page distribution mode.
@@ -132,14 +156,14 @@ pub(crate) fn prepare(
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(crate::AgentError::Filter)?;
     let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp, terminal: false };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
-    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, distribution, materialize }))
+    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, placed_ns: spec.placed_ns, distribution, materialize }))
 }
 
 impl CloneRun {
     /// After the sandbox ended: stop the handlers, then send each clone's
     /// status and counters (none when the clone moved away: its new host
     /// reports its end).
-    pub(crate) fn finish(self, task: TaskId, tx: &Outgoing, moved: bool) {
+    pub(crate) fn finish(self, task: TaskId, tx: &Outgoing, moved: bool, stamps: &HostStamps) {
         let say = |msg: String| {
             let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data: msg.into_bytes() });
         };
@@ -159,7 +183,7 @@ impl CloneRun {
             let stats = FaultStats::default();
             stats.mode.store(u8::try_from(o.counters.mode).unwrap_or(0), std::sync::atomic::Ordering::Relaxed);
             report_mode(&self.distribution, o.clone_id, &stats);
-            let _ = tx.blocking_send(Msg::CloneStats { task, clone_id: o.clone_id, status: o.status, counters: o.counters });
+            let _ = tx.blocking_send(Msg::CloneStats { task, clone_id: o.clone_id, status: o.status, counters: stamps.apply(self.placed_ns, o.counters) });
         }
     }
 }
@@ -190,6 +214,20 @@ mod tests {
             RegionKind::File { path: "/var/lib/starling/tasks/7/root/usr/lib/libc.so.6".into(), offset: 0, inode: 1 }
         );
         assert_eq!(regions[1].kind, RegionKind::Anonymous { name: "[heap]".into() });
+    }
+
+    #[test]
+    fn host_stamps_fill_their_slots_and_keep_the_handlers() {
+        let stamps = HostStamps { launch_received_ns: 11, view_mounted_ns: 12, sandbox_ready_ns: 13 };
+        let handler = starling_proto::CloneCounters { faults: 5, stamp_restorer_running_ns: 14, stamp_first_page_ns: 15, ..Default::default() };
+        let c = stamps.apply(10, handler);
+        assert_eq!(
+            (c.stamp_placed_ns, c.stamp_launch_received_ns, c.stamp_view_mounted_ns, c.stamp_sandbox_ready_ns),
+            (10, 11, 12, 13)
+        );
+        assert_eq!((c.faults, c.stamp_restorer_running_ns, c.stamp_first_page_ns), (5, 14, 15));
+        // The parent's stamps are the parent's to fill.
+        assert_eq!((c.stamp_ticket_ns, c.stamp_template_ns, c.stamp_descriptor_ns), (0, 0, 0));
     }
 
 }

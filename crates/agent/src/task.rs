@@ -18,10 +18,11 @@ use std::time::Instant;
 const CHANGE_BATCH_BYTES: usize = 8 << 20;
 
 pub(crate) async fn run(agent: Arc<Agent>, task: TaskId, spec: TaskSpec, tx: Outgoing, port: TaskPort) {
+    let received_ns = starling_fork::image::abi::counters::realtime_ns();
     let dir = agent.cfg.settings.state.join("tasks").join(task.to_string());
     let run = {
         let (agent, tx, dir) = (agent.clone(), tx.clone(), dir.clone());
-        move || run_blocking(&agent, task, spec, &tx, &dir, port)
+        move || run_blocking(&agent, task, spec, &tx, &dir, port, received_ns)
     };
     supervise(agent, task, tx, dir, run).await;
 }
@@ -136,7 +137,16 @@ pub(crate) fn stdio_pipes() -> Result<Stdio> {
     Ok([pipe()?, pipe()?, pipe()?])
 }
 
-fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing, dir: &Path, port: TaskPort) -> Result<()> {
+/// `received_ns`: when the launch arrived (CLOCK_REALTIME ns: a clone's critical-path stamp).
+fn run_blocking(
+    agent: &Arc<Agent>,
+    task: TaskId,
+    spec: TaskSpec,
+    tx: &Outgoing,
+    dir: &Path,
+    port: TaskPort,
+    received_ns: u64,
+) -> Result<()> {
     let TaskPort { stdin: stdin_rx, pid, pending_signal, life } = port;
     let mut stages = Stages::start();
     if agent.cfg.rootless && spec.clone.is_some() {
@@ -162,6 +172,11 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     stages.stamp("preload");
     let overlay = starling_view::Overlay::mount(&view_dir, dir).map_err(io_step(Step::MountOverlay))?;
     stages.stamp("overlay");
+    let mut host_stamps = crate::clone::HostStamps {
+        launch_received_ns: received_ns,
+        view_mounted_ns: starling_fork::image::abi::counters::realtime_ns(),
+        sandbox_ready_ns: 0,
+    };
 
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
@@ -188,6 +203,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     };
     let mut child = child.map_err(io_step(Step::StartSandbox))?;
     stages.stamp("spawn");
+    host_stamps.sandbox_ready_ns = starling_fork::image::abi::counters::realtime_ns();
     pid.store(child.pid(), Ordering::SeqCst);
     // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.
     let early = pending_signal.load(Ordering::SeqCst);
@@ -236,7 +252,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
     stages.stamp("run");
     pid.store(0, Ordering::SeqCst);
     if let Some(run) = clone_run {
-        run.finish(task, tx, life.moved.load(Ordering::SeqCst));
+        run.finish(task, tx, life.moved.load(Ordering::SeqCst), &host_stamps);
     }
     end_task(agent, task, tx, &life, &live, overlay, status, Some(stages))
 }

@@ -212,6 +212,10 @@ struct UpArgs {
     /// here has no netem). Separate from --link (client ↔ head).
     #[arg(long, value_name = "RATE", value_parser = parse_host_link, conflicts_with = "slurm")]
     host_link: Option<starling_cluster::HostLink>,
+    /// MTU of the emulated cluster's bridge and host links (68..=65535). At the default, 9000,
+    /// a 4 KiB page is one multicast datagram; 1500 (Ethernet's) splits it in three.
+    #[arg(long, default_value_t = starling_cluster::DEFAULT_MTU, value_parser = clap::value_parser!(u32).range(68..=65535), conflicts_with = "slurm")]
+    mtu: u32,
     /// Run the head without its shared relay cache: every content request goes to the client
     /// (for measuring what the cache saves).
     #[arg(long)]
@@ -1061,6 +1065,7 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
         link: Some(a.link.clone()),
         insecure: a.insecure,
         host_link: a.host_link,
+        mtu: a.mtu,
         ..local.options(a.hosts, exe)
     };
     let state = local.up(&opts)?;

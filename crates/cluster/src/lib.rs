@@ -195,6 +195,9 @@ pub struct UpOptions {
     pub insecure: bool,
     /// Shape each host's link to this rate (`starling up --host-link`).
     pub host_link: Option<HostLink>,
+    /// MTU of the bridge and every host's link (`starling up --mtu`): at the default, 9000, a
+    /// 4 KiB page and its header travel as one multicast datagram.
+    pub mtu: u32,
 }
 
 impl UpOptions {
@@ -210,9 +213,13 @@ impl UpOptions {
             link: None,
             insecure: false,
             host_link: None,
+            mtu: DEFAULT_MTU,
         }
     }
 }
+
+/// The embedded cluster's default link MTU (jumbo frames: a page per datagram).
+pub const DEFAULT_MTU: u32 = 9000;
 
 /// What [`up_with`] can change beyond [`UpOptions`]; the default is what [`up`] does.
 #[derive(Clone, Debug)]
@@ -348,9 +355,9 @@ fn start(
     std::fs::create_dir_all(run_dir.join("logs")).doing(|| format!("mkdir {}", run_dir.display()))?;
     std::fs::create_dir_all(state_dir.join("head")).doing(|| format!("mkdir {}", state_dir.display()))?;
 
-    net::create_bridge(cfg)?;
+    net::create_bridge(cfg, opts.mtu)?;
     for i in 1..=opts.hosts {
-        net::create_host_netns(cfg, i)?;
+        net::create_host_netns(cfg, i, opts.mtu)?;
         if let Some(l) = &opts.host_link {
             net::shape_host(cfg, i, l)?;
         }

@@ -138,24 +138,27 @@ pub(crate) fn ip(args: &[&str]) -> Result<()> {
 }
 
 /// Create the bridge with its address. No forwarding or NAT is set up, so nothing routes beyond the bridge.
-pub(crate) fn create_bridge(cfg: &NetConfig) -> Result<()> {
+/// `mtu`: the bridge's and every veth's (set on each port too: a bridge takes its ports' smallest).
+pub(crate) fn create_bridge(cfg: &NetConfig, mtu: u32) -> Result<()> {
     // Multicast snooping off: the bridge then floods multicast to every port, so IP multicast between hosts
     // works without an IGMP querier. nf_call_iptables off: bridged host-to-host frames never meet the
     // machine's firewall rules.
-    ip(&["link", "add", &cfg.bridge, "type", "bridge", "mcast_snooping", "0", "nf_call_iptables", "0"])?;
+    let mtu = mtu.to_string();
+    ip(&["link", "add", &cfg.bridge, "mtu", &mtu, "type", "bridge", "mcast_snooping", "0", "nf_call_iptables", "0"])?;
     ip(&["addr", "add", &format!("{}/24", cfg.bridge_ip()), "dev", &cfg.bridge])?;
     ip(&["link", "set", &cfg.bridge, "up"])
 }
 
 /// Create host `index`'s namespace and wire it to the bridge: `eth0` with its address, `lo` up, a default
 /// route via the bridge address and a multicast route on `eth0`.
-pub(crate) fn create_host_netns(cfg: &NetConfig, index: usize) -> Result<()> {
+pub(crate) fn create_host_netns(cfg: &NetConfig, index: usize, mtu: u32) -> Result<()> {
     let host = NetConfig::host_name(index);
     let ns = cfg.netns_name(&host);
     let veth = cfg.veth_name(&host);
     let peer = format!("{PEER_TMP_PREFIX}{veth}");
     ip(&["netns", "add", &ns])?;
-    ip(&["link", "add", &veth, "type", "veth", "peer", "name", &peer])?;
+    let mtu = mtu.to_string();
+    ip(&["link", "add", &veth, "mtu", &mtu, "type", "veth", "peer", "name", &peer, "mtu", &mtu])?;
     ip(&["link", "set", &peer, "netns", &ns])?;
     ip(&["link", "set", &veth, "master", &cfg.bridge])?;
     ip(&["link", "set", &veth, "up"])?;

@@ -54,6 +54,7 @@ fn options(d: &Dirs, hosts: usize) -> UpOptions {
         link: None,
         insecure: false,
         host_link: None,
+        mtu: starling_cluster::DEFAULT_MTU,
     }
 }
 
@@ -181,6 +182,8 @@ fn test_lifecycle(f: &mut Vec<String>) {
         check(hostname == h.name, &format!("{}: hostname is {hostname:?}", h.name), f);
         let (_, addrs) = in_host(pid, &["ip", "-4", "-o", "addr", "show", "dev", "eth0"]);
         check(addrs.contains(&format!("{}/24", h.ip)), &format!("{}: eth0 has {}", h.name, h.ip), f);
+        let (_, link) = in_host(pid, &["ip", "-o", "link", "show", "dev", "eth0"]);
+        check(link.contains(" mtu 9000 "), &format!("{}: eth0 has MTU 9000: {link}", h.name), f);
         check(h.ip == cfg.host_ip(i + 1).to_string(), &format!("{}: ip {} follows the plan", h.name, h.ip), f);
         let (ok, _) = in_host(pid, &[&me(), "__probe-connect", &state.head_addr]);
         check(ok, &format!("{}: reaches the head at {}", h.name, state.head_addr), f);

@@ -23,6 +23,7 @@ use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
 use crate::PageClass;
 use crate::{ForkError, Result, UsageError};
+use starling_image::abi::counters::realtime_ns;
 use starling_config::{Backend as BackendSetting, Config, ForkSettings, Multicast};
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -48,6 +49,29 @@ struct Active {
     clones: Clones,
     descriptor_bytes: usize,
     descriptor: Descriptor,
+    stamps: ParentStamps,
+}
+
+/// The parent's critical-path stamps of a ticket's clones (CLOCK_REALTIME
+/// ns; the head's and hosts' come with each clone's `CloneStats`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ParentStamps {
+    /// The ticket was granted.
+    pub ticket_ns: u64,
+    /// The template is forked and its record read.
+    pub template_ns: u64,
+    /// The descriptor is dumped and the page server serves it.
+    pub descriptor_ns: u64,
+}
+
+impl ParentStamps {
+    /// A clone's counters with the parent's stamps filled in.
+    pub fn apply(&self, mut c: CloneCounters) -> CloneCounters {
+        c.stamp_ticket_ns = self.ticket_ns;
+        c.stamp_template_ns = self.template_ns;
+        c.stamp_descriptor_ns = self.descriptor_ns;
+        c
+    }
 }
 
 /// Where a ticket's clones run.
@@ -66,6 +90,7 @@ pub struct Ticket {
     settings: ForkSettings,
     active: Option<Active>,
     used: bool,
+    granted_ns: u64,
 }
 
 impl Ticket {
@@ -84,7 +109,8 @@ impl Ticket {
                 (placement.iter().map(|(_, k)| *k).sum(), Backend::Cluster { link, ticket, placement })
             }
         };
-        Ok(Ticket { requested, allocation, hierarchical, backend, settings, active: None, used: false })
+        let granted_ns = realtime_ns();
+        Ok(Ticket { requested, allocation, hierarchical, backend, settings, active: None, used: false, granted_ns })
     }
 
     /// Hosts and clones per host (cluster backend); empty for the local one.
@@ -114,6 +140,7 @@ impl Ticket {
             }
             ForkOutcome::Parent(t) => t,
         };
+        let template_ns = realtime_ns();
         let descriptor = dump(template.pid, &template.record, self.settings.heuristics)?;
         // Served by the page server (cluster hosts fetch it like a page).
         let encoded = descriptor.encode();
@@ -144,6 +171,7 @@ impl Ticket {
         let key = starling_mcdist::Key::random();
         let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None, key };
         let server = PageServer::start_with(template.pid, served, bind, opts)?;
+        let stamps = ParentStamps { ticket_ns: self.granted_ns, template_ns, descriptor_ns: realtime_ns() };
         let clones = match &self.backend {
             Backend::Local => {
                 let mut clones = Vec::new();
@@ -172,7 +200,7 @@ impl Ticket {
                 key,
             )?),
         };
-        self.active = Some(Active { template, server, clones, descriptor_bytes, descriptor });
+        self.active = Some(Active { template, server, clones, descriptor_bytes, descriptor, stamps });
         Ok(0)
     }
 
@@ -267,14 +295,17 @@ impl Ticket {
 
     /// [faults, pages fetched, zero pages, file pages, fetch requests, remove
     /// events, distribution mode (`starling_mcdist::Mode` as a number), pages
-    /// installed from multicast without asking] (`FaultStats::snapshot`).
+    /// installed from multicast without asking] (`FaultStats::snapshot`),
+    /// then the critical-path stamps (the parent's added here).
     /// Cluster clones report them when they end.
     pub fn clone_stats(&self, id: i32) -> Option<CloneCounters> {
         let id = u32::try_from(id).ok()?;
-        match &self.active.as_ref()?.clones {
+        let active = self.active.as_ref()?;
+        let counters = match &active.clones {
             Clones::Local(cs) => cs.iter().find(|c| c.id == id)?.counters(),
             Clones::Cluster(c) => c.stats(id),
-        }
+        }?;
+        Some(active.stamps.apply(counters))
     }
 
     /// The host clone `id` runs on (cluster backend).
@@ -312,5 +343,18 @@ impl Drop for Ticket {
         if current_clone_id() == 0 && self.active.is_some() {
             let _ = self.kill();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parent_stamps_fill_their_slots_and_keep_the_hosts() {
+        let from_host = CloneCounters { pages_fetched: 7, stamp_placed_ns: 20, stamp_first_page_ns: 30, ..Default::default() };
+        let c = ParentStamps { ticket_ns: 1, template_ns: 2, descriptor_ns: 3 }.apply(from_host);
+        assert_eq!((c.stamp_ticket_ns, c.stamp_template_ns, c.stamp_descriptor_ns), (1, 2, 3));
+        assert_eq!((c.pages_fetched, c.stamp_placed_ns, c.stamp_first_page_ns), (7, 20, 30));
     }
 }

@@ -266,6 +266,7 @@ impl TicketPlan<'_> {
                     page_server: self.page_server.to_string(),
                     page_key: starling_proto::SecretKey(self.page_key.0),
                     local_forks: count - 1,
+                    placed_ns: 0,
                 });
                 out.push(CloneTask { ids: id..id + count, host: host.clone(), spec });
             }

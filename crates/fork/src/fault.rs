@@ -26,7 +26,7 @@
 //! the new addresses back to the template's.
 
 use crate::{Descriptor, PageClass, PageProtocolError};
-use starling_image::abi::counters::CloneCounters;
+use starling_image::abi::counters::{realtime_ns, CloneCounters};
 use starling_image::abi::plan::MapKind;
 use starling_image::RegionKind;
 use crate::page_server::PageClient;
@@ -66,6 +66,12 @@ pub struct FaultStats {
     /// How long faults took to serve, from the handler reading the fault
     /// to the page in place: counts per power-of-two microseconds.
     pub service_us: ServiceTimes,
+    /// CLOCK_REALTIME ns when the restorer handed over this clone's
+    /// userfaultfd (the clone is mapped); 0 until then.
+    pub restorer_running_ns: AtomicU64,
+    /// CLOCK_REALTIME ns when the first page from the page server was
+    /// installed; 0 until then.
+    pub first_page_ns: AtomicU64,
 }
 
 /// Fault service times as a histogram of power-of-two microsecond buckets
@@ -104,6 +110,18 @@ impl ServiceTimes {
 }
 
 impl FaultStats {
+    /// Count `n` pages from the page server now present (stamping the first).
+    pub fn add_fetched(&self, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.pages_fetched.fetch_add(n, Ordering::Relaxed);
+        if self.first_page_ns.load(Ordering::Relaxed) == 0 {
+            // Only the first installer's time stays (the receive thread may race the handler).
+            let _ = self.first_page_ns.compare_exchange(0, realtime_ns(), Ordering::Relaxed, Ordering::Relaxed);
+        }
+    }
+
     /// How this clone gets its pages (for `starling status`).
     pub fn mode(&self) -> Mode {
         Mode::from_u8(self.mode.load(Ordering::Relaxed))
@@ -121,6 +139,9 @@ impl FaultStats {
             events_remove: c(&self.events_remove),
             mode: u64::from(self.mode.load(Ordering::Relaxed)),
             pages_multicast_unsolicited: c(&self.pages_multicast_unsolicited),
+            stamp_restorer_running_ns: c(&self.restorer_running_ns),
+            stamp_first_page_ns: c(&self.first_page_ns),
+            ..CloneCounters::default()
         }
     }
 }
@@ -400,7 +421,7 @@ impl PageSink for Installer {
         if self.unsolicited {
             self.stats.pages_multicast_unsolicited.fetch_add(new_installs, Ordering::Relaxed);
         }
-        self.stats.pages_fetched.fetch_add(new_installs, Ordering::Relaxed);
+        self.stats.add_fetched(new_installs);
         out
     }
 }
@@ -789,7 +810,7 @@ impl FaultHandler {
         if let Some(page) = held {
             // Fetched before, refused then (EAGAIN): install it now.
             let done = self.install_fetched(addr, tmpl_base, ri, pi, page)?;
-            self.stats.pages_fetched.fetch_add(u64::from(done == Install::New), Ordering::Relaxed);
+            self.stats.add_fetched(u64::from(done == Install::New));
             return Ok(done);
         }
         let mut pages = vec![pi];
@@ -817,7 +838,7 @@ impl FaultHandler {
             // receive thread installed are not counted twice.
             fetched += u64::from(done == Install::New);
         }
-        self.stats.pages_fetched.fetch_add(fetched, Ordering::Relaxed);
+        self.stats.add_fetched(fetched);
         Ok(faulting)
     }
 

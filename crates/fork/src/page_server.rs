@@ -110,11 +110,16 @@ pub struct WireStats {
     /// Descriptor pages sent (TCP + multicast): its page count once per
     /// transmission, however many hosts it served.
     pub descriptor_pages_sent: u64,
+    /// Multicast: pages sent with data and the datagrams they took (equal
+    /// when a page fits the link's MTU), and the MTU the sender split to.
+    pub multicast_data_pages: u64,
+    pub multicast_data_datagrams: u64,
+    pub multicast_mtu: u64,
 }
 
 impl WireStats {
     /// As a fixed array (the order of `sf_ticket_stat`'s `which`).
-    pub fn to_array(&self) -> [u64; 12] {
+    pub fn to_array(&self) -> [u64; 15] {
         [
             self.bytes_wire,
             self.bytes_tcp,
@@ -128,6 +133,9 @@ impl WireStats {
             self.rate_min,
             self.rate_now,
             self.descriptor_pages_sent,
+            self.multicast_data_pages,
+            self.multicast_data_datagrams,
+            self.multicast_mtu,
         ]
     }
 }
@@ -153,6 +161,39 @@ pub struct PageServerOptions {
     pub descriptor: Vec<u8>,
     /// The ticket's key: TCP clients must prove it, multicast is sealed with it.
     pub key: Key,
+}
+
+/// The MTU assumed when the link's cannot be read (Ethernet's).
+pub const DEFAULT_MTU: usize = 1500;
+
+/// The MTU of the interface that holds `ip` (what multicast from `ip` goes
+/// out on: the sender sets it as `IP_MULTICAST_IF`); None if no interface
+/// of this network namespace holds it.
+pub fn link_mtu(ip: Ipv4Addr) -> Option<usize> {
+    let name = nix::ifaddrs::getifaddrs().ok()?.find_map(|ifa| {
+        let addr = ifa.address?;
+        let sin = addr.as_sockaddr_in()?;
+        (sin.ip() == ip).then_some(ifa.interface_name)
+    })?;
+    // SIOCGIFMTU on a socket of this network namespace (sysfs may be another namespace's mount).
+    let sock = std::net::UdpSocket::bind((ip, 0)).ok()?;
+    // SAFETY: ifreq is plain data; all zeroes is a valid value.
+    let mut req: libc::ifreq = unsafe { std::mem::zeroed() };
+    let bytes = name.as_bytes();
+    if bytes.len() >= req.ifr_name.len() {
+        return None;
+    }
+    for (dst, &b) in req.ifr_name.iter_mut().zip(bytes) {
+        *dst = b.cast_signed();
+    }
+    // SAFETY: SIOCGIFMTU reads ifr_name (NUL-terminated: the rest is zero) and
+    // writes ifru_mtu within `req`, which outlives the call; the fd is open.
+    let rc = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&sock), libc::SIOCGIFMTU, &raw mut req) };
+    if rc != 0 {
+        return None;
+    }
+    // SAFETY: after a successful SIOCGIFMTU the union holds the MTU.
+    usize::try_from(unsafe { req.ifr_ifru.ifru_mtu }).ok()
 }
 
 /// Where the descriptor's pseudo-pages start (see the module doc).
@@ -271,8 +312,10 @@ impl PageServer {
                 let iface = if a.ip().is_unspecified() { Ipv4Addr::LOCALHOST } else { *a.ip() };
                 let mut cfg = SenderConfig::new(ticket, opts.key, group, iface);
                 cfg.push = switch == Switch::Push;
-                // Loopback (the local backend) has a 64 KiB MTU: one datagram per page.
-                cfg.mtu = if iface.is_loopback() { 65_535 } else { 1500 };
+                // The MTU of the link the group goes out on: a page is one datagram
+                // when it fits (loopback, the embedded cluster's 9000-byte bridge),
+                // else it is split; 1500 when the link is not found.
+                cfg.mtu = link_mtu(iface).unwrap_or(DEFAULT_MTU);
                 let source = TemplateSource(image.clone());
                 match Sender::start(cfg, Box::new(source)) {
                     Ok(sender) => {
@@ -347,6 +390,9 @@ impl PageServer {
             w.implicit_losses = g(&ms.implicit_losses);
             w.lockstep_suppressed = g(&ms.lockstep_suppressed);
             w.pages_pushed = g(&ms.pages_pushed);
+            w.multicast_data_pages = g(&ms.data_pages);
+            w.multicast_data_datagrams = g(&ms.data_datagrams);
+            w.multicast_mtu = s.mtu() as u64;
             // `as` from f64 saturates at the bounds and maps NaN to 0: whole bytes/s.
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             let whole = |rate: f64| rate as u64;
@@ -647,5 +693,22 @@ impl PageClient {
             });
         }
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn link_mtu_reads_the_interface_holding_the_address() {
+        // What `ip` says loopback's MTU is (another reader than ours).
+        let out = std::process::Command::new("ip").args(["-o", "link", "show", "dev", "lo"]).output().expect("ip");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let want: usize =
+            text.split_whitespace().skip_while(|w| *w != "mtu").nth(1).and_then(|m| m.parse().ok()).expect("ip shows lo's mtu");
+        assert_eq!(link_mtu(Ipv4Addr::LOCALHOST), Some(want));
+        // An address no interface holds.
+        assert_eq!(link_mtu(Ipv4Addr::new(192, 0, 2, 77)), None);
     }
 }

@@ -185,6 +185,7 @@ fn control(
                     continue;
                 }
                 let stats = Arc::new(FaultStats::default());
+                stats.restorer_running_ns.store(starling_image::abi::counters::realtime_ns(), std::sync::atomic::Ordering::Relaxed);
                 registry.lock().unwrap_or_else(|p| p.into_inner()).insert(clone_id, stats.clone());
                 let (serve, stop) = (serve.clone(), stop.clone());
                 let handler = std::thread::Builder::new()

@@ -57,7 +57,10 @@ impl Head {
     }
 
     /// Start a placed launch: route it, tell the client, hand it to the host.
-    async fn start(&self, q: Queued, (host, host_tx, host_conn): Placed) {
+    async fn start(&self, mut q: Queued, (host, host_tx, host_conn): Placed) {
+        if let Some(c) = q.spec.clone.as_mut() {
+            c.placed_ns = starling_proto::realtime_ns();
+        }
         if let Some(task) = q.rerun {
             self.rerun_started(task, host.clone(), host_conn, &host_tx).await;
             if host_tx.send(Msg::RunTask { task, spec: q.spec }).await.is_err() {

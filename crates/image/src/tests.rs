@@ -149,9 +149,27 @@ fn descriptor_round_trips_and_refuses_trailing_bytes() {
 #[test]
 fn counters_by_index_follow_the_c_abi() {
     let c = CloneCounters { faults: 1, pages_fetched: 2, pages_zero: 3, pages_file: 4, fetch_requests: 5,
-                            events_remove: 6, mode: 7, pages_multicast_unsolicited: 8 };
-    let got: Vec<u64> = (0..8).map(|i| c.get(CloneCounter::from_index(i).expect("index"))).collect();
-    assert_eq!(got, vec![1, 2, 3, 4, 5, 6, 7, 8]);
-    assert_eq!(CloneCounter::from_index(8), None);
+                            events_remove: 6, mode: 7, pages_multicast_unsolicited: 8,
+                            stamp_ticket_ns: 9, stamp_template_ns: 10, stamp_descriptor_ns: 11, stamp_placed_ns: 12,
+                            stamp_launch_received_ns: 13, stamp_view_mounted_ns: 14, stamp_sandbox_ready_ns: 15,
+                            stamp_restorer_running_ns: 16, stamp_first_page_ns: 17 };
+    let got: Vec<u64> = (0..17).map(|i| c.get(CloneCounter::from_index(i).expect("index"))).collect();
+    assert_eq!(got, (1..=17).collect::<Vec<u64>>());
+    assert_eq!(CloneCounter::from_index(17), None);
     assert_eq!(CloneCounter::from_index(-1), None);
+    // The header names every stamp's index as the counter is named (include/starling.h).
+    let header = include_str!("../../../include/starling.h");
+    let mut defined = Vec::new();
+    for line in header.lines() {
+        let mut words = line.split_whitespace();
+        if let (Some("#define"), Some(name), Some(index)) = (words.next(), words.next(), words.next()) {
+            if let Some(stage) = name.strip_prefix("SF_CLONE_STAMP_") {
+                let index: i32 = index.parse().expect("a stamp's index is a number");
+                let counter = CloneCounter::from_index(index).expect("the header's index exists");
+                assert_eq!(counter.name(), std::format!("stamp_{}_ns", stage.to_lowercase()), "{name}");
+                defined.push(index);
+            }
+        }
+    }
+    assert_eq!(defined, (8..=16).collect::<Vec<i32>>(), "one SF_CLONE_STAMP_* per stamp, in order");
 }

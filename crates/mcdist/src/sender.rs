@@ -101,6 +101,10 @@ pub struct SenderStats {
     pub pages_sent: AtomicU64,
     pub pages_pushed: AtomicU64,
     pub datagrams: AtomicU64,
+    /// Pages multicast with data (not zero or unreadable), and the datagrams
+    /// they took: one each when the MTU fits a page, else its fragments.
+    pub data_pages: AtomicU64,
+    pub data_datagrams: AtomicU64,
     /// Bytes on the wire: datagrams + IP/UDP headers.
     pub bytes_wire: AtomicU64,
     /// Requests for a page sent within the lockstep window (not answered).
@@ -135,6 +139,7 @@ pub struct RateSample {
 
 pub struct Sender {
     request_addr: SocketAddrV4,
+    mtu: usize,
     stop: Arc<AtomicBool>,
     stats: Arc<SenderStats>,
     trace: Arc<Mutex<Vec<RateSample>>>,
@@ -157,13 +162,14 @@ impl Sender {
         let stats = Arc::new(SenderStats::default());
         let trace = Arc::new(Mutex::new(Vec::new()));
         let rate_now = Arc::new(AtomicU64::new(crate::rate_to_u64(cfg.initial_rate)));
+        let mtu = cfg.mtu;
         let mut core = SenderCore::new(cfg, source, out, stats.clone(), trace.clone(), rate_now.clone());
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("mcdist-sender".into())
             .spawn(move || core.run(&requests, &stop2))
             .map_err(|e| McdistError::io("spawn sender", e))?;
-        Ok(Sender { request_addr, stop, stats, trace, rate_now, thread: Some(thread) })
+        Ok(Sender { request_addr, mtu, stop, stats, trace, rate_now, thread: Some(thread) })
     }
 
     /// Where receivers send requests.
@@ -173,6 +179,11 @@ impl Sender {
 
     pub fn stats(&self) -> &SenderStats {
         &self.stats
+    }
+
+    /// The IP MTU pages are split to (`SenderConfig::mtu`).
+    pub fn mtu(&self) -> usize {
+        self.mtu
     }
 
     /// Current rate limit, bytes/s.
@@ -593,7 +604,9 @@ impl SenderCore {
             let len = wire::DATA_HEADER + r.len();
             buf[wire::DATA_HEADER..len].copy_from_slice(&data[r]);
             self.emit(&buf[..len]);
+            self.stats.data_datagrams.fetch_add(1, Ordering::Relaxed);
         }
+        self.stats.data_pages.fetch_add(1, Ordering::Relaxed);
         self.buf = buf;
     }
 }

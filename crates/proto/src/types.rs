@@ -578,6 +578,10 @@ pub struct CloneSpec {
     /// first by its restorer (ids clone_id+1 ..= clone_id+local_forks); the
     /// task then occupies 1 + local_forks cores.
     pub local_forks: u32,
+    /// When the head placed the task (CLOCK_REALTIME ns; set by the head,
+    /// 0 from the client): the clone's critical-path stamp, sent back in
+    /// its `CloneStats`.
+    pub placed_ns: u64,
 }
 
 /// The variable a job's task finds its index in (0..n).

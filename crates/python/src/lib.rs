@@ -228,7 +228,11 @@ fn clone_status(py: Python<'_>, ticket: PyRef<'_, Ticket>, id: i32) -> PyResult<
 
 /// Fault-handler counters of clone `id` after it ran, as a dict by name
 /// (faults, pages_fetched, pages_zero, pages_file, fetch_requests,
-/// events_remove, mode, pages_multicast_unsolicited), or None.
+/// events_remove, mode, pages_multicast_unsolicited) and the critical-path
+/// stamps in CLOCK_REALTIME ns (`stamp_ticket_ns`, `stamp_template_ns`,
+/// `stamp_descriptor_ns`, `stamp_placed_ns`, `stamp_launch_received_ns`,
+/// `stamp_view_mounted_ns`, `stamp_sandbox_ready_ns`,
+/// `stamp_restorer_running_ns`, `stamp_first_page_ns`; 0: not recorded), or None.
 #[pyfunction]
 fn clone_stats(ticket: PyRef<'_, Ticket>, id: i32) -> Option<std::collections::BTreeMap<&'static str, u64>> {
     use starling_fork::image::abi::counters::CloneCounter;

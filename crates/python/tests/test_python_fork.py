@@ -136,6 +136,12 @@ def test_quantlib_pattern_monte_carlo(tmp_path):
     for i in range(1, n_clones + 1):
         stats = starling.clone_stats(t, i)
         assert stats["pages_fetched"] >= (n_paths // n_clones) * 8 // 4096, stats
+        # Critical-path stamps (local backend: the parent's and the handler's;
+        # the head's and agent's stay 0), in the order the stages run.
+        path = [stats[k] for k in ("stamp_ticket_ns", "stamp_template_ns", "stamp_descriptor_ns",
+                                   "stamp_restorer_running_ns", "stamp_first_page_ns")]
+        assert 0 < path[0] and path == sorted(path), stats
+        assert stats["stamp_placed_ns"] == 0 and stats["stamp_launch_received_ns"] == 0, stats
 
 
 def test_errors_on_used_or_empty_tickets(tmp_path):

@@ -20,6 +20,27 @@ pub struct CloneCounters {
     /// Pages installed from the multicast group without this clone asking
     /// (included in `pages_fetched`).
     pub pages_multicast_unsolicited: u64,
+    // The clone's critical path (issue 16): when each stage ended, stamped
+    // where it happened (all hosts of one cluster share the clock, else
+    // differences across machines are only as good as their clock sync).
+    /// CLOCK_REALTIME ns (0: not recorded): the parent was granted the ticket (parent).
+    pub stamp_ticket_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the template fork is done: its record reached the parent (parent).
+    pub stamp_template_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the descriptor is dumped and the page server serves it (parent).
+    pub stamp_descriptor_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the head placed the clone's task on a host (head).
+    pub stamp_placed_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the host's agent received the launch (host).
+    pub stamp_launch_received_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the task's file view and overlay are mounted (host).
+    pub stamp_view_mounted_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the descriptor is fetched and the sandbox runs the restorer (host).
+    pub stamp_sandbox_ready_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the restorer handed over this clone's userfaultfd: the clone is mapped (host).
+    pub stamp_restorer_running_ns: u64,
+    /// CLOCK_REALTIME ns (0: not recorded): the first page from the page server was installed (host).
+    pub stamp_first_page_ns: u64,
 }
 
 /// A counter's index in the C ABI (`sf_clone_stat(t, id, which)`).
@@ -34,6 +55,15 @@ pub enum CloneCounter {
     EventsRemove = 5,
     Mode = 6,
     PagesMulticastUnsolicited = 7,
+    StampTicket = 8,
+    StampTemplate = 9,
+    StampDescriptor = 10,
+    StampPlaced = 11,
+    StampLaunchReceived = 12,
+    StampViewMounted = 13,
+    StampSandboxReady = 14,
+    StampRestorerRunning = 15,
+    StampFirstPage = 16,
 }
 
 impl CloneCounter {
@@ -47,6 +77,15 @@ impl CloneCounter {
             5 => CloneCounter::EventsRemove,
             6 => CloneCounter::Mode,
             7 => CloneCounter::PagesMulticastUnsolicited,
+            8 => CloneCounter::StampTicket,
+            9 => CloneCounter::StampTemplate,
+            10 => CloneCounter::StampDescriptor,
+            11 => CloneCounter::StampPlaced,
+            12 => CloneCounter::StampLaunchReceived,
+            13 => CloneCounter::StampViewMounted,
+            14 => CloneCounter::StampSandboxReady,
+            15 => CloneCounter::StampRestorerRunning,
+            16 => CloneCounter::StampFirstPage,
             _ => return None,
         })
     }
@@ -54,7 +93,7 @@ impl CloneCounter {
 
 impl CloneCounter {
     /// Every counter, in index order.
-    pub const ALL: [CloneCounter; 8] = [
+    pub const ALL: [CloneCounter; 17] = [
         CloneCounter::Faults,
         CloneCounter::PagesFetched,
         CloneCounter::PagesZero,
@@ -63,6 +102,15 @@ impl CloneCounter {
         CloneCounter::EventsRemove,
         CloneCounter::Mode,
         CloneCounter::PagesMulticastUnsolicited,
+        CloneCounter::StampTicket,
+        CloneCounter::StampTemplate,
+        CloneCounter::StampDescriptor,
+        CloneCounter::StampPlaced,
+        CloneCounter::StampLaunchReceived,
+        CloneCounter::StampViewMounted,
+        CloneCounter::StampSandboxReady,
+        CloneCounter::StampRestorerRunning,
+        CloneCounter::StampFirstPage,
     ];
 
     /// Its name (as the Python API reports it: the field's name).
@@ -76,6 +124,15 @@ impl CloneCounter {
             CloneCounter::EventsRemove => "events_remove",
             CloneCounter::Mode => "mode",
             CloneCounter::PagesMulticastUnsolicited => "pages_multicast_unsolicited",
+            CloneCounter::StampTicket => "stamp_ticket_ns",
+            CloneCounter::StampTemplate => "stamp_template_ns",
+            CloneCounter::StampDescriptor => "stamp_descriptor_ns",
+            CloneCounter::StampPlaced => "stamp_placed_ns",
+            CloneCounter::StampLaunchReceived => "stamp_launch_received_ns",
+            CloneCounter::StampViewMounted => "stamp_view_mounted_ns",
+            CloneCounter::StampSandboxReady => "stamp_sandbox_ready_ns",
+            CloneCounter::StampRestorerRunning => "stamp_restorer_running_ns",
+            CloneCounter::StampFirstPage => "stamp_first_page_ns",
         }
     }
 }
@@ -91,6 +148,23 @@ impl CloneCounters {
             CloneCounter::EventsRemove => self.events_remove,
             CloneCounter::Mode => self.mode,
             CloneCounter::PagesMulticastUnsolicited => self.pages_multicast_unsolicited,
+            CloneCounter::StampTicket => self.stamp_ticket_ns,
+            CloneCounter::StampTemplate => self.stamp_template_ns,
+            CloneCounter::StampDescriptor => self.stamp_descriptor_ns,
+            CloneCounter::StampPlaced => self.stamp_placed_ns,
+            CloneCounter::StampLaunchReceived => self.stamp_launch_received_ns,
+            CloneCounter::StampViewMounted => self.stamp_view_mounted_ns,
+            CloneCounter::StampSandboxReady => self.stamp_sandbox_ready_ns,
+            CloneCounter::StampRestorerRunning => self.stamp_restorer_running_ns,
+            CloneCounter::StampFirstPage => self.stamp_first_page_ns,
         }
     }
+}
+
+/// Now on CLOCK_REALTIME, in ns since the epoch (what the stamps hold).
+#[cfg(feature = "std")]
+pub fn realtime_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
 }
