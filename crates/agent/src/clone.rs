@@ -126,7 +126,7 @@ pub(crate) fn prepare(
     let server: SocketAddr =
         spec.page_server.parse().map_err(|_| AgentError::PageServerAddress(spec.page_server.clone()))?;
     let options = starling_fork::fault::FaultOptions::from_settings(settings);
-    let key = starling_mcdist::Key(spec.page_key.0);
+    let key = spec.page_key;
     let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &key, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
         .map_err(fork_step(Step::FetchDescriptor))?;
     log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());

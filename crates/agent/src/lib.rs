@@ -276,7 +276,7 @@ impl Agent {
                     let _ = tx.send(Msg::UsageReply { nonce, tasks: self.usage() }).await;
                 }
                 Msg::MigrateIn { migration, task, from, key } => {
-                    tokio::spawn(migrate::accept(self.clone(), tx.clone(), migration, task, from, starling_mcdist::Key(key.0)));
+                    tokio::spawn(migrate::accept(self.clone(), tx.clone(), migration, task, from, key));
                 }
                 Msg::MigrateAbort { migration } => {
                     if let Some(flag) = self.incoming.lock().unwrap().remove(&migration) {
@@ -285,7 +285,7 @@ impl Agent {
                 }
                 Msg::MigrateOut { migration, task, to_host, to_addr, stop_and_copy, key } => {
                     let (me, tx) = (self.clone(), tx.clone());
-                    let how = migrate::Move { migration, task, to_host, to_addr, stop_and_copy, key: starling_mcdist::Key(key.0) };
+                    let how = migrate::Move { migration, task, to_host, to_addr, stop_and_copy, key };
                     tokio::task::spawn_blocking(move || {
                         let boosted = me.linger.boost(&me.task_pids(how.task));
                         migrate::send(&me, &tx, &how);

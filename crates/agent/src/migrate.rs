@@ -106,7 +106,7 @@ pub(crate) struct Move {
     pub to_addr: String,
     pub stop_and_copy: bool,
     /// The move's secret (proved to the target, and the page server's key).
-    pub key: starling_mcdist::Key,
+    pub key: starling_proto::SecretKey,
 }
 
 /// The source's part: move the task to the target, then tell the head how
@@ -423,7 +423,7 @@ fn read_upper(upper: &Path) -> Result<Vec<UpperItem>, String> {
 
 /// The target's part: listen for the source, tell the head where, and take
 /// the task when it comes.
-pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task: TaskId, from: String, key: starling_mcdist::Key) {
+pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task: TaskId, from: String, key: starling_proto::SecretKey) {
     let ip = agent.addr.lock().unwrap().clone();
     let listener = match TcpListener::bind((ip.as_str(), 0)) {
         Ok(l) => l,
@@ -452,7 +452,7 @@ pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task
 /// Wait for the source's connection (until `abort` or [`CONNECT_WAIT`]):
 /// the first that proves the move's `key`. Others are closed at once,
 /// before a byte of theirs is decoded, and the wait goes on.
-fn wait_for_source(listener: &TcpListener, key: &starling_mcdist::Key, abort: &AtomicBool) -> Result<TcpStream, String> {
+fn wait_for_source(listener: &TcpListener, key: &starling_proto::SecretKey, abort: &AtomicBool) -> Result<TcpStream, String> {
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let until = Instant::now() + CONNECT_WAIT;
     loop {
@@ -495,7 +495,7 @@ fn receive(
     task: TaskId,
     dir: &Path,
     listener: TcpListener,
-    key: &starling_mcdist::Key,
+    key: &starling_proto::SecretKey,
     abort: &AtomicBool,
 ) -> crate::Result<()> {
     // Until the task resumes here it is the source's: a failure is logged

@@ -6,7 +6,7 @@
 //! `cargo run --release -p starling-fork --example seal_cost`
 
 use starling_fork::page_server::{PageClient, PageServer, PageServerOptions};
-use starling_mcdist::Key;
+use starling_proto::SecretKey;
 use std::time::{Duration, Instant};
 
 fn median(mut v: Vec<Duration>) -> Duration {
@@ -15,12 +15,12 @@ fn median(mut v: Vec<Duration>) -> Duration {
 }
 
 fn main() {
-    let key = Key::random();
+    let key = SecretKey::random();
     let page = vec![0x5au8; 4096];
     let n = 20_000;
     let time = |f: &dyn Fn()| median((0..n).map(|_| { let t = Instant::now(); f(); t.elapsed() }).collect());
     let plain = time(&|| { std::hint::black_box(blake3::hash(std::hint::black_box(&page))); });
-    let keyed = time(&|| { std::hint::black_box(key.mac(b"SFMC page", &[std::hint::black_box(&page), &7u64.to_le_bytes(), &0x1000u64.to_le_bytes()])); });
+    let keyed = time(&|| { std::hint::black_box(starling_mcdist::seal::mac(&key, b"SFMC page", &[std::hint::black_box(&page), &7u64.to_le_bytes(), &0x1000u64.to_le_bytes()])); });
     println!("per 4 KiB page: plain BLAKE3 {:.2} us, keyed MAC {:.2} us", plain.as_secs_f64() * 1e6, keyed.as_secs_f64() * 1e6);
 
     // A page of our own memory, served by a page server of this process.

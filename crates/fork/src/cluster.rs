@@ -237,7 +237,7 @@ struct TicketPlan<'a> {
     descriptor_hash: starling_proto::Hash,
     descriptor_len: u32,
     page_server: SocketAddr,
-    page_key: starling_mcdist::Key,
+    page_key: starling_proto::SecretKey,
     placement: &'a [(String, u32)],
 }
 
@@ -264,7 +264,7 @@ impl TicketPlan<'_> {
                     descriptor_hash: self.descriptor_hash,
                     descriptor_len: self.descriptor_len,
                     page_server: self.page_server.to_string(),
-                    page_key: starling_proto::SecretKey(self.page_key.0),
+                    page_key: self.page_key,
                     local_forks: count - 1,
                     placed_ns: 0,
                 });
@@ -347,7 +347,7 @@ impl ClusterClones {
         desc: &Descriptor,
         encoded: &[u8],
         page_server: SocketAddr,
-        page_key: starling_mcdist::Key,
+        page_key: starling_proto::SecretKey,
     ) -> Result<ClusterClones> {
         let mut base = starling_session::spec::capture(vec!["starling-clone".into()])?;
         // Every path the restorer opens, bound now: no clone asks back for them.

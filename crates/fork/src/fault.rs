@@ -1014,7 +1014,7 @@ impl PageSink for NoSink {
 /// from the ticket's multicast group when that works here — every host of
 /// the ticket asks at about the same moment and one transmission answers
 /// them all — else over TCP. Returns the bytes and how they came.
-pub fn fetch_descriptor(server: SocketAddr, key: &starling_mcdist::Key, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
+pub fn fetch_descriptor(server: SocketAddr, key: &starling_proto::SecretKey, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
     if len == 0 || len as u64 > starling_image::MAX_DESCRIPTOR_BYTES {
         return Err(PageProtocolError::DescriptorLength(len).into());
     }

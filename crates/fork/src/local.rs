@@ -32,7 +32,7 @@ pub struct LocalClone {
 impl LocalClone {
     /// Start clone `id` of the template described by `desc`, whose pages
     /// are served at `server` under `key`, its handler set up by `options`.
-    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, key: starling_mcdist::Key, options: &FaultOptions) -> Result<LocalClone> {
+    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, key: starling_proto::SecretKey, options: &FaultOptions) -> Result<LocalClone> {
         let handler_desc = Arc::new(desc.clone());
         let options = options.clone();
         let serve: Serve = Arc::new(move |_id, uffd, stats, stop| {

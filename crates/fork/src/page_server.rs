@@ -1,7 +1,7 @@
 //! The page server: serves a frozen template's pages over TCP.
 //!
 //! Protocol (little-endian, one request in flight per connection). Every
-//! connection starts with a mutual proof of the ticket's [`Key`] (keyed
+//! connection starts with a mutual proof of the ticket's [`SecretKey`] (keyed
 //! BLAKE3, see `starling_mcdist::seal`); nothing is read from the template,
 //! and no request is parsed, before the client has proved it:
 //!
@@ -47,7 +47,8 @@
 use crate::{ForkError, PageProtocolError, Result, PAGE_SIZE};
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
-use starling_mcdist::{Key, Sender, SenderConfig, Switch};
+use starling_mcdist::{Sender, SenderConfig, Switch};
+use starling_proto::SecretKey;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -160,7 +161,7 @@ pub struct PageServerOptions {
     /// The encoded descriptor, served at [`DESCRIPTOR_BASE`] (may be empty).
     pub descriptor: Vec<u8>,
     /// The ticket's key: TCP clients must prove it, multicast is sealed with it.
-    pub key: Key,
+    pub key: SecretKey,
 }
 
 /// The MTU assumed when the link's cannot be read (Ethernet's).
@@ -254,7 +255,7 @@ impl Image {
 impl Default for PageServerOptions {
     /// Multicast on, no descriptor, a fresh random key.
     fn default() -> PageServerOptions {
-        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new(), key: Key::random() }
+        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new(), key: SecretKey::random() }
     }
 }
 
@@ -449,7 +450,7 @@ const PROOF_MAGIC: [u8; 4] = *b"SFPC";
 const NONCE: usize = 32;
 
 /// Server side of the key proof (module doc); Err closes the connection.
-pub fn prove_server(key: &Key, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
+pub fn prove_server(key: &SecretKey, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
     let io = |e| ForkError::io("page server handshake", e);
     let mut hello = [0u8; 4 + NONCE];
     rd.read_exact(&mut hello).map_err(io)?;
@@ -457,33 +458,33 @@ pub fn prove_server(key: &Key, rd: &mut impl Read, wr: &mut impl Write) -> Resul
         return Err(PageProtocolError::KeyProof.into());
     }
     let nonce_c = &hello[4..];
-    let nonce_s = Key::random().0;
-    let mac = key.mac(b"SFP server", &[nonce_c, &nonce_s]);
+    let nonce_s = SecretKey::random().0;
+    let mac = starling_mcdist::seal::mac(key, b"SFP server", &[nonce_c, &nonce_s]);
     wr.write_all(&CHALLENGE_MAGIC).and_then(|_| wr.write_all(&nonce_s)).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)?;
     let mut proof = [0u8; 4 + starling_mcdist::seal::MAC_LEN];
     rd.read_exact(&mut proof).map_err(io)?;
-    if proof[..4] != PROOF_MAGIC || !key.verify(b"SFP client", &[nonce_c, &nonce_s], &proof[4..]) {
+    if proof[..4] != PROOF_MAGIC || !starling_mcdist::seal::verify(key, b"SFP client", &[nonce_c, &nonce_s], &proof[4..]) {
         return Err(PageProtocolError::KeyProof.into());
     }
     Ok(())
 }
 
 /// Client side of the key proof (module doc).
-pub fn prove_client(key: &Key, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
+pub fn prove_client(key: &SecretKey, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
     let io = |e| ForkError::io("page server handshake", e);
-    let nonce_c = Key::random().0;
+    let nonce_c = SecretKey::random().0;
     wr.write_all(&HELLO_MAGIC).and_then(|_| wr.write_all(&nonce_c)).and_then(|_| wr.flush()).map_err(io)?;
     let mut ch = [0u8; 4 + NONCE + starling_mcdist::seal::MAC_LEN];
     rd.read_exact(&mut ch).map_err(io)?;
     let nonce_s = &ch[4..4 + NONCE];
-    if ch[..4] != CHALLENGE_MAGIC || !key.verify(b"SFP server", &[&nonce_c, nonce_s], &ch[4 + NONCE..]) {
+    if ch[..4] != CHALLENGE_MAGIC || !starling_mcdist::seal::verify(key, b"SFP server", &[&nonce_c, nonce_s], &ch[4 + NONCE..]) {
         return Err(PageProtocolError::KeyProof.into());
     }
-    let mac = key.mac(b"SFP client", &[&nonce_c, nonce_s]);
+    let mac = starling_mcdist::seal::mac(key, b"SFP client", &[&nonce_c, nonce_s]);
     wr.write_all(&PROOF_MAGIC).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)
 }
 
-fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, key: &Key, conn: TcpStream) -> Result<()> {
+fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, key: &SecretKey, conn: TcpStream) -> Result<()> {
     let _ = conn.set_nodelay(true);
     let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
     let mut wr = BufWriter::with_capacity(256 * 1024, conn);
@@ -603,12 +604,12 @@ impl From<PageReply> for starling_mcdist::Fetched {
 pub struct PageClient {
     rd: BufReader<TcpStream>,
     wr: BufWriter<TcpStream>,
-    key: Key,
+    key: SecretKey,
 }
 
 impl PageClient {
     /// Connect and prove `key` (the ticket's); fails if the server does not prove it back.
-    pub fn connect(addr: SocketAddr, key: &Key) -> Result<PageClient> {
+    pub fn connect(addr: SocketAddr, key: &SecretKey) -> Result<PageClient> {
         let s = TcpStream::connect(addr).map_err(|e| ForkError::io(format!("connect page server {addr}"), e))?;
         let _ = s.set_nodelay(true);
         let mut rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
@@ -618,7 +619,7 @@ impl PageClient {
     }
 
     /// The ticket's key (multicast is sealed with it).
-    pub fn key(&self) -> &Key {
+    pub fn key(&self) -> &SecretKey {
         &self.key
     }
 

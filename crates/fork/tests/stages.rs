@@ -154,7 +154,7 @@ fn page_server_serves_data_zero_and_refuses_outside() {
     unsafe { buf.add(4096).write_bytes(0xab, 4096) };
     let base = buf as u64;
     let pid = sleeping_child(|| {});
-    let key = starling_mcdist::Key([0x5a; 32]);
+    let key = starling_proto::SecretKey([0x5a; 32]);
     let opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, key, ..PageServerOptions::default() };
     let mut server = PageServer::start_with(pid, vec![(base, base + 3 * 4096)], "127.0.0.1:0".parse().unwrap(), opts).unwrap();
     // The parent's later writes do not show: the child's image is frozen.
@@ -162,7 +162,7 @@ fn page_server_serves_data_zero_and_refuses_outside() {
     unsafe { buf.write_bytes(0x11, 4096) };
     // Without the key: a client with another key is refused (and sees the
     // server fail its proof), and a plain request gets not one byte back.
-    assert!(PageClient::connect(server.addr(), &starling_mcdist::Key([0x5b; 32])).is_err());
+    assert!(PageClient::connect(server.addr(), &starling_proto::SecretKey([0x5b; 32])).is_err());
     {
         use std::io::{Read, Write};
         let mut raw = std::net::TcpStream::connect(server.addr()).unwrap();

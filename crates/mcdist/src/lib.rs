@@ -43,7 +43,6 @@ pub mod seal;
 pub mod wire;
 
 pub use receiver::{Fetched, PageSink, Receiver, ReceiverConfig, ReceiverStats};
-pub use seal::Key;
 pub use sender::{PageSource, RateSample, Sender, SenderConfig, SenderStats, SourcePage};
 
 use std::net::{Ipv4Addr, SocketAddrV4};

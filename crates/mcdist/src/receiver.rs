@@ -49,7 +49,7 @@ pub trait PageSink: Send + Sync + 'static {
 pub struct ReceiverConfig {
     pub ticket: u64,
     /// The ticket's key: datagrams not sealed with it are dropped.
-    pub key: crate::Key,
+    pub key: starling_proto::SecretKey,
     pub group: SocketAddrV4,
     /// Address of the local interface to join the group on.
     pub interface: Ipv4Addr,
@@ -71,7 +71,7 @@ pub struct ReceiverConfig {
 }
 
 impl ReceiverConfig {
-    pub fn new(ticket: u64, key: crate::Key, group: SocketAddrV4, interface: Ipv4Addr, sender: SocketAddrV4, receiver_id: u32) -> Self {
+    pub fn new(ticket: u64, key: starling_proto::SecretKey, group: SocketAddrV4, interface: Ipv4Addr, sender: SocketAddrV4, receiver_id: u32) -> Self {
         ReceiverConfig {
             ticket,
             key,

@@ -37,7 +37,7 @@ pub trait PageSource: Send + 'static {
 pub struct SenderConfig {
     pub ticket: u64,
     /// The ticket's key: every datagram is sealed with it, requests must be.
-    pub key: crate::Key,
+    pub key: starling_proto::SecretKey,
     /// The ticket's multicast group and port.
     pub group: SocketAddrV4,
     /// Address of the interface to send on (IP_MULTICAST_IF).
@@ -67,7 +67,7 @@ pub struct SenderConfig {
 
 impl SenderConfig {
     /// Defaults for a 10 GbE-class bridge.
-    pub fn new(ticket: u64, key: crate::Key, group: SocketAddrV4, interface: Ipv4Addr) -> SenderConfig {
+    pub fn new(ticket: u64, key: starling_proto::SecretKey, group: SocketAddrV4, interface: Ipv4Addr) -> SenderConfig {
         let link_rate = 1.25e9;
         SenderConfig {
             ticket,

@@ -24,7 +24,7 @@
 //!   then MAC [32] = keyed BLAKE3 of everything before it ("SFMQ" domain)
 //! ```
 //!
-//! **MACs** (keyed BLAKE3 under the ticket's [`Key`], see [`crate::seal`]):
+//! **MACs** (keyed BLAKE3 under the ticket's [`SecretKey`], see [`crate::seal`]):
 //! a FRAGMENT's MAC covers the ticket, the address and the whole page (every
 //! fragment of a page carries the same one; the receiver checks it on the
 //! reassembled page); a PROBE's, ZERO's or UNREADABLE's covers kind, ticket,
@@ -32,7 +32,8 @@
 //! dropped (`ReceiverStats::forged`, `SenderStats::invalid`) and the page is
 //! asked for again. Datagrams are not encrypted.
 
-use crate::seal::{Key, MAC_LEN};
+use crate::seal::{self, MAC_LEN};
+use starling_proto::SecretKey;
 
 pub const PAGE: usize = 4096;
 pub const DATA_MAGIC: [u8; 4] = *b"SFMC";
@@ -95,21 +96,21 @@ impl DataHeader {
 
     /// The MAC this header must carry: of `page` for a FRAGMENT (the whole
     /// page), of the header's own fields for the other kinds.
-    pub fn expected_mac(&self, key: &Key, page: &[u8]) -> [u8; MAC_LEN] {
+    pub fn expected_mac(&self, key: &SecretKey, page: &[u8]) -> [u8; MAC_LEN] {
         if self.kind == KIND_FRAGMENT {
-            key.mac(b"SFMC page", &[page, &self.ticket.to_le_bytes(), &self.addr.to_le_bytes()])
+            seal::mac(&key, b"SFMC page", &[page, &self.ticket.to_le_bytes(), &self.addr.to_le_bytes()])
         } else {
-            key.mac(b"SFMC control", &[&[self.kind], &self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), &self.seq.to_le_bytes()])
+            seal::mac(&key, b"SFMC control", &[&[self.kind], &self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), &self.seq.to_le_bytes()])
         }
     }
 
     /// Set the MAC (`page`: the whole page of a FRAGMENT, else empty).
-    pub fn seal(&mut self, key: &Key, page: &[u8]) {
+    pub fn seal(&mut self, key: &SecretKey, page: &[u8]) {
         self.mac = self.expected_mac(key, page);
     }
 
     /// Whether the MAC is right (`page` as for [`DataHeader::seal`]; constant time).
-    pub fn verify(&self, key: &Key, page: &[u8]) -> bool {
+    pub fn verify(&self, key: &SecretKey, page: &[u8]) -> bool {
         blake3::Hash::from(self.expected_mac(key, page)) == blake3::Hash::from(self.mac)
     }
 
@@ -168,17 +169,17 @@ impl Request {
     }
 
     /// [`Request::encode`] followed by its MAC under `key`.
-    pub fn encode_sealed(&self, key: &Key) -> Vec<u8> {
+    pub fn encode_sealed(&self, key: &SecretKey) -> Vec<u8> {
         let mut out = self.encode();
-        let mac = key.mac(b"SFMQ", &[&out]);
+        let mac = seal::mac(&key, b"SFMQ", &[&out]);
         out.extend_from_slice(&mac);
         out
     }
 
     /// Parse a datagram of [`Request::encode_sealed`]; None when malformed or its MAC is wrong.
-    pub fn parse_sealed(d: &[u8], key: &Key) -> Option<Request> {
+    pub fn parse_sealed(d: &[u8], key: &SecretKey) -> Option<Request> {
         let body = d.len().checked_sub(MAC_LEN).map(|n| &d[..n])?;
-        key.verify(b"SFMQ", &[body], &d[body.len()..]).then(|| Request::parse(body))?
+        seal::verify(&key, b"SFMQ", &[body], &d[body.len()..]).then(|| Request::parse(body))?
     }
 
     pub fn parse(d: &[u8]) -> Option<Request> {
@@ -242,7 +243,7 @@ mod tests {
 
     #[test]
     fn seals_are_checked() {
-        let (key, other) = (Key([9; 32]), Key([8; 32]));
+        let (key, other) = (SecretKey([9; 32]), SecretKey([8; 32]));
         let page = vec![7u8; PAGE];
         let mut h = DataHeader { kind: KIND_FRAGMENT, index: 0, count: 3, ticket: 7, addr: 0x1000, seq: 9, mac: [0; 32] };
         h.seal(&key, &page);

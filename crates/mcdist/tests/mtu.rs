@@ -2,7 +2,8 @@
 //! still arrives whole) when it does not.
 
 use starling_mcdist::wire;
-use starling_mcdist::{Fetched, Key, PageSink, PageSource, Receiver, ReceiverConfig, Sender, SenderConfig, SourcePage};
+use starling_proto::SecretKey;
+use starling_mcdist::{Fetched, PageSink, PageSource, Receiver, ReceiverConfig, Sender, SenderConfig, SourcePage};
 use std::net::Ipv4Addr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -43,7 +44,7 @@ impl PageSink for Refuse {
 fn data_datagrams_at(mtu: usize, ticket: u64) -> (u64, u64) {
     let group = starling_mcdist::group_for_ticket(ticket);
     let lo = Ipv4Addr::LOCALHOST;
-    let key = Key::random();
+    let key = SecretKey::random();
     let mut cfg = SenderConfig::new(ticket, key, group, lo);
     cfg.mtu = mtu;
     let image = Image { regions: vec![(BASE, BASE + PAGES * wire::PAGE as u64)] };

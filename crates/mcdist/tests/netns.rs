@@ -142,13 +142,13 @@ fn blocked_multicast_is_detected_and_reported() {
     let (sns, sip) = (lab.sender_ns.clone(), lab.sender_ip);
     let sender = std::thread::spawn(move || {
         netlab::enter(&sns).unwrap();
-        starling_mcdist::Sender::start(SenderConfig::new(401, starling_mcdist::Key([4; 32]), group, sip), Box::new(img)).unwrap()
+        starling_mcdist::Sender::start(SenderConfig::new(401, starling_proto::SecretKey([4; 32]), group, sip), Box::new(img)).unwrap()
     })
     .join()
     .unwrap();
     let target = sender.request_addr();
     let (rns, rip) = (lab.receiver_ns[0].clone(), lab.receiver_ips[0]);
-    let config = ReceiverConfig::new(401, starling_mcdist::Key([4; 32]), group, rip, target, 0);
+    let config = ReceiverConfig::new(401, starling_proto::SecretKey([4; 32]), group, rip, target, 0);
     let (probe_timeout, give_up) = (config.probe_timeout, config.give_up);
     let try_start = move || {
         let (rns, config) = (rns.clone(), config.clone());

@@ -2,7 +2,8 @@
 //! never reach a clone, and a receiver without the key gets no page.
 
 use starling_mcdist::wire::{self, DataHeader};
-use starling_mcdist::{Fetched, Key, McdistError, PageSink, PageSource, Receiver, ReceiverConfig, Sender, SenderConfig, SourcePage};
+use starling_proto::SecretKey;
+use starling_mcdist::{Fetched, McdistError, PageSink, PageSource, Receiver, ReceiverConfig, Sender, SenderConfig, SourcePage};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -55,7 +56,7 @@ fn forged_datagrams_are_dropped_and_a_receiver_without_the_key_gets_nothing() {
     let ticket = 7_000 + u64::from(std::process::id() % 1000);
     let group = starling_mcdist::group_for_ticket(ticket);
     let lo = Ipv4Addr::LOCALHOST;
-    let key = Key::random();
+    let key = SecretKey::random();
     let mut cfg = SenderConfig::new(ticket, key, group, lo);
     cfg.mtu = 65_535;
     let image = Image { regions: vec![(BASE, BASE + PAGES * wire::PAGE as u64)] };
@@ -71,7 +72,7 @@ fn forged_datagrams_are_dropped_and_a_receiver_without_the_key_gets_nothing() {
     let forger = UdpSocket::bind((lo, 0)).unwrap();
     socket2::SockRef::from(&forger).set_multicast_if_v4(&lo).unwrap();
     forger.set_multicast_loop_v4(true).unwrap();
-    let other = Key::random();
+    let other = SecretKey::random();
     let evil = vec![0xEEu8; wire::PAGE];
     let forged: Vec<Vec<u8>> = (0..PAGES)
         .flat_map(|i| {

@@ -31,7 +31,7 @@ pub struct SourceOptions {
     /// Address the page server listens on (reachable by the target).
     pub page_server_ip: IpAddr,
     /// The move's secret: the key of its page server.
-    pub key: starling_mcdist::Key,
+    pub key: starling_proto::SecretKey,
     /// Snowbird's way, kept as the baseline: no copy while it runs, every
     /// page sent while it is frozen.
     pub stop_and_copy: bool,
@@ -39,7 +39,7 @@ pub struct SourceOptions {
 
 impl SourceOptions {
     pub fn new(capture: CaptureOptions, page_server_ip: IpAddr) -> SourceOptions {
-        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_mcdist::Key::random() }
+        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_proto::SecretKey::random() }
     }
 }
 

@@ -22,7 +22,7 @@ pub struct Incoming {
     /// The source's page server (the frozen process's memory).
     pub page_server: SocketAddr,
     /// The move's secret (proved to the page server).
-    pub key: starling_mcdist::Key,
+    pub key: starling_proto::SecretKey,
     pub staged: Arc<Staging>,
     replies: Arc<Mutex<Replies>>,
 }
@@ -67,7 +67,7 @@ pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
 /// Receive a migration on `stream` until its image: `on_prepare` gets the
 /// source's first payload at once (to prepare while pages arrive: pages
 /// wait while it runs) and the source is told `Prepared` when it returns.
-pub fn receive(stream: TcpStream, key: starling_mcdist::Key, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
+pub fn receive(stream: TcpStream, key: starling_proto::SecretKey, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
     let replies = Arc::new(Mutex::new(Replies {
         stream: stream.try_clone().map_err(wire::WireError::Io)?,
         resumed: false,

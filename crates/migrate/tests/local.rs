@@ -120,7 +120,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     // The move's key (the head makes it on a cluster): the target's page-server client proves it.
-    let key = starling_mcdist::Key::random();
+    let key = starling_proto::SecretKey::random();
     let target = std::thread::spawn(move || -> TargetEnd {
         let (s, _) = listener.accept().map_err(|e| e.to_string())?;
         let inc = receive(s, key, &mut |_| Ok(())).map_err(|e| e.to_string())?;

@@ -321,7 +321,7 @@ pub fn run_scenario(
         Uni(UnicastServer),
     }
     let (sns, sip, img) = (lab.sender_ns.clone(), lab.sender_ip, image.clone());
-    let key = starling_mcdist::Key::random();
+    let key = starling_proto::SecretKey::random();
     let mut scfg = SenderConfig::new(ticket, key, group, sip);
     scfg.push = dist == Dist::MulticastPush;
     tweak_sender(&mut scfg);
