@@ -111,7 +111,7 @@ pub const SIGEV_THREAD_ID: u64 = 4;
 /// VIRT | SCHED)`: -8, -7, -6), all stored as two's-complement `u64`s. Not
 /// thread CPU clocks (the restorer's leader would own them) nor other
 /// processes' clocks nor the alarm clocks (CAP_WAKE_ALARM).
-pub const POSIX_TIMER_CLOCKS: [u64; 8] = [0, 1, 2, 7, 11, (-8i64) as u64, (-7i64) as u64, (-6i64) as u64];
+pub const POSIX_TIMER_CLOCKS: [u64; 8] = [0, 1, 2, 7, 11, (-8i64).cast_unsigned(), (-7i64).cast_unsigned(), (-6i64).cast_unsigned()];
 
 /// A POSIX timer (`timer_create`): its ID (which the program holds), how it
 /// notifies, and when it fires next. The overrun count is not carried.
@@ -185,10 +185,10 @@ pub struct PosixTimers {
 impl PosixTimers {
     /// The timers in use (empty if `count` is out of range).
     pub fn used(&self) -> &[PosixTimer] {
-        if self.count > MAX_POSIX_TIMERS as u64 {
-            return &[];
+        match usize::try_from(self.count) {
+            Ok(n) if n <= MAX_POSIX_TIMERS => &self.table[..n],
+            _ => &[],
         }
-        &self.table[..self.count as usize]
     }
 
     /// Why the table cannot be restored, if it cannot; `has_thread` says
