@@ -371,3 +371,21 @@ def test_posix_timers_move_with_their_ids_and_remaining_times(cluster, progs, wo
         before = after
     rc, _, err = t.finish()
     assert rc == 0, err
+
+
+@pytest.mark.parametrize("extra, reason", [("thread-clock", "(clock -2, notify 1) cannot move"), ("many", "at most 32")])
+def test_posix_timers_that_cannot_move_are_refused_and_the_task_runs_on(cluster, progs, workdir, extra, reason):
+    """A timer on a thread's CPU clock (the restorer could only give it back on another thread) or
+    more timers than the image holds: the move is refused naming why, and the task goes on where it was."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task([progs["posix_timers"], extra], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id(f"posix_timers {extra}")
+    r = migrate(task, hosts[1], check=False)
+    assert r.returncode != 0, r.stdout
+    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
+    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t.send("\n")
+    t.read_until("report ")
+    rc, _, err = t.finish()
+    assert rc == 0, err

@@ -8,7 +8,9 @@
  * It prints "ready", then for every line on stdin one report:
  *   report TICKS SPARE_ID TICK_ID ONESHOT_ID THREAD_ID ONESHOT_LEFT_NS THREAD_LEFT_NS TICK_INTERVAL_NS
  * (times from timer_gettime). A signal of a one-shot timer, or a failed call,
- * exits with a message. On EOF it exits 0. */
+ * exits with a message. On EOF it exits 0.
+ * With an argument it holds a timer that cannot move as well: "thread-clock" one
+ * on its thread's CPU clock, "many" 40 more (the image carries at most 32). */
 #define _GNU_SOURCE
 #include <signal.h>
 #include <stdio.h>
@@ -53,7 +55,7 @@ static long long left_ns(timer_t t, long long *interval) {
     return its.it_value.tv_sec * 1000000000LL + its.it_value.tv_nsec;
 }
 
-int main(void) {
+int main(int argc, char **argv) {
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_flags = SA_RESTART;
@@ -74,6 +76,9 @@ int main(void) {
     arm(oneshot, 0, 1000, 0);
     arm(thread, 0, 2000, 0);
 
+    if (argc > 1 && !strcmp(argv[1], "thread-clock")) make(CLOCK_THREAD_CPUTIME_ID, SIGEV_NONE, 0);
+    if (argc > 1 && !strcmp(argv[1], "many"))
+        for (int i = 0; i < 40; i++) make(CLOCK_MONOTONIC, SIGEV_NONE, 0);
     printf("ready\n");
     fflush(stdout);
     char line[64];
