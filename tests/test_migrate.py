@@ -4,7 +4,8 @@
 The programs are unmodified binaries (not linked against libstarling): tests/migrate/phases.c (CPU
 work in phases, a file written block by block, a line of stdin between phases, so a test moves it at
 a known point without timing), crates/migrate/tests/c/{workers,state}.c (4 pthreads with mutexes and
-condition variables; open file offset, interval timer, altstack handler, mask, umask, cwd) and
+condition variables; open file offset, interval timer, altstack handler, mask, umask, cwd),
+tests/migrate/posix_timers.c (POSIX timers: periodic, one-shot, thread-directed, a disarmed one) and
 crates/migrate/tests/numpy_work.py. Each moved run must print exactly what an undisturbed local run
 prints.
 """
@@ -38,6 +39,7 @@ def progs():
         "workers": cc(MIGRATE_C / "workers.c", "workers"),
         "state": cc(MIGRATE_C / "state.c", "state"),
         "vector_regs": cc(ROOT / "tests/migrate/vector_regs.c", "vector_regs"),
+        "posix_timers": cc(ROOT / "tests/migrate/posix_timers.c", "posix_timers"),
     }
 
 
@@ -334,3 +336,56 @@ def test_every_vector_register_survives_two_moves(cluster, progs, workdir):
     t.send("\n")
     rc, out, err = t.finish()
     assert (rc, out.splitlines()[-1]) == (0, "registers same"), out + err
+
+
+def test_posix_timers_move_with_their_ids_and_remaining_times(cluster, progs, workdir):
+    """posix_timers.c holds four POSIX timers whose IDs a fresh process would not get (it deleted the
+    first two it made). Moved twice: each time its IDs still name its timers (timer_gettime on each
+    works and it prints the same IDs), the periodic one keeps its interval and goes on ticking where
+    the task now runs, and the one-shot ones are still armed with no more time left than before."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task([progs["posix_timers"]], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id("posix_timers")
+
+    def report():
+        t.send("\n")
+        t.read_until("report ")
+        f = t.lines[-1].split()
+        return {"ticks": int(f[1]), "ids": f[2:6], "oneshot": int(f[6]), "thread": int(f[7]), "interval": int(f[8])}
+
+    before = wait_for(lambda: (r := report())["ticks"] > 0 and r, "the periodic timer's first tick")
+    ids = before["ids"]
+    assert int(ids[0]) >= 2, f"the spare timer got id {ids[0]}: the deleted timers' ids were reused"
+    assert 0 < before["oneshot"] <= 1000 * 10**9 and 0 < before["thread"] <= 2000 * 10**9, before
+    for to in hosts[1:3]:
+        migrate(task, to)
+        assert ps_row(task)["host"] == to
+        after = report()
+        assert after["ids"] == ids, f"timer ids changed on {to}"
+        assert after["interval"] == 10**7, after
+        assert after["ticks"] >= before["ticks"], (before, after)
+        assert 0 < after["oneshot"] <= before["oneshot"], (before, after)
+        assert 0 < after["thread"] <= before["thread"], (before, after)
+        wait_for(lambda: report()["ticks"] > after["ticks"], f"the periodic timer to tick on {to}")
+        before = after
+    rc, _, err = t.finish()
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("extra, reason", [("thread-clock", "(clock -2, notify 1) cannot move"), ("many", "at most 32")])
+def test_posix_timers_that_cannot_move_are_refused_and_the_task_runs_on(cluster, progs, workdir, extra, reason):
+    """A timer on a thread's CPU clock (the restorer could only give it back on another thread) or
+    more timers than the image holds: the move is refused naming why, and the task goes on where it was."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task([progs["posix_timers"], extra], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id(f"posix_timers {extra}")
+    r = migrate(task, hosts[1], check=False)
+    assert r.returncode != 0, r.stdout
+    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
+    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t.send("\n")
+    t.read_until("report ")
+    rc, _, err = t.finish()
+    assert rc == 0, err

@@ -229,3 +229,59 @@ def test_less_keeps_paging_after_it_moves(term, workdir):
     term.wait(r"^row-1000\s*$", "less at the end of the file")
     term.type("q", enter=False)
     assert term.finished("less to quit") == 0
+
+
+def vim_timers(path):
+    """`/proc/PID/timers` of each vim process editing `path` (seen from here: tasks' PID namespaces
+    are children of this one), with thread IDs (this namespace's: another on each host) left out.
+    Found by its command line; on a target host the restorer's processes above the restored one
+    (sandbox, PID namespace init) show that command line too: only the innermost counts."""
+    found = {}
+    for p in pathlib.Path("/proc").iterdir():
+        try:
+            argv = (p / "cmdline").read_bytes().split(b"\0") if p.name.isdigit() else []
+            if argv and argv[0].endswith(b"vim") and str(path).encode() in argv:
+                ppid = re.search(r"^PPid:\s*(\d+)", (p / "status").read_text(), re.M).group(1)
+                found[p.name] = (ppid, re.sub(r"/tid\.\d+", "/tid", (p / "timers").read_text()))
+        except OSError:
+            continue  # gone meanwhile
+    parents = {ppid for ppid, _ in found.values()}
+    return [timers for pid, (_, timers) in found.items() if pid not in parents]
+
+
+def test_vim_moves_twice_mid_edit_and_saves(term, workdir):
+    # vim holds a POSIX timer (timer_create with SIGEV_THREAD: glibc's helper thread gets its signal, so
+    # the timer is thread-directed), which made it unmovable. Moved h0 -> h1 -> h2 mid-edit: what was
+    # typed stays on its screen, keys typed after each move reach it, the timer is there on the target,
+    # and `:wq` saves the file on the client.
+    require_tool("vim", "vim")
+    import json
+    hosts = [h["name"] for h in status()["hosts"]]
+    f = workdir / "notes.txt"
+    term.start(f"{STARLING} exec -t --host {hosts[0]} -- vim -u NONE -i NONE -N {f}")
+    term.wait(r"notes\.txt.*\[New", "vim to open the new file")
+    term.type("ifirst line", enter=False)
+    term.key("Escape")
+    term.wait(r"^first line\s*$", "the first typed line on vim's screen")
+    [timers] = wait_for(lambda: vim_timers(f), "vim's process")
+    assert "ID:" in timers, f"vim holds no POSIX timer here, so this test would not move one:\n{timers}"
+
+    def find():
+        rows = json.loads(subprocess.run([STARLING, "ps", "--json"], capture_output=True, text=True).stdout)
+        return next((r for r in rows if "notes.txt" in r["command"]), None)
+    task = wait_for(find, "the task's ps row")["task"]
+    typed = ["first line"]
+    for host in hosts[1:3]:
+        r = subprocess.run([STARLING, "migrate", str(task), "--to", host], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert find()["host"] == host
+        # The source's copy may still be on its way out.
+        wait_for(lambda: vim_timers(f) == [timers], f"vim's one process on {host} to hold its timer")
+        typed.append(f"typed on {host}")
+        term.type(f"o{typed[-1]}", enter=False)
+        term.key("Escape")
+        term.wait(rf"^{typed[-1]}\s*$", f"the line typed on {host} on vim's screen")
+    term.type(":wq")
+    assert term.finished("vim to save and quit") == 0
+    assert f.read_text() == "".join(f"{line}\n" for line in typed)

@@ -325,6 +325,7 @@ pub fn dump_process(pid: i32, brk: u64) -> Result<(ProcessCore, String, Vec<u32>
         creds: Creds { ruid, euid, suid, rgid, egid, sgid },
         rlimits,
         itimers: Default::default(),
+        timers: Default::default(),
         mm,
     };
     Ok((core, cwd, groups))

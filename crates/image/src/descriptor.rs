@@ -13,7 +13,7 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 3;
+pub const DESCRIPTOR_VERSION: u32 = 4;
 /// Upper bound accepted by [`Descriptor::decode`].
 pub const MAX_DESCRIPTOR_BYTES: u64 = 64 << 20;
 /// Largest FPU area accepted (XSAVE with AMX is ~11 KiB).
@@ -256,6 +256,9 @@ impl Descriptor {
         tids.sort_unstable();
         if tids.windows(2).any(|w| w[0] == w[1]) {
             return bad("duplicate thread ids".to_string());
+        }
+        if let Some(why) = self.process.core.timers.invalid(|tid| self.threads.iter().any(|t| t.core.tid == tid)) {
+            return bad(why.to_string());
         }
         if self.process.cwd.contains('\0') || self.process.cwd.len() >= 4096 {
             return bad("cwd".to_string());

@@ -136,6 +136,45 @@ fn validation_refuses_inconsistent_threads() {
     assert!(matches!(d.validate(), Err(DescriptorError::Invalid(m)) if m.contains("streams")));
 }
 
+/// Two timers: a periodic one signalling the process, a one-shot one signalling thread 43.
+fn with_timers() -> Descriptor {
+    use crate::abi::process::{PosixTimer, TimeSpec, SIGEV_SIGNAL, SIGEV_THREAD_ID};
+    let mut d = descriptor();
+    let timers = &mut d.process.core.timers;
+    timers.table[0] = PosixTimer { id: 2, clock: 1, notify: SIGEV_SIGNAL, signo: 10, sigval: 7, tid: 0,
+                                   interval: TimeSpec { sec: 0, nsec: 10_000_000 }, remaining: TimeSpec { sec: 0, nsec: 5 } };
+    timers.table[1] = PosixTimer { id: 5, clock: (-6i64) as u64, notify: SIGEV_THREAD_ID, signo: 34, sigval: 0, tid: 43,
+                                   interval: TimeSpec::default(), remaining: TimeSpec { sec: 1000, nsec: 0 } };
+    timers.count = 2;
+    d
+}
+
+#[test]
+fn posix_timers_are_checked_by_the_descriptor_and_the_plan() {
+    let d = with_timers();
+    d.validate().expect("valid timers");
+    let opts = || PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false };
+    let plan = lower(&d, opts());
+    assert_eq!(crate::abi::plan::validate(&plan), Ok(()));
+    let h: PlanHeader = read(&plan, 0);
+    assert_eq!(h.process.timers.used(), &d.process.core.timers.table[..2], "the restorer reads them in place");
+    let refused = |change: &dyn Fn(&mut Descriptor), why: &str| {
+        let mut d = with_timers();
+        change(&mut d);
+        assert!(matches!(d.validate(), Err(DescriptorError::Invalid(ref m)) if m.contains(why)), "descriptor: {why}");
+        // The plan check refuses the same table (lowered without the descriptor's check).
+        let what = crate::abi::plan::validate(&lower(&d, opts())).map_err(|e| e.what);
+        assert!(what.is_err_and(|w| w.contains(why)), "plan: {why}: {what:?}");
+    };
+    refused(&|d| d.process.core.timers.count = 33, "count");
+    refused(&|d| d.process.core.timers.table[1].tid = 44, "not one of the process's");
+    refused(&|d| d.process.core.timers.table[1].id = 1, "ascending");
+    refused(&|d| d.process.core.timers.table[0].clock = 3, "clock"); // a thread's CPU clock
+    refused(&|d| d.process.core.timers.table[0].signo = 0, "signal");
+    refused(&|d| d.process.core.timers.table[0].notify = 3, "notification");
+    refused(&|d| d.process.core.timers.table[0].interval.nsec = 1_000_000_000, "time");
+}
+
 #[test]
 fn descriptor_round_trips_and_refuses_trailing_bytes() {
     let d = descriptor();

@@ -9,7 +9,10 @@
 //! are made relative to the task's root (the process runs chrooted there).
 //!
 //! What cannot move is refused before anything is frozen ([`precheck`]) and
-//! again at capture: a child process, a POSIX timer, a descriptor that is
+//! again at capture: a child process, more than `MAX_POSIX_TIMERS` POSIX
+//! timers or one on a clock the restorer cannot give back (their IDs,
+//! notifications and clocks come from `/proc/PID/timers`, their times from
+//! injected `timer_gettime` calls), a descriptor that is
 //! not a regular file, directory, sandbox device, stdio pipe or a pipe's
 //! dead end (nobody holds its other side).
 
@@ -18,7 +21,9 @@ use crate::inject::Injector;
 use crate::ptrace;
 use crate::{MigrateError, Result};
 use starling_fork::dump::{dump_process, dump_regions, RegionOptions};
-use starling_image::abi::process::{ITimer, TimeVal};
+use starling_image::abi::process::{
+    ITimer, PosixTimer, PosixTimers, TimeSpec, TimeVal, MAX_POSIX_TIMERS, SIGEV_NONE, SIGEV_SIGNAL, SIGEV_THREAD, SIGEV_THREAD_ID,
+};
 use starling_image::abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FP_XSTATE_MAGIC2, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
 use starling_image::abi::signal::{Sigaction, SigactionTable};
 use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
@@ -90,11 +95,98 @@ pub fn precheck(pid: i32, root: &Path) -> Result<()> {
             children.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
         )));
     }
-    let timers = std::fs::read_to_string(format!("/proc/{pid}/timers")).unwrap_or_default();
-    if !timers.trim().is_empty() {
-        return Err(MigrateError::Unmovable("the process uses POSIX timers (timer_create), which cannot move yet".into()));
-    }
+    listed_timers(pid)?;
     classify_fds(pid, root).map(drop)
+}
+
+/// A POSIX timer as `/proc/PID/timers` shows it; the time left comes from
+/// an injected `timer_gettime`. `tid` is in the reader's PID namespace.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ListedTimer {
+    id: u64,
+    clock: u64,
+    notify: u64,
+    signo: u64,
+    sigval: u64,
+    tid: u64,
+}
+
+/// Parse `/proc/PID/timers` (fs/proc/base.c `show_timer`): per timer
+/// `ID: n`, `signal: SIGNO/SIGVAL-HEX`, `notify: signal|none|thread/pid|tid.N`,
+/// `ClockID: c`. In ascending ID order (the kernel lists them newest first).
+fn parse_timers(text: &str) -> std::result::Result<Vec<ListedTimer>, String> {
+    let mut out: Vec<ListedTimer> = Vec::new();
+    for line in text.lines().filter(|l| !l.trim().is_empty()) {
+        let (key, value) = line.split_once(':').ok_or_else(|| format!("line {line:?}"))?;
+        let value = value.trim();
+        let bad = || format!("{key}: {value:?}");
+        if key == "ID" {
+            let id = value.parse().map_err(|_| bad())?;
+            out.push(ListedTimer { id, clock: 0, notify: 0, signo: 0, sigval: 0, tid: 0 });
+            continue;
+        }
+        let t = out.last_mut().ok_or_else(|| format!("{key} before any ID"))?;
+        match key {
+            "signal" => {
+                let (signo, sigval) = value.split_once('/').ok_or_else(bad)?;
+                t.signo = signo.parse().map_err(|_| bad())?;
+                t.sigval = u64::from_str_radix(sigval.trim_start_matches("0x"), 16).map_err(|_| bad())?;
+            }
+            "notify" => {
+                let (kind, target) = value.split_once('/').ok_or_else(bad)?;
+                let (whom, id) = target.split_once('.').ok_or_else(bad)?;
+                let base = match kind {
+                    "signal" => SIGEV_SIGNAL,
+                    "none" => SIGEV_NONE,
+                    "thread" => SIGEV_THREAD,
+                    _ => return Err(bad()),
+                };
+                match whom {
+                    "pid" => t.notify = base,
+                    "tid" => {
+                        t.notify = base | SIGEV_THREAD_ID;
+                        t.tid = id.parse().map_err(|_| bad())?;
+                    }
+                    _ => return Err(bad()),
+                }
+            }
+            "ClockID" => t.clock = value.parse::<i64>().map_err(|_| bad())?.cast_unsigned(),
+            _ => {} // a field a later kernel added
+        }
+    }
+    out.sort_unstable_by_key(|t| t.id);
+    Ok(out)
+}
+
+/// The POSIX timers of `pid`, or why they cannot move (too many, a clock
+/// or a notification the restorer cannot give back).
+fn listed_timers(pid: i32) -> Result<Vec<ListedTimer>> {
+    let path = format!("/proc/{pid}/timers");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(text) => text,
+        // Without CONFIG_CHECKPOINT_RESTORE there is no list: nothing to read it by.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(MigrateError::Proc { path, source: e }),
+    };
+    let timers = parse_timers(&text).map_err(|e| MigrateError::Unmovable(format!("unreadable {path} ({e})")))?;
+    if timers.len() > MAX_POSIX_TIMERS {
+        return Err(MigrateError::Unmovable(format!(
+            "the process has {} POSIX timers (timer_create); at most {MAX_POSIX_TIMERS} can move",
+            timers.len()
+        )));
+    }
+    for t in &timers {
+        let probe = PosixTimer { id: t.id, clock: t.clock, notify: t.notify, signo: t.signo, sigval: t.sigval, tid: t.tid, ..PosixTimer::default() };
+        if let Some(why) = probe.invalid() {
+            return Err(MigrateError::Unmovable(format!(
+                "POSIX timer {} (clock {}, notify {}) cannot move: unsupported {why}",
+                t.id,
+                t.clock.cast_signed(),
+                t.notify
+            )));
+        }
+    }
+    Ok(timers)
 }
 
 /// Processes whose parent is `pid`.
@@ -316,6 +408,7 @@ struct Inside {
     threads: Vec<ThreadState>,
     sigactions: SigactionTable,
     itimers: [ITimer; 3],
+    timers: PosixTimers,
     brk: u64,
 }
 
@@ -386,9 +479,41 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
         }
         *slot = ITimer { interval, value };
     }
+    let mut timers = PosixTimers::default();
+    for (listed, slot) in listed_timers(pid)?.iter().zip(timers.table.iter_mut()) {
+        let tid = if listed.notify & SIGEV_THREAD_ID != 0 {
+            let Some(&reader_tid) = f.tids.iter().find(|&&t| i64::from(t).cast_unsigned() == listed.tid) else {
+                return Err(MigrateError::Unmovable(format!(
+                    "POSIX timer {} signals thread {}, which is not one of the process's",
+                    listed.id, listed.tid
+                )));
+            };
+            ns_id(pid, reader_tid)?
+        } else {
+            0
+        };
+        inj.call(pid, libc::SYS_timer_gettime, [listed.id, scratch, 0, 0, 0, 0])?;
+        let b = inj.read(scratch, 32)?;
+        let w = |k: usize| u64::from_le_bytes(b[k * 8..k * 8 + 8].try_into().expect("8 bytes"));
+        // A periodic timer that fired and whose signal still waits reads as
+        // 1 ns left: it fires again right after the restore (the waiting
+        // signal is queued again too). Its overrun count is not carried
+        // (a restored timer starts with none).
+        *slot = PosixTimer {
+            id: listed.id,
+            clock: listed.clock,
+            notify: listed.notify,
+            signo: listed.signo,
+            sigval: listed.sigval,
+            tid,
+            interval: TimeSpec { sec: w(0), nsec: w(1) },
+            remaining: TimeSpec { sec: w(2), nsec: w(3) },
+        };
+        timers.count += 1;
+    }
     let brk = inj.call(pid, libc::SYS_brk, [0; 6])?;
     inj.finish()?;
-    Ok(Inside { threads, sigactions, itimers, brk })
+    Ok(Inside { threads, sigactions, itimers, timers, brk })
 }
 
 /// The complete image of a frozen process.
@@ -407,6 +532,7 @@ pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
     let (mut core, cwd, groups) = dump_process(pid, inside_state.brk)?;
     core.pid = inside_state.threads[0].core.tid;
     core.itimers = inside_state.itimers;
+    core.timers = inside_state.timers;
     let cwd = inside(&opts.root, &cwd);
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
@@ -455,6 +581,22 @@ mod tests {
         let bv = u64::from_le_bytes(f[512..520].try_into().unwrap());
         assert_eq!(bv & !features, 0, "no component in use that the frame does not carry");
         assert_eq!(fpu_area(vec![1u8; 300]).len(), FXSAVE_BYTES);
+    }
+
+    #[test]
+    fn proc_timers_are_parsed_in_ascending_id_order() {
+        // As Linux 6.18 shows a process's timers (newest first).
+        let text = "ID: 2\nsignal: 12/0000000000001234\nnotify: none/pid.11697\nClockID: -6\n\
+                    ID: 1\nsignal: 12/00000000deadbeef\nnotify: signal/tid.11698\nClockID: 0\n\
+                    ID: 0\nsignal: 10/0000000000000000\nnotify: signal/pid.11697\nClockID: 1\n";
+        let t = parse_timers(text).unwrap();
+        assert_eq!(t.iter().map(|t| t.id).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(t[0], ListedTimer { id: 0, clock: 1, notify: 0, signo: 10, sigval: 0, tid: 0 });
+        assert_eq!(t[1], ListedTimer { id: 1, clock: 0, notify: 4, signo: 12, sigval: 0xdead_beef, tid: 11698 });
+        assert_eq!(t[2], ListedTimer { id: 2, clock: (-6i64) as u64, notify: 1, signo: 12, sigval: 0x1234, tid: 0 });
+        assert!(parse_timers("").unwrap().is_empty());
+        assert!(parse_timers("signal: 10/0\n").is_err(), "a field before any ID");
+        assert!(parse_timers("ID: 0\nnotify: bogus/pid.1\n").is_err());
     }
 
     #[test]

@@ -22,7 +22,7 @@
 //! other threads with `clone3` `set_tid` = their TIDs; every thread restores
 //! its own fs/gs base, robust list, clear-tid address, rseq and credentials
 //! and queues its pending signals, then waits at a barrier while the leader
-//! arms the interval timers; (7) each thread resumes with `rt_sigreturn` on
+//! arms the interval timers and re-creates the POSIX timers with their IDs; (7) each thread resumes with `rt_sigreturn` on
 //! a frame holding its registers, FPU state, signal mask and altstack.
 //!
 //! Failures before the process resumes exit with an `abi::restorer::RestorerExit` code.
@@ -81,6 +81,9 @@ mod nr {
     pub const GETTID: usize = 186;
     pub const FUTEX: usize = 202;
     pub const SET_TID_ADDRESS: usize = 218;
+    pub const TIMER_CREATE: usize = 222;
+    pub const TIMER_SETTIME: usize = 223;
+    pub const TIMER_DELETE: usize = 226;
     pub const EXIT_GROUP: usize = 231;
     pub const UNSHARE: usize = 272;
     pub const SET_ROBUST_LIST: usize = 273;
@@ -1270,9 +1273,80 @@ fn confine() {
     }
 }
 
+/// The kernel's `struct sigevent` (64 bytes; `_tid` is the first word of its union).
+#[repr(C)]
+struct Sigevent {
+    value: u64,
+    signo: i32,
+    notify: i32,
+    tid: i32,
+    pad: [i32; 11],
+}
+
+/// `prctl(PR_TIMER_CREATE_RESTORE_IDS, …)` (Linux 6.15): while on,
+/// `timer_create` takes the new timer's ID from `*created_timer_id`.
+const PR_TIMER_CREATE_RESTORE_IDS: usize = 77;
+const PR_TIMER_CREATE_RESTORE_IDS_OFF: usize = 0;
+const PR_TIMER_CREATE_RESTORE_IDS_ON: usize = 1;
+
+/// Create POSIX timer `t` with the ID the program holds: asked for by ID
+/// where the kernel can (`by_id`); else the kernel gives out IDs in
+/// ascending order, so lower ones are created and deleted until it gives
+/// `t.id` (CRIU's way; the timers come in ascending ID order).
+fn create_posix_timer(t: &abi::process::PosixTimer, by_id: bool) {
+    let ev = Sigevent { value: t.sigval, signo: t.signo as i32, notify: t.notify as i32, tid: t.tid as i32, pad: [0; 11] };
+    loop {
+        let mut id: i32 = if by_id { t.id as i32 } else { 0 };
+        // SAFETY: timer_create reads a 64-byte sigevent and reads (by ID)
+        // and writes an int, both on our stack.
+        let r = unsafe { sys!(nr::TIMER_CREATE, t.clock, &ev as *const Sigevent, &mut id as *mut i32) };
+        if r < 0 {
+            die(RestorerExit::ThreadState, "timer_create", t.id, r);
+        }
+        if id as u64 == t.id {
+            return;
+        }
+        if by_id || id as u64 > t.id {
+            die(RestorerExit::ThreadState, "timer_create gave another ID than", t.id, 0);
+        }
+        // SAFETY: deletes the timer just made, which nothing else knows.
+        unsafe { sys!(nr::TIMER_DELETE, id) };
+    }
+}
+
+/// The POSIX timers with their IDs, notifications and clocks, each armed
+/// with the time it had left (relative: the clocks of another host differ).
+fn restore_posix_timers() {
+    let timers = header().process.timers.used();
+    if timers.is_empty() {
+        return;
+    }
+    // SAFETY: prctl with integer arguments.
+    let by_id = unsafe { sys!(nr::PRCTL, PR_TIMER_CREATE_RESTORE_IDS, PR_TIMER_CREATE_RESTORE_IDS_ON, 0, 0, 0) } == 0;
+    for t in timers {
+        create_posix_timer(t, by_id);
+        if t.remaining.is_zero() {
+            continue;
+        }
+        // `struct itimerspec`: interval, then value.
+        let spec = [t.interval, t.remaining];
+        // SAFETY: timer_settime(flags 0: relative) reads a struct
+        // itimerspec (four u64s) on our stack; no old value is asked for.
+        let r = unsafe { sys!(nr::TIMER_SETTIME, t.id, 0, spec.as_ptr(), 0) };
+        if r < 0 {
+            die(RestorerExit::ThreadState, "timer_settime", t.id, r);
+        }
+    }
+    if by_id {
+        // SAFETY: prctl with integer arguments.
+        unsafe { sys!(nr::PRCTL, PR_TIMER_CREATE_RESTORE_IDS, PR_TIMER_CREATE_RESTORE_IDS_OFF, 0, 0, 0) };
+    }
+}
+
 /// The leader, after its own thread state: wait for every thread, then the
-/// process-wide state that must come last (interval timers, the shared
-/// signal queue), then let all resume.
+/// process-wide state that must come last (interval timers, POSIX timers —
+/// a `SIGEV_THREAD_ID` one needs its thread —, the shared signal queue),
+/// then let all resume.
 fn release_threads() {
     let h = header();
     let others = (h.n_threads - 1) as u32;
@@ -1292,6 +1366,7 @@ fn release_threads() {
             unsafe { sys!(nr::SETITIMER, which, t as *const abi::process::ITimer, 0) };
         }
     }
+    restore_posix_timers();
     // SAFETY: getpid takes no arguments.
     let pid = unsafe { sys!(nr::GETPID) };
     for s in signals().iter().filter(|s| s.tid == 0) {

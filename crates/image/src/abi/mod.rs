@@ -10,7 +10,7 @@
 //! | [`regs`] | a thread's registers: general purpose (`user_regs_struct` order) and the FPU save area |
 //! | [`thread`] | per-thread kernel state: TID, clear-tid address, robust list, rseq, signal mask, altstack |
 //! | [`signal`] | dispositions (`Sigaction` × 64) and queued signals (`SigInfo`) |
-//! | [`process`] | process-wide state: memory layout (`MmLayout`), umask, credentials, rlimits, interval timers |
+//! | [`process`] | process-wide state: memory layout (`MmLayout`), umask, credentials, rlimits, interval timers, POSIX timers (`PosixTimers`, at most `MAX_POSIX_TIMERS`) |
 //! | [`plan`] | the flat restore plan the restorer reads on [`restorer::PLAN_FD`] |
 //! | [`restorer`] | the restorer's fd contract, its records on [`restorer::HANDLER_FD`] and its exit codes |
 //! | [`counters`] | the named per-clone fault-handler counters |

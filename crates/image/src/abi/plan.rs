@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 5;
+pub const PLAN_VERSION: u64 = 6;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -295,6 +295,10 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
         if i == 0 && t.core.tid != h.process.pid {
             return invalid("leader tid is not the pid", t.core.tid);
         }
+    }
+    let has_thread = |tid: u64| (0..h.n_threads).any(|i| record::<PlanThread>(plan, h.threads_off, i).core.tid == tid);
+    if let Some(what) = h.process.timers.invalid(has_thread) {
+        return invalid(what, h.process.timers.count);
     }
     for i in 0..h.n_regions {
         let r: PlanRegion = record(plan, h.regions_off, i);
