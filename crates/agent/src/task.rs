@@ -183,6 +183,10 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         }
     };
     let mut child = child.map_err(io_step(Step::StartSandbox))?;
+    let mut clone_run = clone_run;
+    if let Some(run) = clone_run.as_mut() {
+        run.report_progress(task, tx);
+    }
     stages.stamp("spawn");
     pid.store(child.pid(), Ordering::SeqCst);
     // A signal that arrived during setup (e.g. an early Ctrl-C) is delivered now.

@@ -201,6 +201,16 @@ pub enum Msg {
     /// pty gets it (TIOCSWINSZ: its foreground process group gets SIGWINCH).
     /// Ignored for a task without a terminal.
     Resize { task: TaskId, rows: u16, cols: u16 },
+
+    // ---- live progress for the head's dashboard (appended: variants are encoded by index)
+    /// Agent → head: a running clone's fault-handler counters so far (cumulative), sent
+    /// periodically while they change (`CloneStats` still carries the final ones). The head
+    /// keeps them for the dashboard; they go no further.
+    CloneProgress { task: TaskId, clone_id: u32, counters: CloneCounters },
+    /// Client → head: a `starling.Executor`'s futures on ticket `ticket` (its workers are that
+    /// ticket's clones), sent when the counts change (throttled by the client) and once at
+    /// shutdown with `closed`. For the dashboard only.
+    ExecutorProgress { ticket: u64, progress: ExecutorProgress },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -237,6 +247,7 @@ impl Msg {
             | Msg::ChangeChunks { task, .. }
             | Msg::Finished { task, .. }
             | Msg::CloneStats { task, .. }
+            | Msg::CloneProgress { task, .. }
             | Msg::Committed { task, .. } => Some(*task),
             _ => None,
         }
@@ -311,6 +322,13 @@ impl Msg {
             Msg::TicketRequest { n, .. } => {
                 if *n == 0 || *n > 4096 {
                     return Err(Invalid::TicketSize(*n).into());
+                }
+                Ok(())
+            }
+            Msg::ExecutorProgress { progress: p, .. } => {
+                let ended = p.done.checked_add(p.failed).and_then(|n| n.checked_add(p.cancelled));
+                if ended.is_none_or(|n| n > p.submitted) {
+                    return Err(Invalid::ExecutorCounts.into());
                 }
                 Ok(())
             }
