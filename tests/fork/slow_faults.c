@@ -1,9 +1,10 @@
 /* A clone that keeps page-faulting until told to stop (tests/test_dashboard.py: the live fault
  * count of a ticket whose clone still runs). The parent writes 256 MiB and takes a one-clone
- * ticket; the clone connects to PORT at sf_parent_host() (the test listens there), then reads
- * one page of that memory it has not read yet every millisecond — each read a page fault its
- * host's handler serves from the parent — until a byte arrives on the connection, and exits 0
- * (1 if it read a wrong byte). The parent joins and prints the clone's status and fault count.
+ * ticket; the clone connects to PORT at sf_parent_host() (the test listens there), says "1\n",
+ * then reads one page of that memory it has not read yet every millisecond — page faults its
+ * host's handler serves from the parent (a fault may bring a few pages at once) — until a byte
+ * arrives on the connection, and exits 0 (1 if it read a wrong byte). The parent joins and
+ * prints the clone's status and fault count.
  * Usage: slow_faults PORT */
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -39,7 +40,7 @@ int main(int argc, char **argv) {
     if (id > 0) {
         const char *parent = sf_parent_host();
         int fd = dial(parent ? parent : "127.0.0.1", argv[1]);
-        if (fd < 0) { perror("connect to the test"); fflush(stderr); sf_exit(3); }
+        if (fd < 0 || write(fd, "1\n", 2) != 2) { perror("connect to the test"); fflush(stderr); sf_exit(3); }
         unsigned long bad = 0;
         size_t off = 0;
         struct pollfd p = {.fd = fd, .events = POLLIN};
