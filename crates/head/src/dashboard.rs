@@ -37,10 +37,11 @@ const EVENT_TICK: Duration = Duration::from_millis(250);
 const KEEPALIVE: Duration = Duration::from_secs(15);
 /// Ended groups kept for the page, newest last.
 const ENDED_KEPT: usize = 50;
-/// Fault-count samples kept per ticket (at most two per [`SAMPLE_SPACING`] seconds).
+/// Fault-count samples kept per ticket (at most one per [`SAMPLE_SPACING`] seconds).
 const FAULT_SAMPLES: usize = 120;
 /// Samples closer together than this (seconds) are merged: the agents report every second, one
-/// message per clone, and a sample per message would only add noise to the rate.
+/// message per clone, and a sample per message would only add noise to the rate (two reports a
+/// moment apart would make a spike of it).
 const SAMPLE_SPACING: f64 = 0.5;
 /// The recent fault rate is measured over at least this many seconds of samples.
 const RATE_WINDOW: f64 = 1.0;
@@ -265,21 +266,25 @@ impl Group {
         self.live.values().fold((self.faults, self.pages_fetched), |(f, p), c| (f + c.faults, p + c.pages_fetched))
     }
 
-    /// Keep (now, faults so far) if the count changed; every other sample is [`SAMPLE_SPACING`] apart.
+    /// Keep (now, faults so far) if the count changed. Samples are [`SAMPLE_SPACING`] apart: a
+    /// change sooner than that after the last sample updates its count (not its time).
     fn sample_faults(&mut self, now: f64) {
         let (faults, _) = self.faults_now();
-        if self.fault_samples.back().is_some_and(|&(_, f)| f == faults) {
-            return;
-        }
         let n = self.fault_samples.len();
-        // The last sample moves forward while it is under SAMPLE_SPACING after the one before.
-        if n >= 2 && now - self.fault_samples[n - 2].0 < SAMPLE_SPACING {
-            self.fault_samples[n - 1] = (now, faults);
-            return;
+        if let Some(last) = self.fault_samples.back_mut() {
+            if last.1 == faults {
+                return;
+            }
+            // (The first sample, the start's zero, is never changed.)
+            if n >= 2 && now - last.0 < SAMPLE_SPACING {
+                last.1 = faults;
+                return;
+            }
         }
         if self.fault_samples.is_empty() {
-            // The rate starts from the ticket's start: nothing faulted before it.
-            self.fault_samples.push_back((self.first_start.min(now), 0));
+            // The rate starts from the ticket's start: nothing faulted before it (its first
+            // clones' first report comes a second after they start).
+            self.fault_samples.push_back((self.first_start.min(now - SAMPLE_SPACING), 0));
         }
         self.fault_samples.push_back((now, faults));
         while self.fault_samples.len() > FAULT_SAMPLES {
@@ -288,11 +293,11 @@ impl Group {
     }
 
     /// Faults per second between the last sample and the latest one at least [`RATE_WINDOW`]
-    /// before it (or the first one).
+    /// before it (or the first one, at least [`SAMPLE_SPACING`] before it).
     fn recent_fault_rate(&self) -> Option<f64> {
         let &(t1, f1) = self.fault_samples.back()?;
         let &(t0, f0) = self.fault_samples.iter().rev().find(|(t, _)| t1 - t >= RATE_WINDOW).or(self.fault_samples.front())?;
-        (t1 > t0).then(|| f1.saturating_sub(f0) as f64 / (t1 - t0))
+        (t1 - t0 >= SAMPLE_SPACING).then(|| f1.saturating_sub(f0) as f64 / (t1 - t0))
     }
 }
 
@@ -468,14 +473,16 @@ mod tests {
         grp.sample_faults(t0 + 2.0);
         // 300 faults in the last second.
         assert_eq!(grp.recent_fault_rate(), Some(300.0));
-        // A sample under SAMPLE_SPACING after the last kept one moves the last one instead.
+        // Changes under SAMPLE_SPACING after the last sample update its count, not its time.
         grp.live.insert((TaskId(5), 1), counters(500));
         grp.sample_faults(t0 + 2.2);
         grp.live.insert((TaskId(5), 1), counters(600));
-        grp.sample_faults(t0 + 2.3);
-        let times: Vec<f64> = grp.fault_samples.iter().map(|(t, _)| t - t0).collect();
-        assert_eq!(grp.fault_samples.back().map(|s| s.1), Some(600));
-        assert_eq!(times.len(), 4, "{times:?}");
+        grp.sample_faults(t0 + 2.4);
+        let kept: Vec<(f64, u64)> = grp.fault_samples.iter().map(|&(t, f)| (t - t0, f)).collect();
+        assert_eq!(kept, [(0.0, 0), (1.0, 100), (2.0, 600)]);
+        grp.live.insert((TaskId(5), 1), counters(700));
+        grp.sample_faults(t0 + 2.5);
+        assert_eq!(grp.fault_samples.back(), Some(&(t0 + 2.5, 700)));
     }
 
     #[test]
