@@ -345,3 +345,19 @@ impl Msg {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn executor_progress_cannot_end_more_futures_than_were_submitted() {
+        let note = |submitted, done, failed, cancelled| Msg::ExecutorProgress {
+            ticket: 1,
+            progress: ExecutorProgress { workers: 2, submitted, done, failed, cancelled, closed: false },
+        };
+        assert!(note(5, 2, 2, 1).validate().is_ok());
+        assert!(matches!(note(5, 3, 2, 1).validate(), Err(ProtoError::Invalid(Invalid::ExecutorCounts))));
+        assert!(matches!(note(u64::MAX, u64::MAX, 1, 0).validate(), Err(ProtoError::Invalid(Invalid::ExecutorCounts))));
+    }
+}
