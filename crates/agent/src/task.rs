@@ -171,7 +171,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         None => (None, stdin_r),
     };
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
-    let (child, clone_run) = match &spec.clone {
+    let (child, mut clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
             let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork, agent.cfg.rootless)?;
@@ -183,7 +183,7 @@ fn run_blocking(agent: &Arc<Agent>, task: TaskId, spec: TaskSpec, tx: &Outgoing,
         }
     };
     let mut child = child.map_err(io_step(Step::StartSandbox))?;
-    let mut clone_run = clone_run;
+    // Its clones' counters go to the head while they run (the dashboard's live fault rate).
     if let Some(run) = clone_run.as_mut() {
         run.report_progress(task, tx);
     }
