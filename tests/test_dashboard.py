@@ -3,18 +3,26 @@
 `chromium`, installed by .ci/run) while a job runs and after it ends.
 
 The job is `starling exec --job NAME -- sh -c 'read x'`: it runs until the test writes a line to its
-stdin (forwarded to the task), so the test decides when it ends; no sleeps."""
+stdin (forwarded to the task), so the test decides when it ends; no sleeps.
+
+Live progress: a remote-fork clone (tests/fork/slow_faults.c) that keeps faulting pages in until the
+test's TCP gate opens shows a non-zero fault count while it still runs (its agent reports each second);
+a `starling.Executor` (tests/fork/executor_gate.py, needs the wheel: `make python`) whose calls wait
+at the gate shows its futures submitted and none done, then all done once the gate opens."""
 import json
 import os
 import pathlib
 import re
+import socket
 import subprocess
+import sys
+import threading
 import urllib.request
 import uuid
 
 import pytest
 
-from conftest import STARLING, require_tool, starling, status, wait_for
+from conftest import ROOT, STARLING, require_module, require_tool, sh, starling, status, wait_for
 
 
 @pytest.fixture
@@ -133,5 +141,185 @@ def test_page_in_chromium_shows_the_job_and_hosts_then_done(url, job, tmp_path):
     assert re.search(rf'<tr class="job" data-label="{job.label}" data-state="done">', dom), dom[-4000:]
     shot = tmp_path / "dashboard.png"
     chromium(url, tmp_path, f"--screenshot={shot}", "--window-size=1280,1000")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no PNG screenshot"
+    print("screenshot:", shot)
+
+
+class Gate:
+    """A TCP gate in this process: a clone that connects and says a line waits until `open()`
+    sends it one byte (at once, for those that come after)."""
+
+    def __init__(self):
+        self.sock = socket.create_server(("0.0.0.0", 0))
+        self.port = self.sock.getsockname()[1]
+        self.arrived = []
+        self.opened = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
+
+    def _hold(self, conn):
+        with conn:
+            line = conn.makefile("rb").readline()
+            self.arrived.append(line.strip())
+            self.opened.wait()
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                pass
+
+    def open(self):
+        self.opened.set()
+
+    def close(self):
+        self.opened.set()
+        self.sock.close()
+
+
+@pytest.fixture
+def gate():
+    g = Gate()
+    yield g
+    g.close()
+
+
+def fork_env():
+    env = dict(os.environ)
+    env.pop("STARLING_FORK_BACKEND", None)  # the cluster's clones, not local ones
+    return env
+
+
+def ticket_in(st, ticket):
+    return next((j for j in st["jobs"] if j["ticket"] == ticket), None)
+
+
+@pytest.fixture(scope="module")
+def slow_faults():
+    """tests/fork/slow_faults.c built against the static libstarling."""
+    lib = ROOT / "target/release/libstarling.a"
+    assert lib.exists(), "build it: cargo build --release -p starling-capi"
+    out = pathlib.Path("/var/tmp/starling-tests/dash-bin")
+    out.mkdir(parents=True, exist_ok=True)
+    sh("cc", "-O1", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "tests/fork/slow_faults.c"), str(lib),
+       "-lpthread", "-ldl", "-lm", "-o", str(out / "slow_faults"))
+    return str(out / "slow_faults")
+
+
+def test_a_tickets_page_faults_show_while_its_clone_runs(url, gate, slow_faults):
+    before = {j["ticket"] for j in state(url)["jobs"] if j["ticket"] is not None}
+    p = subprocess.Popen([slow_faults, str(gate.port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=fork_env(), cwd="/var/tmp")
+    try:
+        # The clone is running (it said so at the gate, and waits there until it opens)...
+        wait_for(lambda: gate.arrived or p.poll() is not None, "the clone at the gate")
+        assert p.poll() is None, p.communicate()
+        # ...and its ticket shows faults before it ended: its agent's live report.
+        g = wait_for(lambda: next((j for j in state(url)["jobs"] if j["ticket"] is not None and j["ticket"] not in before
+                                   and j["faults"] > 0), None), "a live fault count for the clone's ticket")
+        assert p.poll() is None and not gate.opened.is_set()
+        assert (g["kind"], g["state"], g["clones_ended"], g["clones_live"]) == ("ticket", "running", 0, 1), g
+        assert g["fault_samples"][-1][1] == g["faults"], g
+        assert g["fault_rate"] is not None and g["fault_rate"] > 0, g
+        # Counts only grow: the clone keeps reading fresh pages.
+        later = wait_for(lambda: (j := ticket_in(state(url), g["ticket"])) and j["faults"] > g["faults"] and j,
+                         "the fault count to grow")
+        assert later["clones_ended"] == 0, later
+        gate.open()
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, out + err
+        final_faults = int(re.search(r"faults=(\d+)", out).group(1))
+        end = wait_for(lambda: (j := ticket_in(state(url), g["ticket"])) and j["state"] != "running" and j, "the ticket's end")
+        # The final count is the clone's own (CloneStats), not the live one added again.
+        assert (end["state"], end["clones_ended"], end["clones_live"], end["faults"]) == ("done", 1, 0, final_faults), end
+        assert final_faults >= later["faults"], (final_faults, later)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+class BlockedExecutor:
+    """tests/fork/executor_gate.py: a starling.Executor whose N calls wait at `gate`."""
+
+    N = 5
+
+    def __init__(self, url, gate):
+        self.url, self.gate = url, gate
+        before = {j["label"] for j in state(url)["jobs"] if j["kind"] == "executor"}
+        script = ROOT / "tests/fork/executor_gate.py"
+        self.p = subprocess.Popen([sys.executable, str(script), str(gate.port), str(self.N)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=fork_env(), cwd="/var/tmp")
+        self.group = wait_for(lambda: self.p.poll() is None and next(
+            (j for j in state(url)["jobs"] if j["kind"] == "executor" and j["label"] not in before
+             and j["executor"]["submitted"] == self.N), None) or self._failed(), "the executor's submitted futures")
+
+    def _failed(self):
+        if self.p.poll() is not None:
+            pytest.fail("executor_gate.py ended: " + "".join(self.p.communicate()))
+
+    def now(self):
+        return ticket_in(state(self.url), self.group["ticket"])
+
+    def release(self):
+        # Both workers (executor_gate.py asks for 2) hold a call first: a worker still starting when
+        # the calls are all done would be killed at shutdown, and its ticket's group end as failed.
+        wait_for(lambda: len(self.gate.arrived) >= 2 or self._failed(), "both workers at the gate")
+        self.gate.open()
+        out, err = self.p.communicate(timeout=300)
+        assert self.p.returncode == 0, out + err
+        assert "results [0, 1, 4, 9, 16]" in out, out
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+@pytest.fixture
+def blocked_executor(url, gate):
+    require_module("starling", "build and install it: make python (scripts/build-python.sh)")
+    ex = BlockedExecutor(url, gate)
+    yield ex
+    ex.kill()
+
+
+def test_b_executor_progress_shows_pending_then_done(blocked_executor):
+    ex, n = blocked_executor, BlockedExecutor.N
+    e = ex.group["executor"]
+    # The gate is closed: no call can have returned.
+    assert (e["submitted"], e["done"], e["failed"], e["closed"]) == (n, 0, 0, False), ex.group
+    assert ex.group["state"] == "running", ex.group
+    # Its workers are the ticket's clone tasks: the group counts them once they run a call.
+    wait_for(lambda: ex.gate.arrived, "a worker running a call")
+    g = wait_for(lambda: (j := ex.now()) and j["executor"]["workers"] >= 1 and j["running"] >= 1 and j, "the executor's workers")
+    assert g["executor"]["done"] == 0, g
+    ex.release()
+    g = wait_for(lambda: (j := ex.now()) and j["executor"]["closed"] and j, "the executor's last report")
+    assert (g["executor"]["submitted"], g["executor"]["done"], g["executor"]["failed"]) == (n, n, 0), g
+    g = wait_for(lambda: (j := ex.now()) and j["state"] != "running" and j, "the executor's workers to end")
+    assert g["state"] == "done", g
+
+
+def test_c_page_in_chromium_shows_executor_progress(blocked_executor, url, tmp_path):
+    ex, n = blocked_executor, BlockedExecutor.N
+    label = re.escape(ex.group["label"])
+    dom = chromium(url, tmp_path, "--dump-dom")
+    row = re.search(rf'<tr class="job" data-label="{label}" data-state="running">.*?</tr>', dom)
+    assert row, dom[-4000:]
+    assert f'<span class="futures" data-submitted="{n}" data-done="0" data-failed="0">' in row.group(0), row.group(0)
+    ex.release()
+    wait_for(lambda: (j := ex.now()) and j["executor"]["closed"] and j["state"] == "done", "the executor's end")
+    dom = chromium(url, tmp_path, "--dump-dom")
+    row = re.search(rf'<tr class="job" data-label="{label}" data-state="done">.*?</tr>', dom)
+    assert row, dom[-4000:]
+    assert f'<span class="futures" data-submitted="{n}" data-done="{n}" data-failed="0">' in row.group(0), row.group(0)
+    shot = tmp_path / "dashboard-executor.png"
+    chromium(url, tmp_path, f"--screenshot={shot}", "--window-size=1280,1200")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no PNG screenshot"
     print("screenshot:", shot)

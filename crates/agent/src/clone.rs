@@ -20,6 +20,9 @@
 //! * a hierarchical task (`CloneSpec::local_forks` > 0) restores once and
 //!   holds several clones: the restorer forks them at the restore point and
 //!   its PID 1 reports each one's exit status over the same socket;
+//! * while the clones run, a reporter thread sends each one's handler counters
+//!   so far to the head every [`PROGRESS_EVERY`] when they changed
+//!   (`CloneProgress`: the dashboard's live fault rate per ticket);
 //! * when the clones have ended, each one's status and handler counters go
 //!   to the client in a `CloneStats` message.
 
@@ -34,7 +37,14 @@ use starling_proto::{CloneSpec, Msg, Stream, TaskId};
 use starling_sandbox::TaskProgram;
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+/// How often a clone task's running clones' counters are looked at (and sent when changed).
+pub(crate) const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// The fault handlers' counters of a task's clones, as their handlers start.
+type LiveStats = Arc<Mutex<Vec<(u32, Arc<FaultStats>)>>>;
 
 /// The restore of a clone task's clones, running while the sandbox runs.
 pub(crate) struct CloneRun {
@@ -50,6 +60,9 @@ pub(crate) struct CloneRun {
     /// for a hierarchical task: its clones move as one tree, which is not
     /// supported).
     pub materialize: Option<Materialize>,
+    live: LiveStats,
+    /// The reporter thread (see [`CloneRun::report_progress`]) and what stops it (dropping it).
+    reporter: Option<(mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
 }
 
 /// A clone task's critical-path stamps taken by the agent (CLOCK_REALTIME
@@ -142,7 +155,10 @@ pub(crate) fn prepare(
     let report = distribution.clone();
     let materialize = if count == 1 { Some(Materialize::new().map_err(fork_step(Step::PrepareRestore))?) } else { None };
     let asked = materialize.clone();
+    let live: LiveStats = Arc::default();
+    let registry = live.clone();
     let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
+        registry.lock().unwrap_or_else(|p| p.into_inner()).push((clone_id, stats.clone()));
         let client = PageClient::connect(server, &key)?;
         let mut h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
         if let Some(m) = &asked {
@@ -156,17 +172,52 @@ pub(crate) fn prepare(
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(crate::AgentError::Filter)?;
     let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp, terminal: false };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
-    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, placed_ns: spec.placed_ns, distribution, materialize }))
+    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, placed_ns: spec.placed_ns, distribution, materialize, live, reporter: None }))
 }
 
 impl CloneRun {
+    /// Start reporting the clones' counters to the head while they run: every
+    /// [`PROGRESS_EVERY`], a `CloneProgress` for each clone whose counters changed
+    /// since the last one sent. Stopped (and joined) by [`CloneRun::finish`], so
+    /// none follows the clone's `CloneStats`.
+    pub(crate) fn report_progress(&mut self, task: TaskId, tx: &Outgoing) {
+        let (stop, stopped) = mpsc::channel::<()>();
+        let (live, tx) = (self.live.clone(), tx.clone());
+        let spawned = std::thread::Builder::new().name(format!("clone-progress-{task}")).spawn(move || {
+            let mut sent: std::collections::HashMap<u32, starling_proto::CloneCounters> = Default::default();
+            // Ends when `finish` drops the sender (or the head's connection is gone).
+            while let Err(mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(PROGRESS_EVERY) {
+                let now: Vec<(u32, starling_proto::CloneCounters)> =
+                    live.lock().unwrap_or_else(|p| p.into_inner()).iter().map(|(id, s)| (*id, s.snapshot())).collect();
+                for (clone_id, counters) in now {
+                    if sent.get(&clone_id) == Some(&counters) {
+                        continue;
+                    }
+                    if tx.blocking_send(Msg::CloneProgress { task, clone_id, counters }).is_err() {
+                        return;
+                    }
+                    sent.insert(clone_id, counters);
+                }
+            }
+        });
+        match spawned {
+            Ok(handle) => self.reporter = Some((stop, handle)),
+            // Only the dashboard's live view misses it: the final counters still come.
+            Err(e) => log::warn!("task {task}: no live clone counters: {e}"),
+        }
+    }
+
     /// After the sandbox ended: stop the handlers, then send each clone's
     /// status and counters (none when the clone moved away: its new host
     /// reports its end).
-    pub(crate) fn finish(self, task: TaskId, tx: &Outgoing, moved: bool, stamps: &HostStamps) {
+    pub(crate) fn finish(mut self, task: TaskId, tx: &Outgoing, moved: bool, stamps: &HostStamps) {
         let say = |msg: String| {
             let _ = tx.blocking_send(Msg::Output { task, stream: Stream::Stderr, data: msg.into_bytes() });
         };
+        if let Some((stop, handle)) = self.reporter.take() {
+            drop(stop);
+            let _ = handle.join();
+        }
         let (first, last) = (self.first, self.first + self.count - 1);
         let (outcomes, channel) = self.restore.finish();
         if moved {

@@ -190,7 +190,7 @@ fn run_blocking(
         None => (None, stdin_r),
     };
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
-    let (child, clone_run) = match &spec.clone {
+    let (child, mut clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
             let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork, agent.cfg.rootless)?;
@@ -202,6 +202,10 @@ fn run_blocking(
         }
     };
     let mut child = child.map_err(io_step(Step::StartSandbox))?;
+    // Its clones' counters go to the head while they run (the dashboard's live fault rate).
+    if let Some(run) = clone_run.as_mut() {
+        run.report_progress(task, tx);
+    }
     stages.stamp("spawn");
     host_stamps.sandbox_ready_ns = starling_fork::image::abi::counters::realtime_ns();
     pid.store(child.pid(), Ordering::SeqCst);

@@ -74,6 +74,8 @@ impl ParentStamps {
     }
 }
 
+pub use starling_proto::ExecutorProgress;
+
 /// Where a ticket's clones run.
 pub enum Backend {
     Local,
@@ -111,6 +113,15 @@ impl Ticket {
         };
         let granted_ns = realtime_ns();
         Ok(Ticket { requested, allocation, hierarchical, backend, settings, active: None, used: false, granted_ns })
+    }
+
+    /// Tell the cluster's head how an executor on this ticket stands (its dashboard shows it);
+    /// nothing for the local backend, which has no head.
+    pub fn report_executor(&self, progress: starling_proto::ExecutorProgress) -> Result<()> {
+        match &self.backend {
+            Backend::Local => Ok(()),
+            Backend::Cluster { link, ticket, .. } => link.executor_progress(*ticket, progress),
+        }
     }
 
     /// Hosts and clones per host (cluster backend); empty for the local one.

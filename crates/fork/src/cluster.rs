@@ -149,6 +149,11 @@ impl ClusterLink {
     pub fn request(&self, n: u32, hierarchical: bool) -> Result<(u64, Vec<(String, u32)>)> {
         Ok(self.rt.block_on(self.session.request_ticket(n, hierarchical))?)
     }
+
+    /// Tell the head how a `starling.Executor` on `ticket` stands (for its dashboard).
+    pub fn executor_progress(&self, ticket: u64, progress: starling_proto::ExecutorProgress) -> Result<()> {
+        Ok(self.rt.block_on(self.session.executor_progress(ticket, progress))?)
+    }
 }
 
 struct CloneSlot {

@@ -10,13 +10,21 @@
 //! `run -n N`, whose tasks say their count in `STARLING_TASKS`), the clone tasks of one remote-fork
 //! ticket (an `sf_clone`, a `starling.Executor` pool), or the tasks of one command line of a client.
 //! A group counts its tasks started, finished, failed and lost, and for a ticket the page faults
-//! and fetched pages its clones reported (clones report them when they end, so a ticket's fault
-//! rate is known once its clones have ended).
+//! and fetched pages of its clones: live, from the agents' `CloneProgress` (each running clone's
+//! counters so far, every second while they change), then final from `CloneStats`. Each change of
+//! a ticket's fault count is kept as a sample ([`FAULT_SAMPLES`] of them), from which the page
+//! plots the fault rate per ticket over time.
+//!
+//! A `starling.Executor` is its ticket's group (its workers are the ticket's clone tasks) with
+//! the futures' counts added: the Python client sends them (`ExecutorProgress`, on change, at most
+//! four times a second). The client is the only one that knows them: calls and results go
+//! straight between the parent and its workers over TCP, never through the head, so the head has
+//! no traffic it could count itself.
 
 use crate::Head;
 use serde_json::{json, Value};
-use starling_proto::{ExitStatus, Msg, TaskId, TaskSpec, TASK_COUNT_ENV};
-use std::collections::HashMap;
+use starling_proto::{CloneCounters, ExecutorProgress, ExitStatus, Msg, TaskId, TaskSpec, TASK_COUNT_ENV};
+use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -29,6 +37,14 @@ const EVENT_TICK: Duration = Duration::from_millis(250);
 const KEEPALIVE: Duration = Duration::from_secs(15);
 /// Ended groups kept for the page, newest last.
 const ENDED_KEPT: usize = 50;
+/// Fault-count samples kept per ticket (at most one per [`SAMPLE_SPACING`] seconds).
+const FAULT_SAMPLES: usize = 120;
+/// Samples closer together than this (seconds) are merged: the agents report every second, one
+/// message per clone, and a sample per message would only add noise to the rate (two reports a
+/// moment apart would make a spike of it).
+const SAMPLE_SPACING: f64 = 0.5;
+/// The recent fault rate is measured over at least this many seconds of samples.
+const RATE_WINDOW: f64 = 1.0;
 
 fn unix_now() -> f64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
@@ -37,8 +53,10 @@ fn unix_now() -> f64 {
 /// One group's progress.
 #[derive(Debug, Clone)]
 struct Group {
-    /// `job`, `ticket` or `command`.
+    /// `job`, `ticket`, `executor` (a ticket whose client said it is a `starling.Executor`) or `command`.
     kind: &'static str,
+    /// The ticket of a `ticket` or `executor` group.
+    ticket: Option<u64>,
     label: String,
     command: String,
     /// Tasks the group will have, when its tasks say (`STARLING_TASKS`).
@@ -52,8 +70,14 @@ struct Group {
     /// Cores its tasks held (a hierarchical clone task holds one per clone).
     cores: u64,
     clones_ended: u64,
+    /// Counters of the clones that ended (`CloneStats`).
     faults: u64,
     pages_fetched: u64,
+    /// Counters so far of the clones still running (`CloneProgress`), by task and clone.
+    live: HashMap<(TaskId, u32), CloneCounters>,
+    /// (Unix time, faults so far) at each change, oldest first.
+    fault_samples: VecDeque<(f64, u64)>,
+    executor: Option<ExecutorProgress>,
     first_start: f64,
     last_end: Option<f64>,
     running: u64,
@@ -72,25 +96,43 @@ impl Groups {
     /// A task placed for client connection `conn`.
     pub(crate) fn started(&mut self, task: TaskId, conn: u64, spec: &TaskSpec, command: &str) {
         let (kind, label) = match (&spec.clone, &spec.job) {
-            (Some(c), _) => ("ticket", format!("ticket {}", c.ticket)),
+            (Some(c), _) => ("ticket", ticket_label(c.ticket)),
             (None, Some(j)) => ("job", j.clone()),
             (None, None) => ("command", command.to_string()),
         };
+        let ticket = spec.clone.as_ref().map(|c| c.ticket);
         let total = spec
             .env
             .iter()
             .find(|(k, _)| k.as_slice() == TASK_COUNT_ENV.as_bytes())
             .and_then(|(_, v)| std::str::from_utf8(v).ok()?.parse().ok());
         let key = (conn, label.clone());
+        let g = self.group(key.clone(), kind, label, command, ticket);
+        if g.command.is_empty() {
+            g.command = command.to_string();
+        }
+        g.started += 1;
+        g.running += 1;
+        g.cores += u64::from(spec.cores());
+        g.last_end = None;
+        if total.is_some() {
+            g.total = total;
+        }
+        self.tasks.insert(task, key);
+    }
+
+    /// The group `key`, made (as `kind`) if new.
+    fn group(&mut self, key: (u64, String), kind: &'static str, label: String, command: &str, ticket: Option<u64>) -> &mut Group {
         if !self.groups.contains_key(&key) {
             self.order.push(key.clone());
             self.trim();
         }
-        let g = self.groups.entry(key.clone()).or_insert_with(|| Group {
+        self.groups.entry(key).or_insert_with(|| Group {
             kind,
+            ticket,
             label,
             command: command.to_string(),
-            total,
+            total: None,
             started: 0,
             finished: 0,
             nonzero: 0,
@@ -100,18 +142,20 @@ impl Groups {
             clones_ended: 0,
             faults: 0,
             pages_fetched: 0,
+            live: HashMap::new(),
+            fault_samples: VecDeque::new(),
+            executor: None,
             first_start: unix_now(),
             last_end: None,
             running: 0,
-        });
-        g.started += 1;
-        g.running += 1;
-        g.cores += u64::from(spec.cores());
-        g.last_end = None;
-        if total.is_some() {
-            g.total = total;
-        }
-        self.tasks.insert(task, key);
+        })
+    }
+
+    /// Client connection `conn`'s `starling.Executor` on `ticket` says how its futures stand.
+    pub(crate) fn executor(&mut self, conn: u64, ticket: u64, progress: ExecutorProgress) {
+        let g = self.group((conn, ticket_label(ticket)), "executor", ticket_label(ticket), "", Some(ticket));
+        g.kind = "executor";
+        g.executor = Some(progress);
     }
 
     /// Forget the oldest groups that have no running task, beyond [`ENDED_KEPT`].
@@ -145,11 +189,19 @@ impl Groups {
                 });
             }
             Msg::Error { task: Some(task), .. } => self.ended(*task, |g| g.failed += 1),
-            Msg::CloneStats { task, counters, .. } => {
+            Msg::CloneStats { task, clone_id, counters, .. } => {
                 if let Some(g) = self.tasks.get(task).and_then(|k| self.groups.get_mut(k)) {
+                    g.live.remove(&(*task, *clone_id));
                     g.clones_ended += 1;
                     g.faults += counters.faults;
                     g.pages_fetched += counters.pages_fetched;
+                    g.sample_faults(unix_now());
+                }
+            }
+            Msg::CloneProgress { task, clone_id, counters } => {
+                if let Some(g) = self.tasks.get(task).and_then(|k| self.groups.get_mut(k)) {
+                    g.live.insert((*task, *clone_id), *counters);
+                    g.sample_faults(unix_now());
                 }
             }
             _ => {}
@@ -167,30 +219,85 @@ impl Groups {
             .filter_map(|k| self.groups.get(k).map(|g| (k.0, g)))
             .map(|(conn, g)| {
                 let done = g.finished + g.failed + g.lost;
-                let state = if g.running > 0 {
+                // An executor whose workers are not placed yet is running already.
+                let waiting_executor = g.executor.is_some_and(|e| !e.closed) && g.started == 0;
+                let state = if g.running > 0 || waiting_executor {
                     "running"
                 } else if g.failed + g.lost + g.nonzero > 0 {
                     "failed"
                 } else {
                     "done"
                 };
-                // Faults per second of the ticket's life, once its clones have reported.
-                let fault_rate = match (g.kind, g.last_end) {
-                    ("ticket", Some(end)) if g.clones_ended > 0 && end > g.first_start => {
-                        Some(g.faults as f64 / (end - g.first_start))
+                let (faults, pages_fetched) = g.faults_now();
+                // Running: faults per second lately; ended: per second of the ticket's life.
+                let fault_rate = match g.last_end {
+                    None => g.recent_fault_rate(),
+                    Some(end) if g.ticket.is_some() && g.clones_ended > 0 && end > g.first_start => {
+                        Some(faults as f64 / (end - g.first_start))
                     }
-                    _ => None,
+                    Some(_) => None,
                 };
+                let executor = g.executor.map(|e| {
+                    json!({"workers": e.workers, "submitted": e.submitted, "done": e.done, "failed": e.failed,
+                           "cancelled": e.cancelled, "closed": e.closed})
+                });
                 json!({
-                    "client": conn, "kind": g.kind, "label": g.label, "command": g.command,
+                    "client": conn, "kind": g.kind, "label": g.label, "command": g.command, "ticket": g.ticket,
                     "total": g.total.unwrap_or(g.started).max(g.started), "started": g.started,
                     "running": g.running, "done": done, "finished": g.finished, "nonzero": g.nonzero,
                     "failed": g.failed, "lost": g.lost, "cores": g.cores, "state": state,
-                    "clones_ended": g.clones_ended, "faults": g.faults, "pages_fetched": g.pages_fetched,
-                    "fault_rate": fault_rate, "started_unix": g.first_start, "ended_unix": g.last_end,
+                    "clones_ended": g.clones_ended, "clones_live": g.live.len(), "faults": faults,
+                    "pages_fetched": pages_fetched, "fault_rate": fault_rate,
+                    "fault_samples": g.fault_samples.iter().map(|(t, f)| json!([t, f])).collect::<Vec<_>>(),
+                    "executor": executor, "started_unix": g.first_start, "ended_unix": g.last_end,
                 })
             })
             .collect()
+    }
+}
+
+fn ticket_label(ticket: u64) -> String {
+    format!("ticket {ticket}")
+}
+
+impl Group {
+    /// Faults and fetched pages of the ended clones plus the running ones' so far.
+    fn faults_now(&self) -> (u64, u64) {
+        self.live.values().fold((self.faults, self.pages_fetched), |(f, p), c| (f + c.faults, p + c.pages_fetched))
+    }
+
+    /// Keep (now, faults so far) if the count changed. Samples are [`SAMPLE_SPACING`] apart: a
+    /// change sooner than that after the last sample updates its count (not its time).
+    fn sample_faults(&mut self, now: f64) {
+        let (faults, _) = self.faults_now();
+        let n = self.fault_samples.len();
+        if let Some(last) = self.fault_samples.back_mut() {
+            if last.1 == faults {
+                return;
+            }
+            // (The first sample, the start's zero, is never changed.)
+            if n >= 2 && now - last.0 < SAMPLE_SPACING {
+                last.1 = faults;
+                return;
+            }
+        }
+        if self.fault_samples.is_empty() {
+            // The rate starts from the ticket's start: nothing faulted before it (its first
+            // clones' first report comes a second after they start).
+            self.fault_samples.push_back((self.first_start.min(now - SAMPLE_SPACING), 0));
+        }
+        self.fault_samples.push_back((now, faults));
+        while self.fault_samples.len() > FAULT_SAMPLES {
+            self.fault_samples.pop_front();
+        }
+    }
+
+    /// Faults per second between the last sample and the latest one at least [`RATE_WINDOW`]
+    /// before it (or the first one, at least [`SAMPLE_SPACING`] before it).
+    fn recent_fault_rate(&self) -> Option<f64> {
+        let &(t1, f1) = self.fault_samples.back()?;
+        let &(t0, f0) = self.fault_samples.iter().rev().find(|(t, _)| t1 - t >= RATE_WINDOW).or(self.fault_samples.front())?;
+        (t1 - t0 >= SAMPLE_SPACING).then(|| f1.saturating_sub(f0) as f64 / (t1 - t0))
     }
 }
 
@@ -308,6 +415,97 @@ mod tests {
         // A task of a group that is not known (or counted twice) changes nothing.
         g.count(&fin(3, 1));
         assert_eq!(g.json()[0]["finished"], 3);
+    }
+
+    fn clone_spec(ticket: u64) -> TaskSpec {
+        let clone = starling_proto::CloneSpec {
+            ticket,
+            clone_id: 1,
+            descriptor_hash: starling_proto::Hash::default(),
+            descriptor_len: 0,
+            page_server: "10.0.0.1:1".into(),
+            page_key: starling_proto::SecretKey([0; 32]),
+            local_forks: 0,
+        };
+        TaskSpec { clone: Some(clone), ..spec(None, None) }
+    }
+
+    fn counters(faults: u64) -> CloneCounters {
+        CloneCounters { faults, pages_fetched: faults / 2, ..Default::default() }
+    }
+
+    #[test]
+    fn running_clones_faults_show_live_and_end_as_reported() {
+        let mut g = Groups::default();
+        g.started(TaskId(5), 1, &clone_spec(42), "starling-clone");
+        g.count(&Msg::CloneProgress { task: TaskId(5), clone_id: 1, counters: counters(10) });
+        g.count(&Msg::CloneProgress { task: TaskId(5), clone_id: 2, counters: counters(4) });
+        let j = &g.json()[0];
+        assert_eq!((j["kind"].as_str(), j["ticket"].as_u64(), j["state"].as_str()), (Some("ticket"), Some(42), Some("running")));
+        assert_eq!((j["faults"].as_u64(), j["pages_fetched"].as_u64(), j["clones_live"].as_u64()), (Some(14), Some(7), Some(2)));
+        // Cumulative: a later report replaces the clone's earlier one.
+        g.count(&Msg::CloneProgress { task: TaskId(5), clone_id: 1, counters: counters(30) });
+        assert_eq!(g.json()[0]["faults"], 34);
+        // The end's counters replace the live ones (not added to them).
+        g.count(&Msg::CloneStats { task: TaskId(5), clone_id: 1, status: Some(ExitStatus::Code(0)), counters: counters(31) });
+        let j = &g.json()[0];
+        assert_eq!((j["faults"].as_u64(), j["clones_live"].as_u64(), j["clones_ended"].as_u64()), (Some(35), Some(1), Some(1)));
+        let samples = j["fault_samples"].as_array().unwrap();
+        assert_eq!(samples.first().unwrap()[1], 0, "the samples start from nothing at the ticket's start");
+        assert_eq!(samples.last().unwrap()[1], 35, "the last sample is the count now");
+        // Progress for a task the head does not know changes nothing.
+        g.count(&Msg::CloneProgress { task: TaskId(9), clone_id: 1, counters: counters(1000) });
+        assert_eq!(g.json()[0]["faults"], 35);
+    }
+
+    #[test]
+    fn fault_rate_is_over_the_last_second_of_samples() {
+        let mut g = Groups::default();
+        g.started(TaskId(5), 1, &clone_spec(1), "c");
+        let key = (1, ticket_label(1));
+        let grp = g.groups.get_mut(&key).unwrap();
+        // Round times, so the differences below are exact.
+        grp.first_start = 1000.0;
+        let t0 = grp.first_start;
+        grp.live.insert((TaskId(5), 1), counters(100));
+        grp.sample_faults(t0 + 1.0);
+        grp.live.insert((TaskId(5), 1), counters(400));
+        grp.sample_faults(t0 + 2.0);
+        // 300 faults in the last second.
+        assert_eq!(grp.recent_fault_rate(), Some(300.0));
+        // Changes under SAMPLE_SPACING after the last sample update its count, not its time.
+        grp.live.insert((TaskId(5), 1), counters(500));
+        grp.sample_faults(t0 + 2.2);
+        grp.live.insert((TaskId(5), 1), counters(600));
+        grp.sample_faults(t0 + 2.4);
+        let kept: Vec<(f64, u64)> = grp.fault_samples.iter().map(|&(t, f)| (t - t0, f)).collect();
+        assert_eq!(kept, [(0.0, 0), (1.0, 100), (2.0, 600)]);
+        grp.live.insert((TaskId(5), 1), counters(700));
+        grp.sample_faults(t0 + 2.5);
+        assert_eq!(grp.fault_samples.back(), Some(&(t0 + 2.5, 700)));
+    }
+
+    #[test]
+    fn an_executor_is_its_tickets_group_with_its_futures() {
+        let mut g = Groups::default();
+        let p = |submitted, done, closed| ExecutorProgress { workers: 2, submitted, done, failed: 0, cancelled: 0, closed };
+        // The note may come before any worker's task started: the group is running already.
+        g.executor(3, 8, p(5, 0, false));
+        g.started(TaskId(11), 3, &clone_spec(8), "starling-clone");
+        g.started(TaskId(12), 3, &clone_spec(8), "starling-clone");
+        let j = g.json();
+        assert_eq!(j.len(), 1, "one group: {j:?}");
+        assert_eq!((j[0]["kind"].as_str(), j[0]["started"].as_u64(), j[0]["command"].as_str()), (Some("executor"), Some(2), Some("starling-clone")));
+        assert_eq!((j[0]["executor"]["submitted"].as_u64(), j[0]["executor"]["done"].as_u64()), (Some(5), Some(0)));
+        g.executor(3, 8, p(5, 5, true));
+        for t in [11, 12] {
+            g.count(&Msg::Finished { task: TaskId(t), status: ExitStatus::Code(0), changes: vec![], accessed: vec![] });
+        }
+        let j = &g.json()[0];
+        assert_eq!((j["state"].as_str(), j["executor"]["done"].as_u64(), j["executor"]["closed"].as_bool()), (Some("done"), Some(5), Some(true)));
+        // Another client's ticket of the same number is another group.
+        g.executor(4, 8, p(1, 0, false));
+        assert_eq!(g.json().len(), 2);
     }
 
     #[test]

@@ -27,6 +27,8 @@ impl Head {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
                 Msg::Pong { .. } => {}
+                // For the dashboard only: the client learns a clone's counters from `CloneStats`.
+                m @ Msg::CloneProgress { .. } => self.groups.lock().unwrap().count(&m),
                 Msg::UsageReply { nonce, tasks } => self.usage_reply(nonce, tasks),
                 Msg::MigrateInReady { migration, result } => self.migrate_in_ready(migration, result).await,
                 Msg::MigrateFreezing { migration, task } => self.migrate_freezing(migration, task, &tx).await,
@@ -160,6 +162,7 @@ impl Head {
                     let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
                     let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
                 }
+                Msg::ExecutorProgress { ticket, progress } => self.groups.lock().unwrap().executor(conn, ticket, progress),
                 Msg::FileResponse { id, resp, .. } if self.relay.as_ref().is_some_and(|r| r.is_ours(id)) => {
                     if let Some(relay) = &self.relay {
                         relay.answered(id, resp);

@@ -201,6 +201,16 @@ pub enum Msg {
     /// pty gets it (TIOCSWINSZ: its foreground process group gets SIGWINCH).
     /// Ignored for a task without a terminal.
     Resize { task: TaskId, rows: u16, cols: u16 },
+
+    // ---- live progress for the head's dashboard (appended: variants are encoded by index)
+    /// Agent → head: a running clone's fault-handler counters so far (cumulative), sent
+    /// periodically while they change (`CloneStats` still carries the final ones). The head
+    /// keeps them for the dashboard; they go no further.
+    CloneProgress { task: TaskId, clone_id: u32, counters: CloneCounters },
+    /// Client → head: a `starling.Executor`'s futures on ticket `ticket` (its workers are that
+    /// ticket's clones), sent when the counts change (throttled by the client) and once at
+    /// shutdown with `closed`. For the dashboard only.
+    ExecutorProgress { ticket: u64, progress: ExecutorProgress },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -237,6 +247,7 @@ impl Msg {
             | Msg::ChangeChunks { task, .. }
             | Msg::Finished { task, .. }
             | Msg::CloneStats { task, .. }
+            | Msg::CloneProgress { task, .. }
             | Msg::Committed { task, .. } => Some(*task),
             _ => None,
         }
@@ -314,6 +325,13 @@ impl Msg {
                 }
                 Ok(())
             }
+            Msg::ExecutorProgress { progress: p, .. } => {
+                let ended = p.done.checked_add(p.failed).and_then(|n| n.checked_add(p.cancelled));
+                if ended.is_none_or(|n| n > p.submitted) {
+                    return Err(Invalid::ExecutorCounts.into());
+                }
+                Ok(())
+            }
             Msg::PsReply(rows) => check_bytes("task rows", rows.len(), 1 << 20),
             Msg::UsageReply { tasks, .. } => check_bytes("task usage rows", tasks.len(), 1 << 20),
             Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
@@ -325,5 +343,21 @@ impl Msg {
             }
             _ => Ok(()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn executor_progress_cannot_end_more_futures_than_were_submitted() {
+        let note = |submitted, done, failed, cancelled| Msg::ExecutorProgress {
+            ticket: 1,
+            progress: ExecutorProgress { workers: 2, submitted, done, failed, cancelled, closed: false },
+        };
+        assert!(note(5, 2, 2, 1).validate().is_ok());
+        assert!(matches!(note(5, 3, 2, 1).validate(), Err(ProtoError::Invalid(Invalid::ExecutorCounts))));
+        assert!(matches!(note(u64::MAX, u64::MAX, 1, 0).validate(), Err(ProtoError::Invalid(Invalid::ExecutorCounts))));
     }
 }

@@ -808,3 +808,18 @@ impl TerminalModes {
         t
     }
 }
+
+/// A `starling.Executor`'s futures so far (`Msg::ExecutorProgress`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecutorProgress {
+    /// Workers connected to the pool so far.
+    pub workers: u32,
+    pub submitted: u64,
+    /// Completed with a result.
+    pub done: u64,
+    /// Completed with an exception (the call raised, its worker was lost, the pool broke).
+    pub failed: u64,
+    pub cancelled: u64,
+    /// The pool was shut down: no more notes will come.
+    pub closed: bool,
+}

@@ -258,6 +258,27 @@ fn clone_state(py: Python<'_>, ticket: PyRef<'_, Ticket>, id: i32) -> PyResult<P
     Ok(t.into_any().unbind())
 }
 
+/// Tell the cluster's head how a `starling.Executor` on `ticket` stands, for its dashboard:
+/// workers connected, futures submitted, done (a result), failed (an exception), cancelled, and
+/// `closed` once it shut down. Nothing with the local backend (no head).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // one per count: what Python passes by keyword
+#[pyo3(signature = (ticket, *, workers, submitted, done, failed, cancelled, closed))]
+fn executor_progress(
+    py: Python<'_>,
+    mut ticket: PyRefMut<'_, Ticket>,
+    workers: u32,
+    submitted: u64,
+    done: u64,
+    failed: u64,
+    cancelled: u64,
+    closed: bool,
+) -> PyResult<()> {
+    let progress = starling_fork::api::ExecutorProgress { workers, submitted, done, failed, cancelled, closed };
+    let core = &mut ticket.core;
+    py.detach(|| core.report_executor(progress)).map_err(to_py_err)
+}
+
 /// The host clone `id` runs on (cluster backend), or None.
 #[pyfunction]
 fn clone_host(ticket: PyRef<'_, Ticket>, id: i32) -> Option<String> {
@@ -325,5 +346,6 @@ fn starling_module(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(clone_host, m)?)?;
     m.add_function(wrap_pyfunction!(ticket_stats, m)?)?;
     m.add_function(wrap_pyfunction!(parent_host, m)?)?;
+    m.add_function(wrap_pyfunction!(executor_progress, m)?)?;
     Ok(())
 }

@@ -366,6 +366,11 @@ impl Session {
         done_rx.await.map_err(|_| SessionError::LostHead)?
     }
 
+    /// Tell the head how a `starling.Executor` on `ticket` stands (shown on its dashboard).
+    pub async fn executor_progress(&self, ticket: u64, progress: starling_proto::ExecutorProgress) -> Result<()> {
+        self.tx.send(Msg::ExecutorProgress { ticket, progress }).await.map_err(|_| SessionError::LostHead)
+    }
+
     /// Deliver an event to a launch; a final event retires it.
     fn emit_ref(&self, reference: u64, ev: TaskEvent) {
         let mut st = self.state.lock().unwrap();

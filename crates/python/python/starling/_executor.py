@@ -44,6 +44,14 @@ clone lost/ended — fails the call it was running with ``starling.WorkerLost``
 (the call is *not* rerun: it may have had effects); queued calls go to the
 remaining workers. When no worker remains, queued calls fail and ``submit``
 raises ``starling.BrokenExecutor`` (a ``concurrent.futures.BrokenExecutor``).
+
+Progress on the dashboard
+-------------------------
+The pool shows on the head's dashboard as its ticket's group (the workers are the ticket's clone
+tasks) with its futures submitted / done / failed / cancelled. The parent sends those counts
+(``_native.executor_progress``) from its watcher thread when they changed, so at most four times
+a second, and once more at shutdown: only the parent knows them, since calls and results go
+straight between it and the workers, never through the head.
 """
 
 import builtins
@@ -350,6 +358,11 @@ class Executor(_cf.Executor):
         self._finalizer = None
         self._stop_watch = threading.Event()
         self._counters = {"calls": 0, "bytes_sent": 0, "bytes_received": 0}
+        # Futures by outcome, for the dashboard (a lock of their own: done-callbacks run where a
+        # future ends, e.g. under self._lock when shutdown cancels queued calls).
+        self._progress_lock = threading.Lock()
+        self._progress = {"submitted": 0, "done": 0, "failed": 0, "cancelled": 0}
+        self._progress_sent = None
         self._join_status = None
 
         ticket = _native.request_ticket(n, hierarchical)
@@ -393,6 +406,9 @@ class Executor(_cf.Executor):
         with self._lock:
             self._check_open()
         future = _cf.Future()
+        with self._progress_lock:
+            self._progress["submitted"] += 1
+        future.add_done_callback(self._count_outcome)
         try:
             payload = self._dumps((fn, args, kwargs))
         except Exception as e:  # an unpicklable argument fails its future, as in ProcessPoolExecutor
@@ -404,6 +420,27 @@ class Executor(_cf.Executor):
         return future
 
     submit.__doc__ = _cf.Executor.submit.__doc__
+
+    def _count_outcome(self, future):
+        outcome = "cancelled" if future.cancelled() else "failed" if future.exception() is not None else "done"
+        with self._progress_lock:
+            self._progress[outcome] += 1
+
+    def _report_progress(self, closed=False):
+        """Send the head the futures' counts if they changed since the last report (its dashboard
+        shows them). A failure only costs the dashboard its view: it is not the caller's."""
+        with self._lock:
+            workers = len(self._workers)
+        with self._progress_lock:
+            now = dict(self._progress, workers=workers, closed=closed)
+        if now == self._progress_sent:
+            return
+        try:
+            with self._ticket_lock:
+                _native.executor_progress(self._ticket, **now)
+        except _native.Error:
+            return
+        self._progress_sent = now
 
     def _check_open(self):
         if self._broken:
@@ -476,6 +513,7 @@ class Executor(_cf.Executor):
             w.thread.join()
         self._stop_watch.set()
         self._watcher.join()
+        self._report_progress(closed=True)
         with self._ticket_lock:
             everyone = len(self._workers) + len(self._gone - set(self._workers)) >= self.max_workers
             if everyone and not any(w.lost for w in self._workers.values()):
@@ -603,6 +641,7 @@ class Executor(_cf.Executor):
     def _watch_loop(self):
         """Notice clones the head reports ended or lost (a lost host does not always drop the TCP connection)."""
         while not self._stop_watch.wait(0.25):
+            self._report_progress()
             for clone_id in range(1, self.max_workers + 1):
                 if clone_id in self._gone:
                     continue
