@@ -2,51 +2,10 @@
 //! the magic numbers at once): a descriptor like a small real process's, the plans it lowers to in
 //! each mode, and a few control frames. Run once after a format changes:
 //! `cargo +nightly run --manifest-path fuzz/Cargo.toml --example seeds`.
-use starling_image::abi::process::ProcessCore;
-use starling_image::abi::regs::{FP_XSTATE_MAGIC1, FXSAVE_BYTES};
-use starling_image::abi::signal::{SigInfo, SigactionTable};
-use starling_image::abi::thread::ThreadCore;
 use starling_image::*;
 use starling_migrate::wire::{self as migrate_wire, ToSource, ToTarget};
 use starling_proto::{Msg, TaskSpec, WirePath};
 use std::path::Path;
-
-fn thread(tid: u64, fpu_len: usize) -> ThreadState {
-    let mut fpu = vec![0u8; fpu_len];
-    if fpu_len > FXSAVE_BYTES {
-        fpu[464..468].copy_from_slice(&FP_XSTATE_MAGIC1.to_le_bytes());
-    }
-    ThreadState { core: ThreadCore { tid, ..ThreadCore::default() }, fpu, pending: vec![] }
-}
-
-fn descriptor(threads: &[u64]) -> Descriptor {
-    let mut info = [0u64; 16];
-    info[0] = 10;
-    Descriptor {
-        version: DESCRIPTOR_VERSION,
-        regions: vec![
-            Region { start: 0x1000, end: 0x3000, prot: 3, shared: false, growsdown: false,
-                     kind: RegionKind::Anonymous { name: "[heap]".to_string() },
-                     pages: PageRuns(vec![(PageClass::Zero, 1), (PageClass::Fetch, 1)]) },
-            Region { start: 0x10000, end: 0x11000, prot: 5, shared: false, growsdown: false,
-                     kind: RegionKind::File { path: "/usr/lib/x.so".to_string(), offset: 0x2000, inode: 9 },
-                     pages: PageRuns(vec![(PageClass::File, 1)]) },
-        ],
-        fds: vec![
-            FdEntry { fd: 1, kind: FdKind::PipeWrite },
-            FdEntry { fd: 5, kind: FdKind::Reopen { path: "/data/in".to_string(), flags: 2, offset: 77 } },
-            FdEntry { fd: 9, kind: FdKind::Stream { of: 2 } },
-        ],
-        threads: threads.iter().map(|&t| thread(t, if t == threads[0] { 832 } else { FXSAVE_BYTES })).collect(),
-        sigactions: SigactionTable::default(),
-        process: ProcessState {
-            core: ProcessCore { pid: threads[0], umask: 0o027, ..ProcessCore::default() },
-            cwd: "/home/u".to_string(),
-            groups: vec![100, 27],
-            pending: vec![SigInfo(info)],
-        },
-    }
-}
 
 fn put(dir: &Path, name: &str, bytes: &[u8]) {
     std::fs::create_dir_all(dir).expect("mkdir");
@@ -56,7 +15,7 @@ fn put(dir: &Path, name: &str, bytes: &[u8]) {
 fn main() {
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
     for (name, threads) in [("one-thread", &[42u64][..]), ("two-threads", &[42, 43][..])] {
-        let d = descriptor(threads);
+        let d = starling_image::sample::descriptor(threads);
         d.validate().expect("the seed descriptor is valid");
         put(&corpus.join("descriptor"), name, &d.encode());
         for (mode, count, pidns) in [("clone", 1, true), ("migrate", 1, false), ("hier", 2, true)] {
@@ -81,7 +40,7 @@ fn main() {
     let to_target = [
         ToTarget::Prepare { payload: b"view".to_vec() },
         ToTarget::Pages { addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
-        ToTarget::Image { descriptor: descriptor(&[42]).encode(), stale: vec![0x2000], page_server: "10.0.0.1:4000".into(), payload: b"files".to_vec() },
+        ToTarget::Image { descriptor: starling_image::sample::descriptor(&[42]).encode(), stale: vec![0x2000], page_server: "10.0.0.1:4000".into(), payload: b"files".to_vec() },
     ];
     for frame in &to_target {
         migrate_wire::send(&mut stream, frame).expect("encode");
@@ -98,5 +57,20 @@ fn main() {
         migrate_wire::send(&mut answers, frame).expect("encode");
     }
     put(&corpus.join("migrate_stream"), "answers", &answers);
+    // The page server's protocol as crates/fork/src/page_server.rs documents it: a multicast query
+    // and a request for two pages; and (after a first byte giving the batch size) a reply to three.
+    let mut requests = b"SFPM\0\0\0\0SFPQ".to_vec();
+    requests.extend(2u32.to_le_bytes());
+    requests.extend(0x1000u64.to_le_bytes());
+    requests.extend(0x7fff_f000u64.to_le_bytes());
+    put(&corpus.join("page_server"), "requests", &requests);
+    let mut reply = vec![3u8];
+    reply.extend(b"SFPR");
+    reply.extend(3u32.to_le_bytes());
+    reply.push(0); // zero page
+    reply.push(1); // data
+    reply.extend(vec![0x5au8; PAGE_BYTES]);
+    reply.push(2); // unreadable
+    put(&corpus.join("page_server"), "reply", &reply);
     println!("seeds written under {}", corpus.display());
 }

@@ -484,6 +484,68 @@ pub fn prove_client(key: &SecretKey, rd: &mut impl Read, wr: &mut impl Write) ->
     wr.write_all(&PROOF_MAGIC).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)
 }
 
+/// One request of a page-server connection, as [`read_request`] parses it.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PageRequest {
+    /// Whether (and where) the server multicasts.
+    McdistInfo,
+    /// These pages (1..=`MAX_BATCH` addresses, not yet checked against the image).
+    Pages(Vec<u64>),
+}
+
+/// Read the next request from a proven client; None at a clean end of the
+/// connection. The parser of the bytes a clone host sends the user's
+/// process (fuzz target `page_server`).
+pub fn read_request(rd: &mut impl Read) -> Result<Option<PageRequest>> {
+    let mut hdr = [0u8; 8];
+    match rd.read_exact(&mut hdr) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(ForkError::io("read page request", e)),
+    }
+    if hdr[..4] == MCDIST_MAGIC {
+        // 4 bytes of magic were enough; the other 4 are zero padding.
+        return Ok(Some(PageRequest::McdistInfo));
+    }
+    if hdr[..4] != REQ_MAGIC {
+        return Err(PageProtocolError::RequestMagic.into());
+    }
+    let count = u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes"));
+    if count == 0 || count > MAX_BATCH {
+        return Err(PageProtocolError::BatchSize(count as usize).into());
+    }
+    let mut raw = vec![0u8; count as usize * 8];
+    rd.read_exact(&mut raw).map_err(|e| ForkError::io("read page addresses", e))?;
+    Ok(Some(PageRequest::Pages(raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect())))
+}
+
+/// Read the answer to a request for `n` pages: the parser of the bytes the
+/// user's process sends a clone host (fuzz target `page_server`).
+pub fn read_reply(rd: &mut impl Read, n: usize) -> Result<Vec<PageReply>> {
+    let io = |e| ForkError::io("page server", e);
+    let mut hdr = [0u8; 8];
+    rd.read_exact(&mut hdr).map_err(io)?;
+    if hdr[..4] != REPLY_MAGIC || u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes")) as usize != n {
+        return Err(PageProtocolError::ReplyHeader.into());
+    }
+    let mut out = Vec::with_capacity(n);
+    for _ in 0..n {
+        let mut tag = [0u8; 1];
+        rd.read_exact(&mut tag).map_err(io)?;
+        out.push(match tag[0] {
+            TAG_ZERO => PageReply::Zero,
+            TAG_DATA => {
+                let mut page = vec![0u8; PAGE].into_boxed_slice();
+                rd.read_exact(&mut page).map_err(io)?;
+                PageReply::Data(page)
+            }
+            TAG_UNREADABLE => PageReply::Unreadable,
+            t => return Err(PageProtocolError::PageTag(t).into()),
+        });
+    }
+    Ok(out)
+}
+
 fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, key: &SecretKey, conn: TcpStream) -> Result<()> {
     let _ = conn.set_nodelay(true);
     let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
@@ -498,29 +560,16 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
     // dynamic mmap threshold), for connections that mostly ask for little.
     let mut data: Vec<u8> = Vec::new();
     loop {
-        let mut hdr = [0u8; 8];
-        match rd.read_exact(&mut hdr) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-            Err(e) => return Err(ForkError::io("read page request", e)),
-        }
-        if hdr[..4] == MCDIST_MAGIC {
-            // 4 bytes of magic were enough; the other 4 are zero padding.
-            let reply = encode_mcdist(info);
-            wr.write_all(&reply).and_then(|_| wr.flush()).map_err(|e| ForkError::io("write reply", e))?;
-            stats.bytes_wire.fetch_add(tcp_wire_bytes(reply.len() as u64), Ordering::Relaxed);
-            continue;
-        }
-        if hdr[..4] != REQ_MAGIC {
-            return Err(PageProtocolError::RequestMagic.into());
-        }
-        let count = u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes"));
-        if count == 0 || count > MAX_BATCH {
-            return Err(PageProtocolError::BatchSize(count as usize).into());
-        }
-        let mut raw = vec![0u8; count as usize * 8];
-        rd.read_exact(&mut raw).map_err(|e| ForkError::io("read page addresses", e))?;
-        let addrs: Vec<u64> = raw.chunks_exact(8).map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes"))).collect();
+        let addrs = match read_request(&mut rd)? {
+            None => return Ok(()),
+            Some(PageRequest::McdistInfo) => {
+                let reply = encode_mcdist(info);
+                wr.write_all(&reply).and_then(|_| wr.flush()).map_err(|e| ForkError::io("write reply", e))?;
+                stats.bytes_wire.fetch_add(tcp_wire_bytes(reply.len() as u64), Ordering::Relaxed);
+                continue;
+            }
+            Some(PageRequest::Pages(addrs)) => addrs,
+        };
         if let Some(bad) = addrs.iter().find(|&&a| !image.serves(a)) {
             return Err(PageProtocolError::NotServed(*bad).into());
         }
@@ -531,6 +580,7 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
         }
         let mut reply_bytes = 8u64;
         let ok = image.read(&addrs, &mut data[..addrs.len() * PAGE]);
+        let count = u32::try_from(addrs.len()).expect("at most MAX_BATCH");
         wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
             .map_err(|e| ForkError::io("write reply", e))?;
         for (i, page) in data[..addrs.len() * PAGE].chunks_exact(PAGE).enumerate() {
@@ -673,27 +723,7 @@ impl PageClient {
             self.wr.write_all(&a.to_le_bytes()).map_err(io)?;
         }
         self.wr.flush().map_err(io)?;
-        let mut hdr = [0u8; 8];
-        self.rd.read_exact(&mut hdr).map_err(io)?;
-        if hdr[..4] != REPLY_MAGIC || u32::from_le_bytes(hdr[4..].try_into().expect("4 bytes")) as usize != addrs.len() {
-            return Err(PageProtocolError::ReplyHeader.into());
-        }
-        let mut out = Vec::with_capacity(addrs.len());
-        for _ in addrs {
-            let mut tag = [0u8; 1];
-            self.rd.read_exact(&mut tag).map_err(io)?;
-            out.push(match tag[0] {
-                TAG_ZERO => PageReply::Zero,
-                TAG_DATA => {
-                    let mut page = vec![0u8; PAGE].into_boxed_slice();
-                    self.rd.read_exact(&mut page).map_err(io)?;
-                    PageReply::Data(page)
-                }
-                TAG_UNREADABLE => PageReply::Unreadable,
-                t => return Err(PageProtocolError::PageTag(t).into()),
-            });
-        }
-        Ok(out)
+        read_reply(&mut self.rd, addrs.len())
     }
 }
 

@@ -36,5 +36,7 @@ pub use descriptor::*;
 pub use lower::{lower, map_kind, PlanOptions};
 pub use abi::{PAGE_BYTES, PAGE_SIZE};
 
+#[cfg(any(test, feature = "sample"))]
+pub mod sample;
 #[cfg(test)]
 mod tests;

@@ -1,54 +1,15 @@
 //! Unit tests: the plan a descriptor lowers to, read back through the abi
 //! records as the restorer reads them; descriptor validation; counters.
+// Offsets and ids of the small plans built here fit every narrower type they are cast to.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 use crate::abi::counters::{CloneCounter, CloneCounters};
 use crate::abi::plan::*;
-use crate::abi::process::ProcessCore;
-use crate::abi::regs::FXSAVE_BYTES;
-use crate::abi::signal::{SigInfo, SigactionTable};
-use crate::abi::thread::ThreadCore;
 use crate::*;
-use std::vec;
 use std::vec::Vec;
-use std::string::ToString;
-
-fn thread(tid: u64, fpu_len: usize) -> ThreadState {
-    let mut fpu = vec![0u8; fpu_len];
-    if fpu_len > FXSAVE_BYTES {
-        fpu[464..468].copy_from_slice(&crate::abi::regs::FP_XSTATE_MAGIC1.to_le_bytes());
-    }
-    fpu[0] = tid as u8; // tells the areas apart
-    ThreadState { core: ThreadCore { tid, ..ThreadCore::default() }, fpu, pending: vec![] }
-}
 
 fn descriptor() -> Descriptor {
-    let mut info = [0u64; 16];
-    info[0] = 10; // SIGUSR1
-    Descriptor {
-        version: DESCRIPTOR_VERSION,
-        regions: vec![
-            Region { start: 0x1000, end: 0x3000, prot: 3, shared: false, growsdown: false,
-                     kind: RegionKind::Anonymous { name: "[heap]".to_string() },
-                     pages: PageRuns(vec![(PageClass::Zero, 1), (PageClass::Fetch, 1)]) },
-            Region { start: 0x10000, end: 0x11000, prot: 5, shared: false, growsdown: false,
-                     kind: RegionKind::File { path: "/usr/lib/x.so".to_string(), offset: 0x2000, inode: 9 },
-                     pages: PageRuns(vec![(PageClass::File, 1)]) },
-        ],
-        fds: vec![
-            FdEntry { fd: 1, kind: FdKind::PipeWrite },
-            FdEntry { fd: 5, kind: FdKind::Reopen { path: "/data/in".to_string(), flags: 2, offset: 77 } },
-            FdEntry { fd: 6, kind: FdKind::Socket },
-            FdEntry { fd: 9, kind: FdKind::Stream { of: 2 } },
-        ],
-        threads: vec![thread(42, 832), thread(43, FXSAVE_BYTES)],
-        sigactions: SigactionTable::default(),
-        process: ProcessState {
-            core: ProcessCore { pid: 42, umask: 0o027, ..ProcessCore::default() },
-            cwd: "/home/u".to_string(),
-            groups: vec![100, 27],
-            pending: vec![SigInfo(info)],
-        },
-    }
+    crate::sample::descriptor(&[42, 43])
 }
 
 fn read<T: Copy>(plan: &[u8], off: u64) -> T {
