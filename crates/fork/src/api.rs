@@ -205,10 +205,7 @@ impl Ticket {
                 *ticket,
                 placement,
                 self.hierarchical,
-                &descriptor,
-                &encoded,
-                server.addr(),
-                key,
+                &crate::cluster::Template { descriptor: &descriptor, encoded: &encoded, page_server: server.addr(), page_key: key },
             )?),
         };
         self.active = Some(Active { template, server, clones, descriptor_bytes, descriptor, stamps });

@@ -341,6 +341,17 @@ fn launch_all(link: &ClusterLink, tasks: Vec<CloneTask>) -> Vec<(CloneTask, std:
     })
 }
 
+/// What a ticket's clones are made from: the parent's frozen template (its
+/// descriptor and that descriptor's encoding, which hosts fetch and check),
+/// and the page server holding its memory with the ticket's key to it.
+#[derive(Clone, Copy)]
+pub struct Template<'a> {
+    pub descriptor: &'a Descriptor,
+    pub encoded: &'a [u8],
+    pub page_server: SocketAddr,
+    pub page_key: starling_proto::SecretKey,
+}
+
 impl ClusterClones {
     /// Launch one clone per (host, clone id) over the link's session. On the
     /// first failure, kills what was launched and returns the error.
@@ -349,11 +360,9 @@ impl ClusterClones {
         ticket: u64,
         placement: &[(String, u32)],
         hierarchical: bool,
-        desc: &Descriptor,
-        encoded: &[u8],
-        page_server: SocketAddr,
-        page_key: starling_proto::SecretKey,
+        template: &Template<'_>,
     ) -> Result<ClusterClones> {
+        let Template { descriptor: desc, encoded, page_server, page_key } = *template;
         let mut base = starling_session::spec::capture(vec!["starling-clone".into()])?;
         // Every path the restorer opens, bound now: no clone asks back for them.
         base.prethrow = prethrow::bind(link.session.files(), &restore_paths(desc));

@@ -426,6 +426,7 @@ mod tests {
             page_server: "10.0.0.1:1".into(),
             page_key: starling_proto::SecretKey([0; 32]),
             local_forks: 0,
+            placed_ns: 0,
         };
         TaskSpec { clone: Some(clone), ..spec(None, None) }
     }

@@ -98,9 +98,9 @@ impl DataHeader {
     /// page), of the header's own fields for the other kinds.
     pub fn expected_mac(&self, key: &SecretKey, page: &[u8]) -> [u8; MAC_LEN] {
         if self.kind == KIND_FRAGMENT {
-            seal::mac(&key, b"SFMC page", &[page, &self.ticket.to_le_bytes(), &self.addr.to_le_bytes()])
+            seal::mac(key, b"SFMC page", &[page, &self.ticket.to_le_bytes(), &self.addr.to_le_bytes()])
         } else {
-            seal::mac(&key, b"SFMC control", &[&[self.kind], &self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), &self.seq.to_le_bytes()])
+            seal::mac(key, b"SFMC control", &[&[self.kind], &self.ticket.to_le_bytes(), &self.addr.to_le_bytes(), &self.seq.to_le_bytes()])
         }
     }
 
@@ -171,7 +171,7 @@ impl Request {
     /// [`Request::encode`] followed by its MAC under `key`.
     pub fn encode_sealed(&self, key: &SecretKey) -> Vec<u8> {
         let mut out = self.encode();
-        let mac = seal::mac(&key, b"SFMQ", &[&out]);
+        let mac = seal::mac(key, b"SFMQ", &[&out]);
         out.extend_from_slice(&mac);
         out
     }
@@ -179,7 +179,7 @@ impl Request {
     /// Parse a datagram of [`Request::encode_sealed`]; None when malformed or its MAC is wrong.
     pub fn parse_sealed(d: &[u8], key: &SecretKey) -> Option<Request> {
         let body = d.len().checked_sub(MAC_LEN).map(|n| &d[..n])?;
-        seal::verify(&key, b"SFMQ", &[body], &d[body.len()..]).then(|| Request::parse(body))?
+        seal::verify(key, b"SFMQ", &[body], &d[body.len()..]).then(|| Request::parse(body))?
     }
 
     pub fn parse(d: &[u8]) -> Option<Request> {

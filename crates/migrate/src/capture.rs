@@ -547,6 +547,8 @@ pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
 }
 
 #[cfg(test)]
+// Test values (timer fields, small sizes) fit the types they are cast to.
+#[allow(clippy::cast_sign_loss, clippy::cast_possible_wrap)]
 mod tests {
     use super::*;
 
@@ -571,7 +573,7 @@ mod tests {
         x[512..520].copy_from_slice(&u64::MAX.to_le_bytes());
         let f = fpu_area(x);
         let size = u32_at(&f, FPX_SW_BYTES_OFFSET + 16) as usize;
-        assert!(size >= FXSAVE_BYTES + 64 && size < 16 << 10, "{size}");
+        assert!((FXSAVE_BYTES + 64..16 << 10).contains(&size), "{size}");
         assert_eq!(f.len(), size + 4, "the area, then magic2");
         assert_eq!(u32_at(&f, FPX_SW_BYTES_OFFSET), FP_XSTATE_MAGIC1);
         assert_eq!(u32_at(&f, size), FP_XSTATE_MAGIC2);

@@ -95,7 +95,7 @@ pub fn receive(stream: TcpStream, key: starling_proto::SecretKey, on_prepare: &m
             }
             Ok(Taken::Image { descriptor, page_server, payload }) => {
                 let staged = Arc::new(frames.into_staging());
-                return Ok(Incoming { descriptor, payload, page_server, key, staged, replies });
+                return Ok(Incoming { descriptor: *descriptor, payload, page_server, key, staged, replies });
             }
         }
     }
@@ -117,7 +117,7 @@ pub enum Taken {
     Staged,
     /// The process is frozen: restore it from this (pages written since
     /// they were sent are already dropped from the staging).
-    Image { descriptor: Descriptor, page_server: SocketAddr, payload: Vec<u8> },
+    Image { descriptor: Box<Descriptor>, page_server: SocketAddr, payload: Vec<u8> },
 }
 
 impl FrameReader {
@@ -138,7 +138,7 @@ impl FrameReader {
                     .parse()
                     .map_err(|_| MigrateError::Stream(format!("bad page server address {page_server:?}")))?;
                 self.staging.invalidate(&stale);
-                Ok(Taken::Image { descriptor, page_server, payload })
+                Ok(Taken::Image { descriptor: Box::new(descriptor), page_server, payload })
             }
         }
     }

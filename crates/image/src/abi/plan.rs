@@ -235,7 +235,9 @@ fn invalid(what: &'static str, value: u64) -> Result<(), PlanInvalid> {
     Err(PlanInvalid { what, value })
 }
 
-/// Record `i` of a table of `T`s at `off`, read unaligned (bounds checked by the caller).
+/// Record `i` of a table of `T`s at `off`, read unaligned (bounds checked by the caller, so the
+/// offsets fit in usize).
+#[allow(clippy::cast_possible_truncation)]
 fn record<T: Copy>(plan: &[u8], off: u64, i: u64) -> T {
     let at = off as usize + i as usize * core::mem::size_of::<T>();
     let bytes = &plan[at..at + core::mem::size_of::<T>()];
@@ -259,14 +261,14 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
         return invalid("plan magic/version/length mismatch", h.version);
     }
     let in_bounds = |off: u64, count: u64, size: usize| -> bool {
-        count <= len && off % 8 == 0 && off.checked_add(count.saturating_mul(size as u64)).is_some_and(|e| e <= len)
+        count <= len && off.is_multiple_of(8) && off.checked_add(count.saturating_mul(size as u64)).is_some_and(|e| e <= len)
     };
     if !in_bounds(h.threads_off, h.n_threads, THREAD_SIZE)
         || !in_bounds(h.regions_off, h.n_regions, REGION_SIZE)
         || !in_bounds(h.fds_off, h.n_fds, FD_SIZE)
         || !in_bounds(h.signals_off, h.n_signals, SIGNAL_SIZE)
         || !in_bounds(h.blob_off, h.blob_len, 1)
-        || h.blob_off % 64 != 0
+        || !h.blob_off.is_multiple_of(64)
     {
         return invalid("plan tables out of bounds", len);
     }
@@ -281,15 +283,15 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
         return invalid("clone count", h.clone_count);
     }
     let blob_ok = |r: BlobRef| r.off.checked_add(r.len).is_some_and(|e| e <= h.blob_len);
-    if !blob_ok(h.seccomp) || h.seccomp.len % 8 != 0 || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {
+    if !blob_ok(h.seccomp) || !h.seccomp.len.is_multiple_of(8) || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {
         return invalid("seccomp program", h.seccomp.len);
     }
-    if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || h.groups.len % 4 != 0 {
+    if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || !h.groups.len.is_multiple_of(4) {
         return invalid("cwd/groups out of bounds", 0);
     }
     for i in 0..h.n_threads {
         let t: PlanThread = record(plan, h.threads_off, i);
-        if !blob_ok(t.fpu) || (t.fpu.off % 64) != 0 || (t.fpu.len as usize) < super::regs::FXSAVE_BYTES {
+        if !blob_ok(t.fpu) || !t.fpu.off.is_multiple_of(64) || (t.fpu.len as usize) < super::regs::FXSAVE_BYTES {
             return invalid("thread FPU area", t.core.tid);
         }
         if i == 0 && t.core.tid != h.process.pid {
