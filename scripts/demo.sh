@@ -109,6 +109,25 @@ else
     echo "   MOVED RUN DIFFERS (exit $rc)"; diff "$W/phases.local" "$W/phases.moved" || true; exit 1
 fi
 echo
+echo "== live migration of POSIX timers: a program holding a 10 ms periodic timer and two one-shots (timer_create)"
+echo "   moves from h1 to h2; the same timer ids come back, armed with the time they had left, and keep ticking"
+cc -O1 tests/migrate/posix_timers.c -o "$W/posix_timers" -lrt
+coproc TIMERS { cd "$W" && exec "$S" exec --host h1 -- ./posix_timers 2>&1; }
+exec {to_timers}>&"${TIMERS[1]}"
+timers_line() { local line; while IFS= read -r line <&"${TIMERS[0]}"; do [[ $line == "$1"* ]] && { echo "$line"; return 0; }; done; return 1; }
+timers_line ready > /dev/null
+echo >&"$to_timers"; before=$(timers_line report)
+ttask=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "posix_timers" in r["command"]))')
+$S migrate "$ttask" --to h2 | sed 's/^/   /'
+echo >&"$to_timers"; after=$(timers_line report)
+exec {to_timers}>&- {TIMERS[1]}>&-   # EOF: the program ends
+wait "$TIMERS_PID" || true
+echo "   before: ticks=$(cut -d' ' -f2 <<<"$before") ids=$(cut -d' ' -f3-6 <<<"$before") one-shot left $(( $(cut -d' ' -f7 <<<"$before") / 1000000 )) ms"
+echo "   after:  ticks=$(cut -d' ' -f2 <<<"$after") ids=$(cut -d' ' -f3-6 <<<"$after") one-shot left $(( $(cut -d' ' -f7 <<<"$after") / 1000000 )) ms"
+if [ "$(cut -d' ' -f3-6 <<<"$before")" != "$(cut -d' ' -f3-6 <<<"$after")" ] || [ "$(cut -d' ' -f2 <<<"$after")" -le "$(cut -d' ' -f2 <<<"$before")" ]; then
+    echo "   TIMERS DID NOT MOVE"; exit 1
+fi
+echo
 echo "== Linger-Longer: a guest on h1 while h1's owner burns every core (guest at cpu.idle)"
 G=$($S status --json | python3 -c 'import json,sys; print([h for h in json.load(sys.stdin)["hosts"] if h["name"]=="h1"][0]["owner"]["guest_cgroup"])')
 $S exec --host h1 -- sh -c 'while :; do :; done' & GP=$!
