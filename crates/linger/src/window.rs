@@ -206,16 +206,26 @@ fn tc(args: &[&str]) -> Result<String, WindowError> {
     run(c, None)
 }
 
-/// The network interfaces of this namespace but `lo`.
-pub fn interfaces() -> Vec<String> {
-    let mut v: Vec<String> = std::fs::read_dir("/sys/class/net")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n != "lo")
+/// The network interfaces of this namespace but `lo` (asked of `ip`: `/sys/class/net` shows the
+/// namespace sysfs was mounted in, which need not be ours).
+pub fn interfaces() -> Result<Vec<String>, WindowError> {
+    let mut c = Command::new(program("ip"));
+    c.args(["-o", "link", "show"]);
+    Ok(link_names(&run(c, None)?))
+}
+
+/// Names in `ip -o link show` lines (`2: eth0@if5: <...> ...`), but `lo`.
+fn link_names(text: &str) -> Vec<String> {
+    let mut v: Vec<String> = text
+        .lines()
+        .filter_map(|l| {
+            let name = l.split(": ").nth(1)?;
+            Some(name.split('@').next()?.trim().to_string())
+        })
+        .filter(|n| !n.is_empty() && n != "lo")
         .collect();
     v.sort();
+    v.dedup();
     v
 }
 
@@ -289,7 +299,7 @@ impl NetWindow {
         // Whatever an earlier agent left first: applying twice must not stack qdiscs.
         self.remove()?;
         let bits = format!("{}bit", self.bps.saturating_mul(8).max(8));
-        let ifaces = interfaces();
+        let ifaces = interfaces()?;
         for i in &ifaces {
             let parent = new_qdisc_parent(&tc(&["qdisc", "show", "dev", i, "root"])?);
             let mut add: Vec<&str> = vec!["qdisc", "add", "dev", i];
@@ -314,7 +324,7 @@ impl NetWindow {
         if self.has_table()? {
             self.nft(&format!("delete table inet {}\n", self.table))?;
         }
-        for i in interfaces() {
+        for i in interfaces()? {
             // An interface that went away meanwhile has nothing left to remove.
             let Ok(show) = tc(&["qdisc", "show", "dev", &i]) else { continue };
             if let Some(parent) = our_qdisc_parent(&show) {
@@ -361,6 +371,14 @@ mod tests {
         }
         assert_eq!(h.step(false, OWNER_IO_LOW - 1), Step::Remove);
         assert_eq!(h.step(false, OWNER_IO_LOW), Step::Keep, "between the thresholds does not apply either");
+    }
+
+    #[test]
+    fn link_names_skip_lo_and_peer_suffixes() {
+        let text = "1: lo: <LOOPBACK,UP,LOWER_UP> mtu 65536 qdisc noqueue state UNKNOWN\\    link/loopback 00:00:00:00:00:00\n\
+                    2: v1@v0: <BROADCAST,MULTICAST,M-DOWN> mtu 1500 qdisc noop state DOWN\n\
+                    3: eth0@if17: <BROADCAST,MULTICAST,UP,LOWER_UP> mtu 1500 qdisc htb state UP\n";
+        assert_eq!(link_names(text), vec!["eth0".to_string(), "v1".to_string()]);
     }
 
     #[test]
