@@ -67,7 +67,7 @@ impl Windows {
                         Err(e) => log::warn!("guests' network window not applied: {e}"),
                     }
                 }
-                let why = if owner_active { "owner active" } else { "owner I/O" };
+                let why = if owner_active { "owner active".to_string() } else { format!("owner I/O {} B/s", owner_io_bps) };
                 log::info!("{why}: guests' rate windows applied: {}", on.join(", "));
                 self.applied = (!on.is_empty()).then(|| on.join(", "));
             }
