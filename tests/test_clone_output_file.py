@@ -69,6 +69,18 @@ def test_clone_output_to_a_file_is_appended(cluster, prog, workdir, hierarchical
     assert sorted(p.name for p in workdir.iterdir()) == ["out.txt"], list(workdir.iterdir())
 
 
+def test_join_returns_after_the_clones_last_output(cluster, prog, workdir):
+    """Each of 2 clones ends by writing 3000 lines: when sf_join returns, every one of them is in the
+    file already, before the parent's last line (a clone's status must not overtake its output)."""
+    status, lines = run_into_file([prog, "2", "0", "0", "3000"], workdir / "out.txt")
+    text = "\n".join(lines[-20:])
+    assert status == 0, text
+    check_parent_lines(lines, "PARENT last 2")
+    for i in (1, 2):
+        bulk = [l for l in lines if l.startswith(f"CLONE {i} bulk ")]
+        assert bulk == [f"CLONE {i} bulk {k}" for k in range(3000)], f"clone {i}: {len(bulk)} bulk lines; file ends:\n{text}"
+
+
 def test_executor_output_to_a_file_is_appended(cluster, workdir):
     """`python3 output_file.py > out.txt 2>&1` with a starling.Executor of 2 workers."""
     require_module("starling", "make python")

@@ -5,7 +5,10 @@
  * own lines, nothing replaced.
  * With DUP=1 the parent first keeps a copy of fd 1 on fd 9 (as pytest's
  * output capture does) and the clones write through that copy too.
- * Usage: output_file N HIERARCHICAL(0|1) DUP(0|1) */
+ * With BULK > 0 each clone ends by writing BULK more lines to stdout ("CLONE i
+ * bulk k"), so its output is still in flight when it exits: sf_join must not
+ * return before every one of them has reached the file.
+ * Usage: output_file N HIERARCHICAL(0|1) DUP(0|1) [BULK] */
 #define _GNU_SOURCE
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,7 +23,8 @@ static void say(int fd, const char *fmt, int a) {
 }
 
 int main(int argc, char **argv) {
-    if (argc != 4) { fprintf(stderr, "usage: output_file N HIERARCHICAL DUP\n"); return 2; }
+    if (argc != 4 && argc != 5) { fprintf(stderr, "usage: output_file N HIERARCHICAL DUP [BULK]\n"); return 2; }
+    int bulk = argc == 5 ? atoi(argv[4]) : 0;
     int n = atoi(argv[1]);
     int dup_fd = atoi(argv[3]) ? 9 : -1;
     if (dup_fd >= 0 && dup2(1, dup_fd) < 0) { perror("dup2"); return 2; }
@@ -33,6 +37,11 @@ int main(int argc, char **argv) {
         say(1, "CLONE %d out\n", id);
         say(2, "CLONE %d err\n", id);
         if (dup_fd >= 0) say(dup_fd, "CLONE %d dup\n", id);
+        for (int k = 0; k < bulk; k++) {
+            char buf[64];
+            int len = snprintf(buf, sizeof buf, "CLONE %d bulk %d\n", id, k);
+            if (write(1, buf, (size_t)len) != len) _exit(5);
+        }
         sf_exit(0);
     }
     say(1, "PARENT during\n", 0);

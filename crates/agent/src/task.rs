@@ -256,6 +256,12 @@ fn run_blocking(
     stages.stamp("run");
     pid.store(0, Ordering::SeqCst);
     if let Some(run) = clone_run {
+        // The clones' last output goes out before their statuses: the parent's
+        // join returns on the statuses, and must find every byte its clones
+        // wrote relayed already (one channel to the head keeps the order).
+        for pump in std::mem::take(&mut *live.outputs.lock().unwrap()) {
+            pump.join();
+        }
         run.finish(task, tx, life.moved.load(Ordering::SeqCst), &host_stamps);
     }
     end_task(agent, task, tx, &life, &live, overlay, status, Some(stages))
