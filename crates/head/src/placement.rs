@@ -174,7 +174,6 @@ mod tests {
             doing: String::new(),
             guest_cgroup: String::new(),
             owner_cgroup: String::new(),
-            rate_windows: None,
         })
     }
 
