@@ -124,8 +124,17 @@ state = "{BASE}/agent"
 
 def test_an_agent_without_root_and_without_dev_fuse_names_the_fix_in_one_line(installed):
     require_tool("setpriv", "util-linux")
-    r = subprocess.run(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
-                        str(installed / "bin/starling"), "agent", "--head", "127.0.0.1:1", "--state", str(BASE / "nobody")],
+    require_tool("unshare", "util-linux")
+    # The user must not be granted /dev/fuse, whatever this machine's mode or ACL on it (a package
+    # install can leave it 0666): in a private mount namespace a root-only file covers it, as a
+    # device of mode 0600 without an ACL for the user would be.
+    covered = BASE / "fuse-not-granted"
+    covered.write_bytes(b"")
+    covered.chmod(0o600)
+    agent = shlex.join(["setpriv", "--reuid", "nobody", "--regid", "nogroup", "--clear-groups",
+                        str(installed / "bin/starling"), "agent", "--head", "127.0.0.1:1", "--state", str(BASE / "nobody")])
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                        f"mount --bind {shlex.quote(str(covered))} /dev/fuse && exec {agent}"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 255
     lines = r.stderr.strip().splitlines()
