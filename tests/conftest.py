@@ -62,6 +62,17 @@ def recv_until_closed(s, tolerate=()):
     return data
 
 
+def instance_env(instance, **extra):
+    """This process's environment for a `starling` command (or a program it runs) on embedded cluster
+    `instance`, whatever cluster or fork backend this run was given."""
+    e = dict(os.environ)
+    e.pop("STARLING_FORK_BACKEND", None)
+    e.pop("STARLING_CLUSTER", None)
+    e["STARLING_INSTANCE"] = instance
+    e.update(extra)
+    return e
+
+
 @contextlib.contextmanager
 def local_account(user, groups=()):
     """A local user `user` (with its own group, and member of `groups`) and a home directory under

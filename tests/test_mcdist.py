@@ -29,7 +29,7 @@ import time
 
 import pytest
 
-from conftest import cores_by_host, require, require_root, require_tool
+from conftest import cores_by_host, instance_env, require, require_root, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -48,12 +48,7 @@ INITIAL_RATE = 1.25e9 / 25
 
 
 def env(**extra):
-    e = dict(os.environ)
-    e.pop("STARLING_FORK_BACKEND", None)
-    e.pop("STARLING_CLUSTER", None)
-    e["STARLING_INSTANCE"] = INSTANCE
-    e.update(extra)
-    return e
+    return instance_env(INSTANCE, **extra)
 
 
 def starling(*args, timeout=180):

@@ -21,7 +21,7 @@ import subprocess
 
 import pytest
 
-from conftest import cores_by_host, require, require_root
+from conftest import cores_by_host, instance_env, require, require_root
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -36,12 +36,7 @@ MULTICAST = 1  # sf_clone_stat(t, id, 6): SF_DIST_MULTICAST
 
 
 def env(**extra):
-    e = dict(os.environ)
-    e.pop("STARLING_FORK_BACKEND", None)
-    e.pop("STARLING_CLUSTER", None)
-    e["STARLING_INSTANCE"] = INSTANCE
-    e.update(extra)
-    return e
+    return instance_env(INSTANCE, **extra)
 
 
 def starling(*args, timeout=300):
