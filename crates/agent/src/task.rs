@@ -388,6 +388,28 @@ fn base_of(bindings: &HashMap<WirePath, Lookup>, path: &WirePath) -> Base {
     }
 }
 
+/// Whether the upper file at `host_path` is exactly the file the task was bound
+/// (`bound`): same recipe — bytes, mode, owner and mtime. The overlay copies a
+/// file up when it is opened for writing, written or not (a clone reopens every
+/// descriptor its parent had open for writing, e.g. the log pytest keeps on a
+/// spare fd). Committing such a copy would replace the file by rename and cut
+/// off whoever holds it open on the client — the clone's own parent, writing
+/// its log — so an untouched copy is no change. Only a copy whose size and
+/// mtime match is read to compare; anything else is a change without reading.
+fn unchanged_copy_up(
+    bound: Option<&Lookup>,
+    host_path: &std::path::Path,
+    meta: &std::fs::Metadata,
+    chunking: starling_store::chunker::Chunking,
+) -> Result<bool> {
+    let Some(Lookup::File(attr, name)) = bound else { return Ok(false) };
+    if attr.size != meta.len() || attr.mtime_ns != starling_store::chunker::mtime_ns(meta) {
+        return Ok(false);
+    }
+    let recipe = starling_store::chunker::chunk_file(host_path, meta, chunking, |_, _| {}).map_err(io_step(Step::ReadChanges))?;
+    Ok(recipe.name() == *name)
+}
+
 /// Turn the overlay's upper dir into changes, sending file contents ahead.
 fn collect_changes(
     task: TaskId,
@@ -414,6 +436,9 @@ fn collect_changes(
         match e {
             UpperEntry::File { path, host_path, .. } => {
                 let meta = std::fs::symlink_metadata(&host_path).map_err(io_step(Step::ReadChanges))?;
+                if unchanged_copy_up(bindings.get(&path), &host_path, &meta, cfg.settings.chunking)? {
+                    continue;
+                }
                 let mut err = None;
                 let recipe = starling_store::chunker::chunk_file(&host_path, &meta, cfg.settings.chunking, |c, bytes| {
                     if err.is_some() || !sent.insert(c.hash) {
