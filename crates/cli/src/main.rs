@@ -124,7 +124,8 @@ enum Cmd {
     Migrate {
         /// The task (as `starling ps` shows it).
         task: String,
-        /// Target host, or `auto` for the least loaded other host with a free core.
+        /// Target host, `home` (the home site of `exec --roam`), or `auto` for the least loaded
+        /// other host with a free core (never home).
         #[arg(long, default_value = "auto")]
         to: String,
         /// Machine-readable report.
