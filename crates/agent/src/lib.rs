@@ -132,6 +132,10 @@ pub struct AgentConfig {
     /// user is 0 (see `starling agent`): tasks run as that user and views
     /// show the client's files as theirs.
     pub rootless: bool,
+    /// The user's own machine (`agent --home`): the head places here only what names this
+    /// site (a roaming task), and its tasks are the user's own work, not guests (no guest
+    /// cgroup, no starvation priority, no owner monitor).
+    pub home: bool,
 }
 
 pub(crate) struct TaskCtl {
@@ -200,6 +204,7 @@ impl Agent {
             running: self.running.load(Ordering::Relaxed),
             page_distribution: self.page_distribution.lock().map(|m| m.clone()).unwrap_or(None),
             owner: self.linger.report.lock().map(|r| r.clone()).unwrap_or(None),
+            home: self.cfg.home,
         }
     }
 
@@ -347,8 +352,8 @@ impl Agent {
             .filter_map(|(task, t)| {
                 let root = t.pid.load(Ordering::SeqCst);
                 (root > 0).then(|| {
-                    let (cpu_seconds, rss_bytes) = tree_usage(root);
-                    starling_proto::TaskUsage { task: *task, cpu_seconds, rss_bytes }
+                    let u = tree_usage(root);
+                    starling_proto::TaskUsage { task: *task, cpu_seconds: u.cpu_seconds, rss_bytes: u.rss_bytes, runnable: u.runnable }
                 })
             })
             .collect()
@@ -385,27 +390,40 @@ impl Agent {
     }
 }
 
-/// CPU seconds and resident bytes of process `root` and everything below it.
-pub(crate) fn tree_usage(root: u32) -> (f64, u64) {
+/// What a process tree uses now.
+pub(crate) struct TreeUsage {
+    pub cpu_seconds: f64,
+    pub rss_bytes: u64,
+    /// Threads in state R.
+    pub runnable: u32,
+}
+
+/// CPU seconds, resident bytes and runnable threads of process `root` and everything below it.
+pub(crate) fn tree_usage(root: u32) -> TreeUsage {
     // SAFETY: sysconf with a constant name.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let (mut cpu, mut rss) = (0.0, 0u64);
+    let mut u = TreeUsage { cpu_seconds: 0.0, rss_bytes: 0, runnable: 0 };
     let mut stack = vec![root];
     while let Some(p) = stack.pop() {
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
             let f: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
             // utime, stime: fields 14 and 15 (index 11 and 12 after the comm); rss pages: field 24.
             let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            cpu += (num(11) + num(12)) as f64 / ticks;
-            rss += num(21) * 4096;
+            u.cpu_seconds += (num(11) + num(12)) as f64 / ticks;
+            u.rss_bytes += num(21) * 4096;
         }
         for t in std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten() {
+            // Each thread's state: the field after its comm.
+            let state = std::fs::read_to_string(t.path().join("stat")).ok();
+            if state.as_deref().and_then(|s| s.rsplit_once(')')).is_some_and(|(_, r)| r.trim_start().starts_with('R')) {
+                u.runnable += 1;
+            }
             if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
                 stack.extend(kids.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
             }
         }
     }
-    (cpu, rss)
+    u
 }
 
 /// Remove task directories left by a previous run of this agent (crash, kill -9).
@@ -428,7 +446,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     std::fs::create_dir_all(state.join("tasks")).map_err(io_step(Step::CreateDir(state.clone())))?;
     clean_stale_tasks(state);
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
-    let linger = linger::Linger::start(&cfg.settings, &cfg.name, cores());
+    let linger = if cfg.home { linger::Linger::none() } else { linger::Linger::start(&cfg.settings, &cfg.name, cores()) };
     let agent = Arc::new(Agent {
         cfg,
         cache,

@@ -394,7 +394,7 @@ impl SourceHooks for Source {
         // Its end here is not its end any more.
         self.life.moved.store(true, Ordering::SeqCst);
         // The source's copy is still there (stopped): its CPU counters are final.
-        let cpu_seconds = u32::try_from(self.pid).map_or(0.0, |p| crate::tree_usage(p).0);
+        let cpu_seconds = u32::try_from(self.pid).map_or(0.0, |p| crate::tree_usage(p).cpu_seconds);
         let _ = self.tx.blocking_send(Msg::MigrateHandedOver { migration: self.migration, task: self.task, cpu_seconds });
     }
 }

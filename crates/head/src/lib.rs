@@ -28,6 +28,7 @@ mod ps;
 mod queue;
 mod metrics;
 mod relay;
+mod roam;
 mod routing;
 
 use starling_config::HeadSettings;
@@ -93,6 +94,8 @@ pub(crate) struct Route {
     pub(crate) cpu_before: f64,
     /// File requests a move's target sent before the switch (marked id → host).
     pub(crate) target_file_ids: HashMap<u64, String>,
+    /// A roaming task (`exec --roam`): why it runs where it does, its manager's decisions.
+    pub(crate) roam: Option<starling_proto::RoamLog>,
 }
 
 #[derive(Default)]

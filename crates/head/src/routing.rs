@@ -162,6 +162,7 @@ impl Head {
                     let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
                     let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
                 }
+                Msg::RoamNote { task, decision } => self.roam_note(conn, task, decision),
                 Msg::ExecutorProgress { ticket, progress } => self.groups.lock().unwrap().executor(conn, ticket, progress),
                 Msg::FileResponse { id, resp, .. } if self.relay.as_ref().is_some_and(|r| r.is_ours(id)) => {
                     if let Some(relay) = &self.relay {

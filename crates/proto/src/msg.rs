@@ -211,6 +211,12 @@ pub enum Msg {
     /// ticket's clones), sent when the counts change (throttled by the client) and once at
     /// shutdown with `closed`. For the dashboard only.
     ExecutorProgress { ticket: u64, progress: ExecutorProgress },
+
+    // ---- roaming tasks (appended: variants are encoded by index)
+    /// Client → head, on the task's own connection: its migration manager decided this (moves
+    /// included, before it asks for them). The head keeps the latest [`MAX_ROAM_DECISIONS`] for
+    /// `starling ps --why`; the first note makes the task a roaming one in `ps`.
+    RoamNote { task: TaskId, decision: RoamDecision },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -333,6 +339,14 @@ impl Msg {
                 Ok(())
             }
             Msg::PsReply(rows) => check_bytes("task rows", rows.len(), 1 << 20),
+            Msg::RoamNote { decision: d, .. } => {
+                for (what, s) in [("state", &d.from_state), ("state", &d.to_state), ("site", &d.from_site), ("site", &d.to_site), ("action", &d.action)] {
+                    check_bytes(what, s.len(), 256)?;
+                }
+                check_bytes("decision reason", d.reason.len(), 4096)?;
+                check_bytes("sensors", d.sensors.len(), 64)?;
+                d.sensors.iter().try_for_each(|(n, _)| check_bytes("sensor name", n.len(), 64))
+            }
             Msg::UsageReply { tasks, .. } => check_bytes("task usage rows", tasks.len(), 1 << 20),
             Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
             Msg::MigrateIn { from, .. } => check_bytes("host name", from.len(), 256),
