@@ -961,7 +961,7 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
                     "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
-                    "page_distribution": h.page_distribution, "owner": h.owner})
+                    "page_distribution": h.page_distribution, "owner": h.owner, "peer": h.peer})
             })
             .collect();
         let mut out = serde_json::json!({"head": st.head, "network": network, "hosts": hosts});

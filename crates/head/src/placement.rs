@@ -151,6 +151,7 @@ mod tests {
                     running: 0,
                     page_distribution: None,
                     owner: None,
+                    peer: None,
                 };
                 (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
             })

@@ -694,6 +694,10 @@ pub struct HostInfo {
     /// None if the agent has no guest cgroup.
     #[serde(default)]
     pub owner: Option<OwnerReport>,
+    /// `IP:PORT` where this host serves the chunks it holds to other hosts
+    /// of the cluster (`FindChunks`); None if it does not.
+    #[serde(default)]
+    pub peer: Option<String>,
 }
 
 /// One host's owner monitor and guest containment, sent with each load report.
