@@ -315,3 +315,33 @@ impl Relay {
         fetched
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_referred_only_to_earlier_askers_at_most_three_each() {
+        let mut holders = Holders::default();
+        let h = Hash::of(b"chunk");
+        let names: Vec<String> = (1..=16).map(|i| format!("10.0.0.{i}:1")).collect();
+        let refs: Vec<Option<String>> = names.iter().map(|n| holders.refer(&h, Some(n))).collect();
+        assert_eq!(refs[0], None, "the first asker gets the bytes");
+        for (i, r) in refs.iter().enumerate().skip(1) {
+            let peer = r.as_deref().expect("a later asker is referred to a peer");
+            let at = names.iter().position(|n| n == peer).unwrap();
+            assert!(at < i, "asker {i} referred to {at}, which asked after it");
+        }
+        for n in &names {
+            let served = refs.iter().filter(|r| r.as_deref() == Some(n.as_str())).count();
+            assert!(served <= 3, "{n} was referred to {served} hosts");
+        }
+        // Asking again is never a referral to oneself.
+        assert_ne!(holders.refer(&h, Some(&names[0])).as_deref(), Some(names[0].as_str()));
+        // Hosts that left are referred to nobody: the first asker, full, leaves the head to send it.
+        for n in &names[1..] {
+            holders.forget(n);
+        }
+        assert_eq!(holders.refer(&h, Some("10.0.0.99:1")), None);
+    }
+}

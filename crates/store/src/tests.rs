@@ -361,15 +361,15 @@ fn chunks_written_into_an_assembled_file_are_served_to_peers_while_it_is_written
     cache
         .assemble_fetching(&recipe, &missing, &mut |h| {
             // Every chunk fetched before this one is already readable; this one is not yet.
-            for i in 0..next {
-                assert!(cache.chunk_for_peer(&pieces[i].0.hash).unwrap() == Some(bytes_of(i)), "chunk {i} while writing");
+            for (i, (r, _)) in pieces.iter().enumerate().take(next) {
+                assert!(cache.chunk_for_peer(&r.hash).unwrap() == Some(bytes_of(i)), "chunk {i} while writing");
             }
             assert!(cache.chunk_for_peer(h).unwrap().is_none());
             next += 1;
             Ok(bytes_of(next - 1))
         })
         .unwrap();
-    for i in 0..pieces.len() {
-        assert!(cache.chunk_for_peer(&pieces[i].0.hash).unwrap() == Some(bytes_of(i)), "chunk {i} after assembly");
+    for (i, (r, _)) in pieces.iter().enumerate() {
+        assert!(cache.chunk_for_peer(&r.hash).unwrap() == Some(bytes_of(i)), "chunk {i} after assembly");
     }
 }
