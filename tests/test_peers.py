@@ -13,7 +13,6 @@ import os
 import pathlib
 import signal
 import subprocess
-import time
 
 from conftest import STARLING, sh, status, wait_for
 from test_data import read_everywhere
@@ -74,10 +73,6 @@ def test_a_file_read_on_every_host_leaves_the_head_about_once(cluster, workdir):
     assert egress < 1.5 * size, f"the head sent {egress / size:.2f} x the file's size to {hosts} hosts"
 
 
-def agent_pid(name):
-    return next(h["pid"] for h in status()["hosts"] if h["name"] == name)
-
-
 def peer_connections(host, port):
     """Established TCP connections to `port` (the agent's peer port) inside `host`'s namespace."""
     ns = f"starling{instance()}-{host}" if instance() != "0" else f"starling-{host}"
@@ -89,12 +84,12 @@ def test_a_peer_that_dies_mid_transfer_costs_the_others_a_fetch_from_the_head(cl
     path, want = new_file(workdir, "dies.bin", 160 * MIB + 17)
     # h1 reads it first: every chunk's holder is h1, so h2..h4 are referred to it.
     finish(exec_on("h1", path, workdir), "h1", want)
-    peer = next(h["peer"] for h in status()["hosts"] if h["name"] == "h1")
-    port = int(peer.rsplit(":", 1)[1])
+    h1 = next(h for h in status()["hosts"] if h["name"] == "h1")
+    port = int(h1["peer"].rsplit(":", 1)[1])
     readers = {h: exec_on(h, path, workdir) for h in ("h2", "h3", "h4")}
-    # Kill h1's agent once a reader is fetching from it (an event, not a time).
+    # Kill h1's agent as soon as a reader is fetching from it (an event, not a time).
     wait_for(lambda: peer_connections("h1", port), "a host fetching from h1", timeout=300, interval=0.02)
-    os.kill(agent_pid("h1"), signal.SIGKILL)
+    os.kill(h1["pid"], signal.SIGKILL)
     for h, p in readers.items():
         finish(p, h, want)
     fell_back = [h for h in readers if "fetching them from the head" in host_log(h)]
