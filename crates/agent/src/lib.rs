@@ -18,6 +18,7 @@ mod clone;
 mod io;
 mod linger;
 mod migrate;
+mod peers;
 mod remote;
 mod task;
 
@@ -174,6 +175,8 @@ pub(crate) struct Agent {
     pub incoming: Mutex<HashMap<u64, Arc<std::sync::atomic::AtomicBool>>>,
     /// The guest cgroup every task runs in, and the owner monitor's report.
     pub linger: linger::Linger,
+    /// Chunk sharing with the other hosts, and the port this host serves them on.
+    pub peers: Option<(Arc<peers::Peers>, u16)>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -205,6 +208,7 @@ impl Agent {
             page_distribution: self.page_distribution.lock().map(|m| m.clone()).unwrap_or(None),
             owner: self.linger.report.lock().map(|r| r.clone()).unwrap_or(None),
             home: self.cfg.home,
+            peer: self.peers.as_ref().and_then(|(_, port)| Some(std::net::SocketAddr::new(addr.parse().ok()?, *port).to_string())),
         }
     }
 
@@ -447,6 +451,25 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     clean_stale_tasks(state);
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
     let linger = if cfg.home { linger::Linger::none() } else { linger::Linger::start(&cfg.settings, &cfg.name, cores()) };
+    let auth = cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
+    // Other hosts fetch the chunks this one holds here (any port: announced to the head).
+    // Home (the user's own machine) is no cluster host: it serves no one.
+    let peers = if cfg.home {
+        None
+    } else {
+        match TcpListener::bind("0.0.0.0:0").await {
+            Ok(l) => {
+                let port = l.local_addr().map_err(io_step(Step::Accept))?.port();
+                let p = Arc::new(peers::Peers::new(cache.clone(), cfg.name.clone(), auth.as_ref())?);
+                tokio::spawn(p.clone().serve(l));
+                Some((p, port))
+            }
+            Err(e) => {
+                log::warn!("agent {}: no port for other hosts to fetch chunks from ({e}); every chunk comes from the head", cfg.name);
+                None
+            }
+        }
+    };
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -458,6 +481,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         held_waiters: Mutex::new(HashMap::new()),
         incoming: Mutex::new(HashMap::new()),
         linger,
+        peers,
     });
     // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
     {
@@ -474,7 +498,6 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             std::process::exit(0);
         });
     }
-    let auth = agent.cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
     if auth.is_none() {
         log::warn!("agent {}: no --auth: its head connection is not authenticated (a head of this cluster gives it credentials: README, Authentication)", agent.cfg.name);
     }

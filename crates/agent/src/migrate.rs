@@ -513,7 +513,7 @@ fn receive(
         let p: Prepare = decode(&payload)?;
         let view_dir = dir.join("view");
         std::fs::create_dir_all(&view_dir).map_err(|e| e.to_string())?;
-        let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
+        let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone(), peers: agent.peers.as_ref().map(|(p, _)| p.clone()) });
         let view = starling_view::mount_with(source, &view_dir, starling_view::ViewOptions::default()).map_err(|e| e.to_string())?;
         view.preload(p.bindings);
         view.preload_listings(p.listings);

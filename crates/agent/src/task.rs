@@ -156,7 +156,7 @@ fn run_blocking(
     }
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
-    let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
+    let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone(), peers: agent.peers.as_ref().map(|(p, _)| p.clone()) });
     // A clone's own files are prethrown (its restorer finds them without a
     // round trip), so fewer request loops do: starting each costs a thread
     // and its 16 MiB buffer, which adds up when a ticket starts many clones.

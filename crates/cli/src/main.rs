@@ -1096,7 +1096,7 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
                     "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
-                    "page_distribution": h.page_distribution, "owner": h.owner})
+                    "page_distribution": h.page_distribution, "owner": h.owner, "peer": h.peer})
             })
             .collect();
         let home = home.map(|h| serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores, "running": h.running}));

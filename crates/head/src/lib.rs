@@ -511,7 +511,9 @@ impl Head {
             let mut st = self.state.lock().unwrap();
             let name = st.hosts.iter().find(|(_, h)| h.conn_id == conn).map(|(n, _)| n.clone());
             if let Some(n) = &name {
-                st.hosts.remove(n);
+                if let (Some(h), Some(relay)) = (st.hosts.remove(n), &self.relay) {
+                    relay.forget_peer(h.info.peer.as_deref());
+                }
             }
             let lost = st.routes.iter().filter(|(_, r)| r.host_conn == conn).map(|(t, _)| *t).collect();
             (name, lost)

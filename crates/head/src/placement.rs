@@ -153,6 +153,7 @@ mod tests {
                     page_distribution: None,
                     owner: None,
                     home: false,
+                    peer: None,
                 };
                 (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
             })

@@ -26,6 +26,29 @@ pub enum FileReq {
     ReadDir { path: WirePath },
     GetRecipe { name: Hash },
     GetChunks { hashes: Vec<Hash> },
+    /// Like `GetChunks`, from a host that can fetch from its peers: the head
+    /// may answer, per chunk, with a peer that has (or is fetching) it
+    /// instead of the bytes ([`FileResp::ChunkSources`]).
+    FindChunks { hashes: Vec<Hash> },
+}
+
+/// Where a host gets one chunk of a [`FileReq::FindChunks`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChunkSource {
+    /// The bytes, as `GetChunks` would have sent them.
+    Data(ChunkData),
+    /// Ask this peer (its [`HostInfo::peer`] address); on any failure, the
+    /// head with `GetChunks`.
+    Peer { hash: Hash, addr: String },
+}
+
+impl ChunkSource {
+    pub fn hash(&self) -> &Hash {
+        match self {
+            ChunkSource::Data(c) => &c.hash,
+            ChunkSource::Peer { hash, .. } => hash,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +58,8 @@ pub enum FileResp {
     ReadDir(Result<Vec<DirEntry>, i32>),
     Recipe(Option<Recipe>),
     Chunks(Vec<ChunkData>),
+    /// The answer to `FindChunks`: one source per chunk, in the order asked.
+    ChunkSources(Vec<ChunkSource>),
     /// The request failed with this errno.
     Errno(i32),
 }
@@ -266,6 +291,7 @@ impl Msg {
             Msg::Error { message, .. } => check_bytes("error message", message.len(), 64 << 10),
             Msg::HostInfo(h) => {
                 check_bytes("host name", h.name.len(), 256)?;
+                check_bytes("peer address", h.peer.as_ref().map_or(0, String::len), 256)?;
                 if !h.load.is_finite() || h.load < 0.0 {
                     return Err(Invalid::HostLoad.into());
                 }
@@ -282,7 +308,7 @@ impl Msg {
             Msg::FileRequest { req, .. } => match req {
                 FileReq::Lookup { path } | FileReq::ReadDir { path } => path.validate(),
                 FileReq::GetRecipe { .. } => Ok(()),
-                FileReq::GetChunks { hashes } => check_bytes("chunk batch", hashes.len(), MAX_BATCH),
+                FileReq::GetChunks { hashes } | FileReq::FindChunks { hashes } => check_bytes("chunk batch", hashes.len(), MAX_BATCH),
             },
             Msg::FileResponse { resp, .. } => match resp {
                 FileResp::Lookup(Lookup::Symlink(_, t)) => check_bytes("symlink target", t.len(), MAX_PATH),
@@ -295,6 +321,13 @@ impl Msg {
                     Ok(())
                 }
                 FileResp::Recipe(Some(r)) => r.validate(),
+                FileResp::ChunkSources(sources) => {
+                    check_bytes("chunk batch", sources.len(), MAX_BATCH)?;
+                    sources.iter().try_for_each(|s| match s {
+                        ChunkSource::Peer { addr, .. } => check_bytes("peer address", addr.len(), 256),
+                        ChunkSource::Data(_) => Ok(()),
+                    })
+                }
                 _ => Ok(()),
             },
             Msg::Finished { changes, accessed, .. } => {

@@ -739,6 +739,10 @@ pub struct HostInfo {
     /// the head places there only what names it (a roaming task's start, `migrate --to home`).
     #[serde(default)]
     pub home: bool,
+    /// `IP:PORT` where this host serves the chunks it holds to other hosts
+    /// of the cluster (`FindChunks`); None if it does not.
+    #[serde(default)]
+    pub peer: Option<String>,
 }
 
 /// One host's owner monitor and guest containment, sent with each load report.

@@ -1,0 +1,116 @@
+"""Hosts fetch a file's chunks from each other (issue 17 part 2): the head sends each chunk about
+once however many hosts read it, a peer that dies mid-transfer costs the others only a fetch
+from the head, and a peer's chunk whose bytes do not match its name is refused as the head's
+would be.
+
+The head's egress is the kernel's count of bytes the head's network namespace sent into the
+cluster's bridge (`/sys/class/net/stbrN/statistics/tx_bytes`: what leaves the root namespace for
+the hosts; traffic between hosts is forwarded by the bridge and not counted there), never a
+figure starling reports. Expected digests are computed here with hashlib."""
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+
+from conftest import STARLING, sh, status, wait_for
+from test_data import read_everywhere
+
+MIB = 1 << 20
+
+
+def instance():
+    return os.environ.get("STARLING_INSTANCE", "0")
+
+
+def bridge_tx():
+    """Bytes the head's side (the root namespace) has sent into the cluster's bridge."""
+    return int(pathlib.Path(f"/sys/class/net/stbr{instance()}/statistics/tx_bytes").read_text())
+
+
+def run_dir():
+    i = instance()
+    return pathlib.Path("/run/starling" if i == "0" else f"/run/starling-{i}")
+
+
+def host_log(name):
+    return (run_dir() / "logs" / f"{name}.log").read_text(errors="replace")
+
+
+def new_file(d, name, size):
+    data = os.urandom(size)
+    p = d / name
+    p.write_bytes(data)
+    return p, hashlib.md5(data).hexdigest()
+
+
+def exec_on(host, path, cwd):
+    return subprocess.Popen([STARLING, "exec", "--host", host, "--", "md5sum", str(path)], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p, host, want):
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 0, f"{host}: exit {p.returncode}: {err[-3000:]}"
+    got = out.split()[0] if out.split() else ""
+    assert got == want, f"{host} read md5 {got}, the file's is {want}"
+
+
+def test_a_file_read_on_every_host_leaves_the_head_about_once(cluster, workdir):
+    size = 48 * MIB + 4321
+    path, want = new_file(workdir, "shared.bin", size)
+    hosts = len(cluster["hosts"])
+    before = bridge_tx()
+    seen, names = read_everywhere(path, workdir)
+    egress = bridge_tx() - before
+    assert {h for h, _ in seen.values()} == names, "a task on every host"
+    wrong = {t: hd for t, hd in seen.items() if hd[1] != want}
+    assert not wrong, f"expected md5 {want} everywhere; these tasks saw otherwise: {wrong}"
+    # Without sharing the head sends the file to every host (hosts x size); with it, once,
+    # plus what a host had to fetch again from the head, and the tasks' own traffic.
+    print(f"head egress {egress} B for a {size} B file read on {hosts} hosts ({egress / size:.2f} x)")
+    assert egress < 1.5 * size, f"the head sent {egress / size:.2f} x the file's size to {hosts} hosts"
+
+
+def peer_connections(host, port):
+    """Established TCP connections to `port` (the agent's peer port) inside `host`'s namespace."""
+    ns = f"starling{instance()}-{host}" if instance() != "0" else f"starling-{host}"
+    out = sh("ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )").stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def test_a_peer_that_dies_mid_transfer_costs_the_others_a_fetch_from_the_head(cluster, workdir):
+    path, want = new_file(workdir, "dies.bin", 160 * MIB + 17)
+    # h1 reads it first: every chunk's holder is h1, so h2..h4 are referred to it.
+    finish(exec_on("h1", path, workdir), "h1", want)
+    h1 = next(h for h in status()["hosts"] if h["name"] == "h1")
+    port = int(h1["peer"].rsplit(":", 1)[1])
+    readers = {h: exec_on(h, path, workdir) for h in ("h2", "h3", "h4")}
+    # Kill h1's agent as soon as a reader is fetching from it (an event, not a time).
+    wait_for(lambda: peer_connections("h1", port), "a host fetching from h1", timeout=300, interval=0.02)
+    os.kill(h1["pid"], signal.SIGKILL)
+    for h, p in readers.items():
+        finish(p, h, want)
+    fell_back = [h for h in readers if "fetching them from the head" in host_log(h)]
+    assert fell_back, "no reader had to fetch from the head: h1 died after the transfer, not during it"
+
+
+def test_a_chunk_that_does_not_match_its_name_is_refused_from_a_peer(cluster, workdir):
+    size = 8 * MIB + 99
+    path, want = new_file(workdir, "lie.bin", size)
+    finish(exec_on("h1", path, workdir), "h1", want)
+    # h1's assembled copy of the file (what it serves its peers from), damaged in its first chunk.
+    state = pathlib.Path(json.loads((run_dir() / "cluster.json").read_text())["state_dir"])
+    files = [f for f in (state / "hosts/h1/state/cache/files").glob("*/*") if f.stat().st_size == size]
+    assert files, f"no assembled file of {size} bytes in h1's cache"
+    copy = max(files, key=lambda f: f.stat().st_mtime)
+    with open(copy, "r+b") as f:
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    before = host_log("h2")
+    finish(exec_on("h2", path, workdir), "h2", want)
+    said = host_log("h2")[len(before):]
+    assert "chunk from peer" in said and "rejected" in said, "h2 did not refuse h1's damaged chunk:\n" + said[-3000:]
