@@ -167,6 +167,9 @@ pub(crate) struct Agent {
     pub running: AtomicU32,
     /// Page distribution of the last clone's fault handler (for `starling status`).
     pub page_distribution: Arc<std::sync::Mutex<Option<String>>>,
+    /// The fork tickets with clones on this host: what their clones share
+    /// (descriptor, multicast receiver).
+    pub host_tickets: starling_fork::host::HostTickets,
     /// Our address towards the head (other hosts reach us there).
     pub addr: Mutex<String>,
     /// Migrations out waiting for the head to hold their task's input.
@@ -477,6 +480,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         waiters: Arc::new(Waiters::default()),
         running: AtomicU32::new(0),
         page_distribution: Arc::new(std::sync::Mutex::new(None)),
+        host_tickets: Default::default(),
         addr: Mutex::new(String::new()),
         held_waiters: Mutex::new(HashMap::new()),
         incoming: Mutex::new(HashMap::new()),

@@ -193,7 +193,7 @@ fn run_blocking(
     let (child, mut clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
-            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork, agent.cfg.rootless)?;
+            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.host_tickets, &agent.cfg.fork, agent.cfg.rootless)?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());

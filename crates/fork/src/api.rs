@@ -18,6 +18,7 @@ use crate::Descriptor;
 use starling_image::abi::counters::CloneCounters;
 use crate::cluster::{CloneState, ClusterClones, ClusterLink};
 use crate::fault::FaultOptions;
+use crate::host::HostTicket;
 use crate::local::LocalClone;
 use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
@@ -186,8 +187,10 @@ impl Ticket {
         let clones = match &self.backend {
             Backend::Local => {
                 let mut clones = Vec::new();
+                // This machine is the clones' one host: they share a multicast receiver.
+                let host = std::sync::Arc::new(HostTicket::new(server.addr(), key, FaultOptions::from_settings(&self.settings)));
                 for id in 1..=self.allocation {
-                    match LocalClone::launch(&descriptor, id, server.addr(), key, &FaultOptions::from_settings(&self.settings)) {
+                    match LocalClone::launch(&descriptor, id, &host) {
                         Ok(c) => clones.push(c),
                         Err(e) => {
                             clones.iter_mut().for_each(LocalClone::kill);

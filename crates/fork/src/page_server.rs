@@ -116,11 +116,15 @@ pub struct WireStats {
     pub multicast_data_pages: u64,
     pub multicast_data_datagrams: u64,
     pub multicast_mtu: u64,
+    /// Multicast receivers that joined the ticket's group (distinct request
+    /// sockets that said HELLO, counted by the sender): one per clone host,
+    /// shared by that host's clones.
+    pub multicast_receivers: u64,
 }
 
 impl WireStats {
     /// As a fixed array (the order of `sf_ticket_stat`'s `which`).
-    pub fn to_array(&self) -> [u64; 15] {
+    pub fn to_array(&self) -> [u64; 16] {
         [
             self.bytes_wire,
             self.bytes_tcp,
@@ -137,6 +141,7 @@ impl WireStats {
             self.multicast_data_pages,
             self.multicast_data_datagrams,
             self.multicast_mtu,
+            self.multicast_receivers,
         ]
     }
 }
@@ -394,6 +399,7 @@ impl PageServer {
             w.multicast_data_pages = g(&ms.data_pages);
             w.multicast_data_datagrams = g(&ms.data_datagrams);
             w.multicast_mtu = s.mtu() as u64;
+            w.multicast_receivers = g(&ms.receivers_joined);
             // `as` from f64 saturates at the bounds and maps NaN to 0: whole bytes/s.
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             let whole = |rate: f64| rate as u64;
@@ -655,6 +661,7 @@ pub struct PageClient {
     rd: BufReader<TcpStream>,
     wr: BufWriter<TcpStream>,
     key: SecretKey,
+    server: SocketAddr,
 }
 
 impl PageClient {
@@ -665,12 +672,17 @@ impl PageClient {
         let mut rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
         let mut wr = BufWriter::new(s);
         prove_client(key, &mut rd, &mut wr)?;
-        Ok(PageClient { rd, wr, key: *key })
+        Ok(PageClient { rd, wr, key: *key, server: addr })
     }
 
     /// The ticket's key (multicast is sealed with it).
     pub fn key(&self) -> &SecretKey {
         &self.key
+    }
+
+    /// The page server's address (as dialled).
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.server
     }
 
     /// Local address of the connection (the interface to join multicast on).

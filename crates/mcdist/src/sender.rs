@@ -96,6 +96,10 @@ impl SenderConfig {
 pub struct SenderStats {
     pub requests: AtomicU64,
     pub hellos: AtomicU64,
+    /// Receivers that joined: distinct request sockets (source address and
+    /// port) that said HELLO. One per clone host when its clones share a
+    /// receiver; counted here, from what arrived, not from what they claim.
+    pub receivers_joined: AtomicU64,
     pub pages_requested: AtomicU64,
     /// Pages multicast (data + zero + unreadable), including pushed ones.
     pub pages_sent: AtomicU64,
@@ -267,6 +271,8 @@ struct SenderCore {
     high: VecDeque<u64>,
     low: VecDeque<u64>,
     receivers: HashMap<u32, ReceiverReport>,
+    /// Request sockets that said HELLO (see [`SenderStats::receivers_joined`]).
+    joined: std::collections::HashSet<std::net::SocketAddr>,
     rate: f64,
     tokens: f64,
     last_refill: Instant,
@@ -277,6 +283,9 @@ struct SenderCore {
 }
 
 const TRACE_LIMIT: usize = 200_000;
+/// Most request sockets remembered for [`SenderStats::receivers_joined`] (a
+/// bound on what sealed HELLOs can make the sender hold).
+const MAX_JOINED: usize = 65_536;
 const INCREASE_TICK: Duration = Duration::from_millis(10);
 /// Pages read from the source per round.
 const SEND_BATCH: usize = 32;
@@ -306,6 +315,7 @@ impl SenderCore {
             high: VecDeque::new(),
             low: VecDeque::new(),
             receivers: HashMap::new(),
+            joined: std::collections::HashSet::new(),
             rate,
             tokens: 0.0,
             last_refill: now,
@@ -338,7 +348,7 @@ impl SenderCore {
             wait_readable(requests, wait);
             for _ in 0..512 {
                 match requests.recv_from(&mut rbuf) {
-                    Ok((n, _)) => self.on_request(&rbuf[..n]),
+                    Ok((n, from)) => self.on_request(&rbuf[..n], from),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(_) => break,
@@ -419,7 +429,7 @@ impl SenderCore {
             && regions.get(i).is_some_and(|&(s, e)| s <= addr && addr + wire::PAGE as u64 <= e)
     }
 
-    fn on_request(&mut self, d: &[u8]) {
+    fn on_request(&mut self, d: &[u8], from: std::net::SocketAddr) {
         let Some(req) = Request::parse_sealed(d, &self.cfg.key) else {
             self.stats.invalid.fetch_add(1, Ordering::Relaxed);
             return;
@@ -437,6 +447,9 @@ impl SenderCore {
         }
         if req.kind == wire::REQ_HELLO {
             self.stats.hellos.fetch_add(1, Ordering::Relaxed);
+            if self.joined.len() < MAX_JOINED && self.joined.insert(from) {
+                self.stats.receivers_joined.fetch_add(1, Ordering::Relaxed);
+            }
             self.send_probe();
             return;
         }
