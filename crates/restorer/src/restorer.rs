@@ -13,14 +13,15 @@
 //! stdio on 0-2.
 //!
 //! Steps: (1) block every signal; optionally a PID namespace: unshare, an
-//! init with PID 1, and the process with `set_tid` = its PID (PID 1 forks
+//! init with PID 1 (which mounts a `/proc` of that namespace in a mount
+//! namespace of its own), and the process with `set_tid` = its PID (PID 1 forks
 //! several for a hierarchical clone ticket); (2) move off the kernel-made
 //! stack onto a static one, unmap it, move vDSO/vvar to the image's
 //! addresses; (3) map every region at its exact address; (4) create a
 //! userfaultfd, register the regions with data to fetch, pass it to the
 //! handler; (5) restore fds, cwd, umask, rlimits, sigactions; (6) create the
 //! other threads with `clone3` `set_tid` = their TIDs; every thread restores
-//! its own fs/gs base, robust list, clear-tid address, rseq and credentials
+//! its own name, fs/gs base, robust list, clear-tid address, rseq and credentials
 //! and queues its pending signals, then waits at a barrier while the leader
 //! arms the interval timers and re-creates the POSIX timers with their IDs; (7) each thread resumes with `rt_sigreturn` on
 //! a frame holding its registers, FPU state, signal mask and altstack.
