@@ -159,7 +159,7 @@ pub(crate) fn prepare(
     let registry = live.clone();
     let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
         registry.lock().unwrap_or_else(|p| p.into_inner()).push((clone_id, stats.clone()));
-        let client = PageClient::connect(server, &key)?;
+        let client = PageClient::connect(server, &key, options.encrypt)?;
         let mut h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
         if let Some(m) = &asked {
             h = h.with_materialize(m.clone(), server);

@@ -36,7 +36,7 @@ impl LocalClone {
         let handler_desc = Arc::new(desc.clone());
         let options = options.clone();
         let serve: Serve = Arc::new(move |_id, uffd, stats, stop| {
-            let client = PageClient::connect(server, &key)?;
+            let client = PageClient::connect(server, &key, options.encrypt)?;
             FaultHandler::new_with(uffd, &handler_desc, client, stats, options.clone()).run(stop)
         });
         let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
