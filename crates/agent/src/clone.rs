@@ -172,7 +172,7 @@ pub(crate) fn prepare(
     let shared = host.clone();
     let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
         registry.lock().unwrap_or_else(|p| p.into_inner()).push((clone_id, stats.clone()));
-        let client = PageClient::connect(server, &key)?;
+        let client = PageClient::connect(server, &key, shared.options().encrypt)?;
         let mut h = FaultHandler::on_host(uffd, &handler_desc, client, stats.clone(), &shared);
         if let Some(m) = &asked {
             h = h.with_materialize(m.clone(), server);

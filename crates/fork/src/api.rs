@@ -181,7 +181,7 @@ impl Ticket {
         // The ticket's secret: clones get it with their launch (over the
         // authenticated control channel), nobody else does.
         let key = starling_proto::SecretKey::random();
-        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None, key };
+        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None, key, encrypt: self.settings.encrypt };
         let server = PageServer::start_with(template.pid, served, bind, opts)?;
         let stamps = ParentStamps { ticket_ns: self.granted_ns, template_ns, descriptor_ns: realtime_ns() };
         let clones = match &self.backend {

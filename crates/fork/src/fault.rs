@@ -234,15 +234,19 @@ pub struct FaultOptions {
     /// `Fetch` pages of its region (`fork.prefetch`, default
     /// [`DEFAULT_PREFETCH`]; 1..=`MAX_BATCH`).
     pub prefetch: usize,
+    /// Take pages only encrypted (`fork.encrypt`): page-server connections
+    /// ask for it, and a multicast group in clear is not joined.
+    pub encrypt: bool,
 }
 
 impl FaultOptions {
-    /// As the settings say (`fork.mcdist` = off refuses multicast; `fork.prefetch`).
+    /// As the settings say (`fork.mcdist` = off refuses multicast; `fork.prefetch`, `fork.encrypt`).
     pub fn from_settings(settings: &starling_config::ForkSettings) -> FaultOptions {
         FaultOptions {
             mcdist: settings.mcdist.unwrap_or(Switch::On),
             probe_timeout: std::time::Duration::from_millis(300),
             prefetch: settings.prefetch,
+            encrypt: settings.encrypt,
         }
     }
 }
@@ -656,8 +660,8 @@ impl FaultHandler {
         if self.drained.is_some() {
             return; // one is under way
         }
-        let key = *self.client.key();
-        let started = PageClient::connect(server, &key).and_then(|client| {
+        let (key, encrypt) = (*self.client.key(), self.client.wants_encryption());
+        let started = PageClient::connect(server, &key, encrypt).and_then(|client| {
             let m2 = m.clone();
             self.spawn_drain(
                 client,
@@ -999,6 +1003,10 @@ pub(crate) fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc
             return (None, Mode::UnicastFallback);
         }
     };
+    if opts.encrypt && !info.encrypted {
+        log::warn!("mcdist: the ticket's multicast pages are not encrypted and this host's fork.encrypt requires it; unicast");
+        return (None, Mode::Unicast);
+    }
     let iface = match client.local_addr() {
         Some(SocketAddr::V4(a)) => *a.ip(),
         _ => Ipv4Addr::LOCALHOST,
@@ -1009,6 +1017,7 @@ pub(crate) fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc
     let id = (std::process::id() << 12) ^ seq;
     let mut cfg = ReceiverConfig::new(info.ticket, *client.key(), info.group, iface, info.sender, id);
     cfg.probe_timeout = opts.probe_timeout;
+    cfg.encrypted = info.encrypted;
     match Receiver::start(cfg, sink) {
         Ok(rx) => (Some(rx), if info.push { Mode::MulticastPush } else { Mode::Multicast }),
         Err(e) => {

@@ -149,7 +149,7 @@ impl HostTicket {
 
     fn fetch_descriptor(&self, hash: &[u8; 32], len: usize) -> Result<(Vec<u8>, Mode)> {
         let addrs = descriptor_pages(len);
-        let mut client = PageClient::connect(self.server, &self.key)?;
+        let mut client = PageClient::connect(self.server, &self.key, self.opts.encrypt)?;
         let mut pages: Option<Vec<Fetched>> = None;
         let mut mode = match self.group(&mut client) {
             Group::Joined(rx, mode) => {

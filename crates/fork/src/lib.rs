@@ -34,6 +34,7 @@ pub mod ffi;
 pub mod local;
 pub mod page_server;
 pub mod restore;
+pub mod stream;
 pub mod template;
 pub mod template_hook;
 pub mod uffd;

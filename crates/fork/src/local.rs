@@ -36,7 +36,7 @@ impl LocalClone {
         let handler_desc = Arc::new(desc.clone());
         let host = host.clone();
         let serve: Serve = Arc::new(move |_id, uffd, stats, stop| {
-            let client = PageClient::connect(host.server(), host.key())?;
+            let client = PageClient::connect(host.server(), host.key(), host.options().encrypt)?;
             FaultHandler::on_host(uffd, &handler_desc, client, stats, &host).run(stop)
         });
         let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };

@@ -58,6 +58,9 @@ pub struct ReceiverConfig {
     pub ticket: u64,
     /// The ticket's key: datagrams not sealed with it are dropped.
     pub key: starling_proto::SecretKey,
+    /// Pages are encrypted (the sender's `fork.encrypt`): a page that does
+    /// not open is dropped, and so is any page in clear (and the reverse).
+    pub encrypted: bool,
     pub group: SocketAddrV4,
     /// Address of the local interface to join the group on.
     pub interface: Ipv4Addr,
@@ -83,6 +86,7 @@ impl ReceiverConfig {
         ReceiverConfig {
             ticket,
             key,
+            encrypted: true,
             group,
             interface,
             sender,
@@ -418,13 +422,15 @@ struct RxLoop {
     interval_bytes: u64,
     last_sweep: Instant,
     rng: u64,
+    /// The page key of the last sender id seen (encrypted pages).
+    cipher: Option<([u8; 16], crate::seal::Cipher)>,
 }
 
 impl RxLoop {
     fn new(cfg: ReceiverConfig, shared: Arc<Shared>, sink: Arc<dyn PageSink>) -> RxLoop {
         let now = Instant::now();
         let rng = 0x9e37_79b9_7f4a_7c15 ^ (u64::from(cfg.receiver_id) + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        RxLoop { cfg, shared, sink, partial: HashMap::new(), interval_start: now, interval_bytes: 0, last_sweep: now, rng }
+        RxLoop { cfg, shared, sink, partial: HashMap::new(), interval_start: now, interval_bytes: 0, last_sweep: now, rng, cipher: None }
     }
 
     fn inject_drop(&mut self) -> bool {
@@ -542,9 +548,19 @@ impl RxLoop {
                 if p.got < p.count {
                     return None;
                 }
-                let p = self.partial.remove(&h.addr)?;
+                let mut p = self.partial.remove(&h.addr)?;
                 let whole = DataHeader { mac: p.mac, ..h };
-                if !whole.verify(&self.cfg.key, &p.data) {
+                let authentic = if self.cfg.encrypted {
+                    let id = whole.sender_id();
+                    if self.cipher.as_ref().is_none_or(|(known, _)| *known != id) {
+                        self.cipher = Some((id, crate::seal::Cipher::derive(&self.cfg.key, crate::seal::MULTICAST_PAGE, &[&id])));
+                    }
+                    let (_, cipher) = self.cipher.as_ref().expect("set above");
+                    whole.open_page(cipher, &mut p.data)
+                } else {
+                    whole.verify(&self.cfg.key, &p.data)
+                };
+                if !authentic {
                     // Corrupted on the way, or forged: asked for again.
                     st.pages_corrupt.fetch_add(1, Ordering::Relaxed);
                     st.forged.fetch_add(1, Ordering::Relaxed);

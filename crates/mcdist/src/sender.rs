@@ -38,6 +38,8 @@ pub struct SenderConfig {
     pub ticket: u64,
     /// The ticket's key: every datagram is sealed with it, requests must be.
     pub key: starling_proto::SecretKey,
+    /// Encrypt page contents (`fork.encrypt`; see [`crate::wire`]).
+    pub encrypt: bool,
     /// The ticket's multicast group and port.
     pub group: SocketAddrV4,
     /// Address of the interface to send on (IP_MULTICAST_IF).
@@ -72,6 +74,7 @@ impl SenderConfig {
         SenderConfig {
             ticket,
             key,
+            encrypt: true,
             group,
             interface,
             request_bind: SocketAddrV4::new(interface, 0),
@@ -278,8 +281,14 @@ struct SenderCore {
     last_refill: Instant,
     last_increase: Instant,
     last_trace: Instant,
+    /// Grows by one per datagram that is not a fragment and per page
+    /// transmission (its fragments share it): the nonce of an encrypted page.
     seq: u64,
     buf: Vec<u8>,
+    /// With encryption: this sender's page key and the random id it is salted with.
+    cipher: Option<(crate::seal::Cipher, [u8; 16])>,
+    /// The page being encrypted (a copy: the source's stays as read).
+    sealed: Vec<u8>,
 }
 
 const TRACE_LIMIT: usize = 200_000;
@@ -323,6 +332,11 @@ impl SenderCore {
             last_trace: now,
             seq: 0,
             buf: vec![0u8; 65536],
+            cipher: cfg.encrypt.then(|| {
+                let id: [u8; 16] = starling_proto::SecretKey::random().0[..16].try_into().expect("16 of 32 bytes");
+                (crate::seal::Cipher::derive(&cfg.key, crate::seal::MULTICAST_PAGE, &[&id]), id)
+            }),
+            sealed: vec![0u8; wire::PAGE],
             cfg,
         }
     }
@@ -606,13 +620,24 @@ impl SenderCore {
         };
         h.kind = wire::KIND_FRAGMENT;
         h.count = self.fragments;
-        h.seal(&self.cfg.key, data);
+        self.seq += 1;
+        h.seq = self.seq;
+        let mut sealed = std::mem::take(&mut self.sealed);
+        let data = match &self.cipher {
+            Some((cipher, id)) => {
+                sealed.copy_from_slice(data);
+                h.seal_page(cipher, *id, &mut sealed);
+                &sealed
+            }
+            None => {
+                h.seal(&self.cfg.key, data);
+                data
+            }
+        };
         let mut buf = std::mem::take(&mut self.buf);
         for i in 0..self.fragments {
             let Some(r) = wire::fragment_range(i, self.fragments) else { break };
-            self.seq += 1;
             h.index = i;
-            h.seq = self.seq;
             h.write(&mut buf[..wire::DATA_HEADER]);
             let len = wire::DATA_HEADER + r.len();
             buf[wire::DATA_HEADER..len].copy_from_slice(&data[r]);
@@ -621,6 +646,7 @@ impl SenderCore {
         }
         self.stats.data_pages.fetch_add(1, Ordering::Relaxed);
         self.buf = buf;
+        self.sealed = sealed;
     }
 }
 
