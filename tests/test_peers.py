@@ -73,10 +73,14 @@ def test_a_file_read_on_every_host_leaves_the_head_about_once(cluster, workdir):
     assert egress < 1.5 * size, f"the head sent {egress / size:.2f} x the file's size to {hosts} hosts"
 
 
+def host_ns(host):
+    """The network namespace of emulated host `host` on this run's cluster."""
+    return f"starling{instance()}-{host}" if instance() != "0" else f"starling-{host}"
+
+
 def peer_connections(host, port):
     """Established TCP connections to `port` (the agent's peer port) inside `host`'s namespace."""
-    ns = f"starling{instance()}-{host}" if instance() != "0" else f"starling-{host}"
-    out = sh("ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )").stdout
+    out = sh("ip", "netns", "exec", host_ns(host), "ss", "-Htn", "state", "established", f"( sport = :{port} )").stdout
     return [line for line in out.splitlines() if line.strip()]
 
 
@@ -86,12 +90,21 @@ def test_a_peer_that_dies_mid_transfer_costs_the_others_a_fetch_from_the_head(cl
     finish(exec_on("h1", path, workdir), "h1", want)
     h1 = next(h for h in status()["hosts"] if h["name"] == "h1")
     port = int(h1["peer"].rsplit(":", 1)[1])
-    readers = {h: exec_on(h, path, workdir) for h in ("h2", "h3", "h4")}
-    # Kill h1's agent as soon as a reader is fetching from it (an event, not a time).
-    wait_for(lambda: peer_connections("h1", port), "a host fetching from h1", timeout=300, interval=0.02)
-    os.kill(h1["pid"], signal.SIGKILL)
-    for h, p in readers.items():
-        finish(p, h, want)
+    # h1 sends slowly (a token bucket on its side of its veth: 40 Mbit/s, so serving 160 MiB takes
+    # half a minute or more), so the kill below lands while a transfer from it is under way however
+    # fast this machine is; what h1 receives, and the other hosts' links, are not shaped.
+    ns = host_ns("h1")
+    sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+       "rate", "40mbit", "burst", "64kb", "latency", "2s")
+    try:
+        readers = {h: exec_on(h, path, workdir) for h in ("h2", "h3", "h4")}
+        # Kill h1's agent as soon as a reader is fetching from it (an event, not a time).
+        wait_for(lambda: peer_connections("h1", port), "a host fetching from h1", timeout=300, interval=0.02)
+        os.kill(h1["pid"], signal.SIGKILL)
+        for h, p in readers.items():
+            finish(p, h, want)
+    finally:
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
     fell_back = [h for h in readers if "fetching them from the head" in host_log(h)]
     assert fell_back, "no reader had to fetch from the head: h1 died after the transfer, not during it"
 
