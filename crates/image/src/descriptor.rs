@@ -13,7 +13,9 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 5;
+pub const DESCRIPTOR_VERSION: u32 = 6;
+/// Most processes one descriptor carries (a process and its descendants).
+pub const MAX_TREE_PROCESSES: usize = crate::abi::plan::MAX_TREE_PLANS;
 /// Upper bound accepted by [`Descriptor::decode`].
 pub const MAX_DESCRIPTOR_BYTES: u64 = 64 << 20;
 /// Largest FPU area accepted (XSAVE with AMX is ~11 KiB).
@@ -168,6 +170,9 @@ pub struct ProcessState {
     pub groups: Vec<u32>,
     /// Signals queued for the process (shared queue).
     pub pending: Vec<SigInfo>,
+    /// It leads a process group of its own (`setpgid(0, 0)` on restore; a
+    /// moved tree's root keeps the group its restorer gives it).
+    pub leads_group: bool,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -179,6 +184,13 @@ pub struct Descriptor {
     pub threads: Vec<ThreadState>,
     pub sigactions: SigactionTable,
     pub process: ProcessState,
+    /// The processes descending from it, moving with it (a process tree),
+    /// parents before their children: each with the index of its parent
+    /// (0: this process, i: `descendants[i - 1]`). Each is restored as a
+    /// fork of its restored parent with its own PID, so the parent's `wait`
+    /// still reaps it. Flat (a descendant has none of its own): decoding
+    /// never recurses deeper than one level.
+    pub descendants: Vec<(u32, Descriptor)>,
 }
 
 impl Descriptor {
@@ -207,8 +219,36 @@ impl Descriptor {
         Ok(d)
     }
 
-    /// Structural checks the plan and the restorer rely on.
+    /// The processes of the tree it is the root of, parents before their
+    /// children, each with its parent's index (None: the root). The index is
+    /// the process's clone ID in the restore.
+    pub fn processes(&self) -> Vec<(Option<usize>, &Descriptor)> {
+        core::iter::once((None, self)).chain(self.descendants.iter().map(|(p, d)| (Some(*p as usize), d))).collect()
+    }
+
+    /// Structural checks the plan and the restorer rely on, for the whole
+    /// tree: every process's own, at most [`MAX_TREE_PROCESSES`], no PID twice.
     pub fn validate(&self) -> Result<(), DescriptorError> {
+        let bad = |detail: String| Err(DescriptorError::Invalid(detail));
+        let procs = self.processes();
+        if procs.len() > MAX_TREE_PROCESSES {
+            return bad(format!("{} processes in one tree", procs.len()));
+        }
+        for (i, (parent, d)) in procs.iter().enumerate().skip(1) {
+            if parent.is_none_or(|p| p >= i) || !d.descendants.is_empty() {
+                return bad(format!("process {i} of the tree: parent not before it, or descendants of its own"));
+            }
+        }
+        let mut ids: Vec<u64> = procs.iter().flat_map(|(_, d)| d.threads.iter().map(|t| t.core.tid)).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return bad("duplicate thread or process ids in the tree".to_string());
+        }
+        procs.iter().try_for_each(|(_, d)| d.validate_process())
+    }
+
+    /// The checks of one process (not its children).
+    fn validate_process(&self) -> Result<(), DescriptorError> {
         let bad = |detail: String| Err(DescriptorError::Invalid(detail));
         if self.version != DESCRIPTOR_VERSION {
             return Err(DescriptorError::Version(self.version));

@@ -74,8 +74,22 @@ impl Blob {
     }
 }
 
-/// Build the plan blob for one restore.
+/// Build the plan for one restore: one plan per process of the tree `d`
+/// is the root of, one after the other (`PlanHeader::parent`), each
+/// process's clone ID `opts.clone_id` + its index.
 pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (i, (parent, p)) in d.processes().into_iter().enumerate() {
+        out.resize(usize::try_from(align_fpu(out.len() as u64)).expect("plan fits memory"), 0);
+        let index = u32::try_from(i).expect("a tree has few processes");
+        let own = PlanOptions { clone_id: opts.clone_id + index, ..opts };
+        out.extend_from_slice(&lower_process(p, own, parent.map_or(NO_PARENT, |p| p as u64)));
+    }
+    out
+}
+
+/// The plan of one process (`parent`: its parent's plan index).
+fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64) -> Vec<u8> {
     let mut blob = Blob::default();
     // FPU areas first: their alignment then costs no padding between strings.
     let threads: Vec<PlanThread> =
@@ -150,8 +164,11 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     if opts.clone_id_in_rax {
         flags |= PLAN_FLAG_CLONE_ID_IN_RAX;
     }
-    if opts.terminal {
+    if opts.terminal && parent == NO_PARENT {
         flags |= PLAN_FLAG_TERMINAL;
+    }
+    if d.process.leads_group && parent != NO_PARENT {
+        flags |= PLAN_FLAG_GROUP_LEADER;
     }
     let header = PlanHeader {
         magic: PLAN_MAGIC,
@@ -160,6 +177,7 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
         flags,
         clone_id: u64::from(opts.clone_id),
         clone_count: u64::from(opts.clone_count.max(1)),
+        parent,
         n_threads: threads.len() as u64,
         threads_off,
         n_regions: regions.len() as u64,

@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 7;
+pub const PLAN_VERSION: u64 = 8;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -41,6 +41,16 @@ pub const PLAN_FLAG_CLONE_ID_IN_RAX: u64 = 2;
 /// starts its own session with it as controlling terminal (setsid +
 /// TIOCSCTTY), which makes its process group the terminal's foreground one.
 pub const PLAN_FLAG_TERMINAL: u64 = 4;
+
+/// Plan flag: the process leads a process group of its own (a moved
+/// tree's descendant): it calls `setpgid(0, 0)` right after its fork.
+pub const PLAN_FLAG_GROUP_LEADER: u64 = 8;
+
+/// Most plans (processes) in one process tree.
+pub const MAX_TREE_PLANS: usize = 64;
+
+/// [`PlanHeader::parent`] of a tree's root (and of a single process).
+pub const NO_PARENT: u64 = u64::MAX;
 
 /// Most instructions of [`PlanHeader::seccomp`] (the kernel's BPF_MAXINSNS).
 pub const MAX_SECCOMP_INSNS: u64 = 4096;
@@ -67,6 +77,13 @@ pub struct PlanHeader {
     /// point (hierarchical tickets). Needs `PLAN_FLAG_NEW_PIDNS` when > 1,
     /// and a single thread.
     pub clone_count: u64,
+    /// A process tree is several plans one after the other (each starting
+    /// at a multiple of [`FPU_ALIGN`], its `total_len` its own): this is
+    /// the index of the plan of this process's parent, which forks it with
+    /// its PID before either restores anything; [`NO_PARENT`] for the first
+    /// plan (the root, forked by PID 1). A tree needs `PLAN_FLAG_NEW_PIDNS`
+    /// and a `clone_count` of 1 in every plan.
+    pub parent: u64,
     pub n_threads: u64,
     pub threads_off: u64,
     pub n_regions: u64,
@@ -222,6 +239,41 @@ pub const SIGNAL_SIZE: usize = core::mem::size_of::<PlanSignal>();
 /// Round `n` up to the FPU alignment (blob offsets of FPU areas).
 pub const fn align_fpu(n: u64) -> u64 {
     (n + FPU_ALIGN - 1) & !(FPU_ALIGN - 1)
+}
+
+/// The offsets of the plans of a process tree in `bytes` (see
+/// [`PlanHeader::parent`]), each checked by [`validate`], the parents
+/// before their children; at most `max` plans.
+#[allow(clippy::cast_possible_truncation)] // offsets are checked against `bytes.len()` first
+pub fn validate_tree(bytes: &[u8], out: &mut [u64]) -> Result<usize, PlanInvalid> {
+    let mut n = 0usize;
+    let mut off = 0u64;
+    let len = bytes.len() as u64;
+    while off < len {
+        if n == out.len() {
+            return Err(PlanInvalid { what: "too many plans in a tree", value: n as u64 });
+        }
+        let rest = &bytes[off as usize..];
+        if rest.len() < HEADER_SIZE {
+            return Err(PlanInvalid { what: "plan shorter than header", value: rest.len() as u64 });
+        }
+        let h: PlanHeader = record(rest, 0, 0);
+        if h.total_len > rest.len() as u64 || h.total_len < HEADER_SIZE as u64 {
+            return Err(PlanInvalid { what: "plan length in a tree", value: h.total_len });
+        }
+        validate(&rest[..h.total_len as usize])?;
+        let root = n == 0;
+        if root != (h.parent == NO_PARENT) || (!root && (h.parent >= n as u64 || h.clone_count != 1 || h.flags & PLAN_FLAG_NEW_PIDNS == 0)) {
+            return Err(PlanInvalid { what: "parent of a plan in a tree", value: h.parent });
+        }
+        out[n] = off;
+        n += 1;
+        off = align_fpu(off + h.total_len);
+    }
+    if n == 0 {
+        return Err(PlanInvalid { what: "empty plan", value: 0 });
+    }
+    Ok(n)
 }
 
 /// Why [`validate`] refused a plan: what was wrong and the value that was.
