@@ -39,8 +39,8 @@ fn main() {
     let mut stream = Vec::new();
     let to_target = [
         ToTarget::Prepare { payload: b"view".to_vec() },
-        ToTarget::Pages { addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
-        ToTarget::Image { descriptor: starling_image::sample::descriptor(&[42]).encode(), stale: vec![0x2000], page_server: "10.0.0.1:4000".into(), payload: b"files".to_vec() },
+        ToTarget::Pages { process: 0, addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
+        ToTarget::Image { descriptor: starling_image::sample::descriptor(&[42]).encode(), stale: vec![vec![0x2000]], page_servers: vec!["10.0.0.1:4000".into()], payload: b"files".to_vec() },
     ];
     for frame in &to_target {
         migrate_wire::send(&mut stream, frame).expect("encode");

@@ -8,8 +8,13 @@
 //! credentials, limits and cwd from `/proc` (`starling_fork::dump`). Paths
 //! are made relative to the task's root (the process runs chrooted there).
 //!
+//! A process tree moves together: the root and every descendant, each
+//! captured alone, the tree's shape in the root's descriptor
+//! (`Descriptor::descendants`).
+//!
 //! What cannot move is refused before anything is frozen ([`precheck`]) and
-//! again at capture: a child process, more than `MAX_POSIX_TIMERS` POSIX
+//! again at capture: a zombie or stopped process in the tree, a pipe between
+//! two of its processes, more than `MAX_POSIX_TIMERS` POSIX
 //! timers or one on a clock the restorer cannot give back (their IDs,
 //! notifications and clocks come from `/proc/PID/timers`, their times from
 //! injected `timer_gettime` calls), a descriptor that is
@@ -99,17 +104,112 @@ fn thread_name(pid: i32, tid: i32) -> [u8; 16] {
     comm
 }
 
-/// Refuse what cannot move, without stopping the process.
-pub fn precheck(pid: i32, root: &Path) -> Result<()> {
-    let children = children(pid)?;
-    if !children.is_empty() {
-        return Err(MigrateError::Unmovable(format!(
-            "process {pid} has child processes ({}): moving process trees is not supported yet",
-            children.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
-        )));
+/// A process of the task's tree: its PID (in our namespace) and the index
+/// of its parent in the tree's list (None: the root).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member {
+    pub pid: i32,
+    pub parent: Option<usize>,
+}
+
+/// The process tree `pid` is the root of, parents before their children,
+/// or why it cannot move: a zombie (its parent has not reaped it: its exit
+/// status cannot be given back) or a stopped process in it, or more than
+/// `MAX_TREE_PROCESSES` processes.
+pub fn tree(pid: i32) -> Result<Vec<Member>> {
+    let mut out = vec![Member { pid, parent: None }];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i].pid;
+        movable_state(p, i == 0)?;
+        for c in children(p)? {
+            out.push(Member { pid: c, parent: Some(i) });
+        }
+        not_too_many(out.len())?;
+        i += 1;
     }
-    listed_timers(pid)?;
-    classify_fds(pid, root).map(drop)
+    Ok(out)
+}
+
+/// Freeze the tree `pid` is the root of, each process before its children
+/// are listed (a frozen process forks no more): the frozen processes and
+/// the tree, as [`tree`] lists it. Any failure lets go of those frozen so far.
+pub fn freeze_tree(pid: i32) -> Result<(Vec<Frozen>, Vec<Member>)> {
+    let mut members = vec![Member { pid, parent: None }];
+    let mut frozen = Vec::new();
+    let mut i = 0;
+    while i < members.len() {
+        let p = members[i].pid;
+        movable_state(p, i == 0)?;
+        match Frozen::freeze(p) {
+            Ok(f) => frozen.push(f),
+            Err(MigrateError::Gone(_)) if i > 0 => {
+                return Err(MigrateError::Unmovable(format!("process {p} of the task ended while the task was being frozen")))
+            }
+            Err(e) => return Err(e),
+        }
+        for c in children(p)? {
+            members.push(Member { pid: c, parent: Some(i) });
+        }
+        not_too_many(members.len())?;
+        i += 1;
+    }
+    Ok((frozen, members))
+}
+
+fn not_too_many(n: usize) -> Result<()> {
+    if n > starling_image::MAX_TREE_PROCESSES {
+        return Err(MigrateError::Unmovable(format!("the task has more than {} processes", starling_image::MAX_TREE_PROCESSES)));
+    }
+    Ok(())
+}
+
+/// Refuse a zombie (its parent has not reaped it: its exit status cannot
+/// be given back) or a stopped process; the root gone is `Gone`.
+fn movable_state(p: i32, root: bool) -> Result<()> {
+    match process_state(p) {
+        Some('Z') => Err(MigrateError::Unmovable(format!(
+            "process {p} of the task is a zombie (its parent has not waited for it): its exit status cannot move"
+        ))),
+        Some('T' | 't') => Err(MigrateError::Unmovable(format!("process {p} of the task is stopped"))),
+        None | Some('X' | 'x') if root => Err(MigrateError::Gone(p)),
+        None | Some('X' | 'x') => Err(MigrateError::Unmovable(format!("process {p} of the task ended while it was being looked at"))),
+        _ => Ok(()),
+    }
+}
+
+/// A process's state letter (`R`, `S`, `Z`, `T`…), None if it is gone.
+fn process_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// Whether `pid` leads a process group of its own.
+fn leads_group(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let pgrp = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(2)?.parse::<i32>().ok());
+    pgrp == Some(pid)
+}
+
+/// The task's stdio pipes (`pipe:[N]` of fds 0-2 of its root): the only
+/// pipes at fds 0-2 a process of its tree may hold (at the same fd).
+pub fn stdio_pipes(pid: i32) -> Vec<(i32, String)> {
+    (0..=2)
+        .filter_map(|fd| Some((fd, std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()?.to_string_lossy().into_owned())))
+        .filter(|(_, t)| t.starts_with("pipe:"))
+        .collect()
+}
+
+/// Refuse what cannot move, without stopping anything: the process tree
+/// `pid` is the root of, each of its processes' timers and descriptors.
+pub fn precheck(pid: i32, root: &Path) -> Result<Vec<Member>> {
+    let members = tree(pid)?;
+    let stdio = stdio_pipes(pid);
+    for m in &members {
+        listed_timers(m.pid)?;
+        classify_fds(m.pid, root, &stdio)?;
+    }
+    Ok(members)
 }
 
 /// A POSIX timer as `/proc/PID/timers` shows it; the time left comes from
@@ -228,8 +328,8 @@ fn children(pid: i32) -> Result<Vec<i32>> {
 }
 
 /// The process's descriptors as the image carries them, or the first one
-/// that cannot move.
-pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
+/// that cannot move. `task_stdio`: the task's stdio pipes ([`stdio_pipes`]).
+pub fn classify_fds(pid: i32, root: &Path, task_stdio: &[(i32, String)]) -> Result<Vec<FdEntry>> {
     let dir = format!("/proc/{pid}/fd");
     let mut fds: Vec<i32> = std::fs::read_dir(&dir)
         .map_err(|e| MigrateError::Proc { path: dir.clone(), source: e })?
@@ -264,6 +364,9 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
             }
             if fd > 2 && !dead_end(pid, &target, &link, write) {
                 return refuse("a pipe: processes connected by pipes cannot move yet");
+            }
+            if fd <= 2 && !task_stdio.iter().any(|(n, t)| *n == fd && *t == target) {
+                return refuse("a pipe between processes of the task: pipelines cannot move yet");
             }
             if write { FdKind::PipeWrite } else { FdKind::PipeRead }
         } else if target.starts_with("socket:") {
@@ -530,10 +633,31 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
     Ok(Inside { threads, sigactions, itimers, timers, brk })
 }
 
-/// The complete image of a frozen process.
-pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
+/// The complete image of a frozen process tree (`frozen[i]` is the
+/// process `members[i]`, as [`tree`] lists them).
+pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> Result<Descriptor> {
+    let stdio = stdio_pipes(frozen[0].pid);
+    let mut images = Vec::with_capacity(frozen.len());
+    for f in frozen {
+        images.push(capture_process(f, opts, &stdio)?);
+    }
+    let mut images = images.into_iter();
+    let mut root = images.next().ok_or(MigrateError::Gone(0))?;
+    root.descendants = members
+        .iter()
+        .skip(1)
+        .zip(images)
+        .map(|(m, d)| (u32::try_from(m.parent.unwrap_or(0)).unwrap_or(u32::MAX), d))
+        .collect();
+    root.validate()?;
+    Ok(root)
+}
+
+/// The image of one frozen process (without descendants).
+fn capture_process(f: &Frozen, opts: &CaptureOptions, stdio: &[(i32, String)]) -> Result<Descriptor> {
     let pid = f.pid;
-    precheck(pid, &opts.root)?;
+    listed_timers(pid)?;
+    let fds = classify_fds(pid, &opts.root, stdio)?;
     let inside_state = read_inside(f)?;
     let leader_rsp = inside_state.threads[0].core.regs.rsp;
     let region_opts = RegionOptions { heuristics: opts.heuristics, stack_pointer: leader_rsp, check_inode: false, own_write_tracking: true };
@@ -551,12 +675,12 @@ pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
         regions,
-        fds: classify_fds(pid, &opts.root)?,
+        fds,
         threads: inside_state.threads,
         sigactions: inside_state.sigactions,
-        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)? },
+        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)?, leads_group: leads_group(pid) },
+        descendants: Vec::new(),
     };
-    d.validate()?;
     Ok(d)
 }
 

@@ -1,0 +1,90 @@
+"""A task's whole process tree moves together (issue 9 part 4), on a real embedded cluster.
+
+tests/migrate/tree.c: a parent and its children each count in phases, printing a checksum of their
+own heap per step; between phases they wait at a gate (the parent reads a line of stdin, then
+signals each child), so the test moves the tree at known points without timing. Each moved run
+must print, per process, exactly what an undisturbed local run prints, the parent's waitpid must
+get each child's real exit status, and the task's exit status must be the parent's.
+"""
+import collections
+import os
+import subprocess
+
+import pytest
+
+from conftest import ROOT, status, wait_for
+from test_migrate import Task, cc, local, migrate, ps_row
+
+
+@pytest.fixture(scope="module")
+def tree_prog():
+    return cc(ROOT / "tests/migrate/tree.c", "tree")
+
+
+def per_process(out):
+    """Lines of each process (by their "p<k>" prefix), in the order it printed them; the rest apart."""
+    procs = collections.defaultdict(list)
+    for line in out.splitlines():
+        procs[line.split(" ", 1)[0] if line.startswith("p") else "end"].append(line)
+    return dict(procs)
+
+
+def wait_gate(t, children, phase):
+    """Read until every process of the tree printed that it waits after `phase`."""
+    want = {f"p{k} phase {phase} done\n" for k in range(children + 1)}
+    while not want <= set(t.lines):
+        t.read_until("p")
+
+
+def test_a_parent_and_two_children_move_twice_and_reap_as_if_never_moved(cluster, tree_prog, workdir):
+    hosts = [h["name"] for h in status()["hosts"]]
+    argv = [tree_prog, 2, 3, 20, 20]
+    t = Task(argv, hosts[0], workdir)
+    wait_gate(t, 2, 0)
+    task = t.id(" ".join(map(str, argv)))
+    # First move: every process waits at its gate (the parent in read, the children in sigwaitinfo).
+    report = migrate(task, hosts[1])
+    assert report["to"] == hosts[1] and report["threads"] == 3, report
+    assert ps_row(task)["host"] == hosts[1]
+    t.send("\n")
+    # Second move: right after the gate opened, while the processes work.
+    report = migrate(task, hosts[2])
+    assert report["to"] == hosts[2] and report["threads"] == 3, report
+    assert ps_row(task)["host"] == hosts[2]
+    wait_gate(t, 2, 1)
+    t.send("\n")
+    rc, moved, err = t.finish()
+    ref_rc, ref = local(argv, "\n\n", cwd=workdir)
+    assert ref_rc == 7, ref
+    assert per_process(moved) == per_process(ref), f"moved run differs from an undisturbed one; stderr: {err}"
+    assert per_process(moved)["end"] == ["reaped 1 exit 11", "reaped 2 exit 12", "done"]
+    assert rc == 7, f"the task's exit status is the parent's: {rc}; stderr: {err}"
+    wait_for(lambda: ps_row(task) is None, "the task to leave ps")
+
+
+@pytest.mark.parametrize("extra,reason", [
+    # A child that has exited and that its parent has not reaped yet.
+    ("import os, sys, time\nif os.fork() == 0: os._exit(3)\n", "zombie"),
+    # A child holding a socket.
+    ("import os, socket, time\nif os.fork() == 0:\n    s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); time.sleep(600)\n", "socket"),
+])
+def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdir, extra, reason):
+    prog = (extra +
+            "import sys, time\n"
+            "time.sleep(0.5)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print('still here', flush=True)\n"
+            "os._exit(0)\n")
+    prog = "import os\n" + prog
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task(["python3", "-c", prog], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id("python3")
+    r = migrate(task, hosts[1], check=False)
+    assert r.returncode != 0, r.stdout
+    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
+    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (0, "ready\nstill here\n"), err
