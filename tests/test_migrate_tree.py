@@ -62,21 +62,28 @@ def test_a_parent_and_two_children_move_twice_and_reap_as_if_never_moved(cluster
     wait_for(lambda: ps_row(task) is None, "the task to leave ps")
 
 
-@pytest.mark.parametrize("extra,reason", [
+@pytest.mark.parametrize("child,reason", [
     # A child that has exited and that its parent has not reaped yet.
-    ("import os, sys, time\nif os.fork() == 0: os._exit(3)\n", "zombie"),
+    ("os._exit(3)", "zombie"),
     # A child holding a socket.
-    ("import os, socket, time\nif os.fork() == 0:\n    s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); time.sleep(600)\n", "socket"),
+    ("os.close(r); s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); os.write(w, b'x'); os.close(w); signal.pause()", "socket"),
 ])
-def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdir, extra, reason):
-    prog = (extra +
-            "import sys, time\n"
-            "time.sleep(0.5)\n"
+def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdir, child, reason):
+    # The parent says "ready" once its child is a zombie or listens (the child says so on a pipe
+    # the parent closes before it says "ready": no pipe is left between them).
+    prog = ("import os, signal, socket, sys, time\n"
+            "r, w = os.pipe()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            f"    {child}\n"
+            "os.close(w)\n"
+            "os.read(r, 1); os.close(r)\n"
+            "while open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] not in 'ZS':\n"
+            "    time.sleep(0.01)\n"
             "print('ready', flush=True)\n"
             "sys.stdin.readline()\n"
             "print('still here', flush=True)\n"
-            "os._exit(0)\n")
-    prog = "import os\n" + prog
+            "os.kill(pid, 9); os.waitpid(pid, 0)\n")
     hosts = [h["name"] for h in status()["hosts"]]
     t = Task(["python3", "-c", prog], hosts[0], workdir)
     t.read_until("ready")
