@@ -7,8 +7,12 @@ must print, per process, exactly what an undisturbed local run prints, the paren
 get each child's real exit status, and the task's exit status must be the parent's.
 """
 import collections
+import fcntl
 import os
+import pathlib
+import struct
 import subprocess
+import termios
 
 import pytest
 
@@ -95,3 +99,61 @@ def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdi
     t.send("\n")
     rc, out, err = t.finish()
     assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+PRODUCER = ("import sys\n"
+            "for i in range(int(sys.argv[1])):\n"
+            "    sys.stdout.buffer.write(bytes((i * 7 + j) % 251 for j in range(4096)))\n")
+# Reads 4 KiB at a time, slowly: the producer runs ahead until the pipe between them is full, so a
+# move finds bytes in flight in it (and the producer blocked writing).
+CONSUMER = ("import hashlib, sys, time\n"
+            "h = hashlib.sha256()\n"
+            "i = 0\n"
+            "while chunk := sys.stdin.buffer.read(4096):\n"
+            "    h.update(chunk)\n"
+            "    print(f'chunk {i} {len(chunk)} {h.hexdigest()[:16]}', flush=True)\n"
+            "    i += 1\n"
+            "    time.sleep(float(sys.argv[1]))\n"
+            "print('end', flush=True)\n"
+            "sys.exit(5)\n")
+
+
+def queued_in_stdin_of(cmdline):
+    """Bytes waiting in the stdin pipe of the process whose command line starts with `cmdline`
+    (FIONREAD on a new read end of that pipe, which takes nothing out)."""
+    def command_of(pid):
+        try:
+            return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:  # ended meanwhile
+            return b""
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and command_of(p).startswith(cmdline.encode())]
+    assert len(pids) == 1, f"processes running {cmdline!r}: {pids}"
+    fd = os.open(f"/proc/{pids[0]}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    finally:
+        os.close(fd)
+
+
+def test_a_shell_pipeline_moves_mid_stream_with_bytes_in_flight(cluster, workdir):
+    (workdir / "producer.py").write_text(PRODUCER)
+    (workdir / "consumer.py").write_text(CONSUMER)
+    chunks = 300
+    tag = workdir.name  # names this run's consumer among the machine's processes
+    line = f"python3 producer.py {chunks} | python3 consumer.py 0.01 {tag}"
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task(["sh", "-c", line], hosts[0], workdir)
+    t.read_until("chunk 30 ")
+    task = t.id("producer.py")
+    assert queued_in_stdin_of(f"python3 consumer.py 0.01 {tag}") > 0, "no bytes in flight in the pipe before the move"
+    report = migrate(task, hosts[1])
+    assert report["to"] == hosts[1] and report["threads"] >= 3, report
+    t.read_until("chunk 120 ")
+    report = migrate(task, hosts[2])
+    assert report["to"] == hosts[2], report
+    assert ps_row(task)["host"] == hosts[2]
+    rc, moved, err = t.finish()
+    ref = subprocess.run(["sh", "-c", line], cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 5 and ref.stdout.endswith("end\n"), ref
+    assert moved == ref.stdout, f"the consumer's output differs from an undisturbed run; stderr: {err}"
+    assert rc == 5, f"the pipeline's exit status: {rc}; stderr: {err}"

@@ -115,6 +115,7 @@ pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descr
         sigactions: record.sigactions,
         process: ProcessState { core: ProcessCore { pid: thread.tid, ..core }, cwd, groups, pending: vec![], leads_group: false },
         descendants: Vec::new(),
+        pipes: Vec::new(),
     };
     d.validate()?;
     Ok(d)

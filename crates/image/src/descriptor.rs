@@ -140,9 +140,21 @@ pub enum FdKind {
     /// (1 or 2), which the agent relays to the client, who appends it to its
     /// own fd — the file is never reopened, so never committed as a whole.
     Stream { of: i32 },
+    /// An end of a pipe between processes of the tree (`Descriptor::pipes`
+    /// of the tree's root, by index), with the descriptor's flags.
+    TreePipe { pipe: u32, write: bool, flags: u32 },
     Socket,
     /// Character/block device, anon inode (eventfd, epoll…), deleted file.
     Other { target: String },
+}
+
+/// A pipe between processes of a tree.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PipeImage {
+    /// Its capacity (`F_GETPIPE_SZ`): writers block where they did.
+    pub capacity: u32,
+    /// What was in it, unread.
+    pub data: Vec<u8>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -191,6 +203,10 @@ pub struct Descriptor {
     /// still reaps it. Flat (a descendant has none of its own): decoding
     /// never recurses deeper than one level.
     pub descendants: Vec<(u32, Descriptor)>,
+    /// The pipes between processes of the tree (the root's only): each is
+    /// made again on the target with its unread bytes in it, and every
+    /// process gets its ends at the same fd numbers (`FdKind::TreePipe`).
+    pub pipes: Vec<PipeImage>,
 }
 
 impl Descriptor {
@@ -238,6 +254,21 @@ impl Descriptor {
             if parent.is_none_or(|p| p >= i) || !d.descendants.is_empty() {
                 return bad(format!("process {i} of the tree: parent not before it, or descendants of its own"));
             }
+        }
+        for (i, (_, d)) in procs.iter().enumerate() {
+            if i > 0 && !d.pipes.is_empty() {
+                return bad(format!("process {i} of the tree has pipes of its own"));
+            }
+            for f in &d.fds {
+                if let FdKind::TreePipe { pipe, .. } = f.kind {
+                    if pipe as usize >= self.pipes.len() {
+                        return bad(format!("fd {} is pipe {pipe} of {}", f.fd, self.pipes.len()));
+                    }
+                }
+            }
+        }
+        if self.pipes.iter().any(|p| u64::from(p.capacity) > crate::abi::plan::MAX_PIPE_BYTES || p.data.len() > p.capacity as usize) {
+            return bad("a pipe's capacity or content".to_string());
         }
         let mut ids: Vec<u64> = procs.iter().flat_map(|(_, d)| d.threads.iter().map(|t| t.core.tid)).collect();
         ids.sort_unstable();
@@ -308,7 +339,7 @@ impl Descriptor {
         }
         let mut prev_fd = -1;
         for f in &self.fds {
-            if f.fd <= prev_fd || f.fd > 1 << 20 {
+            if f.fd <= prev_fd || f.fd >= 1 << 20 {
                 return bad(format!("fd {} out of order/range", f.fd));
             }
             if let FdKind::Reopen { path, .. } = &f.kind {

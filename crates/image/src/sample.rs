@@ -60,5 +60,6 @@ pub fn descriptor(threads: &[u64]) -> Descriptor {
             leads_group: false,
         },
         descendants: vec![],
+        pipes: vec![],
     }
 }

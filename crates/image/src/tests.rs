@@ -180,6 +180,11 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     let mut child = crate::sample::descriptor(&[50]);
     child.process.leads_group = true;
     let grandchild = crate::sample::descriptor(&[51]);
+    // A pipe from the child (fd 12, nonblocking) to the grandchild (fd 0).
+    child.fds.push(FdEntry { fd: 12, kind: FdKind::TreePipe { pipe: 0, write: true, flags: 0o4001 } });
+    let mut grandchild = grandchild;
+    grandchild.fds.insert(0, FdEntry { fd: 0, kind: FdKind::TreePipe { pipe: 0, write: false, flags: 0 } });
+    root.pipes = std::vec![PipeImage { capacity: 65536, data: b"in flight".to_vec() }];
     root.descendants = std::vec![(0, child), (1, grandchild)];
     root.validate().expect("valid tree");
     assert_eq!(Descriptor::decode(&root.encode()).expect("round trip"), root);
@@ -195,6 +200,22 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     assert_eq!(headers[0].flags & (PLAN_FLAG_TERMINAL | PLAN_FLAG_GROUP_LEADER), PLAN_FLAG_TERMINAL, "the root takes the terminal");
     assert_eq!(headers[1].flags & (PLAN_FLAG_TERMINAL | PLAN_FLAG_GROUP_LEADER), PLAN_FLAG_GROUP_LEADER);
     assert_eq!(headers[2].flags & PLAN_FLAG_GROUP_LEADER, 0);
+    // The pipes: the root's table, every plan's count and fd base above every fd of the tree.
+    let got: std::vec::Vec<(u64, u64, u64)> = headers.iter().map(|h| (h.tree_pipes, h.n_pipes, h.pipe_fd_base)).collect();
+    assert_eq!(got, [(1, 1, 13), (1, 0, 13), (1, 0, 13)]);
+    let pipe: PlanPipe = read(&plan, offsets[0] + headers[0].pipes_off);
+    let data_at = (offsets[0] + headers[0].blob_off + pipe.data.off) as usize;
+    assert_eq!((pipe.capacity, &plan[data_at..data_at + pipe.data.len as usize]), (65536, &b"in flight"[..]));
+    let fd_of = |plan_index: usize, fd: u64| -> PlanFd {
+        let h = &headers[plan_index];
+        (0..h.n_fds).map(|i| read::<PlanFd>(&plan, offsets[plan_index] + h.fds_off + i * FD_SIZE as u64)).find(|f| f.fd == fd).unwrap()
+    };
+    let (w, r) = (fd_of(1, 12), fd_of(2, 0));
+    assert_eq!((w.kind, w.offset, w.open_flags), (FdRestore::TreePipe as u64, 0, 0o4001), "write end, nonblocking");
+    assert_eq!((r.kind, r.offset, r.open_flags), (FdRestore::TreePipe as u64, 0, 0), "a pipe at fd 0 is not the inherited stdin");
+    let mut bad = root.clone();
+    bad.pipes.clear();
+    assert!(bad.validate().is_err(), "an fd naming a pipe the tree does not have");
     // Refused: a parent after its child, a PID twice, nested descendants.
     let mut bad = root.clone();
     bad.descendants[1].0 = 2;

@@ -72,6 +72,7 @@ mod nr {
     pub const CHDIR: usize = 80;
     pub const UMASK: usize = 95;
     pub const SETPGID: usize = 109;
+    pub const DUP3: usize = 292;
     pub const SETSID: usize = 112;
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
@@ -403,6 +404,10 @@ fn fds() -> &'static [PlanFd] {
     table(header().fds_off, header().n_fds)
 }
 
+fn pipes() -> &'static [PlanPipe] {
+    table(header().pipes_off, header().n_pipes)
+}
+
 fn signals() -> &'static [PlanSignal] {
     table(header().signals_off, header().n_signals)
 }
@@ -427,6 +432,53 @@ fn validate_plan(len: usize) {
             TREE_LEN.store(n, Ordering::Relaxed);
         }
         Err(e) => die(RestorerExit::BadPlan, e.what, e.value, 0),
+    }
+}
+
+/// A process tree's pipes (root only, before any fork): each made with
+/// its capacity and its unread bytes, its ends at `pipe_fd_base + 2i` and
+/// `+ 1`, where every process of the tree finds them.
+fn create_tree_pipes() {
+    const F_SETFL: usize = 4;
+    const F_SETPIPE_SZ: usize = 1031;
+    const O_NONBLOCK: usize = 0o4000;
+    let base = header().pipe_fd_base as usize;
+    for (i, p) in pipes().iter().enumerate() {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two ints into `fds`; nonblocking while it is
+        // filled (a short write fails instead of blocking for ever).
+        let r = unsafe { sys!(nr::PIPE2, fds.as_mut_ptr(), O_NONBLOCK) };
+        if r < 0 {
+            die(RestorerExit::Fd, "pipe2 for tree pipe", i as u64, r);
+        }
+        if p.capacity > 0 {
+            // SAFETY: fcntl on our own pipe; as root the size may exceed pipe-max-size.
+            let r = unsafe { sys!(nr::FCNTL, fds[1], F_SETPIPE_SZ, p.capacity) };
+            if r < 0 {
+                die(RestorerExit::Fd, "F_SETPIPE_SZ of tree pipe", i as u64, r);
+            }
+        }
+        let data = blob(p.data);
+        if !data.is_empty() {
+            // SAFETY: writes the plan's bytes into our own pipe.
+            let w = unsafe { sys!(nr::WRITE, fds[1], data.as_ptr(), data.len()) };
+            if w != data.len() as isize {
+                die(RestorerExit::Fd, "refill tree pipe", i as u64, w.min(0));
+            }
+        }
+        for (end, &fd) in fds.iter().enumerate() {
+            let at = base + 2 * i + end;
+            // SAFETY: fcntl/dup3/close on our own descriptors; `at` is above
+            // every fd of the tree's processes (checked by the plan's validation).
+            unsafe {
+                sys!(nr::FCNTL, fd, F_SETFL, 0);
+                let r = sys!(nr::DUP3, fd, at, 0);
+                if r < 0 {
+                    die(RestorerExit::Fd, "place tree pipe end", at as u64, r);
+                }
+                sys!(nr::CLOSE, fd);
+            }
+        }
     }
 }
 
@@ -1073,6 +1125,21 @@ fn restore_fds(keep_above: i32) {
                 // EBADF), onto the image's fd number.
                 unsafe { sys!(nr::DUP2, f.offset, target) }
             }
+            // An end of a pipe of the tree, waiting at its number above every fd.
+            Some(FdRestore::TreePipe) => {
+                const F_SETFL: usize = 4;
+                const O_WRONLY: u64 = 1;
+                let at = header().pipe_fd_base + 2 * f.offset + (f.open_flags & O_WRONLY);
+                // SAFETY: dup2 of the end the root made (inherited by fork)
+                // onto the image's fd number, then its file status flags.
+                unsafe {
+                    let r = sys!(nr::DUP2, at, target);
+                    if r >= 0 {
+                        sys!(nr::FCNTL, target, F_SETFL, f.open_flags & 0o4000);
+                    }
+                    r
+                }
+            }
             None => die(RestorerExit::BadPlan, "unknown fd kind", f.kind, 0),
         };
         if opened < 0 {
@@ -1596,7 +1663,9 @@ extern "C" fn restorer_main() -> ! {
     if h.flags & PLAN_FLAG_TERMINAL != 0 {
         take_terminal();
     }
-    // Its children join its session (and the terminal) as forks of it.
+    // Its children join its session (and the terminal) as forks of it, and
+    // inherit the tree's pipes.
+    create_tree_pipes();
     fork_descendants();
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
