@@ -199,7 +199,8 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
             // now: a task ending during the capture is torn down under it (its
             // files unmounted), and what the capture then saw missing is a
             // symptom of that end, not the move's own failure.
-            let ended = matches!(e, starling_migrate::MigrateError::Gone(_)) || !process_lives(pid);
+            // (Another process of its tree gone is the move's failure, named.)
+            let ended = matches!(e, starling_migrate::MigrateError::Gone(p) if p == pid) || !process_lives(pid);
             Err(if ended { "the task ended before it could move".to_string() } else { e.to_string() })
         }
     }

@@ -151,9 +151,29 @@ fn writable_ranges(regions: &[Region]) -> Vec<(u64, u64)> {
 /// What pre-copy did for one process of the tree.
 struct Tracked {
     pid: i32,
-    tracker: DirtyTracker,
+    /// None once its tracking was lost: it ran `execve` (a shell's last
+    /// command, a forked child becoming its program), whose new memory the
+    /// tracker does not see. Everything sent for it is then stale.
+    tracker: Option<DirtyTracker>,
     /// Pages the target holds (sent while it ran).
     sent: HashSet<u64>,
+}
+
+impl Tracked {
+    /// Pages written since the last scan; none once tracking is lost. A
+    /// process gone is the root's end (`Gone`), else the move's failure.
+    fn scan(&mut self) -> Result<Vec<u64>> {
+        let Some(t) = &self.tracker else { return Ok(Vec::new()) };
+        match t.scan() {
+            Ok(written) => Ok(written),
+            Err(e) if std::path::Path::new(&format!("/proc/{}/exe", self.pid)).exists() => {
+                log::info!("pid {}: write tracking lost ({e}): it ran another program; its memory moves after the switch", self.pid);
+                self.tracker = None;
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e),
+        }
+    }
 }
 
 /// Arm write tracking in `pid` (a short freeze to inject the userfaultfd).
@@ -192,22 +212,30 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
     let mut tracked = Vec::with_capacity(members.len());
     for (i, m) in members.iter().enumerate() {
         let index = u32::try_from(i).unwrap_or(u32::MAX);
-        let tracker = arm(m.pid, region_opts)?;
+        let tracker = match arm(m.pid, region_opts) {
+            Ok(t) => t,
+            // A child that ended or changed meanwhile moves without pre-copy (or is refused at the freeze).
+            Err(e) if i > 0 => {
+                log::info!("pid {}: no pre-copy: {e}", m.pid);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
         // Round 0: everything there is to fetch.
         let first = fetch_pages(&dump_regions(m.pid, region_opts)?);
         report.footprint_pages += first.len() as u64;
         report.bytes += send_pages(m.pid, index, &first, &mut w)?;
         report.precopy_pages += first.len() as u64;
-        tracked.push(Tracked { pid: m.pid, tracker, sent: first.into_iter().collect() });
+        tracked.push((index, Tracked { pid: m.pid, tracker: Some(tracker), sent: first.into_iter().collect() }));
     }
     // Rounds: what was written meanwhile, until it stops shrinking.
     let mut previous = usize::MAX;
     while report.rounds < opts.max_rounds {
         report.rounds += 1;
         let mut written_total = 0;
-        for (i, t) in tracked.iter_mut().enumerate() {
-            let written = t.tracker.scan()?;
-            report.bytes += send_pages(t.pid, u32::try_from(i).unwrap_or(u32::MAX), &written, &mut w)?;
+        for (index, t) in &mut tracked {
+            let written = t.scan()?;
+            report.bytes += send_pages(t.pid, *index, &written, &mut w)?;
             report.precopy_pages += written.len() as u64;
             written_total += written.len();
             t.sent.extend(written.iter().copied());
@@ -225,8 +253,8 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
     let frozen_at = Instant::now();
     report.threads = frozen.iter().map(|f| f.tids.len()).sum();
     let mut written = Vec::with_capacity(tracked.len());
-    for t in &tracked {
-        written.push(t.tracker.scan()?);
+    for (_, t) in &mut tracked {
+        written.push(t.scan()?);
     }
     let scanned_at = Instant::now();
     let desc = capture(&frozen, &members, &opts.capture)?;
@@ -234,21 +262,34 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
     let handed_at = Instant::now();
     // Per process: pages the target holds that are no longer what the
-    // process has: written since they were sent, or in memory nobody tracked.
+    // process has: written since they were sent, or in memory nobody
+    // tracked (all of them when its tracking was lost).
     let mut stale = Vec::with_capacity(members.len());
     let mut servers = Vec::with_capacity(members.len());
     for (i, ((m, image), f)) in members.iter().zip(desc.processes()).zip(&frozen).enumerate() {
         let index = u32::try_from(i).unwrap_or(u32::MAX);
         let mut fresh = Vec::new();
-        // The same PID at the same place in the tree: the process pre-copy saw.
-        if let Some((t, written)) = tracked.iter().zip(&written).find(|(t, _)| t.pid == m.pid) {
-            let needed = fetch_pages(&image.1.regions);
-            fresh.extend(written.iter().copied().filter(|a| t.sent.contains(a)));
-            fresh.extend(needed.iter().copied().filter(|&a| !t.tracker.tracks(a) && t.sent.contains(&a)));
-            fresh.sort_unstable();
-            fresh.dedup();
+        // Pre-copy's staging for this process, if it had any: the same PID
+        // at the same index of the tree.
+        let mut lost = Vec::new();
+        if let Some(((_, t), written)) = tracked.iter().zip(&written).find(|((at, t), _)| *at == index && t.pid == m.pid) {
+            match &t.tracker {
+                Some(tracker) => {
+                    let needed = fetch_pages(&image.1.regions);
+                    fresh.extend(written.iter().copied().filter(|a| t.sent.contains(a)));
+                    fresh.extend(needed.iter().copied().filter(|&a| !tracker.tracks(a) && t.sent.contains(&a)));
+                    fresh.sort_unstable();
+                    fresh.dedup();
+                }
+                None => lost = t.sent.iter().copied().collect(),
+            }
+        } else if let Some((_, t)) = tracked.iter().find(|(at, _)| *at == index) {
+            // Another process at this index now (the tree changed): nothing staged for it is its.
+            lost = t.sent.iter().copied().collect();
         }
-        if fresh.len() <= opts.freeze_send_pages {
+        if !lost.is_empty() {
+            stale.push(lost);
+        } else if fresh.len() <= opts.freeze_send_pages {
             report.bytes += send_pages(m.pid, index, &fresh, &mut w)?;
             report.freeze_pages += fresh.len() as u64;
             stale.push(Vec::new());

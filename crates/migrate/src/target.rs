@@ -162,14 +162,15 @@ impl FrameReader {
             ToTarget::Image { descriptor, stale, page_servers, payload } => {
                 let descriptor = Descriptor::decode(&descriptor)?;
                 let processes = descriptor.processes().len();
-                if page_servers.len() != processes || stale.len() != processes || self.staging.len() > processes {
+                if page_servers.len() != processes || stale.len() != processes {
                     return Err(MigrateError::Stream(format!(
-                        "an image of {processes} processes with {} page servers, {} stale lists and pages of {}",
+                        "an image of {processes} processes with {} page servers and {} stale lists",
                         page_servers.len(),
-                        stale.len(),
-                        self.staging.len()
+                        stale.len()
                     )));
                 }
+                // Pages of a process that ended while its tree was copied.
+                self.staging.truncate(processes);
                 let page_servers = page_servers
                     .iter()
                     .map(|a| a.parse().map_err(|_| MigrateError::Stream(format!("bad page server address {a:?}"))))
