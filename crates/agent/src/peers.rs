@@ -20,7 +20,8 @@
 //! nothing arrives) is bounded by progress, not by a deadline per request:
 //! a host waiting on a peer that has sent no byte for `agent.peer_stall_s`
 //! drops its connection (every request on it then goes to the head) and
-//! does not dial it again for [`SHUN`].
+//! does not dial it again for [`SHUN`]. A peer waiting for its own fetch
+//! of the chunks is not silent: it sends a `Ping` every [`KEEPALIVE`].
 
 use crate::remote::Waiters;
 use starling_auth::Role as AuthRole;
@@ -40,6 +41,12 @@ use tokio::sync::watch;
 /// the head; it has usually dropped a peer this slow already, see
 /// `agent.peer_stall_s`).
 const PENDING_WAIT: Duration = Duration::from_secs(120);
+
+/// While a peer waits for its own fetch of chunks it was asked for, it
+/// sends the asking host a `Ping` this often: bytes that say it is alive, so
+/// a slow upstream (the head fetching from a client over a slow link) is
+/// not taken for a hang (`agent.peer_stall_s` is 1 s or more).
+const KEEPALIVE: Duration = Duration::from_millis(500);
 
 /// How long a peer dropped for stalling is not dialled again: long enough
 /// that a stopped host costs the others one stall, not one per batch; short
@@ -346,7 +353,17 @@ impl Peers {
                 Ok(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }) => {
                     let (me, tx) = (self.clone(), tx.clone());
                     tokio::spawn(async move {
-                        let chunks = me.held(&hashes).await;
+                        let held = me.held(&hashes);
+                        tokio::pin!(held);
+                        let mut alive = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
+                        let chunks = loop {
+                            tokio::select! {
+                                c = &mut held => break c,
+                                _ = alive.tick() => {
+                                    let _ = tx.send(Msg::Ping { nonce: id }).await;
+                                }
+                            }
+                        };
                         let _ = tx.send(Msg::FileResponse { task, id, resp: FileResp::Chunks(chunks) }).await;
                     });
                 }
