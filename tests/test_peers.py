@@ -145,6 +145,37 @@ def warm(hosts, workdir):
         finish(p, h, want)
 
 
+def test_a_peer_that_dies_mid_transfer_costs_the_others_a_fetch_from_the_head(cluster, workdir):
+    readers = ("h2", "h3", "h4")
+    warm(readers, workdir)
+    size = 64 * MIB + 17
+    path, want = new_file(workdir, "dies.bin", size)
+    # h1 reads it first: every chunk's holder is h1, so h2..h4 are referred to it.
+    finish(exec_on("h1", path, workdir), "h1", want)
+    h1 = host_of("h1")
+    port = peer_port(h1)
+    # h1 sends slowly (a token bucket on its side of its veth: 40 Mbit/s, so serving 3 x 64 MiB
+    # takes half a minute or more), so the transfers are still under way when they are seen below.
+    ns = host_ns("h1")
+    sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
+       "rate", "40mbit", "burst", "64kb", "latency", "2s")
+    try:
+        idle = sh("ip", "netns", "exec", ns, "ss", "-Htn", "state", "established", f"( sport = :{port} )").stdout.splitlines()
+        print(f"connections to h1's peer port before the readers start (idle, kept from earlier reads): {len(idle)}")
+        procs = {h: exec_on(h, path, workdir) for h in readers}
+        # Kill h1's agent while it is sending chunks to a reader (an event, not a time).
+        wait_for(lambda: sending_peer_connections("h1", port), "h1 sending chunks to a reader", timeout=300, interval=0.02)
+        at_kill = head_chunk_bytes_to_hosts()
+        os.kill(h1["pid"], signal.SIGKILL)
+        for h, p in procs.items():
+            finish(p, h, want)
+    finally:
+        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
+    after_kill = head_chunk_bytes_to_hosts() - at_kill
+    print(f"the head sent {after_kill} B of chunks after h1 died ({after_kill / size:.2f} x the file)")
+    assert after_kill > 0, "the head sent no chunk after h1 died: the readers had the whole file before the kill"
+
+
 @pytest.mark.parametrize("connected", [False, True], ids=["new-connection", "open-connection"])
 def test_a_stopped_peer_costs_a_reader_a_stall_not_its_read(cluster, workdir, connected):
     # A cluster of its own: connections between hosts are kept, and a host that dropped a stalled
@@ -178,31 +209,3 @@ def test_a_stopped_peer_costs_a_reader_a_stall_not_its_read(cluster, workdir, co
     assert sent >= size, f"the head sent {sent} B of chunks while h1 was stopped; h2 needed all {size} B from it"
     why = "nothing received for" if connected else "no answer to the connection's greeting"
     assert why in said, f"h2 did not drop the stopped peer ({why!r}):\n" + said[-3000:]
-
-
-def test_a_peer_that_dies_mid_transfer_costs_the_others_a_fetch_from_the_head(cluster, workdir):
-    readers = ("h2", "h3", "h4")
-    warm(readers, workdir)
-    size = 64 * MIB + 17
-    path, want = new_file(workdir, "dies.bin", size)
-    # h1 reads it first: every chunk's holder is h1, so h2..h4 are referred to it.
-    finish(exec_on("h1", path, workdir), "h1", want)
-    h1 = host_of("h1")
-    port = peer_port(h1)
-    # h1 sends slowly (a token bucket on its side of its veth: 40 Mbit/s, so serving 3 x 64 MiB
-    # takes half a minute or more), so the transfers are still under way when they are seen below.
-    ns = host_ns("h1")
-    sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "eth0", "root", "tbf",
-       "rate", "40mbit", "burst", "64kb", "latency", "2s")
-    try:
-        procs = {h: exec_on(h, path, workdir) for h in readers}
-        # Kill h1's agent while it is sending chunks to a reader (an event, not a time).
-        wait_for(lambda: sending_peer_connections("h1", port), "h1 sending chunks to a reader", timeout=300, interval=0.02)
-        at_kill = head_chunk_bytes_to_hosts()
-        os.kill(h1["pid"], signal.SIGKILL)
-        for h, p in procs.items():
-            finish(p, h, want)
-    finally:
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "eth0", "root"], capture_output=True)
-    after_kill = head_chunk_bytes_to_hosts() - at_kill
-    assert after_kill > 0, "the head sent no chunk after h1 died: the readers had the whole file before the kill"
