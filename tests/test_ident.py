@@ -232,3 +232,27 @@ def test_a_user_certificate_runs_as_its_uid_only(head):
     r = client("exec", "--", "true", creds=alice)
     assert r.returncode != 0
     assert "the certificate of user alice" in r.stderr and "was revoked" in r.stderr, r.stderr
+
+
+def test_revoking_a_user_ends_its_live_session(head):
+    if not hosts():
+        enrolled(head, "node8")
+    bob = BASE / "bob"
+    r = admin("user", "add", "bob", "--uid", "1002", "--out", str(bob))
+    assert r.returncode == 0, r.stderr
+    env = dict(os.environ, STARLING_CLUSTER=HEAD, STARLING_AUTH=str(bob))
+    env.pop("STARLING_INSTANCE", None)
+    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "id -u; sleep 1000"], cwd=BASE / "work", env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "1002"  # its task is running
+        r = admin("user", "revoke", "bob")
+        assert r.returncode == 0, r.stderr
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "the certificate of user bob" in err and "was revoked" in err, err
+        wait_for(lambda: sum(h["running"] for h in hosts().values()) == 0, "bob's task to end", timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -325,9 +325,10 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
                     Ok(Some((tls, Some(id)))) => head.serve(tls, Peer::Cert(id)).await,
                     Ok(Some((mut tls, None))) => {
                         let auth = head.auth.as_ref().expect("TLS only with credentials");
-                        return match starling_auth::enrol::serve(&mut tls, auth).await {
-                            Ok(host) => log::info!("enrolled host {host} (from {peer}) with a join token"),
-                            Err(why) => log::warn!("enrolment from {peer} refused: {why}"),
+                        return match tokio::time::timeout(HANDSHAKE, starling_auth::enrol::serve(&mut tls, auth)).await {
+                            Ok(Ok(host)) => log::info!("enrolled host {host} (from {peer}) with a join token"),
+                            Ok(Err(why)) => log::warn!("enrolment from {peer} refused: {why}"),
+                            Err(_) => log::warn!("enrolment from {peer} refused: no request within {HANDSHAKE:?}"),
                         };
                     }
                     // A port probe (`starling up` waits for the port this way).
