@@ -45,6 +45,7 @@ class Daemons:
         self.procs = {}
 
     def start(self, name, argv):
+        assert name not in self.procs, f"a process named {name} is already running"
         log = open(BASE / f"{name}.log", "wb")
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, STARLING_LOG="info"))
         self.procs[name] = p
@@ -129,10 +130,11 @@ def agent_argv(name, *args):
             "--cache-mib", "128", *args]
 
 
-def join(head, name, token, creds=None):
-    """Start an agent that enrols as `name` with `token` (its credentials in `creds`)."""
+def join(head, name, token, creds=None, label=None):
+    """Start an agent that enrols as `name` with `token` (its credentials in `creds`); its process and
+    log are named `label` (default: `name`)."""
     creds = creds or BASE / f"creds-{name}"
-    return head.start(name, agent_argv(name, "--join", HEAD, "--token", token, "--auth", str(creds))), creds
+    return head.start(label or name, agent_argv(name, "--join", HEAD, "--token", token, "--auth", str(creds))), creds
 
 
 def enrolled(head, name):
@@ -190,9 +192,9 @@ def test_a_host_cannot_register_as_another(head):
     head.stop("shared-as-node3")
     # Enrolling again under a taken name is refused too, and does not use the token up.
     token = new_token()
-    p, _ = join(head, "node3", token, creds=BASE / "creds-node3-again")
+    p, _ = join(head, "node3", token, creds=BASE / "creds-node3-again", label="node3-again")
     assert p.wait(timeout=120) != 0
-    assert "host node3 is already enrolled" in head.log("node3"), head.log("node3")
+    assert "host node3 is already enrolled" in head.log("node3-again"), head.log("node3-again")
     p, _ = join(head, "node7", token)
     wait_for(lambda: "node7" in hosts() or p.poll() is not None, "node7 to enrol with the same token", timeout=120)
     assert "node7" in hosts(), head.log("node7")
