@@ -345,6 +345,8 @@ impl Agent {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
                 Msg::Committed { .. } | Msg::Pong { .. } => {}
+                // The head ends the connection after an error of no task (e.g. a revoked certificate).
+                Msg::Error { task: None, message } => return Err(ProtoError::Refused(message)),
                 Msg::Error { message, .. } => log::warn!("head says: {message}"),
                 other => log::warn!("unexpected message from head: {:?}", std::mem::discriminant(&other)),
             }
@@ -527,7 +529,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     }
     let head = agent.cfg.settings.head.clone().ok_or(AgentError::NoHead)?;
     // A lost head is dialled again, ever less often (the process, its cache and its task
-    // directories stay); a connection that was up starts the backoff over.
+    // directories stay); a connection that was up (not refused) starts the backoff over.
     let tls = match &auth {
         Some(a) => Tls::Dial(a.connector(AuthRole::Agent)?),
         None => Tls::Off,
@@ -536,9 +538,15 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     loop {
         match TcpStream::connect(&head).await {
             Ok(s) => {
-                backoff = RECONNECT_MIN;
-                if let Err(e) = agent.serve(s, &tls).await {
-                    log::warn!("head connection: {e}");
+                match agent.serve(s, &tls).await {
+                    // Refused (e.g. a revoked certificate): dial again, ever less often.
+                    Err(e @ ProtoError::Refused(_)) => log::warn!("head connection: {e}"),
+                    res => {
+                        backoff = RECONNECT_MIN;
+                        if let Err(e) = res {
+                            log::warn!("head connection: {e}");
+                        }
+                    }
                 }
                 log::info!("lost the head {head}; reconnecting (backoff {RECONNECT_MIN:?} to {RECONNECT_MAX:?})");
             }

@@ -184,6 +184,99 @@ enum Cmd {
     /// Examples: starling owner h1 -- sh -c 'while :; do :; done & while :; do :; done'
     ///           starling owner h1 --active
     Owner(OwnerArgs),
+    /// Join tokens: a host enrols with one (`starling agent --join HEAD --token T`).
+    ///
+    /// Run on the head's machine, as the owner of its credentials directory (--auth DIR, else
+    /// head.auth, else the embedded cluster's).
+    #[command(subcommand)]
+    Token(TokenCmd),
+    /// Remote users' certificates: a user's runs tasks as its uid only.
+    #[command(subcommand)]
+    User(UserCmd),
+    /// Enrolled hosts' certificates.
+    #[command(subcommand)]
+    Host(HostCmd),
+}
+
+/// Where the cluster's credentials are, for the administrator's commands.
+#[derive(Args)]
+struct AuthDirArg {
+    /// The cluster's credentials directory (the head's --auth). [default: head.auth, else the
+    /// embedded cluster's]
+    #[arg(long, value_name = "DIR")]
+    auth: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Print a new join token: good for one enrolment, until it expires. The head keeps only its
+    /// hash; the token also carries the CA's fingerprint, so the joining host checks the head.
+    ///
+    /// Example: starling token create --ttl 30m
+    Create {
+        /// How long it stays valid: a number of seconds, or with a unit s, m, h, d.
+        #[arg(long, default_value = "1h", value_parser = parse_ttl)]
+        ttl: std::time::Duration,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+}
+
+#[derive(Subcommand)]
+enum UserCmd {
+    /// Issue user NAME a certificate naming its uid (and gid): a client holding it
+    /// (STARLING_AUTH=DIR, over TCP) runs tasks as that uid only, whatever its spec says.
+    ///
+    /// Example: starling user add alice --uid 1000 --out /tmp/alice-creds
+    Add {
+        name: String,
+        #[arg(long)]
+        uid: u32,
+        /// [default: the uid]
+        #[arg(long)]
+        gid: Option<u32>,
+        /// Where to write the user's credentials (ca.pem, client.pem, client.key; made 0700):
+        /// give this directory to the user. [default: DIR/users.d/NAME]
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// Allow uid 0 (tasks as root, unless the head refuses root tasks).
+        #[arg(long)]
+        root: bool,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+    /// Revoke user NAME's certificate: the head refuses it from now on and drops its
+    /// connections. `user add NAME` may then issue a new one (that is how a user's key is rotated).
+    Revoke {
+        name: String,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostCmd {
+    /// Revoke enrolled host HOST's certificate: the head refuses it from now on and drops its
+    /// connection. The host may enrol again with a new token (that is how its key is rotated).
+    Revoke {
+        host: String,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+}
+
+/// `--ttl`: seconds, or a number with a unit s, m, h or d.
+fn parse_ttl(s: &str) -> Result<std::time::Duration, String> {
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit()).map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num.parse().map_err(|_| format!("{s:?}: a number of seconds, or with a unit s, m, h, d (e.g. 30m)"))?;
+    let secs = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        u => return Err(format!("{s:?}: unknown unit {u:?} (s, m, h, d)")),
+    };
+    Ok(std::time::Duration::from_secs(n.saturating_mul(secs)))
 }
 
 #[derive(Args)]
@@ -460,6 +553,15 @@ struct AgentArgs {
     /// certificate is accepted. Without it the connection is unauthenticated.
     #[arg(long, value_name = "DIR")]
     auth: Option<PathBuf>,
+    /// Enrol this host with the head at HEAD:PORT using a join token (`starling token create`),
+    /// then serve it: the host makes its own key, the head signs a certificate naming this host
+    /// (--name), written to --auth DIR. Once enrolled (DIR holds agent.pem), the token is not
+    /// needed again.
+    #[arg(long, value_name = "HEAD:PORT", requires_all = ["token", "auth"], conflicts_with_all = ["head", "listen"])]
+    join: Option<String>,
+    /// The join token (with --join).
+    #[arg(long, requires = "join", env = "STARLING_JOIN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     #[command(flatten)]
     peers: PeerFlags,
 }
@@ -714,6 +816,9 @@ fn run(cli: Cli) -> Result<i32> {
             if a.auth.is_some() {
                 settings.auth = a.auth;
             }
+            if a.join.is_some() {
+                settings.head.clone_from(&a.join);
+            }
             a.peers.apply(&mut settings);
             if settings.high_water_mib < settings.low_water_mib {
                 anyhow::bail!(
@@ -740,7 +845,50 @@ fn run(cli: Cli) -> Result<i32> {
                 rootless,
                 home: a.home,
             };
-            runtime().block_on(starling_agent::run(cfg))?;
+            runtime().block_on(async {
+                if let (Some(head), Some(token), Some(dir)) = (&a.join, &a.token, &cfg.settings.auth) {
+                    let dir = starling_auth::AuthDir::new(dir);
+                    if dir.has(starling_auth::Role::Agent) {
+                        log::info!("{} already holds this host's credentials: not enrolling again", dir.dir.display());
+                    } else {
+                        starling_auth::enrol::join(head, token, &cfg.name, &dir).await?;
+                        log::info!("enrolled as host {} with {head}; credentials in {}", cfg.name, dir.dir.display());
+                    }
+                }
+                starling_agent::run(cfg).await.map_err(anyhow::Error::from)
+            })?;
+            Ok(0)
+        }
+        Cmd::Token(TokenCmd::Create { ttl, auth }) => {
+            let dir = admin_auth_dir(&cfg, auth)?;
+            println!("{}", dir.create_token(ttl)?);
+            eprintln!(
+                "starling: a join token for one host, valid {} s: on it run `starling agent --join HEAD:PORT --token TOKEN --auth DIR --name NAME`",
+                ttl.as_secs()
+            );
+            Ok(0)
+        }
+        Cmd::User(UserCmd::Add { name, uid, gid, out, root, auth }) => {
+            if uid == 0 && !root {
+                anyhow::bail!("a certificate for uid 0 runs tasks as root: pass --root to mean it");
+            }
+            let dir = admin_auth_dir(&cfg, auth)?;
+            let out = out.unwrap_or_else(|| dir.dir.join("users.d").join(&name));
+            dir.add_user(&name, uid, gid.unwrap_or(uid), &out)?;
+            eprintln!(
+                "starling: user {name} (uid {uid}) certified; give them {d} and have them set STARLING_AUTH={d} (revoke: `starling user revoke {name}`)",
+                d = out.display()
+            );
+            Ok(0)
+        }
+        Cmd::User(UserCmd::Revoke { name, auth }) => {
+            let serial = admin_auth_dir(&cfg, auth)?.revoke("user", &name)?;
+            eprintln!("starling: user {name}'s certificate (serial {serial}) revoked; the head refuses it and drops its connections");
+            Ok(0)
+        }
+        Cmd::Host(HostCmd::Revoke { host, auth }) => {
+            let serial = admin_auth_dir(&cfg, auth)?.revoke("host", &host)?;
+            eprintln!("starling: host {host}'s certificate (serial {serial}) revoked; the head refuses it and drops its connection");
             Ok(0)
         }
         Cmd::Owner(a) => {
@@ -784,6 +932,26 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// The credentials directory the administrator's commands work on: --auth, else head.auth,
+/// else the embedded cluster's (made by `starling up`).
+fn admin_auth_dir(cfg: &starling_config::Config, arg: AuthDirArg) -> Result<starling_auth::AuthDir> {
+    let dir = match arg.auth.or_else(|| cfg.head.auth.clone()) {
+        Some(d) => d,
+        None => {
+            let local = LocalCluster::new(cfg.instance, cfg.dirs()).run_dir.join(starling_cluster::AUTH_DIR);
+            if !local.exists() {
+                anyhow::bail!("no credentials directory: pass --auth DIR (the head's --auth), or set head.auth");
+            }
+            local
+        }
+    };
+    let dir = starling_auth::AuthDir::new(dir);
+    if !dir.ca_key().exists() {
+        anyhow::bail!("{} holds no cluster CA key (ca.key): run this on the head's machine, with the head's --auth DIR", dir.dir.display());
+    }
+    Ok(dir)
 }
 
 /// The home agent's mounts (its tasks' views and overlays) in a mount namespace of its own,
