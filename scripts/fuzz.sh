@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-smoke}
-TARGETS=(frame descriptor plan mcdist wire_path migrate_stream page_server)
+TARGETS=(frame descriptor plan mcdist wire_path migrate_stream page_server enrol)
 if [ "${STARLING_FUZZ_SKIP:-}" = 1 ]; then
     echo "fuzz: SKIPPED (STARLING_FUZZ_SKIP=1)"; exit 0
 fi

@@ -10,6 +10,13 @@
 //! | agent | `agent` | every agent (client when it dials the head, server under `--listen`) |
 //! | relay | `relay` | the WAN link relay (speaks for the local users it accepted) |
 //! | client | `client` | an administrator's client on another machine (trusted with any uid) |
+//! | user | `client` (in the user's own directory) | one remote user (`starling user add`): runs tasks as its uid only |
+//!
+//! Besides the shared role certificates made by [`AuthDir::init`], the CA
+//! issues certificates to one holder each ([`ident`]): a host enrolled with a
+//! join token (`starling agent --join`, [`enrol`]) gets an agent certificate
+//! naming its host, a user added by `starling user add` a user certificate
+//! naming its uid; either can be revoked by its serial.
 //!
 //! The role is written into the certificate as a DNS name,
 //! `ROLE.role.starling` ([`Role::dns_name`]): a server's role is checked by
@@ -34,6 +41,10 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+pub mod enrol;
+pub mod ident;
+
+pub use ident::{Identity, IdentError, UserId};
 pub use tokio_rustls::{client::TlsStream as ClientTls, server::TlsStream as ServerTls, TlsAcceptor, TlsConnector};
 
 /// What can go wrong making, reading or using the cluster's credentials.
@@ -53,6 +64,8 @@ pub enum AuthError {
     Verifier(#[from] rustls::server::VerifierBuilderError),
     #[error("{} already holds a cluster CA (ca.key); remove the directory to make a new one", dir.display())]
     Exists { dir: PathBuf },
+    #[error("the system's random generator failed")]
+    Random,
     #[error("{} is readable or writable by other users (mode {mode:o}); it must be 0700", dir.display())]
     Permissions { dir: PathBuf, mode: u32 },
 }
@@ -64,10 +77,14 @@ pub enum Role {
     Agent,
     Relay,
     Client,
+    /// One remote user's certificate (`starling user add`): its uid is in it.
+    User,
 }
 
 impl Role {
-    pub const ALL: [Role; 4] = [Role::Head, Role::Agent, Role::Relay, Role::Client];
+    pub const ALL: [Role; 5] = [Role::Head, Role::Agent, Role::Relay, Role::Client, Role::User];
+    /// The shared role certificates [`AuthDir::init`] makes (a user's is made per user).
+    pub const SHARED: [Role; 4] = [Role::Head, Role::Agent, Role::Relay, Role::Client];
 
     /// File stem of its certificate (`STEM.pem`) and key (`STEM.key`).
     pub fn stem(self) -> &'static str {
@@ -76,6 +93,7 @@ impl Role {
             Role::Agent => "agent",
             Role::Relay => "relay",
             Role::Client => "client",
+            Role::User => "user",
         }
     }
 
@@ -131,7 +149,7 @@ impl AuthDir {
         let ca = ca_params().self_signed(&ca_key)?;
         write_private(&self.ca_key(), ca_key.serialize_pem().as_bytes())?;
         write_public(&self.ca_cert(), ca.pem().as_bytes())?;
-        for role in Role::ALL {
+        for role in Role::SHARED {
             let key = KeyPair::generate()?;
             let mut params = CertificateParams::new(vec![role.dns_name()])?;
             params.distinguished_name = DistinguishedName::new();
@@ -154,12 +172,15 @@ impl AuthDir {
         Ok(Arc::new(roots))
     }
 
+    /// The role's certificate followed by the CA's (so that a host enrolling with a
+    /// join token, which knows only the CA's fingerprint, can check the chain), and its key.
     fn chain(&self, role: Role) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), AuthError> {
         let cert = read_pem_cert(&self.cert(role))?;
+        let ca = read_pem_cert(&self.ca_cert())?;
         let kpath = self.key(role);
         need(&kpath)?;
         let key = PrivateKeyDer::from_pem_file(&kpath).map_err(|source| AuthError::Pem { path: kpath, what: "private key", source })?;
-        Ok((vec![cert], key))
+        Ok((vec![cert, ca], key))
     }
 
     /// TLS for a side that accepts connections as `role`: its certificate,
@@ -168,6 +189,22 @@ impl AuthDir {
         let provider = provider();
         let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider.clone()).build()?;
         let (chain, key) = self.chain(role)?;
+        let cfg = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(chain, key)?;
+        Ok(TlsAcceptor::from(Arc::new(cfg)))
+    }
+
+    /// The head's TLS: like [`AuthDir::acceptor`], but a peer may also come without a
+    /// certificate, to enrol with a join token ([`enrol::serve`]) and nothing else;
+    /// a certificate it shows must still be of this CA.
+    pub fn head_acceptor(&self) -> Result<TlsAcceptor, AuthError> {
+        let provider = provider();
+        let verifier = rustls::server::WebPkiClientVerifier::builder_with_provider(self.roots()?, provider.clone())
+            .allow_unauthenticated()
+            .build()?;
+        let (chain, key) = self.chain(Role::Head)?;
         let cfg = rustls::ServerConfig::builder_with_provider(provider)
             .with_safe_default_protocol_versions()?
             .with_client_cert_verifier(verifier)
@@ -245,11 +282,11 @@ pub fn unix_peer(sock: &tokio::net::UnixStream) -> std::io::Result<Cred> {
     Ok(Cred { uid: uc.uid(), gid: uc.gid(), groups })
 }
 
-fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
-fn ca_params() -> CertificateParams {
+pub(crate) fn ca_params() -> CertificateParams {
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
     params.distinguished_name.push(DnType::CommonName, CA_NAME);
@@ -258,7 +295,7 @@ fn ca_params() -> CertificateParams {
     params
 }
 
-fn need(path: &Path) -> Result<(), AuthError> {
+pub(crate) fn need(path: &Path) -> Result<(), AuthError> {
     if path.exists() {
         Ok(())
     } else {
@@ -269,14 +306,14 @@ fn need(path: &Path) -> Result<(), AuthError> {
     }
 }
 
-fn read_pem_cert(path: &Path) -> Result<CertificateDer<'static>, AuthError> {
+pub(crate) fn read_pem_cert(path: &Path) -> Result<CertificateDer<'static>, AuthError> {
     need(path)?;
     CertificateDer::from_pem_file(path).map_err(|source| AuthError::Pem { path: path.to_path_buf(), what: "certificate", source })
 }
 
 /// Create `dir` (and parents) with the last component 0700; an existing
 /// directory open to others is refused.
-fn create_private_dir(dir: &Path) -> Result<(), AuthError> {
+pub(crate) fn create_private_dir(dir: &Path) -> Result<(), AuthError> {
     let io = |source| AuthError::Io { path: dir.to_path_buf(), source };
     if let Some(parent) = dir.parent() {
         std::fs::create_dir_all(parent).map_err(io)?;
@@ -301,11 +338,11 @@ fn write_file(path: &Path, data: &[u8], mode: u32) -> Result<(), AuthError> {
     f.sync_all().map_err(io)
 }
 
-fn write_private(path: &Path, data: &[u8]) -> Result<(), AuthError> {
+pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<(), AuthError> {
     write_file(path, data, 0o600)
 }
 
-fn write_public(path: &Path, data: &[u8]) -> Result<(), AuthError> {
+pub(crate) fn write_public(path: &Path, data: &[u8]) -> Result<(), AuthError> {
     write_file(path, data, 0o644)
 }
 
@@ -320,7 +357,7 @@ mod tests {
         let a = AuthDir::new(t.path().join("auth"));
         a.init().unwrap();
         assert_eq!(std::fs::metadata(&a.dir).unwrap().permissions().mode() & 0o777, 0o700);
-        for role in Role::ALL {
+        for role in Role::SHARED {
             assert_eq!(std::fs::metadata(a.key(role)).unwrap().permissions().mode() & 0o777, 0o600);
         }
         assert_eq!(std::fs::metadata(a.ca_key()).unwrap().permissions().mode() & 0o777, 0o600);

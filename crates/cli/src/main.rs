@@ -184,6 +184,99 @@ enum Cmd {
     /// Examples: starling owner h1 -- sh -c 'while :; do :; done & while :; do :; done'
     ///           starling owner h1 --active
     Owner(OwnerArgs),
+    /// Join tokens: a host enrols with one (`starling agent --join HEAD --token T`).
+    ///
+    /// Run on the head's machine, as the owner of its credentials directory (--auth DIR, else
+    /// head.auth, else the embedded cluster's).
+    #[command(subcommand)]
+    Token(TokenCmd),
+    /// Remote users' certificates: a user's runs tasks as its uid only.
+    #[command(subcommand)]
+    User(UserCmd),
+    /// Enrolled hosts' certificates.
+    #[command(subcommand)]
+    Host(HostCmd),
+}
+
+/// Where the cluster's credentials are, for the administrator's commands.
+#[derive(Args)]
+struct AuthDirArg {
+    /// The cluster's credentials directory (the head's --auth). [default: head.auth, else the
+    /// embedded cluster's]
+    #[arg(long, value_name = "DIR")]
+    auth: Option<PathBuf>,
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Print a new join token: good for one enrolment, until it expires. The head keeps only its
+    /// hash; the token also carries the CA's fingerprint, so the joining host checks the head.
+    ///
+    /// Example: starling token create --ttl 30m
+    Create {
+        /// How long it stays valid: a number of seconds, or with a unit s, m, h, d.
+        #[arg(long, default_value = "1h", value_parser = parse_ttl)]
+        ttl: std::time::Duration,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+}
+
+#[derive(Subcommand)]
+enum UserCmd {
+    /// Issue user NAME a certificate naming its uid (and gid): a client holding it
+    /// (STARLING_AUTH=DIR, over TCP) runs tasks as that uid only, whatever its spec says.
+    ///
+    /// Example: starling user add alice --uid 1000 --out /tmp/alice-creds
+    Add {
+        name: String,
+        #[arg(long)]
+        uid: u32,
+        /// [default: the uid]
+        #[arg(long)]
+        gid: Option<u32>,
+        /// Where to write the user's credentials (ca.pem, client.pem, client.key; made 0700):
+        /// give this directory to the user. [default: DIR/users.d/NAME]
+        #[arg(long, value_name = "DIR")]
+        out: Option<PathBuf>,
+        /// Allow uid 0 (tasks as root, unless the head refuses root tasks).
+        #[arg(long)]
+        root: bool,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+    /// Revoke user NAME's certificate: the head refuses it from now on and drops its
+    /// connections. `user add NAME` may then issue a new one (that is how a user's key is rotated).
+    Revoke {
+        name: String,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+}
+
+#[derive(Subcommand)]
+enum HostCmd {
+    /// Revoke enrolled host HOST's certificate: the head refuses it from now on and drops its
+    /// connection. The host may enrol again with a new token (that is how its key is rotated).
+    Revoke {
+        host: String,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
+}
+
+/// `--ttl`: seconds, or a number with a unit s, m, h or d.
+fn parse_ttl(s: &str) -> Result<std::time::Duration, String> {
+    let (num, unit) = s.find(|c: char| !c.is_ascii_digit()).map_or((s, ""), |i| s.split_at(i));
+    let n: u64 = num.parse().map_err(|_| format!("{s:?}: a number of seconds, or with a unit s, m, h, d (e.g. 30m)"))?;
+    let secs = match unit {
+        "" | "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86400,
+        u => return Err(format!("{s:?}: unknown unit {u:?} (s, m, h, d)")),
+    };
+    Ok(std::time::Duration::from_secs(n.saturating_mul(secs)))
 }
 
 #[derive(Args)]
@@ -266,6 +359,44 @@ struct UpArgs {
     /// rerun from the start on an idle host). A task's own `--policy` wins. [default: agent.policy, LF]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
+    #[command(flatten)]
+    peers: PeerFlags,
+    /// Hosts the head refers to one holder of a chunk at most (host-to-host chunk sharing; those
+    /// are then referred to in turn); 0: the head sends every chunk itself. [default: head.peer_referrals, 3]
+    #[arg(long, value_name = "N")]
+    peer_referrals: Option<u32>,
+}
+
+/// Host-to-host chunk sharing, as `agent` and `up` take it.
+#[derive(Args)]
+struct PeerFlags {
+    /// Share no chunks with other hosts: serve none, fetch every chunk from the head (`starling
+    /// status` shows PEERS off). [default: agent.peers, on]
+    #[arg(long)]
+    no_peers: bool,
+    /// The TCP port other hosts fetch this host's chunks from (shown by `starling status`, column
+    /// PEERS); 0: any free port. [default: agent.peer_port, 0]
+    #[arg(long, value_name = "PORT", conflicts_with = "no_peers")]
+    peer_port: Option<u16>,
+}
+
+impl PeerFlags {
+    /// The agent arguments that say the same.
+    fn agent_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if self.no_peers {
+            args.push("--no-peers".to_string());
+        }
+        if let Some(p) = self.peer_port {
+            args.extend(["--peer-port".to_string(), p.to_string()]);
+        }
+        args
+    }
+
+    fn apply(&self, settings: &mut starling_config::AgentSettings) {
+        settings.peers &= !self.no_peers;
+        settings.peer_port = self.peer_port.unwrap_or(settings.peer_port);
+    }
 }
 
 fn parse_policy(s: &str) -> Result<starling_config::GuestPolicy, String> {
@@ -422,6 +553,17 @@ struct AgentArgs {
     /// certificate is accepted. Without it the connection is unauthenticated.
     #[arg(long, value_name = "DIR")]
     auth: Option<PathBuf>,
+    /// Enrol this host with the head at HEAD:PORT using a join token (`starling token create`),
+    /// then serve it: the host makes its own key, the head signs a certificate naming this host
+    /// (--name), written to --auth DIR. Once enrolled (DIR holds agent.pem), the token is not
+    /// needed again.
+    #[arg(long, value_name = "HEAD:PORT", requires_all = ["token", "auth"], conflicts_with_all = ["head", "listen"])]
+    join: Option<String>,
+    /// The join token (with --join).
+    #[arg(long, requires = "join", env = "STARLING_JOIN_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(flatten)]
+    peers: PeerFlags,
 }
 
 #[derive(Args)]
@@ -445,6 +587,10 @@ struct HeadArgs {
     /// Forward every content request to the client (for measuring the relay cache's effect).
     #[arg(long)]
     no_relay_cache: bool,
+    /// Hosts referred to one holder of a chunk at most (host-to-host chunk sharing); 0: the head
+    /// sends every chunk itself. [default: 3]
+    #[arg(long, value_name = "N")]
+    peer_referrals: Option<u32>,
     /// Serve Prometheus metrics at http://ADDR/metrics (tasks by state, relay cache hits, clones,
     /// page faults served, per-host cores and load). Example: --metrics 0.0.0.0:9477
     #[arg(long, value_name = "IP:PORT")]
@@ -670,6 +816,10 @@ fn run(cli: Cli) -> Result<i32> {
             if a.auth.is_some() {
                 settings.auth = a.auth;
             }
+            if a.join.is_some() {
+                settings.head.clone_from(&a.join);
+            }
+            a.peers.apply(&mut settings);
             if settings.high_water_mib < settings.low_water_mib {
                 anyhow::bail!(
                     "agent.high_water_mib ({}) must not be below agent.low_water_mib ({})",
@@ -695,7 +845,50 @@ fn run(cli: Cli) -> Result<i32> {
                 rootless,
                 home: a.home,
             };
-            runtime().block_on(starling_agent::run(cfg))?;
+            runtime().block_on(async {
+                if let (Some(head), Some(token), Some(dir)) = (&a.join, &a.token, &cfg.settings.auth) {
+                    let dir = starling_auth::AuthDir::new(dir);
+                    if dir.has(starling_auth::Role::Agent) {
+                        log::info!("{} already holds this host's credentials: not enrolling again", dir.dir.display());
+                    } else {
+                        starling_auth::enrol::join(head, token, &cfg.name, &dir).await?;
+                        log::info!("enrolled as host {} with {head}; credentials in {}", cfg.name, dir.dir.display());
+                    }
+                }
+                starling_agent::run(cfg).await.map_err(anyhow::Error::from)
+            })?;
+            Ok(0)
+        }
+        Cmd::Token(TokenCmd::Create { ttl, auth }) => {
+            let dir = admin_auth_dir(&cfg, auth)?;
+            println!("{}", dir.create_token(ttl)?);
+            eprintln!(
+                "starling: a join token for one host, valid {} s: on it run `starling agent --join HEAD:PORT --token TOKEN --auth DIR --name NAME`",
+                ttl.as_secs()
+            );
+            Ok(0)
+        }
+        Cmd::User(UserCmd::Add { name, uid, gid, out, root, auth }) => {
+            if uid == 0 && !root {
+                anyhow::bail!("a certificate for uid 0 runs tasks as root: pass --root to mean it");
+            }
+            let dir = admin_auth_dir(&cfg, auth)?;
+            let out = out.unwrap_or_else(|| dir.dir.join("users.d").join(&name));
+            dir.add_user(&name, uid, gid.unwrap_or(uid), &out)?;
+            eprintln!(
+                "starling: user {name} (uid {uid}) certified; give them {d} and have them set STARLING_AUTH={d} (revoke: `starling user revoke {name}`)",
+                d = out.display()
+            );
+            Ok(0)
+        }
+        Cmd::User(UserCmd::Revoke { name, auth }) => {
+            let serial = admin_auth_dir(&cfg, auth)?.revoke("user", &name)?;
+            eprintln!("starling: user {name}'s certificate (serial {serial}) revoked; the head refuses it and drops its connections");
+            Ok(0)
+        }
+        Cmd::Host(HostCmd::Revoke { host, auth }) => {
+            let serial = admin_auth_dir(&cfg, auth)?.revoke("host", &host)?;
+            eprintln!("starling: host {host}'s certificate (serial {serial}) revoked; the head refuses it and drops its connection");
             Ok(0)
         }
         Cmd::Owner(a) => {
@@ -714,6 +907,7 @@ fn run(cli: Cli) -> Result<i32> {
             settings.state = a.state.unwrap_or(settings.state);
             settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
             settings.relay_cache &= !a.no_relay_cache;
+            settings.peer_referrals = a.peer_referrals.unwrap_or(settings.peer_referrals);
             if a.metrics.is_some() {
                 settings.metrics = a.metrics;
             }
@@ -738,6 +932,26 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// The credentials directory the administrator's commands work on: --auth, else head.auth,
+/// else the embedded cluster's (made by `starling up`).
+fn admin_auth_dir(cfg: &starling_config::Config, arg: AuthDirArg) -> Result<starling_auth::AuthDir> {
+    let dir = match arg.auth.or_else(|| cfg.head.auth.clone()) {
+        Some(d) => d,
+        None => {
+            let local = LocalCluster::new(cfg.instance, cfg.dirs()).run_dir.join(starling_cluster::AUTH_DIR);
+            if !local.exists() {
+                anyhow::bail!("no credentials directory: pass --auth DIR (the head's --auth), or set head.auth");
+            }
+            local
+        }
+    };
+    let dir = starling_auth::AuthDir::new(dir);
+    if !dir.ca_key().exists() {
+        anyhow::bail!("{} holds no cluster CA key (ca.key): run this on the head's machine, with the head's --auth DIR", dir.dir.display());
+    }
+    Ok(dir)
 }
 
 /// The home agent's mounts (its tasks' views and overlays) in a mount namespace of its own,
@@ -1126,11 +1340,13 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     if network.contains_key("host_link") {
         println!("host links: {} each (tbf)", field("host_link"));
     }
-    println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY");
+    // PEERS: the port the host serves other hosts its chunks on, or off (agent.peers).
+    println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9} {:>6}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY", "PEERS");
     for h in &st.hosts {
+        let peers = h.peer.as_deref().and_then(|p| p.rsplit_once(':')).map_or("off", |(_, port)| port);
         println!(
-            "{:<8} {:<16} {:>8} {:>5} {:>6.2} {:>8} {:>7.1}Gi",
-            h.name, h.addr, h.pid, h.cores, h.load, h.running, h.mem_bytes as f64 / (1u64 << 30) as f64
+            "{:<8} {:<16} {:>8} {:>5} {:>6.2} {:>8} {:>7.1}Gi {:>6}",
+            h.name, h.addr, h.pid, h.cores, h.load, h.running, h.mem_bytes as f64 / (1u64 << 30) as f64, peers
         );
     }
     if st.hosts.is_empty() {
@@ -1169,8 +1385,11 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
 }
 
 /// Arguments `up` gives the head: the relay cache switch and the metrics address.
-fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>, no_root_tasks: bool) -> Vec<String> {
+fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>, no_root_tasks: bool, peer_referrals: Option<u32>) -> Vec<String> {
     let mut args = Vec::new();
+    if let Some(n) = peer_referrals {
+        args.extend(["--peer-referrals".to_string(), n.to_string()]);
+    }
     if no_root_tasks || !cfg.head.root_tasks {
         args.push("--no-root-tasks".to_string());
     }
@@ -1193,11 +1412,12 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let local = LocalCluster::new(cfg.instance, cfg.dirs());
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
-    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
-    let agent_args = match &a.policy {
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks, a.peer_referrals);
+    let mut agent_args = match &a.policy {
         Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
         None => Vec::new(),
     };
+    agent_args.extend(a.peers.agent_args());
     let opts = UpOptions {
         head_args,
         agent_args,
@@ -1243,8 +1463,11 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
     if a.nodes == Some(0) {
         anyhow::bail!("-N must be at least 1");
     }
+    if !a.peers.agent_args().is_empty() {
+        anyhow::bail!("--no-peers and --peer-port are for emulated hosts; the job's agents take agent.peers and agent.peer_port from their configuration (STARLING_PEERS, STARLING_PEER_PORT pass through srun)");
+    }
     let local = LocalCluster::new(cfg.instance, cfg.dirs());
-    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks, a.peer_referrals);
     // The edge reads Slurm's environment: inside an allocation, use it.
     let existing_job = std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty());
     let req = SlurmRequest {

@@ -163,6 +163,8 @@ pub enum ClusterError {
     Hosts(usize),
     #[error("the cluster's credentials: {0}")]
     Auth(#[from] starling_auth::AuthError),
+    #[error("the hosts' credentials: {0}")]
+    Ident(#[from] starling_auth::IdentError),
     #[error(transparent)]
     Net(#[from] NetError),
     #[error(transparent)]
@@ -440,7 +442,7 @@ fn start(
         // The host's /run is its own: its agent's credentials go into its state directory.
         let mut agent_args = Vec::new();
         if let Some(a) = &auth {
-            give_agent_credentials(a, &hdir.join("state").join(AUTH_DIR))?;
+            give_agent_credentials(a, &name, &hdir.join("state").join(AUTH_DIR))?;
             // One argument (`--auth=PATH`): a path argument under /var/lib/starling would make an
             // older `starling down` of the default instance take the agent for one of its own.
             agent_args = vec![format!("--auth={}/{AUTH_DIR}", boot::HOST_STATE_MOUNT)];
@@ -530,17 +532,11 @@ pub const HEAD_SOCKET: &str = "head.sock";
 /// The link relay's socket for local clients (`up --link`), under the run directory.
 pub const LINK_SOCKET: &str = "link.sock";
 
-/// Copy what an agent needs (the CA's certificate, the agent's certificate and key) to `dir`
-/// (made afresh, 0700).
-fn give_agent_credentials(auth: &starling_auth::AuthDir, dir: &Path) -> Result<()> {
+/// Give host `name`'s agent a key and a certificate issued to it (and the CA's certificate) in
+/// `dir` (made afresh, 0700): the head then lets that certificate register as `name` only.
+fn give_agent_credentials(auth: &starling_auth::AuthDir, name: &str, dir: &Path) -> Result<()> {
     let _ = std::fs::remove_dir_all(dir);
-    let to = starling_auth::AuthDir::new(dir);
-    std::fs::create_dir_all(dir).doing(|| format!("mkdir {}", dir.display()))?;
-    std::fs::set_permissions(dir, std::os::unix::fs::PermissionsExt::from_mode(0o700)).doing(|| format!("chmod {}", dir.display()))?;
-    let role = starling_auth::Role::Agent;
-    for (from, dest) in [(auth.ca_cert(), to.ca_cert()), (auth.cert(role), to.cert(role)), (auth.key(role), to.key(role))] {
-        std::fs::copy(&from, &dest).doing(|| format!("copying {} to {}", from.display(), dest.display()))?;
-    }
+    auth.issue_host_credentials(name, dir)?;
     Ok(())
 }
 

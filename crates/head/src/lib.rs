@@ -34,10 +34,10 @@ mod routing;
 use starling_config::HeadSettings;
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{ClusterStatus, HostInfo, Msg, ProtoError, Role, TaskId};
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use starling_auth::{AuthDir, Cred, Role as AuthRole, ServerTls, TlsAcceptor, TlsConnector};
+use starling_auth::{AuthDir, Cred, Identity, Role as AuthRole, ServerTls, TlsAcceptor, TlsConnector};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 
@@ -55,6 +55,8 @@ pub enum HeadError {
     Socket { path: std::path::PathBuf, #[source] source: std::io::Error },
     #[error("head: {0}")]
     Auth(#[from] starling_auth::AuthError),
+    #[error("head: reading the revocation list: {0}")]
+    Revoked(String),
 }
 
 /// A connected host.
@@ -146,6 +148,11 @@ pub struct Head {
     pub(crate) lingering: Mutex<linger::Lingering>,
     /// Whether tasks may run as root (`--no-root-tasks` refuses them).
     root_tasks: bool,
+    /// The cluster's credentials directory (enrolments, enrolled hosts, revocations).
+    auth: Option<AuthDir>,
+    /// Serials of revoked certificates, as last read from the revocation list;
+    /// every connection of a certificate watches it.
+    revoked: tokio::sync::watch::Sender<Arc<HashSet<String>>>,
 }
 
 /// What the head knows, at one moment.
@@ -171,15 +178,16 @@ pub struct Snapshot {
 pub(crate) enum Peer {
     /// A local user: on the head's Unix socket, or speaking through the link relay.
     Local(Cred),
-    /// A TLS peer holding a certificate of this role.
-    Cert(AuthRole),
+    /// A TLS peer holding a certificate of the cluster's CA.
+    Cert(Identity),
     /// Plain TCP to a head started without `--auth`: nothing is known.
     Unauthenticated,
 }
 
 /// Who a client is, for what it may launch: `Some`: tasks run as this user
-/// whatever their spec says; `None`: the spec's ids are believed (a
-/// certified client, or a head without `--auth`).
+/// whatever their spec says (a local user, or a user certificate's); `None`:
+/// the spec's ids are believed (the administrator's client certificate, or a
+/// head without `--auth`).
 pub(crate) type ClientIdentity = Option<Cred>;
 
 /// What a plain-TCP starling peer of an `--auth` head is told before it is closed.
@@ -192,9 +200,14 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
     let listener = TcpListener::bind(&settings.listen)
         .await
         .map_err(|source| HeadError::Listen { addr: settings.listen.clone(), source })?;
-    let acceptor = match &settings.auth {
-        Some(dir) => Some(AuthDir::new(dir).acceptor(AuthRole::Head)?),
+    let auth = settings.auth.as_ref().map(AuthDir::new);
+    let acceptor = match &auth {
+        Some(a) => Some(a.head_acceptor()?),
         None => None,
+    };
+    let revoked = match &auth {
+        Some(a) => a.revoked().map_err(|e| HeadError::Revoked(e.to_string()))?,
+        None => HashSet::new(),
     };
     let connector = match &settings.auth {
         Some(dir) if !settings.agents.is_empty() => Some(AuthDir::new(dir).connector(AuthRole::Head)?),
@@ -224,7 +237,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
     let relay = if settings.relay_cache {
         let dir = settings.state.join("cache");
         Some(
-            relay::Relay::open(&dir, settings.cache_mib << 20, counters.clone())
+            relay::Relay::open(&dir, settings.cache_mib << 20, settings.peer_referrals, counters.clone())
                 .map_err(|source| HeadError::RelayCache { path: dir, source })?,
         )
     } else {
@@ -244,7 +257,12 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         facts,
         lingering: Mutex::new(linger::Lingering::default()),
         root_tasks: settings.root_tasks,
+        auth,
+        revoked: tokio::sync::watch::Sender::new(Arc::new(revoked)),
     });
+    if head.auth.is_some() {
+        tokio::spawn(head.clone().watch_revocations());
+    }
     *head.me.lock().unwrap() = Arc::downgrade(&head);
     if let Some(l) = metrics_listener {
         tokio::spawn(metrics::serve(head.clone(), l));
@@ -304,7 +322,15 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
             let res = match acceptor {
                 None => head.serve(sock, Peer::Unauthenticated).await,
                 Some(acceptor) => match accept_tls(&acceptor, sock).await {
-                    Ok(Some((tls, role))) => head.serve(tls, Peer::Cert(role)).await,
+                    Ok(Some((tls, Some(id)))) => head.serve(tls, Peer::Cert(id)).await,
+                    Ok(Some((mut tls, None))) => {
+                        let auth = head.auth.as_ref().expect("TLS only with credentials");
+                        return match tokio::time::timeout(HANDSHAKE, starling_auth::enrol::serve(&mut tls, auth)).await {
+                            Ok(Ok(host)) => log::info!("enrolled host {host} (from {peer}) with a join token"),
+                            Ok(Err(why)) => log::warn!("enrolment from {peer} refused: {why}"),
+                            Err(_) => log::warn!("enrolment from {peer} refused: no request within {HANDSHAKE:?}"),
+                        };
+                    }
                     // A port probe (`starling up` waits for the port this way).
                     Ok(None) => return,
                     Err(why) => return log::warn!("connection from {peer} refused: {why}"),
@@ -332,11 +358,12 @@ fn bind_socket(path: &std::path::Path) -> Result<(UnixListener, std::path::PathB
     Ok((l, path.to_path_buf()))
 }
 
-/// The TLS handshake of a TCP peer, and its certificate's role. A
-/// plain starling peer (its first bytes are a frame's magic) is told why in
-/// one frame; anything else that is not TLS with a certificate of the
-/// cluster's CA fails the handshake. Nothing it sent is parsed as a frame.
-async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(ServerTls<TcpStream>, AuthRole)>, String> {
+/// The TLS handshake of a TCP peer, and who its certificate names (`None`:
+/// it showed none, and may only enrol with a join token). A plain starling
+/// peer (its first bytes are a frame's magic) is told why in one frame;
+/// anything else that is not TLS, or shows a certificate not of the
+/// cluster's CA, fails the handshake. Nothing it sent is parsed as a frame.
+async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(ServerTls<TcpStream>, Option<Identity>)>, String> {
     let mut first = [0u8; 4];
     let n = tokio::time::timeout(HANDSHAKE, sock.peek(&mut first)).await.map_err(|_| "no TLS handshake".to_string())?.map_err(|e| e.to_string())?;
     if n == 0 {
@@ -355,8 +382,24 @@ async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(S
         .await
         .map_err(|_| "TLS handshake timed out".to_string())?
         .map_err(|e| format!("TLS: {e}"))?;
-    let role = starling_auth::client_role(&tls).ok_or("its certificate names no starling role")?;
-    Ok(Some((tls, role)))
+    if tls.get_ref().1.peer_certificates().is_none() {
+        return Ok(Some((tls, None)));
+    }
+    let id = starling_auth::ident::client_identity(&tls).ok_or("its certificate names no starling role")?;
+    Ok(Some((tls, Some(id))))
+}
+
+/// How often the head looks at the revocation list for changes.
+const REVOCATION_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// The one line a revoked certificate's holder is told.
+fn revoked_line(id: &Identity) -> String {
+    let who = match (&id.host, &id.user) {
+        (Some(h), _) => format!("host {h}"),
+        (_, Some(u)) => format!("user {}", u.name),
+        _ => format!("a {:?} certificate", id.role),
+    };
+    format!("the certificate of {who} (serial {}) was revoked by this cluster's administrator; it is refused", id.serial)
 }
 
 /// Bound on a peer's TLS handshake.
@@ -381,7 +424,10 @@ impl Head {
                     let res = match &tls {
                         None => self.clone().serve(s, Peer::Unauthenticated).await,
                         Some(c) => match c.connect(starling_auth::server_name(AuthRole::Agent), s).await {
-                            Ok(t) => self.clone().serve(t, Peer::Cert(AuthRole::Agent)).await,
+                            Ok(t) => match starling_auth::ident::server_identity(&t) {
+                                Some(id) => self.clone().serve(t, Peer::Cert(id)).await,
+                                None => Err(ProtoError::Refused("its agent certificate names no starling role".into())),
+                            },
                             Err(e) => Err(ProtoError::Io(e)),
                         },
                     };
@@ -400,9 +446,15 @@ impl Head {
         S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     {
         let (mut r, mut w) = tokio::io::split(sock);
+        if let Peer::Cert(id) = &peer {
+            if let Some(why) = self.revoked_why(id) {
+                let _ = starling_proto::write_frame(&mut w, &Msg::Error { task: None, message: why.clone() }).await;
+                return Err(ProtoError::Refused(why));
+            }
+        }
         // The link relay speaks for a local user: its first frame says which.
         let peer = match peer {
-            Peer::Cert(AuthRole::Relay) => match starling_proto::read_frame(&mut r).await? {
+            Peer::Cert(Identity { role: AuthRole::Relay, .. }) => match starling_proto::read_frame(&mut r).await? {
                 Msg::OnBehalfOf { uid, gid, groups } => Peer::Local(Cred { uid, gid, groups }),
                 _ => {
                     let e = "the link relay must first name the user it speaks for";
@@ -418,22 +470,33 @@ impl Head {
             let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
             Err(ProtoError::Refused(why))
         };
+        let cert = match &peer {
+            Peer::Cert(id) => Some(id.clone()),
+            _ => None,
+        };
         match hello.role {
             Role::Agent => {
-                if !matches!(peer, Peer::Unauthenticated | Peer::Cert(AuthRole::Agent)) {
-                    return refuse(format!("only a holder of an agent certificate may serve as a host, not {peer:?}")).await;
-                }
-                let res = self.serve_agent(conn, &mut incoming, tx).await;
+                let bound = match &peer {
+                    Peer::Unauthenticated => None,
+                    Peer::Cert(Identity { role: AuthRole::Agent, host, .. }) => host.clone(),
+                    _ => return refuse(format!("only a holder of an agent certificate may serve as a host, not {peer:?}")).await,
+                };
+                let served = self.serve_agent(conn, &mut incoming, tx.clone(), bound.as_deref());
+                let res = self.until_revoked(cert.as_ref(), &tx, served).await;
                 self.agent_gone(conn, &res).await;
                 res
             }
             Role::Client => {
                 let who: ClientIdentity = match peer {
                     Peer::Local(cred) => Some(cred),
-                    Peer::Cert(AuthRole::Client) | Peer::Unauthenticated => None,
-                    Peer::Cert(r) => return refuse(format!("a {r:?} certificate cannot be used by a client")).await,
+                    Peer::Cert(Identity { role: AuthRole::User, user: Some(u), .. }) => {
+                        Some(Cred { uid: u.uid, gid: u.gid, groups: vec![u.gid] })
+                    }
+                    Peer::Cert(Identity { role: AuthRole::Client, .. }) | Peer::Unauthenticated => None,
+                    Peer::Cert(id) => return refuse(format!("a {:?} certificate cannot be used by a client", id.role)).await,
                 };
-                let res = self.serve_client(conn, &mut incoming, tx, who).await;
+                let served = self.serve_client(conn, &mut incoming, tx.clone(), who);
+                let res = self.until_revoked(cert.as_ref(), &tx, served).await;
                 self.client_gone(conn).await;
                 res
             }
@@ -457,6 +520,89 @@ impl Head {
             return Err("this cluster refuses tasks that run as root (its head was started with --no-root-tasks); run as an ordinary user".into());
         }
         Ok(spec)
+    }
+
+    /// Why a certificate is refused: its serial is on the revocation list, read
+    /// afresh (a certificate revoked a moment ago is refused at once; the
+    /// list is a few lines, and a TLS handshake costs far more).
+    fn revoked_why(&self, id: &Identity) -> Option<String> {
+        let fresh = self.auth.as_ref().map(AuthDir::revoked);
+        let revoked = match fresh {
+            Some(Ok(set)) => set.contains(&id.serial),
+            Some(Err(e)) => {
+                log::warn!("reading the revocation list: {e}; using the last one read");
+                self.revoked.borrow().contains(&id.serial)
+            }
+            None => false,
+        };
+        revoked.then(|| revoked_line(id))
+    }
+
+    /// Serve a certified connection until it ends or its certificate is
+    /// revoked: then the peer is told so in one line and the connection ends.
+    async fn until_revoked(
+        &self,
+        cert: Option<&Identity>,
+        tx: &Outgoing,
+        served: impl std::future::Future<Output = Result<(), ProtoError>>,
+    ) -> Result<(), ProtoError> {
+        let Some(id) = cert else { return served.await };
+        let mut revoked = self.revoked.subscribe();
+        let revocation = async move {
+            // (The list's sender lives as long as the head.)
+            if revoked.wait_for(|set| set.contains(&id.serial)).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            res = served => res,
+            () = revocation => {
+                let why = revoked_line(id);
+                log::warn!("dropping a connection: {why}");
+                let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
+                Err(ProtoError::Refused(why))
+            }
+        }
+    }
+
+    /// Whether a host's connection may register under `name`: a certificate
+    /// issued to a host registers as that host only; the shared agent
+    /// certificate (or no authentication) as any host not enrolled with a
+    /// certificate of its own.
+    pub(crate) fn may_register(&self, bound: Option<&str>, name: &str) -> Result<(), String> {
+        match bound {
+            Some(b) if b != name => Err(format!("this agent's certificate was issued to host {b}; it cannot register as host {name}")),
+            Some(_) => Ok(()),
+            None if self.auth.as_ref().is_some_and(|a| a.host_enrolled(name)) => Err(format!(
+                "host {name} is enrolled with a certificate of its own; the shared agent certificate cannot register as it"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Read the revocation list again whenever it changes (`starling host
+    /// revoke`, `starling user revoke` append to it); connections of a newly
+    /// revoked certificate end ([`Head::until_revoked`]).
+    async fn watch_revocations(self: Arc<Self>) {
+        let Some(auth) = self.auth.clone() else { return };
+        let path = auth.revoked_path();
+        let stamp = |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
+        let mut seen = stamp(&path);
+        loop {
+            tokio::time::sleep(REVOCATION_POLL).await;
+            let now = stamp(&path);
+            if now == seen {
+                continue;
+            }
+            seen = now;
+            match auth.revoked() {
+                Ok(set) => {
+                    log::info!("revocation list read again: {} certificate(s) revoked", set.len());
+                    self.revoked.send_replace(Arc::new(set));
+                }
+                Err(e) => log::warn!("reading the revocation list: {e}"),
+            }
+        }
     }
 
     pub(crate) fn self_arc(&self) -> Option<Arc<Head>> {

@@ -14,10 +14,16 @@ impl Head {
         conn: u64,
         incoming: &mut Incoming<R>,
         tx: Outgoing,
+        bound: Option<&str>,
     ) -> Result<(), ProtoError> {
         loop {
             match incoming.recv().await? {
                 Msg::HostInfo(info) => {
+                    if let Err(why) = self.may_register(bound, &info.name) {
+                        log::warn!("refused a host: {why}");
+                        let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
+                        return Err(ProtoError::Refused(why));
+                    }
                     let mut st = self.state.lock().unwrap();
                     let cores_busy = st.hosts.get(&info.name).map_or(0, |h| h.cores_busy);
                     log::debug!("host {} ({}) reports load {:.2}, {} running", info.name, info.addr, info.load, info.running);

@@ -414,7 +414,8 @@ impl Session {
                         let _ = w.send(granted.map(|g| (ticket, g)).map_err(SessionError::TicketRefused));
                     }
                 }
-                Msg::Error { task: None, message } => log::warn!("head: {message}"),
+                // The head ends the connection after an error of no task (e.g. a revoked certificate).
+                Msg::Error { task: None, message } => break Closed::Protocol(Arc::new(ProtoError::Refused(message))),
                 Msg::Error { task: Some(task), message } => self.emit(task, TaskEvent::Lost(message)),
                 Msg::Output { task, stream, data } => self.emit(task, TaskEvent::Output(stream, data)),
                 Msg::CloneStats { task, clone_id, status, counters } => {

@@ -1,0 +1,260 @@
+"""Identities (issue 12): join tokens, per-host agent certificates, per-user certificates, revocation.
+
+A head started by hand in this machine's network namespace with the cluster's credentials
+(`starling head --init --auth DIR`, then `starling head --auth DIR`), and agents in a network
+namespace of their own that enrol with `starling agent --join HEAD --token T --auth THEIR_DIR`,
+as the README tells an administrator to do on real hosts:
+
+* a token enrols one host, once; an expired token enrols none;
+* an enrolled host's certificate registers as that host only, and the shared agent certificate
+  cannot register as an enrolled host;
+* `starling host revoke` drops the host's live connection and its agent is refused with one line;
+* a client holding `starling user add NAME --uid 1000`'s certificate, run by root (its spec says
+  uid 0), runs tasks as 1000; `starling user revoke` refuses it from then on."""
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import STARLING, require_root, require_tool, sh, wait_for
+
+INSTANCE = int(os.environ.get("STARLING_INSTANCE", "").strip() or "0")
+NETNS = f"st-ident{INSTANCE}"
+VETH = f"st-id{INSTANCE}"
+HEAD_IP, AGENT_IP = f"10.219.{INSTANCE}.1", f"10.219.{INSTANCE}.2"
+HEAD = f"{HEAD_IP}:17377"
+BASE = pathlib.Path(f"/var/tmp/starling-tests/ident-{INSTANCE}")
+AUTH = BASE / "auth"
+
+
+def cleanup_net():
+    sh("ip", "netns", "del", NETNS, check=False)
+    sh("ip", "link", "del", VETH, check=False)
+
+
+class Daemons:
+    """Processes this module started; each stopped by its pid."""
+
+    def __init__(self):
+        self.procs = {}
+
+    def start(self, name, argv):
+        assert name not in self.procs, f"a process named {name} is already running"
+        log = open(BASE / f"{name}.log", "wb")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, STARLING_LOG="info"))
+        self.procs[name] = p
+        return p
+
+    def stop(self, name):
+        p = self.procs.pop(name)
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+    def stop_all(self):
+        for name in list(self.procs):
+            self.stop(name)
+
+    def log(self, name):
+        return (BASE / f"{name}.log").read_text(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def head():
+    require_root("network namespaces and agents")
+    require_tool("ip", "iproute2")
+    cleanup_net()
+    sh("ip", "netns", "add", NETNS)
+    sh("ip", "link", "add", VETH, "type", "veth", "peer", "name", "eth0", "netns", NETNS)
+    sh("ip", "addr", "add", f"{HEAD_IP}/24", "dev", VETH)
+    sh("ip", "link", "set", VETH, "up")
+    sh("ip", "netns", "exec", NETNS, "ip", "addr", "add", f"{AGENT_IP}/24", "dev", "eth0")
+    sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "eth0", "up")
+    sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
+    shutil.rmtree(BASE, ignore_errors=True)
+    BASE.mkdir(parents=True)
+    (BASE / "work").mkdir()
+    r = subprocess.run([STARLING, "head", "--init", "--auth", str(AUTH)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    d = Daemons()
+    d.start("head", [STARLING, "head", "--listen", HEAD, "--auth", str(AUTH), "--state", str(BASE / "head")])
+    wait_for(lambda: status() is not None, "the head to answer", timeout=120)
+    yield d
+    d.stop_all()
+    cleanup_net()
+    shutil.rmtree(BASE, ignore_errors=True)
+
+
+def admin(*args):
+    """An administrator's command on the head's machine."""
+    return subprocess.run([STARLING, *args, "--auth", str(AUTH)], capture_output=True, text=True, timeout=60)
+
+
+def client(*args, creds=AUTH):
+    env = dict(os.environ, STARLING_CLUSTER=HEAD, STARLING_AUTH=str(creds))
+    env.pop("STARLING_INSTANCE", None)
+    env.pop("STARLING_FORK_BACKEND", None)
+    return subprocess.run([STARLING, *args], cwd=BASE / "work", env=env, capture_output=True, text=True, timeout=300)
+
+
+def status():
+    r = client("status", "--json")
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def hosts():
+    st = status()
+    return {h["name"]: h for h in st["hosts"]} if st else {}
+
+
+def new_token(ttl="10m"):
+    r = admin("token", "create", "--ttl", ttl)
+    assert r.returncode == 0, r.stderr
+    token = r.stdout.strip()
+    assert re.fullmatch(r"[0-9a-f]{64}\.[0-9a-f]{64}", token), token
+    return token
+
+
+def agent_argv(name, *args):
+    return ["ip", "netns", "exec", NETNS, STARLING, "agent", "--name", name, "--state", str(BASE / f"state-{name}"),
+            "--cache-mib", "128", *args]
+
+
+def join(head, name, token, creds=None, label=None):
+    """Start an agent that enrols as `name` with `token` (its credentials in `creds`); its process and
+    log are named `label` (default: `name`)."""
+    creds = creds or BASE / f"creds-{name}"
+    return head.start(label or name, agent_argv(name, "--join", HEAD, "--token", token, "--auth", str(creds))), creds
+
+
+def enrolled(head, name):
+    """A host enrolled with a fresh token and registered; returns its credentials directory."""
+    p, creds = join(head, name, new_token())
+    wait_for(lambda: name in hosts() or p.poll() is not None, f"{name} to enrol and register", timeout=120)
+    assert name in hosts(), head.log(name)
+    return creds
+
+
+def test_a_token_enrols_one_host_once(head):
+    token = new_token()
+    # The head keeps the token's hash, never the token.
+    secret = token.split(".")[0]
+    assert all(secret not in f.name and secret not in f.read_text() for f in (AUTH / "tokens").iterdir())
+    p, creds = join(head, "node1", token)
+    host = wait_for(lambda: hosts().get("node1") or (p.poll() is not None and "exited"), "node1 to register", timeout=120)
+    assert host != "exited", head.log("node1")
+    assert host["address"] == AGENT_IP, host
+    assert {f.name for f in creds.iterdir()} == {"ca.pem", "agent.pem", "agent.key"}
+    assert creds.stat().st_mode & 0o777 == 0o700 and (creds / "agent.key").stat().st_mode & 0o777 == 0o600
+    r = client("exec", "--", "sh", "-c", "ip -4 -o addr show")
+    assert r.returncode == 0, r.stderr + head.log("head")[-2000:]
+    assert f"inet {AGENT_IP}/" in r.stdout, r.stdout
+    # The same token a second time, by another host: refused, nothing registered.
+    p2, _ = join(head, "node2", token)
+    assert p2.wait(timeout=120) != 0
+    assert "already used" in head.log("node2"), head.log("node2")
+    assert "node2" not in hosts()
+    assert re.search(r"enrolment from .* refused: host node2: this join token is unknown or was already used", head.log("head"))
+
+
+def test_an_expired_token_is_refused(head):
+    token = new_token(ttl="1s")
+    time.sleep(2)  # past its expiry, however slow the machine
+    p, creds = join(head, "late", token)
+    assert p.wait(timeout=120) != 0
+    assert "expired" in head.log("late"), head.log("late")
+    assert not (creds / "agent.pem").exists()
+    assert "late" not in hosts()
+
+
+def test_a_host_cannot_register_as_another(head):
+    creds = enrolled(head, "node3")
+    # node3's own certificate, claiming another name: refused with one line, never listed.
+    p = head.start("node3-as-node4", agent_argv("node4", "--head", HEAD, "--auth", str(creds)))
+    line = "this agent's certificate was issued to host node3; it cannot register as host node4"
+    wait_for(lambda: line in head.log("node3-as-node4"), "the impostor to be refused", timeout=120)
+    assert "node4" not in hosts()
+    head.stop("node3-as-node4")
+    # The shared agent certificate of `head --init` cannot take an enrolled host's name either.
+    head.start("shared-as-node3", agent_argv("node3", "--head", HEAD, "--auth", str(AUTH)))
+    line = "host node3 is enrolled with a certificate of its own; the shared agent certificate cannot register as it"
+    wait_for(lambda: line in head.log("shared-as-node3"), "the shared certificate to be refused", timeout=120)
+    head.stop("shared-as-node3")
+    # Enrolling again under a taken name is refused too, and does not use the token up.
+    token = new_token()
+    p, _ = join(head, "node3", token, creds=BASE / "creds-node3-again", label="node3-again")
+    assert p.wait(timeout=120) != 0
+    assert "host node3 is already enrolled" in head.log("node3-again"), head.log("node3-again")
+    p, _ = join(head, "node7", token)
+    wait_for(lambda: "node7" in hosts() or p.poll() is not None, "node7 to enrol with the same token", timeout=120)
+    assert "node7" in hosts(), head.log("node7")
+
+
+def test_a_revoked_host_is_dropped_and_refused(head):
+    enrolled(head, "node5")
+    r = admin("host", "revoke", "node5")
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: "node5" not in hosts(), "the head to drop node5", timeout=120)
+    # Its agent, dialling again, is told why in one line.
+    line = re.compile(r"peer refused us: the certificate of host node5 \(serial [0-9a-f]+\) was revoked")
+    wait_for(lambda: len(line.findall(head.log("node5"))) >= 2, "node5 to be refused again after the drop", timeout=120)
+    assert "node5" not in hosts()
+    # Revoking what was never issued is an error.
+    r = admin("host", "revoke", "nobody")
+    assert r.returncode != 0 and "no host named nobody" in r.stderr, r.stderr
+
+
+def test_a_user_certificate_runs_as_its_uid_only(head):
+    if not hosts():
+        enrolled(head, "node6")
+    r = admin("user", "add", "rooty", "--uid", "0")
+    assert r.returncode != 0 and "--root" in r.stderr, r.stderr
+    alice = BASE / "alice"
+    r = admin("user", "add", "alice", "--uid", "1000", "--gid", "1001", "--out", str(alice))
+    assert r.returncode == 0, r.stderr
+    assert os.getuid() == 0  # so this client's specs say uid 0
+    r = client("exec", "--", "sh", "-c", "id -u; id -g", creds=alice)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["1000", "1001"], r.stdout
+    # The administrator's client certificate is still believed.
+    r = client("exec", "--", "id", "-u")
+    assert r.returncode == 0 and r.stdout.strip() == "0", r.stdout + r.stderr
+    r = admin("user", "revoke", "alice")
+    assert r.returncode == 0, r.stderr
+    r = client("exec", "--", "true", creds=alice)
+    assert r.returncode != 0
+    assert "the certificate of user alice" in r.stderr and "was revoked" in r.stderr, r.stderr
+
+
+def test_revoking_a_user_ends_its_live_session(head):
+    if not hosts():
+        enrolled(head, "node8")
+    bob = BASE / "bob"
+    r = admin("user", "add", "bob", "--uid", "1002", "--out", str(bob))
+    assert r.returncode == 0, r.stderr
+    env = dict(os.environ, STARLING_CLUSTER=HEAD, STARLING_AUTH=str(bob))
+    env.pop("STARLING_INSTANCE", None)
+    p = subprocess.Popen([STARLING, "exec", "--", "sh", "-c", "id -u; sleep 1000"], cwd=BASE / "work", env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "1002"  # its task is running
+        r = admin("user", "revoke", "bob")
+        assert r.returncode == 0, r.stderr
+        _, err = p.communicate(timeout=120)
+        assert p.returncode != 0
+        assert "the certificate of user bob" in err and "was revoked" in err, err
+        wait_for(lambda: sum(h["running"] for h in hosts().values()) == 0, "bob's task to end", timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
