@@ -27,6 +27,19 @@ fn main() {
             put(&corpus.join("plan"), &format!("{name}-{mode}"), &plan);
         }
     }
+    // A process tree: a child with a pipe to its own child, bytes in flight in it.
+    let mut tree = starling_image::sample::descriptor(&[42]);
+    let mut child = starling_image::sample::descriptor(&[50]);
+    child.fds.push(FdEntry { fd: 12, kind: FdKind::TreePipe { pipe: 0, write: true, flags: 1 } });
+    let mut grandchild = starling_image::sample::descriptor(&[51]);
+    grandchild.fds.insert(0, FdEntry { fd: 0, kind: FdKind::TreePipe { pipe: 0, write: false, flags: 0 } });
+    tree.pipes = vec![PipeImage { capacity: 65536, data: b"in flight".to_vec() }];
+    tree.descendants = vec![(0, child), (1, grandchild)];
+    tree.validate().expect("the seed tree is valid");
+    put(&corpus.join("descriptor"), "tree", &tree.encode());
+    let plan = lower(&tree, PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false });
+    abi::plan::validate_tree(&plan, &mut [0; abi::plan::MAX_TREE_PLANS]).expect("the seed tree plan is valid");
+    put(&corpus.join("plan"), "tree-migrate", &plan);
     let spec = TaskSpec { env: vec![(b"A".to_vec(), b"1".to_vec())], ..TaskSpec::new(vec![b"cc".to_vec(), b"-c".to_vec(), b"x.c".to_vec()], WirePath::new(b"/home/u".to_vec()).expect("path")) };
     let frames = [("launch", Msg::Launch { spec, reference: 7 })];
     for (name, msg) in frames {
@@ -39,8 +52,8 @@ fn main() {
     let mut stream = Vec::new();
     let to_target = [
         ToTarget::Prepare { payload: b"view".to_vec() },
-        ToTarget::Pages { addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
-        ToTarget::Image { descriptor: starling_image::sample::descriptor(&[42]).encode(), stale: vec![0x2000], page_server: "10.0.0.1:4000".into(), payload: b"files".to_vec() },
+        ToTarget::Pages { process: 0, addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
+        ToTarget::Image { descriptor: starling_image::sample::descriptor(&[42]).encode(), stale: vec![vec![0x2000]], page_servers: vec!["10.0.0.1:4000".into()], payload: b"files".to_vec() },
     ];
     for frame in &to_target {
         migrate_wire::send(&mut stream, frame).expect("encode");

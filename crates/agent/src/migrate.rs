@@ -199,7 +199,8 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
             // now: a task ending during the capture is torn down under it (its
             // files unmounted), and what the capture then saw missing is a
             // symptom of that end, not the move's own failure.
-            let ended = matches!(e, starling_migrate::MigrateError::Gone(_)) || !process_lives(pid);
+            // (Another process of its tree gone is the move's failure, named.)
+            let ended = matches!(e, starling_migrate::MigrateError::Gone(p) if p == pid) || !process_lives(pid);
             Err(if ended { "the task ended before it could move".to_string() } else { e.to_string() })
         }
     }
@@ -330,7 +331,14 @@ impl SourceHooks for Source {
             bindings: self.live.view.bindings().into_iter().collect(),
             listings: self.live.view.listings(),
             age_seconds: self.live.started.elapsed().as_secs_f64(),
-            mapped: starling_migrate::capture::mapped_files(self.pid, &self.live.root),
+            mapped: {
+                // Every process of the task's tree maps its own.
+                let pids = starling_migrate::capture::tree(self.pid).map(|t| t.iter().map(|m| m.pid).collect()).unwrap_or_else(|_| vec![self.pid]);
+                let mut all: Vec<String> = pids.into_iter().flat_map(|p| starling_migrate::capture::mapped_files(p, &self.live.root)).collect();
+                all.sort_unstable();
+                all.dedup();
+                all
+            },
         })
     }
 
@@ -655,7 +663,8 @@ fn restore_here(
         }
     }
     let t_spawned = Instant::now();
-    let running = restore.wait_running(0);
+    // Every process of the task's tree (the switch waits for all of them).
+    let running = restore.wait_all_running();
     let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
     let t_running = Instant::now();
     log::info!(

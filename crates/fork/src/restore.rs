@@ -88,7 +88,9 @@ impl Restore {
         unsafe { libc::lseek(plan_fd.as_raw_fd(), 0, libc::SEEK_SET) };
         let (ours, theirs) = handler_socketpair()?;
         let (stop_r, stop_w) = pipe()?;
-        let (first, count) = (plan.clone_id, plan.clone_count.max(1));
+        // A process tree's processes are clone IDs too: one per plan.
+        let tree = u32::try_from(desc.processes().len()).unwrap_or(u32::MAX);
+        let (first, count) = (plan.clone_id, plan.clone_count.max(tree).max(1));
         let stats: Arc<Mutex<HashMap<u32, Arc<FaultStats>>>> = Arc::default();
         let running: Arc<(Mutex<Progress>, Condvar)> = Arc::default();
         let (registry, progress) = (stats.clone(), running.clone());
@@ -121,6 +123,12 @@ impl Restore {
             }
             p = cv.wait(p).unwrap_or_else(|e| e.into_inner());
         }
+    }
+
+    /// Wait until every process of the restore (a tree's, a host's clones)
+    /// reports that it resumes (true), or the restorer ends first (false).
+    pub fn wait_all_running(&self) -> bool {
+        (self.first..self.first + self.count).all(|id| self.wait_running(id))
     }
 
     /// Counters of process `clone_id`'s handler (live), if it has one.

@@ -13,7 +13,9 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 5;
+pub const DESCRIPTOR_VERSION: u32 = 6;
+/// Most processes one descriptor carries (a process and its descendants).
+pub const MAX_TREE_PROCESSES: usize = crate::abi::plan::MAX_TREE_PLANS;
 /// Upper bound accepted by [`Descriptor::decode`].
 pub const MAX_DESCRIPTOR_BYTES: u64 = 64 << 20;
 /// Largest FPU area accepted (XSAVE with AMX is ~11 KiB).
@@ -138,9 +140,21 @@ pub enum FdKind {
     /// (1 or 2), which the agent relays to the client, who appends it to its
     /// own fd — the file is never reopened, so never committed as a whole.
     Stream { of: i32 },
+    /// An end of a pipe between processes of the tree (`Descriptor::pipes`
+    /// of the tree's root, by index), with the descriptor's flags.
+    TreePipe { pipe: u32, write: bool, flags: u32 },
     Socket,
     /// Character/block device, anon inode (eventfd, epoll…), deleted file.
     Other { target: String },
+}
+
+/// A pipe between processes of a tree.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct PipeImage {
+    /// Its capacity (`F_GETPIPE_SZ`): writers block where they did.
+    pub capacity: u32,
+    /// What was in it, unread.
+    pub data: Vec<u8>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -168,6 +182,9 @@ pub struct ProcessState {
     pub groups: Vec<u32>,
     /// Signals queued for the process (shared queue).
     pub pending: Vec<SigInfo>,
+    /// It leads a process group of its own (`setpgid(0, 0)` on restore; a
+    /// moved tree's root keeps the group its restorer gives it).
+    pub leads_group: bool,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -179,6 +196,17 @@ pub struct Descriptor {
     pub threads: Vec<ThreadState>,
     pub sigactions: SigactionTable,
     pub process: ProcessState,
+    /// The processes descending from it, moving with it (a process tree),
+    /// parents before their children: each with the index of its parent
+    /// (0: this process, i: `descendants[i - 1]`). Each is restored as a
+    /// fork of its restored parent with its own PID, so the parent's `wait`
+    /// still reaps it. Flat (a descendant has none of its own): decoding
+    /// never recurses deeper than one level.
+    pub descendants: Vec<(u32, Descriptor)>,
+    /// The pipes between processes of the tree (the root's only): each is
+    /// made again on the target with its unread bytes in it, and every
+    /// process gets its ends at the same fd numbers (`FdKind::TreePipe`).
+    pub pipes: Vec<PipeImage>,
 }
 
 impl Descriptor {
@@ -207,8 +235,51 @@ impl Descriptor {
         Ok(d)
     }
 
-    /// Structural checks the plan and the restorer rely on.
+    /// The processes of the tree it is the root of, parents before their
+    /// children, each with its parent's index (None: the root). The index is
+    /// the process's clone ID in the restore.
+    pub fn processes(&self) -> Vec<(Option<usize>, &Descriptor)> {
+        core::iter::once((None, self)).chain(self.descendants.iter().map(|(p, d)| (Some(*p as usize), d))).collect()
+    }
+
+    /// Structural checks the plan and the restorer rely on, for the whole
+    /// tree: every process's own, at most [`MAX_TREE_PROCESSES`], no PID twice.
     pub fn validate(&self) -> Result<(), DescriptorError> {
+        let bad = |detail: String| Err(DescriptorError::Invalid(detail));
+        let procs = self.processes();
+        if procs.len() > MAX_TREE_PROCESSES {
+            return bad(format!("{} processes in one tree", procs.len()));
+        }
+        for (i, (parent, d)) in procs.iter().enumerate().skip(1) {
+            if parent.is_none_or(|p| p >= i) || !d.descendants.is_empty() {
+                return bad(format!("process {i} of the tree: parent not before it, or descendants of its own"));
+            }
+        }
+        for (i, (_, d)) in procs.iter().enumerate() {
+            if i > 0 && !d.pipes.is_empty() {
+                return bad(format!("process {i} of the tree has pipes of its own"));
+            }
+            for f in &d.fds {
+                if let FdKind::TreePipe { pipe, .. } = f.kind {
+                    if pipe as usize >= self.pipes.len() {
+                        return bad(format!("fd {} is pipe {pipe} of {}", f.fd, self.pipes.len()));
+                    }
+                }
+            }
+        }
+        if self.pipes.iter().any(|p| u64::from(p.capacity) > crate::abi::plan::MAX_PIPE_BYTES || p.data.len() > p.capacity as usize) {
+            return bad("a pipe's capacity or content".to_string());
+        }
+        let mut ids: Vec<u64> = procs.iter().flat_map(|(_, d)| d.threads.iter().map(|t| t.core.tid)).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return bad("duplicate thread or process ids in the tree".to_string());
+        }
+        procs.iter().try_for_each(|(_, d)| d.validate_process())
+    }
+
+    /// The checks of one process (not its children).
+    fn validate_process(&self) -> Result<(), DescriptorError> {
         let bad = |detail: String| Err(DescriptorError::Invalid(detail));
         if self.version != DESCRIPTOR_VERSION {
             return Err(DescriptorError::Version(self.version));
@@ -268,7 +339,7 @@ impl Descriptor {
         }
         let mut prev_fd = -1;
         for f in &self.fds {
-            if f.fd <= prev_fd || f.fd > 1 << 20 {
+            if f.fd <= prev_fd || f.fd >= 1 << 20 {
                 return bad(format!("fd {} out of order/range", f.fd));
             }
             if let FdKind::Reopen { path, .. } = &f.kind {

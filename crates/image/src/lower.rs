@@ -9,9 +9,10 @@
 //!   the userfaultfd (file pages of such regions are read by the handler);
 //! * all-zero anonymous → plain anonymous, never registered.
 //!
-//! Per fd: stdio is inherited from the restorer's caller, regular files and
-//! directories are reopened at their offset, pipes get EOF/EPIPE
-//! placeholders, the rest is closed.
+//! Per fd: a pipe between processes of a tree gets its end of the pipe the
+//! tree's root made again; other stdio is inherited from the restorer's
+//! caller, regular files and directories are reopened at their offset,
+//! other pipes get EOF/EPIPE placeholders, the rest is closed.
 
 use crate::abi::plan::*;
 use crate::descriptor::{Descriptor, FdKind, PageClass, Region, RegionKind};
@@ -74,8 +75,33 @@ impl Blob {
     }
 }
 
-/// Build the plan blob for one restore.
+/// Build the plan for one restore: one plan per process of the tree `d`
+/// is the root of, one after the other (`PlanHeader::parent`), each
+/// process's clone ID `opts.clone_id` + its index.
 pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
+    let processes = d.processes();
+    // The tree's pipes' ends wait above every fd of every process.
+    let max_fd = processes.iter().flat_map(|(_, p)| p.fds.iter().map(|f| u64::try_from(f.fd).unwrap_or(0))).max().unwrap_or(0);
+    let tree = Tree { pipes: d.pipes.len() as u64, pipe_fd_base: (max_fd + 1).max(MIN_PIPE_FD_BASE) };
+    let mut out = Vec::new();
+    for (i, (parent, p)) in processes.into_iter().enumerate() {
+        out.resize(usize::try_from(align_fpu(out.len() as u64)).expect("plan fits memory"), 0);
+        let index = u32::try_from(i).expect("a tree has few processes");
+        let own = PlanOptions { clone_id: opts.clone_id + index, ..opts };
+        out.extend_from_slice(&lower_process(p, own, parent.map_or(NO_PARENT, |p| p as u64), tree));
+    }
+    out
+}
+
+/// What every plan of a tree says about the tree.
+#[derive(Clone, Copy)]
+struct Tree {
+    pipes: u64,
+    pipe_fd_base: u64,
+}
+
+/// The plan of one process (`parent`: its parent's plan index).
+fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, tree: Tree) -> Vec<u8> {
     let mut blob = Blob::default();
     // FPU areas first: their alignment then costs no padding between strings.
     let threads: Vec<PlanThread> =
@@ -109,6 +135,11 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
             let fd = u64::try_from(f.fd).ok()?;
             let mut e = PlanFd { fd, ..Default::default() };
             match &f.kind {
+                FdKind::TreePipe { pipe, write, flags } => {
+                    e.kind = FdRestore::TreePipe as u64;
+                    e.offset = u64::from(*pipe);
+                    e.open_flags = u64::from(*flags & libc_o_nonblock()) | u64::from(*write);
+                }
                 _ if f.fd <= 2 => e.kind = FdRestore::Inherit as u64,
                 FdKind::Reopen { path, flags, offset } => {
                     e.kind = FdRestore::Reopen as u64;
@@ -133,6 +164,8 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
         .flat_map(|t| t.pending.iter().map(|info| PlanSignal { tid: t.core.tid, info: *info }))
         .chain(d.process.pending.iter().map(|info| PlanSignal { tid: 0, info: *info }))
         .collect();
+    let pipes: Vec<PlanPipe> =
+        d.pipes.iter().map(|p| PlanPipe { capacity: u64::from(p.capacity), data: blob.add(&p.data) }).collect();
     let cwd = blob.add(d.process.cwd.as_bytes());
     let group_bytes: Vec<u8> = d.process.groups.iter().flat_map(|g| g.to_le_bytes()).collect();
     let groups = blob.add(&group_bytes);
@@ -142,7 +175,8 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     let regions_off = threads_off + (threads.len() * THREAD_SIZE) as u64;
     let fds_off = regions_off + (regions.len() * REGION_SIZE) as u64;
     let signals_off = fds_off + (fds.len() * FD_SIZE) as u64;
-    let blob_off = align_fpu(signals_off + (signals.len() * SIGNAL_SIZE) as u64);
+    let pipes_off = signals_off + (signals.len() * SIGNAL_SIZE) as u64;
+    let blob_off = align_fpu(pipes_off + (pipes.len() * PIPE_SIZE) as u64);
     let mut flags = 0;
     if opts.new_pid_namespace {
         flags |= PLAN_FLAG_NEW_PIDNS;
@@ -150,8 +184,11 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     if opts.clone_id_in_rax {
         flags |= PLAN_FLAG_CLONE_ID_IN_RAX;
     }
-    if opts.terminal {
+    if opts.terminal && parent == NO_PARENT {
         flags |= PLAN_FLAG_TERMINAL;
+    }
+    if d.process.leads_group && parent != NO_PARENT {
+        flags |= PLAN_FLAG_GROUP_LEADER;
     }
     let header = PlanHeader {
         magic: PLAN_MAGIC,
@@ -160,6 +197,11 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
         flags,
         clone_id: u64::from(opts.clone_id),
         clone_count: u64::from(opts.clone_count.max(1)),
+        parent,
+        tree_pipes: tree.pipes,
+        pipe_fd_base: tree.pipe_fd_base,
+        n_pipes: pipes.len() as u64,
+        pipes_off,
         n_threads: threads.len() as u64,
         threads_off,
         n_regions: regions.len() as u64,
@@ -183,8 +225,14 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     regions.iter().for_each(|r| out.extend_from_slice(as_bytes(r)));
     fds.iter().for_each(|f| out.extend_from_slice(as_bytes(f)));
     signals.iter().for_each(|s| out.extend_from_slice(as_bytes(s)));
+    pipes.iter().for_each(|p| out.extend_from_slice(as_bytes(p)));
     out.resize(usize::try_from(blob_off).expect("plan fits memory"), 0);
     out.extend_from_slice(&blob.0);
     debug_assert_eq!(out.len(), total);
     out
+}
+
+/// `O_NONBLOCK` (x86-64 Linux; this crate builds without libc).
+const fn libc_o_nonblock() -> u32 {
+    0o4000
 }

@@ -173,3 +173,63 @@ fn counters_by_index_follow_the_c_abi() {
     }
     assert_eq!(defined, (8..=16).collect::<Vec<i32>>(), "one SF_CLONE_STAMP_* per stamp, in order");
 }
+
+#[test]
+fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
+    let mut root = crate::sample::descriptor(&[42, 43]);
+    let mut child = crate::sample::descriptor(&[50]);
+    child.process.leads_group = true;
+    let grandchild = crate::sample::descriptor(&[51]);
+    // A pipe from the child (fd 12, nonblocking) to the grandchild (fd 0).
+    child.fds.push(FdEntry { fd: 12, kind: FdKind::TreePipe { pipe: 0, write: true, flags: 0o4001 } });
+    let mut grandchild = grandchild;
+    grandchild.fds.insert(0, FdEntry { fd: 0, kind: FdKind::TreePipe { pipe: 0, write: false, flags: 0 } });
+    root.pipes = std::vec![PipeImage { capacity: 65536, data: b"in flight".to_vec() }];
+    root.descendants = std::vec![(0, child), (1, grandchild)];
+    root.validate().expect("valid tree");
+    assert_eq!(Descriptor::decode(&root.encode()).expect("round trip"), root);
+    let opts = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: true };
+    let plan = lower(&root, opts);
+    let mut offsets = [0u64; 8];
+    let n = crate::abi::plan::validate_tree(&plan, &mut offsets).expect("a valid tree plan");
+    assert_eq!(n, 3);
+    let headers: std::vec::Vec<PlanHeader> = offsets[..n].iter().map(|&o| read(&plan, o)).collect();
+    assert!(offsets[..n].iter().all(|o| o % 64 == 0), "each plan aligned for its FPU areas: {offsets:?}");
+    let got: std::vec::Vec<(u64, u64, u64)> = headers.iter().map(|h| (h.process.pid, h.parent, h.clone_id)).collect();
+    assert_eq!(got, [(42, NO_PARENT, 0), (50, 0, 1), (51, 1, 2)]);
+    assert_eq!(headers[0].flags & (PLAN_FLAG_TERMINAL | PLAN_FLAG_GROUP_LEADER), PLAN_FLAG_TERMINAL, "the root takes the terminal");
+    assert_eq!(headers[1].flags & (PLAN_FLAG_TERMINAL | PLAN_FLAG_GROUP_LEADER), PLAN_FLAG_GROUP_LEADER);
+    assert_eq!(headers[2].flags & PLAN_FLAG_GROUP_LEADER, 0);
+    // The pipes: the root's table, every plan's count and fd base above every fd of the tree.
+    let got: std::vec::Vec<(u64, u64, u64)> = headers.iter().map(|h| (h.tree_pipes, h.n_pipes, h.pipe_fd_base)).collect();
+    assert_eq!(got, [(1, 1, 13), (1, 0, 13), (1, 0, 13)]);
+    let pipe: PlanPipe = read(&plan, offsets[0] + headers[0].pipes_off);
+    let data_at = (offsets[0] + headers[0].blob_off + pipe.data.off) as usize;
+    assert_eq!((pipe.capacity, &plan[data_at..data_at + pipe.data.len as usize]), (65536, &b"in flight"[..]));
+    let fd_of = |plan_index: usize, fd: u64| -> PlanFd {
+        let h = &headers[plan_index];
+        (0..h.n_fds).map(|i| read::<PlanFd>(&plan, offsets[plan_index] + h.fds_off + i * FD_SIZE as u64)).find(|f| f.fd == fd).unwrap()
+    };
+    let (w, r) = (fd_of(1, 12), fd_of(2, 0));
+    assert_eq!((w.kind, w.offset, w.open_flags), (FdRestore::TreePipe as u64, 0, 0o4001), "write end, nonblocking");
+    assert_eq!((r.kind, r.offset, r.open_flags), (FdRestore::TreePipe as u64, 0, 0), "a pipe at fd 0 is not the inherited stdin");
+    let mut bad = root.clone();
+    bad.pipes.clear();
+    assert!(bad.validate().is_err(), "an fd naming a pipe the tree does not have");
+    // Refused: a parent after its child, a PID twice, nested descendants.
+    let mut bad = root.clone();
+    bad.descendants[1].0 = 2;
+    assert!(bad.validate().is_err(), "parent not before the child");
+    let mut bad = root.clone();
+    bad.descendants[1].1.threads[0].core.tid = 50;
+    bad.descendants[1].1.process.core.pid = 50;
+    assert!(bad.validate().is_err(), "a PID twice");
+    let mut bad = root.clone();
+    bad.descendants[0].1.descendants = std::vec![(0, crate::sample::descriptor(&[60]))];
+    assert!(bad.validate().is_err(), "nested descendants");
+    // A plan whose parent index is not before it is refused by the restorer's check.
+    let mut raw = plan.clone();
+    let at = usize::try_from(offsets[2]).unwrap() + core::mem::offset_of!(PlanHeader, parent);
+    raw[at..at + 8].copy_from_slice(&5u64.to_le_bytes());
+    assert!(crate::abi::plan::validate_tree(&raw, &mut offsets).is_err());
+}

@@ -8,13 +8,21 @@
 //! credentials, limits and cwd from `/proc` (`starling_fork::dump`). Paths
 //! are made relative to the task's root (the process runs chrooted there).
 //!
+//! A process tree moves together: the root and every descendant, each
+//! captured alone, the tree's shape in the root's descriptor
+//! (`Descriptor::descendants`). A pipe only processes of the tree hold is
+//! captured once (`Descriptor::pipes`: its capacity and its unread bytes,
+//! read with `tee` so nothing is taken out) and every process's ends of it
+//! are `FdKind::TreePipe`s at their fd numbers; the task's stdio pipes stay
+//! where the agent gives them (fds 0-2).
+//!
 //! What cannot move is refused before anything is frozen ([`precheck`]) and
-//! again at capture: a child process, more than `MAX_POSIX_TIMERS` POSIX
+//! again at capture: a zombie or stopped process in the tree, a pipe shared
+//! with a process outside it, more than `MAX_POSIX_TIMERS` POSIX
 //! timers or one on a clock the restorer cannot give back (their IDs,
 //! notifications and clocks come from `/proc/PID/timers`, their times from
-//! injected `timer_gettime` calls), a descriptor that is
-//! not a regular file, directory, sandbox device, stdio pipe or a pipe's
-//! dead end (nobody holds its other side).
+//! injected `timer_gettime` calls), a descriptor that is not a regular file,
+//! directory, sandbox device or pipe.
 
 use crate::freeze::Frozen;
 use crate::inject::Injector;
@@ -27,7 +35,8 @@ use starling_image::abi::process::{
 use starling_image::abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FP_XSTATE_MAGIC2, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
 use starling_image::abi::signal::{Sigaction, SigactionTable};
 use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
-use starling_image::{Descriptor, FdEntry, FdKind, ProcessState, RegionKind, ThreadState, DESCRIPTOR_VERSION};
+use starling_image::{Descriptor, FdEntry, FdKind, PipeImage, ProcessState, RegionKind, ThreadState, DESCRIPTOR_VERSION};
+use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -99,17 +108,190 @@ fn thread_name(pid: i32, tid: i32) -> [u8; 16] {
     comm
 }
 
-/// Refuse what cannot move, without stopping the process.
-pub fn precheck(pid: i32, root: &Path) -> Result<()> {
-    let children = children(pid)?;
-    if !children.is_empty() {
-        return Err(MigrateError::Unmovable(format!(
-            "process {pid} has child processes ({}): moving process trees is not supported yet",
-            children.iter().map(i32::to_string).collect::<Vec<_>>().join(", ")
-        )));
+/// A process of the task's tree: its PID (in our namespace) and the index
+/// of its parent in the tree's list (None: the root).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Member {
+    pub pid: i32,
+    pub parent: Option<usize>,
+}
+
+/// The process tree `pid` is the root of, parents before their children,
+/// or why it cannot move: a zombie (its parent has not reaped it: its exit
+/// status cannot be given back) or a stopped process in it, or more than
+/// `MAX_TREE_PROCESSES` processes.
+pub fn tree(pid: i32) -> Result<Vec<Member>> {
+    let mut out = vec![Member { pid, parent: None }];
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i].pid;
+        movable_state(p, i == 0)?;
+        for c in children(p)? {
+            out.push(Member { pid: c, parent: Some(i) });
+        }
+        not_too_many(out.len())?;
+        i += 1;
     }
-    listed_timers(pid)?;
-    classify_fds(pid, root).map(drop)
+    Ok(out)
+}
+
+/// Freeze the tree `pid` is the root of, each process before its children
+/// are listed (a frozen process forks no more): the frozen processes and
+/// the tree, as [`tree`] lists it. Any failure lets go of those frozen so far.
+pub fn freeze_tree(pid: i32) -> Result<(Vec<Frozen>, Vec<Member>)> {
+    let mut members = vec![Member { pid, parent: None }];
+    let mut frozen = Vec::new();
+    let mut i = 0;
+    while i < members.len() {
+        let p = members[i].pid;
+        movable_state(p, i == 0)?;
+        match Frozen::freeze(p) {
+            Ok(f) => frozen.push(f),
+            Err(MigrateError::Gone(_)) if i > 0 => {
+                return Err(MigrateError::Unmovable(format!("process {p} of the task ended while the task was being frozen")))
+            }
+            Err(e) => return Err(e),
+        }
+        for c in children(p)? {
+            members.push(Member { pid: c, parent: Some(i) });
+        }
+        not_too_many(members.len())?;
+        i += 1;
+    }
+    Ok((frozen, members))
+}
+
+fn not_too_many(n: usize) -> Result<()> {
+    if n > starling_image::MAX_TREE_PROCESSES {
+        return Err(MigrateError::Unmovable(format!("the task has more than {} processes", starling_image::MAX_TREE_PROCESSES)));
+    }
+    Ok(())
+}
+
+/// Refuse a zombie (its parent has not reaped it: its exit status cannot
+/// be given back) or a stopped process; the root gone is `Gone`.
+fn movable_state(p: i32, root: bool) -> Result<()> {
+    match process_state(p) {
+        Some('Z') => Err(MigrateError::Unmovable(format!(
+            "process {p} of the task is a zombie (its parent has not waited for it): its exit status cannot move"
+        ))),
+        Some('T' | 't') => Err(MigrateError::Unmovable(format!("process {p} of the task is stopped"))),
+        None | Some('X' | 'x') if root => Err(MigrateError::Gone(p)),
+        None | Some('X' | 'x') => Err(MigrateError::Unmovable(format!("process {p} of the task ended while it was being looked at"))),
+        _ => Ok(()),
+    }
+}
+
+/// A process's state letter (`R`, `S`, `Z`, `T`…), None if it is gone.
+fn process_state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// Whether `pid` leads a process group of its own.
+fn leads_group(pid: i32) -> bool {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let pgrp = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(2)?.parse::<i32>().ok());
+    pgrp == Some(pid)
+}
+
+/// The task's stdio pipes (`pipe:[N]` of fds 0-2 of its root): the only
+/// pipes at fds 0-2 a process of its tree may hold (at the same fd).
+pub fn stdio_pipes(pid: i32) -> Vec<(i32, String)> {
+    (0..=2)
+        .filter_map(|fd| Some((fd, std::fs::read_link(format!("/proc/{pid}/fd/{fd}")).ok()?.to_string_lossy().into_owned())))
+        .filter(|(_, t)| t.starts_with("pipe:"))
+        .collect()
+}
+
+/// Refuse what cannot move, without stopping anything: the process tree
+/// `pid` is the root of, each of its processes' timers and descriptors.
+pub fn precheck(pid: i32, root: &Path) -> Result<Vec<Member>> {
+    let members = tree(pid)?;
+    let mut ctx = TreeFds::new(&members);
+    for m in &members {
+        listed_timers(m.pid)?;
+        classify_fds(m.pid, root, &mut ctx)?;
+    }
+    Ok(members)
+}
+
+/// What classifying a tree's descriptors needs to know about the tree:
+/// the task's stdio pipes (fds 0-2 of its root, which stay the task's:
+/// a process of the tree may hold them at the same fd), every pipe's
+/// holders, and the pipes between its processes found so far.
+pub struct TreeFds {
+    stdio: Vec<(i32, String)>,
+    members: Vec<i32>,
+    /// `pipe:[N]` → the processes holding it (one scan of `/proc`).
+    holders: std::collections::HashMap<String, Vec<i32>>,
+    /// The tree's pipes by index: `pipe:[N]` and a descriptor on it.
+    pub pipes: Vec<(String, String)>,
+}
+
+impl TreeFds {
+    pub fn new(members: &[Member]) -> TreeFds {
+        TreeFds {
+            stdio: stdio_pipes(members[0].pid),
+            members: members.iter().map(|m| m.pid).collect(),
+            holders: pipe_holders(),
+            pipes: Vec::new(),
+        }
+    }
+
+    /// The index of pipe `target` (held at `link`) among the tree's.
+    fn pipe(&mut self, target: &str, link: &str) -> u32 {
+        let i = self.pipes.iter().position(|(t, _)| t == target).unwrap_or_else(|| {
+            self.pipes.push((target.to_string(), link.to_string()));
+            self.pipes.len() - 1
+        });
+        u32::try_from(i).unwrap_or(u32::MAX)
+    }
+}
+
+/// Every process's pipes: `pipe:[N]` → the PIDs holding it.
+fn pipe_holders() -> std::collections::HashMap<String, Vec<i32>> {
+    let mut out: std::collections::HashMap<String, Vec<i32>> = std::collections::HashMap::new();
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { continue };
+        for f in fds.flatten() {
+            if let Ok(t) = std::fs::read_link(f.path()) {
+                let t = t.to_string_lossy();
+                if t.starts_with("pipe:") {
+                    let v = out.entry(t.into_owned()).or_default();
+                    if v.last() != Some(&pid) {
+                        v.push(pid);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The unread bytes and the capacity of a pipe, read without taking them
+/// out (`tee` into a pipe of ours): its processes are frozen.
+fn pipe_content(target: &str, link: &str) -> Result<PipeImage> {
+    let fail = |e: std::io::Error| MigrateError::Proc { path: format!("{link} ({target})"), source: e };
+    // Opening a pipe through /proc gives a new end of the same pipe.
+    let ours = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(link).map_err(fail)?;
+    // SAFETY: fcntl on our own descriptor.
+    let capacity = unsafe { libc::fcntl(ours.as_raw_fd(), libc::F_GETPIPE_SZ) };
+    let capacity = u32::try_from(capacity).map_err(|_| fail(std::io::Error::last_os_error()))?;
+    let (copy_r, copy_w) = nix::unistd::pipe2(nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| fail(std::io::Error::from(e)))?;
+    // SAFETY: fcntl on our own pipe (root may exceed pipe-max-size).
+    unsafe { libc::fcntl(copy_w.as_raw_fd(), libc::F_SETPIPE_SZ, capacity) };
+    let mut data = Vec::new();
+    // SAFETY: tee between two pipes we hold; it duplicates, never consumes.
+    let n = unsafe { libc::tee(ours.as_raw_fd(), copy_w.as_raw_fd(), capacity as usize, libc::SPLICE_F_NONBLOCK) };
+    if n < 0 && std::io::Error::last_os_error().raw_os_error() != Some(libc::EAGAIN) {
+        return Err(fail(std::io::Error::last_os_error()));
+    }
+    drop(copy_w);
+    std::fs::File::from(copy_r).read_to_end(&mut data).map_err(fail)?;
+    Ok(PipeImage { capacity, data })
 }
 
 /// A POSIX timer as `/proc/PID/timers` shows it; the time left comes from
@@ -228,8 +410,8 @@ fn children(pid: i32) -> Result<Vec<i32>> {
 }
 
 /// The process's descriptors as the image carries them, or the first one
-/// that cannot move.
-pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
+/// that cannot move; the tree's pipes it holds are added to `ctx`.
+pub fn classify_fds(pid: i32, root: &Path, ctx: &mut TreeFds) -> Result<Vec<FdEntry>> {
     let dir = format!("/proc/{pid}/fd");
     let mut fds: Vec<i32> = std::fs::read_dir(&dir)
         .map_err(|e| MigrateError::Proc { path: dir.clone(), source: e })?
@@ -255,17 +437,26 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
         let refuse = |what: &str| Err(MigrateError::UnmovableFd { fd, target: target.clone(), what: what.to_string() });
         let kind = if target.starts_with("pipe:") {
             let write = flags & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32;
-            // Beyond stdio only a dead end moves (what a clone's pipe
-            // placeholders are): its other end is held by no process, and
-            // nothing is left to read. It is restored as such a placeholder.
+            // A clone's copy of its stdout/stderr: a stream, as that fd.
             if let Some((of, _)) = std_pipes.iter().find(|(_, t)| *t == target).filter(|_| fd > 2 && write) {
                 out.push(FdEntry { fd, kind: FdKind::Stream { of: *of } });
                 continue;
             }
-            if fd > 2 && !dead_end(pid, &target, &link, write) {
-                return refuse("a pipe: processes connected by pipes cannot move yet");
+            if ctx.stdio.iter().any(|(_, t)| *t == target) {
+                // The task's stdin/stdout/stderr: the agent holds its other
+                // end, and the target's agent gives it again at fds 0-2.
+                if !ctx.stdio.iter().any(|(n, t)| *n == fd && *t == target) {
+                    return refuse("the task's stdio pipe at another fd number: it cannot move");
+                }
+                if write { FdKind::PipeWrite } else { FdKind::PipeRead }
+            } else {
+                // Any other pipe moves if only processes of the tree hold it.
+                let holders = ctx.holders.get(&target).map(Vec::as_slice).unwrap_or(&[]);
+                if let Some(outside) = holders.iter().find(|p| !ctx.members.contains(p)) {
+                    return refuse(&format!("a pipe to process {outside}, which is not one of the task's"));
+                }
+                FdKind::TreePipe { pipe: ctx.pipe(&target, &link), write, flags }
             }
-            if write { FdKind::PipeWrite } else { FdKind::PipeRead }
         } else if target.starts_with("socket:") {
             return refuse("a socket: network connections cannot move");
         } else if target.ends_with(" (deleted)") {
@@ -299,37 +490,6 @@ pub fn classify_fds(pid: i32, root: &Path) -> Result<Vec<FdEntry>> {
 /// A pty slave (Unix98: majors 136-143) or `/dev/tty` (5, 0).
 fn is_terminal_device(major: u64, minor: u64) -> bool {
     (136..=143).contains(&major) || (major, minor) == (5, 0)
-}
-
-/// Whether pipe `target` (`pipe:[INODE]`, open at `link` in process `pid`)
-/// is a dead end: no other process holds it, `pid` holds only this side of
-/// it, and (a read end) nothing waits in it.
-fn dead_end(pid: i32, target: &str, link: &str, write: bool) -> bool {
-    let Ok(procs) = std::fs::read_dir("/proc") else { return false };
-    for p in procs.flatten() {
-        let Some(other) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        let Ok(fds) = std::fs::read_dir(format!("/proc/{other}/fd")) else { continue };
-        for f in fds.flatten() {
-            if std::fs::read_link(f.path()).is_ok_and(|t| t.as_os_str() == target) {
-                if other != pid {
-                    return false;
-                }
-                let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", f.file_name().to_string_lossy())).unwrap_or_default();
-                let flags = info.lines().find_map(|l| l.strip_prefix("flags:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok());
-                if flags.map(|f| f & libc::O_ACCMODE as u32 == libc::O_WRONLY as u32) != Some(write) {
-                    return false; // both ends here: a self-pipe, with a content of its own
-                }
-            }
-        }
-    }
-    if write {
-        return true;
-    }
-    let Ok(reader) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(link) else { return false };
-    let mut queued: libc::c_int = 0;
-    // SAFETY: FIONREAD writes one int through the pointer, into `queued`.
-    let r = unsafe { libc::ioctl(reader.as_raw_fd(), libc::FIONREAD, &mut queued) };
-    r == 0 && queued == 0
 }
 
 /// A system call the thread was in, prepared for `rt_sigreturn` (which
@@ -530,10 +690,39 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
     Ok(Inside { threads, sigactions, itimers, timers, brk })
 }
 
-/// The complete image of a frozen process.
-pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
+/// The complete image of a frozen process tree (`frozen[i]` is the
+/// process `members[i]`, as [`tree`] lists them).
+pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> Result<Descriptor> {
+    let mut ctx = TreeFds::new(members);
+    let mut images = Vec::with_capacity(frozen.len());
+    for f in frozen {
+        images.push(capture_process(f, opts, &mut ctx)?);
+    }
+    let mut images = images.into_iter();
+    let mut root = images.next().ok_or(MigrateError::Gone(0))?;
+    root.descendants = members
+        .iter()
+        .skip(1)
+        .zip(images)
+        .map(|(m, d)| (u32::try_from(m.parent.unwrap_or(0)).unwrap_or(u32::MAX), d))
+        .collect();
+    root.pipes = ctx.pipes.iter().map(|(target, link)| pipe_content(target, link)).collect::<Result<_>>()?;
+    log::info!(
+        "pid {}: {} processes, {} pipes between them holding {} bytes",
+        frozen[0].pid,
+        members.len(),
+        root.pipes.len(),
+        root.pipes.iter().map(|p| p.data.len()).sum::<usize>()
+    );
+    root.validate()?;
+    Ok(root)
+}
+
+/// The image of one frozen process (without descendants).
+fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds) -> Result<Descriptor> {
     let pid = f.pid;
-    precheck(pid, &opts.root)?;
+    listed_timers(pid)?;
+    let fds = classify_fds(pid, &opts.root, ctx)?;
     let inside_state = read_inside(f)?;
     let leader_rsp = inside_state.threads[0].core.regs.rsp;
     let region_opts = RegionOptions { heuristics: opts.heuristics, stack_pointer: leader_rsp, check_inode: false, own_write_tracking: true };
@@ -551,12 +740,13 @@ pub fn capture(f: &Frozen, opts: &CaptureOptions) -> Result<Descriptor> {
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
         regions,
-        fds: classify_fds(pid, &opts.root)?,
+        fds,
         threads: inside_state.threads,
         sigactions: inside_state.sigactions,
-        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)? },
+        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)?, leads_group: leads_group(pid) },
+        descendants: Vec::new(),
+        pipes: Vec::new(),
     };
-    d.validate()?;
     Ok(d)
 }
 

@@ -1,7 +1,7 @@
 //! The source side: pre-copy while the process runs, freeze, hand over,
 //! serve what the target still lacks, and end the process here.
 
-use crate::capture::{capture, precheck, CaptureOptions};
+use crate::capture::{capture, freeze_tree, precheck, CaptureOptions};
 use crate::dirty::DirtyTracker;
 use crate::freeze::Frozen;
 use crate::inject::Injector;
@@ -98,8 +98,9 @@ fn fetch_pages(regions: &[Region]) -> Vec<u64> {
     out
 }
 
-/// Read `addrs` from `pid` and send them in batches; returns bytes sent.
-fn send_pages(pid: i32, addrs: &[u64], w: &mut StreamWriter<TcpStream>) -> Result<u64> {
+/// Read `addrs` from `pid` (process `process` of the tree) and send them
+/// in batches; returns bytes sent.
+fn send_pages(pid: i32, process: u32, addrs: &[u64], w: &mut StreamWriter<TcpStream>) -> Result<u64> {
     let mut bytes = 0;
     let mut buf = vec![0u8; BATCH_PAGES * PAGE_BYTES];
     for batch in addrs.chunks(BATCH_PAGES) {
@@ -129,11 +130,11 @@ fn send_pages(pid: i32, addrs: &[u64], w: &mut StreamWriter<TcpStream>) -> Resul
                 return Err(MigrateError::Gone(pid));
             }
             bytes += ok.len() as u64;
-            wire::send(w, &ToTarget::Pages { addrs: addrs_ok, data: ok })?;
+            wire::send(w, &ToTarget::Pages { process, addrs: addrs_ok, data: ok })?;
             continue;
         }
         bytes += data.len() as u64;
-        wire::send(w, &ToTarget::Pages { addrs: batch.to_vec(), data: data.to_vec() })?;
+        wire::send(w, &ToTarget::Pages { process, addrs: batch.to_vec(), data: data.to_vec() })?;
     }
     Ok(bytes)
 }
@@ -147,129 +148,209 @@ fn writable_ranges(regions: &[Region]) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// Move process `pid` to the target at the other end of `conn` (proven
+/// What pre-copy did for one process of the tree.
+struct Tracked {
+    pid: i32,
+    /// None once its tracking was lost: it ran `execve` (a shell's last
+    /// command, a forked child becoming its program), whose new memory the
+    /// tracker does not see. Everything sent for it is then stale.
+    tracker: Option<DirtyTracker>,
+    /// Pages the target holds (sent while it ran).
+    sent: HashSet<u64>,
+}
+
+impl Tracked {
+    /// Pages written since the last scan; none once tracking is lost. A
+    /// process gone is the root's end (`Gone`), else the move's failure.
+    fn scan(&mut self) -> Result<Vec<u64>> {
+        let Some(t) = &self.tracker else { return Ok(Vec::new()) };
+        match t.scan() {
+            Ok(written) => Ok(written),
+            Err(e) if std::path::Path::new(&format!("/proc/{}/exe", self.pid)).exists() => {
+                log::info!("pid {}: write tracking lost ({e}): it ran another program; its memory moves after the switch", self.pid);
+                self.tracker = None;
+                Ok(Vec::new())
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Arm write tracking in `pid` (a short freeze to inject the userfaultfd).
+fn arm(pid: i32, region_opts: RegionOptions) -> Result<DirtyTracker> {
+    let untracked = RegionOptions { own_write_tracking: false, ..region_opts };
+    let f = Frozen::freeze(pid)?;
+    let ranges = writable_ranges(&dump_regions(pid, untracked)?);
+    let inj = Injector::new(&f)?;
+    let t = DirtyTracker::arm(&f, &inj, &ranges)?;
+    inj.finish()?;
+    f.thaw()?;
+    Ok(t)
+}
+
+/// Move process `pid` and the processes descending from it (its tree:
+/// they move together) to the target at the other end of `conn` (proven
 /// with the move's key: `page_server::prove_client`, then `halves`).
 ///
-/// Before the freeze any failure leaves the process running here; after the
-/// target reported it running, the process here is killed whatever happens
-/// (it must never run twice).
+/// Before the freeze any failure leaves the processes running here; after
+/// the target reported them running, the processes here are killed whatever
+/// happens (they must never run twice).
 pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn SourceHooks) -> Result<SourceReport> {
     let start = Instant::now();
     let mut report = SourceReport::default();
-    precheck(pid, &opts.capture.root)?;
+    let members = precheck(pid, &opts.capture.root)?;
     let (mut reader, mut w) = conn;
     let payload = hooks.prepare().map_err(|reason| MigrateError::Hook { stage: "prepare", reason })?;
     wire::send(&mut w, &ToTarget::Prepare { payload })?;
 
     let region_opts = RegionOptions { heuristics: opts.capture.heuristics, stack_pointer: 0, check_inode: false, own_write_tracking: true };
     if opts.stop_and_copy {
-        return stop_and_copy(pid, &mut reader, &mut w, opts, hooks, start, report);
+        return stop_and_copy(&mut reader, &mut w, opts, hooks, start, report, pid);
     }
-    // Arm write tracking (a short freeze to inject the userfaultfd).
-    let tracker = {
-        let untracked = RegionOptions { own_write_tracking: false, ..region_opts };
-        let f = Frozen::freeze(pid)?;
-        let ranges = writable_ranges(&dump_regions(pid, untracked)?);
-        let inj = Injector::new(&f)?;
-        let t = DirtyTracker::arm(&f, &inj, &ranges)?;
-        inj.finish()?;
-        f.thaw()?;
-        t
-    };
-    // Round 0: everything there is to fetch.
-    let first = fetch_pages(&dump_regions(pid, region_opts)?);
-    report.footprint_pages = first.len() as u64;
-    report.bytes += send_pages(pid, &first, &mut w)?;
-    report.precopy_pages += first.len() as u64;
-    let mut sent: HashSet<u64> = first.into_iter().collect();
+    // Pre-copy per process of the tree as it was at the start; one started
+    // later has no tracker and all of its memory is fetched after the switch.
+    let mut tracked = Vec::with_capacity(members.len());
+    for (i, m) in members.iter().enumerate() {
+        let index = u32::try_from(i).unwrap_or(u32::MAX);
+        let tracker = match arm(m.pid, region_opts) {
+            Ok(t) => t,
+            // A child that ended or changed meanwhile moves without pre-copy (or is refused at the freeze).
+            Err(e) if i > 0 => {
+                log::info!("pid {}: no pre-copy: {e}", m.pid);
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        // Round 0: everything there is to fetch.
+        let first = fetch_pages(&dump_regions(m.pid, region_opts)?);
+        report.footprint_pages += first.len() as u64;
+        report.bytes += send_pages(m.pid, index, &first, &mut w)?;
+        report.precopy_pages += first.len() as u64;
+        tracked.push((index, Tracked { pid: m.pid, tracker: Some(tracker), sent: first.into_iter().collect() }));
+    }
     // Rounds: what was written meanwhile, until it stops shrinking.
     let mut previous = usize::MAX;
     while report.rounds < opts.max_rounds {
-        let written = tracker.scan()?;
         report.rounds += 1;
-        report.bytes += send_pages(pid, &written, &mut w)?;
-        report.precopy_pages += written.len() as u64;
-        sent.extend(written.iter().copied());
-        let grew = previous != usize::MAX && written.len() * 10 > previous * 11;
-        if written.len() <= opts.converged_pages || grew {
+        let mut written_total = 0;
+        for (index, t) in &mut tracked {
+            let written = t.scan()?;
+            report.bytes += send_pages(t.pid, *index, &written, &mut w)?;
+            report.precopy_pages += written.len() as u64;
+            written_total += written.len();
+            t.sent.extend(written.iter().copied());
+        }
+        let grew = previous != usize::MAX && written_total * 10 > previous * 11;
+        if written_total <= opts.converged_pages || grew {
             break;
         }
-        previous = written.len();
+        previous = written_total;
     }
 
     wait_prepared(&mut reader)?;
     // Freeze: from here the pause runs.
-    let f = Frozen::freeze(pid)?;
+    let (frozen, members) = freeze_tree(pid)?;
     let frozen_at = Instant::now();
-    report.threads = f.tids.len();
-    let written = tracker.scan()?;
+    report.threads = frozen.iter().map(|f| f.tids.len()).sum();
+    let mut written = Vec::with_capacity(tracked.len());
+    for (_, t) in &mut tracked {
+        written.push(t.scan()?);
+    }
     let scanned_at = Instant::now();
-    let desc = capture(&f, &opts.capture)?;
+    let desc = capture(&frozen, &members, &opts.capture)?;
     let captured_at = Instant::now();
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
     let handed_at = Instant::now();
-    // Pages the target holds that are no longer what the process has:
-    // written since they were sent, or in memory nobody tracked.
-    let needed = fetch_pages(&desc.regions);
-    let mut fresh: Vec<u64> = written.iter().copied().filter(|a| sent.contains(a)).collect();
-    fresh.extend(needed.iter().copied().filter(|&a| !tracker.tracks(a) && sent.contains(&a)));
-    fresh.sort_unstable();
-    fresh.dedup();
-    let stale = if fresh.len() <= opts.freeze_send_pages {
-        report.bytes += send_pages(pid, &fresh, &mut w)?;
-        report.freeze_pages = fresh.len() as u64;
-        Vec::new()
-    } else {
-        fresh
-    };
-    let served: Vec<(u64, u64)> =
-        desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
-    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key, encrypt: opts.encrypt };
-    let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
-    wire::send(
-        &mut w,
-        &ToTarget::Image { descriptor: desc.encode(), stale, page_server: server.addr().to_string(), payload },
-    )?;
+    // Per process: pages the target holds that are no longer what the
+    // process has: written since they were sent, or in memory nobody
+    // tracked (all of them when its tracking was lost).
+    let mut stale = Vec::with_capacity(members.len());
+    let mut servers = Vec::with_capacity(members.len());
+    for (i, ((m, image), f)) in members.iter().zip(desc.processes()).zip(&frozen).enumerate() {
+        let index = u32::try_from(i).unwrap_or(u32::MAX);
+        let mut fresh = Vec::new();
+        // Pre-copy's staging for this process, if it had any: the same PID
+        // at the same index of the tree.
+        let mut lost = Vec::new();
+        if let Some(((_, t), written)) = tracked.iter().zip(&written).find(|((at, t), _)| *at == index && t.pid == m.pid) {
+            match &t.tracker {
+                Some(tracker) => {
+                    let needed = fetch_pages(&image.1.regions);
+                    fresh.extend(written.iter().copied().filter(|a| t.sent.contains(a)));
+                    fresh.extend(needed.iter().copied().filter(|&a| !tracker.tracks(a) && t.sent.contains(&a)));
+                    fresh.sort_unstable();
+                    fresh.dedup();
+                }
+                None => lost = t.sent.iter().copied().collect(),
+            }
+        } else if let Some((_, t)) = tracked.iter().find(|(at, _)| *at == index) {
+            // Another process at this index now (the tree changed): nothing staged for it is its.
+            lost = t.sent.iter().copied().collect();
+        }
+        if !lost.is_empty() {
+            stale.push(lost);
+        } else if fresh.len() <= opts.freeze_send_pages {
+            report.bytes += send_pages(m.pid, index, &fresh, &mut w)?;
+            report.freeze_pages += fresh.len() as u64;
+            stale.push(Vec::new());
+        } else {
+            stale.push(fresh);
+        }
+        servers.push(serve_pages(f, image.1, opts)?);
+    }
+    let page_servers = servers.iter().map(|s| s.addr().to_string()).collect();
+    wire::send(&mut w, &ToTarget::Image { descriptor: desc.encode(), stale, page_servers, payload })?;
     let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
     let sent_at = Instant::now();
     log::info!(
-        "pid {pid}: frozen: dirty scan {:.1} ms, capture {:.1} ms, hand-over {:.1} ms, last pages + image {:.1} ms",
+        "pid {pid}: {} processes frozen: dirty scan {:.1} ms, capture {:.1} ms, hand-over {:.1} ms, last pages + image {:.1} ms",
+        members.len(),
         ms(frozen_at, scanned_at),
         ms(scanned_at, captured_at),
         ms(captured_at, handed_at),
         ms(handed_at, sent_at)
     );
-    drop(tracker);
+    drop(tracked);
 
-    finish(f, &mut reader, server, hooks, frozen_at, start, report)
+    finish(frozen, &mut reader, servers, hooks, frozen_at, start, report)
+}
+
+/// A page server for frozen process `f`'s memory (`image`: its descriptor).
+fn serve_pages(f: &Frozen, image: &starling_image::Descriptor, opts: &SourceOptions) -> Result<PageServer> {
+    let served: Vec<(u64, u64)> =
+        image.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key, encrypt: opts.encrypt };
+    Ok(PageServer::start_with(f.pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?)
 }
 
 /// The baseline: freeze, send every page, resume there.
 fn stop_and_copy(
-    pid: i32,
     reader: &mut StreamReader<TcpStream>,
     w: &mut StreamWriter<TcpStream>,
     opts: &SourceOptions,
     hooks: &mut dyn SourceHooks,
     start: Instant,
     mut report: SourceReport,
+    pid: i32,
 ) -> Result<SourceReport> {
     wait_prepared(reader)?;
-    let f = Frozen::freeze(pid)?;
+    let (frozen, members) = freeze_tree(pid)?;
     let frozen_at = Instant::now();
-    report.threads = f.tids.len();
-    let desc = capture(&f, &opts.capture)?;
+    report.threads = frozen.iter().map(|f| f.tids.len()).sum();
+    let desc = capture(&frozen, &members, &opts.capture)?;
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
-    let pages = fetch_pages(&desc.regions);
-    report.footprint_pages = pages.len() as u64;
-    report.bytes += send_pages(pid, &pages, w)?;
-    report.freeze_pages = pages.len() as u64;
-    let served: Vec<(u64, u64)> =
-        desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
-    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key, encrypt: opts.encrypt };
-    let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
-    wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale: Vec::new(), page_server: server.addr().to_string(), payload })?;
-    finish(f, reader, server, hooks, frozen_at, start, report)
+    let mut servers = Vec::with_capacity(frozen.len());
+    for (i, (f, (_, image))) in frozen.iter().zip(desc.processes()).enumerate() {
+        let pages = fetch_pages(&image.regions);
+        report.footprint_pages += pages.len() as u64;
+        report.bytes += send_pages(f.pid, u32::try_from(i).unwrap_or(u32::MAX), &pages, w)?;
+        report.freeze_pages += pages.len() as u64;
+        servers.push(serve_pages(f, image, opts)?);
+    }
+    let page_servers = servers.iter().map(|s| s.addr().to_string()).collect();
+    let stale = vec![Vec::new(); frozen.len()];
+    wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale, page_servers, payload })?;
+    finish(frozen, reader, servers, hooks, frozen_at, start, report)
 }
 
 /// Wait until the target has what the restore needs besides memory (its
@@ -286,15 +367,15 @@ fn wait_prepared(reader: &mut StreamReader<TcpStream>) -> Result<()> {
 /// After the image went: wait for the target to run the process, serve it
 /// until it holds everything, then end it here.
 fn finish(
-    f: Frozen,
+    frozen: Vec<Frozen>,
     reader: &mut StreamReader<TcpStream>,
-    mut server: PageServer,
+    mut servers: Vec<PageServer>,
     hooks: &mut dyn SourceHooks,
     frozen_at: Instant,
     start: Instant,
     mut report: SourceReport,
 ) -> Result<SourceReport> {
-    // The target restores; until it says so, the process is still ours.
+    // The target restores; until it says so, the processes are still ours.
     match wire::recv::<ToSource>(reader) {
         Ok(ToSource::Resumed) => {}
         Ok(ToSource::Failed { reason }) => return Err(MigrateError::TargetFailed(reason)),
@@ -303,13 +384,18 @@ fn finish(
     }
     report.pause_ms = frozen_at.elapsed().as_secs_f64() * 1e3;
     hooks.resumed();
-    // It runs there now: whatever happens next, it must not run here again.
+    // They run there now: whatever happens next, they must not run here again.
     let end = wire::recv::<ToSource>(reader);
-    let served = server.wire_stats();
-    report.postcopy_pages = served.pages_served;
-    report.bytes += served.bytes_tcp;
-    server.stop();
-    f.kill();
+    for server in &mut servers {
+        let served = server.wire_stats();
+        report.postcopy_pages += served.pages_served;
+        report.bytes += served.bytes_tcp;
+        server.stop();
+    }
+    // Children first: none is re-parented or reaped before it is gone.
+    for f in frozen.into_iter().rev() {
+        f.kill();
+    }
     report.total_ms = start.elapsed().as_secs_f64() * 1e3;
     match end {
         Ok(ToSource::Complete { faults, fault_p50_us, fault_p99_us, .. }) => {

@@ -19,13 +19,15 @@ pub struct Incoming {
     pub descriptor: Descriptor,
     /// The source's caller's payload (sent at the freeze).
     pub payload: Vec<u8>,
-    /// The source's page server (the frozen process's memory).
-    pub page_server: SocketAddr,
+    /// The source's page servers (each frozen process's memory), in the
+    /// tree's order (`Descriptor::processes`).
+    pub page_servers: Vec<SocketAddr>,
     /// The move's secret (proved to the page server).
     pub key: starling_proto::SecretKey,
     /// Ask the page server for encryption (this host's `fork.encrypt`).
     pub encrypt: bool,
-    pub staged: Arc<Staging>,
+    /// Per process of the tree, the pages staged for it.
+    pub staged: Vec<Arc<Staging>>,
     replies: Arc<Mutex<Replies>>,
 }
 
@@ -60,6 +62,15 @@ impl Replies {
             None => Ok(()),
         }
     }
+}
+
+/// The drains of a tree's processes: `Complete` goes when the last ends.
+struct Drains {
+    left: usize,
+    /// Each handler's counters, by process index.
+    stats: Vec<(u32, Arc<starling_fork::fault::FaultStats>)>,
+    local_pages: u64,
+    remote_pages: u64,
 }
 
 /// Called when the process cannot go on here (its source went away before
@@ -99,9 +110,10 @@ pub fn receive(
                 }
                 replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Prepared)?;
             }
-            Ok(Taken::Image { descriptor, page_server, payload }) => {
-                let staged = Arc::new(frames.into_staging());
-                return Ok(Incoming { descriptor: *descriptor, payload, page_server, key, encrypt, staged, replies });
+            Ok(Taken::Image { descriptor, page_servers, payload }) => {
+                let mut staged: Vec<Arc<Staging>> = frames.into_staging().into_iter().map(Arc::new).collect();
+                staged.resize_with(page_servers.len(), Arc::default);
+                return Ok(Incoming { descriptor: *descriptor, payload, page_servers, key, encrypt, staged, replies });
             }
         }
     }
@@ -112,7 +124,8 @@ pub fn receive(
 /// `migrate_stream` fuzz target over arbitrary bytes.
 #[derive(Default)]
 pub struct FrameReader {
-    staging: Staging,
+    /// Per process of the tree (by index).
+    staging: Vec<Staging>,
 }
 
 /// What one frame from the source asks of the target.
@@ -121,9 +134,10 @@ pub enum Taken {
     Prepare(Vec<u8>),
     /// Pages kept for the restore.
     Staged,
-    /// The process is frozen: restore it from this (pages written since
-    /// they were sent are already dropped from the staging).
-    Image { descriptor: Box<Descriptor>, page_server: SocketAddr, payload: Vec<u8> },
+    /// The tree is frozen: restore it from this (pages written since
+    /// they were sent are already dropped from the staging); a page server
+    /// per process.
+    Image { descriptor: Box<Descriptor>, page_servers: Vec<SocketAddr>, payload: Vec<u8> },
 }
 
 impl FrameReader {
@@ -131,55 +145,95 @@ impl FrameReader {
     pub fn take(&mut self, frame: ToTarget) -> Result<Taken> {
         match frame {
             ToTarget::Prepare { payload } => Ok(Taken::Prepare(payload)),
-            ToTarget::Pages { addrs, data } => {
-                if self.staging.add(&addrs, data) {
+            ToTarget::Pages { process, addrs, data } => {
+                let i = usize::try_from(process).unwrap_or(usize::MAX);
+                if i >= starling_image::MAX_TREE_PROCESSES {
+                    return Err(MigrateError::Stream(format!("pages of process {process} of a tree")));
+                }
+                if self.staging.len() <= i {
+                    self.staging.resize_with(i + 1, Staging::default);
+                }
+                if self.staging[i].add(&addrs, data) {
                     Ok(Taken::Staged)
                 } else {
                     Err(MigrateError::Stream("a pages frame whose bytes do not match its addresses".into()))
                 }
             }
-            ToTarget::Image { descriptor, stale, page_server, payload } => {
+            ToTarget::Image { descriptor, stale, page_servers, payload } => {
                 let descriptor = Descriptor::decode(&descriptor)?;
-                let page_server = page_server
-                    .parse()
-                    .map_err(|_| MigrateError::Stream(format!("bad page server address {page_server:?}")))?;
-                self.staging.invalidate(&stale);
-                Ok(Taken::Image { descriptor: Box::new(descriptor), page_server, payload })
+                let processes = descriptor.processes().len();
+                if page_servers.len() != processes || stale.len() != processes {
+                    return Err(MigrateError::Stream(format!(
+                        "an image of {processes} processes with {} page servers and {} stale lists",
+                        page_servers.len(),
+                        stale.len()
+                    )));
+                }
+                // Pages of a process that ended while its tree was copied.
+                self.staging.truncate(processes);
+                let page_servers = page_servers
+                    .iter()
+                    .map(|a| a.parse().map_err(|_| MigrateError::Stream(format!("bad page server address {a:?}"))))
+                    .collect::<Result<Vec<SocketAddr>>>()?;
+                for (staging, stale) in self.staging.iter_mut().zip(&stale) {
+                    staging.invalidate(stale);
+                }
+                Ok(Taken::Image { descriptor: Box::new(descriptor), page_servers, payload })
             }
         }
     }
 
-    /// The pages staged so far.
-    pub fn into_staging(self) -> Staging {
+    /// The pages staged so far, per process.
+    pub fn into_staging(self) -> Vec<Staging> {
         self.staging
     }
 }
 
 impl Incoming {
     /// The fault-handler function for the restore (`starling_fork::restore`):
-    /// staged pages from here, the rest from the source, and a drain that
-    /// tells the source `Complete` once nothing is left there. `desc` is the
-    /// descriptor as the handler sees files (under the task's root).
+    /// per process of the tree (its clone ID is its index), staged pages
+    /// from here, the rest from its page server at the source, and a drain;
+    /// the source is told `Complete` once every process's drain is done.
+    /// `desc` is the descriptor as the handlers see files (under the task's root).
     pub fn serve(&self, desc: Descriptor, prefetch: usize, on_lost: OnLost) -> Serve {
-        let desc = Arc::new(desc);
-        let (staged, server, replies, key, encrypt) = (self.staged.clone(), self.page_server, self.replies.clone(), self.key, self.encrypt);
-        Arc::new(move |_id, uffd, stats, stop| {
+        let images: Vec<Arc<Descriptor>> = desc
+            .processes()
+            .into_iter()
+            .map(|(_, d)| Arc::new(Descriptor { descendants: Vec::new(), ..d.clone() }))
+            .collect();
+        let drains = Arc::new(Mutex::new(Drains { left: images.len(), stats: Vec::new(), local_pages: 0, remote_pages: 0 }));
+        let (staged, servers, replies, key, encrypt) = (self.staged.clone(), self.page_servers.clone(), self.replies.clone(), self.key, self.encrypt);
+        Arc::new(move |id, uffd, stats, stop| {
+            let i = id as usize;
+            let (Some(image), Some(staged), Some(&server)) = (images.get(i), staged.get(i), servers.get(i)) else {
+                return Err(starling_fork::ForkError::HandlerPanicked(id));
+            };
             let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch, encrypt };
-            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server, &key, encrypt)?, stats.clone(), opts)
+            let mut h = FaultHandler::new_with(uffd, image, PageClient::connect(server, &key, encrypt)?, stats.clone(), opts)
                 .with_local_pages(staged.clone());
-            let (replies2, lost2, stats2) = (replies.clone(), on_lost.clone(), stats.clone());
+            let (replies2, lost2, stats2, drains2) = (replies.clone(), on_lost.clone(), stats.clone(), drains.clone());
+            drains.lock().unwrap_or_else(|p| p.into_inner()).stats.push((id, stats.clone()));
             h.spawn_drain(
                 PageClient::connect(server, &key, encrypt)?,
                 Box::new(move |r| {
                     let mut s = replies2.lock().unwrap_or_else(|p| p.into_inner());
                     match r {
                         Ok(rep) => {
+                            let mut d = drains2.lock().unwrap_or_else(|p| p.into_inner());
+                            d.left = d.left.saturating_sub(1);
+                            d.local_pages += rep.local_pages;
+                            d.remote_pages += rep.remote_pages;
+                            if d.left > 0 {
+                                return;
+                            }
+                            let root = d.stats.iter().find(|(i, _)| *i == 0).map_or(&stats2, |(_, s)| s);
                             let done = ToSource::Complete {
-                                local_pages: rep.local_pages,
-                                remote_pages: rep.remote_pages,
-                                faults: stats2.faults.load(std::sync::atomic::Ordering::Relaxed),
-                                fault_p50_us: stats2.service_us.quantile_us(0.5),
-                                fault_p99_us: stats2.service_us.quantile_us(0.99),
+                                local_pages: d.local_pages,
+                                remote_pages: d.remote_pages,
+                                faults: d.stats.iter().map(|(_, s)| s.faults.load(std::sync::atomic::Ordering::Relaxed)).sum(),
+                                // The root's service times.
+                                fault_p50_us: root.service_us.quantile_us(0.5),
+                                fault_p99_us: root.service_us.quantile_us(0.99),
                             };
                             if let Err(e) = s.complete(done) {
                                 log::warn!("migration: telling the source it is done: {e}");
@@ -198,6 +252,11 @@ impl Incoming {
             }
             r
         })
+    }
+
+    /// How many processes the image holds (the task's tree).
+    pub fn processes(&self) -> usize {
+        self.page_servers.len()
     }
 
     /// Tell the source the process runs here now.

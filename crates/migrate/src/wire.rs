@@ -26,13 +26,15 @@ pub enum WireError {
 pub enum ToTarget {
     /// First: what the target's caller needs to prepare (its payload).
     Prepare { payload: Vec<u8> },
-    /// Pages and their bytes (`addrs.len()` × 4096), copied while the
-    /// process runs or at the freeze.
-    Pages { addrs: Vec<u64>, data: Vec<u8> },
-    /// The process is frozen: its encoded descriptor, pages sent before
-    /// that it wrote since (the target fetches them instead), the page
-    /// server holding its memory, the caller's payload.
-    Image { descriptor: Vec<u8>, stale: Vec<u64>, page_server: String, payload: Vec<u8> },
+    /// Pages of process `process` (its index in the task's tree, the root
+    /// 0) and their bytes (`addrs.len()` × 4096), copied while it runs or
+    /// at the freeze.
+    Pages { process: u32, addrs: Vec<u64>, data: Vec<u8> },
+    /// The tree is frozen: its encoded descriptor (the root's, with its
+    /// descendants), per process (in the tree's order) the pages sent
+    /// before that it wrote since (the target fetches them instead) and
+    /// the page server holding its memory, the caller's payload.
+    Image { descriptor: Vec<u8>, stale: Vec<Vec<u64>>, page_servers: Vec<String>, payload: Vec<u8> },
 }
 
 /// Target → source.

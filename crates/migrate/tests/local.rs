@@ -132,7 +132,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         let (program, restore) = Restore::start(&desc, plan, serve).map_err(|e| e.to_string())?;
         let mut restorer = spawn_restorer(&program, stdout_w);
         drop(program);
-        if !restore.wait_running(0) {
+        if !restore.wait_all_running() {
             inc.failed("the restorer ended before the process ran");
             return Err(format!("restorer failed: {:?}", restorer.wait()));
         }

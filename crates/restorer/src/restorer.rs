@@ -15,7 +15,9 @@
 //! Steps: (1) block every signal; optionally a PID namespace: unshare, an
 //! init with PID 1 (which mounts a `/proc` of that namespace in a mount
 //! namespace of its own), and the process with `set_tid` = its PID (PID 1 forks
-//! several for a hierarchical clone ticket); (2) move off the kernel-made
+//! several for a hierarchical clone ticket; for a process tree — one plan
+//! per process — each restored process first forks its children with their
+//! PIDs, which then restore themselves from their own plans); (2) move off the kernel-made
 //! stack onto a static one, unmap it, move vDSO/vvar to the image's
 //! addresses; (3) map every region at its exact address; (4) create a
 //! userfaultfd, register the regions with data to fetch, pass it to the
@@ -41,7 +43,7 @@ use abi::restorer::{Record, RecordTag, RestorerExit, HANDLER_FD, PLAN_FD, RECORD
 use abi::signal::{SigInfo, Sigaction};
 use abi::PAGE_SIZE as PAGE;
 use core::arch::{asm, global_asm};
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 // ---------------------------------------------------------------------------
 // raw system calls
@@ -69,6 +71,8 @@ mod nr {
     pub const FCNTL: usize = 72;
     pub const CHDIR: usize = 80;
     pub const UMASK: usize = 95;
+    pub const SETPGID: usize = 109;
+    pub const DUP3: usize = 292;
     pub const SETSID: usize = 112;
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
@@ -329,10 +333,24 @@ extern "C" {
 // ---------------------------------------------------------------------------
 // the plan
 
-fn plan_bytes() -> &'static [u8] {
+/// The whole buffer the plan was read into.
+fn plan_buffer() -> &'static [u8] {
     // SAFETY: PLAN is only written by `read_plan`, before any reader exists
     // and before any other thread.
     unsafe { &(*core::ptr::addr_of!(PLAN)).0 }
+}
+
+/// Where each plan of a process tree starts in the buffer (one entry for a
+/// single process), and how many there are: set by `validate_plan`.
+static TREE: [AtomicU64; MAX_TREE_PLANS] = [const { AtomicU64::new(0) }; MAX_TREE_PLANS];
+static TREE_LEN: AtomicUsize = AtomicUsize::new(0);
+/// The offset of this process's own plan (set in each process of a tree
+/// right after the fork that made it).
+static PLAN_BASE: AtomicUsize = AtomicUsize::new(0);
+
+/// This process's plan.
+fn plan_bytes() -> &'static [u8] {
+    &plan_buffer()[PLAN_BASE.load(Ordering::Relaxed)..]
 }
 
 fn read_plan() -> usize {
@@ -386,6 +404,10 @@ fn fds() -> &'static [PlanFd] {
     table(header().fds_off, header().n_fds)
 }
 
+fn pipes() -> &'static [PlanPipe] {
+    table(header().pipes_off, header().n_pipes)
+}
+
 fn signals() -> &'static [PlanSignal] {
     table(header().signals_off, header().n_signals)
 }
@@ -401,8 +423,96 @@ fn blob_ok(r: BlobRef) -> bool {
 }
 
 fn validate_plan(len: usize) {
-    if let Err(e) = abi::plan::validate(&plan_bytes()[..len]) {
-        die(RestorerExit::BadPlan, e.what, e.value, 0);
+    let mut offsets = [0u64; MAX_TREE_PLANS];
+    match abi::plan::validate_tree(&plan_buffer()[..len], &mut offsets) {
+        Ok(n) => {
+            for (slot, &off) in TREE.iter().zip(&offsets[..n]) {
+                slot.store(off, Ordering::Relaxed);
+            }
+            TREE_LEN.store(n, Ordering::Relaxed);
+        }
+        Err(e) => die(RestorerExit::BadPlan, e.what, e.value, 0),
+    }
+}
+
+/// A process tree's pipes (root only, before any fork): each made with
+/// its capacity and its unread bytes, its ends at `pipe_fd_base + 2i` and
+/// `+ 1`, where every process of the tree finds them.
+fn create_tree_pipes() {
+    const F_SETFL: usize = 4;
+    const F_SETPIPE_SZ: usize = 1031;
+    const O_NONBLOCK: usize = 0o4000;
+    let base = header().pipe_fd_base as usize;
+    for (i, p) in pipes().iter().enumerate() {
+        let mut fds = [0i32; 2];
+        // SAFETY: pipe2 writes two ints into `fds`; nonblocking while it is
+        // filled (a short write fails instead of blocking for ever).
+        let r = unsafe { sys!(nr::PIPE2, fds.as_mut_ptr(), O_NONBLOCK) };
+        if r < 0 {
+            die(RestorerExit::Fd, "pipe2 for tree pipe", i as u64, r);
+        }
+        if p.capacity > 0 {
+            // SAFETY: fcntl on our own pipe; as root the size may exceed pipe-max-size.
+            let r = unsafe { sys!(nr::FCNTL, fds[1], F_SETPIPE_SZ, p.capacity) };
+            if r < 0 {
+                die(RestorerExit::Fd, "F_SETPIPE_SZ of tree pipe", i as u64, r);
+            }
+        }
+        let data = blob(p.data);
+        if !data.is_empty() {
+            // SAFETY: writes the plan's bytes into our own pipe.
+            let w = unsafe { sys!(nr::WRITE, fds[1], data.as_ptr(), data.len()) };
+            if w != data.len() as isize {
+                die(RestorerExit::Fd, "refill tree pipe", i as u64, w.min(0));
+            }
+        }
+        for (end, &fd) in fds.iter().enumerate() {
+            let at = base + 2 * i + end;
+            // SAFETY: fcntl/dup3/close on our own descriptors; `at` is above
+            // every fd of the tree's processes (checked by the plan's validation).
+            unsafe {
+                sys!(nr::FCNTL, fd, F_SETFL, 0);
+                let r = sys!(nr::DUP3, fd, at, 0);
+                if r < 0 {
+                    die(RestorerExit::Fd, "place tree pipe end", at as u64, r);
+                }
+                sys!(nr::CLOSE, fd);
+            }
+        }
+    }
+}
+
+/// A process tree: fork this process's children (the plans naming it as
+/// their parent) with their PIDs; each child then forks its own. This runs
+/// before anything process-specific is restored, so every process then
+/// restores itself from its own plan (memory, fds, threads), and each
+/// parent's `wait` reaps its children as before the move.
+fn fork_descendants() {
+    let n = TREE_LEN.load(Ordering::Relaxed);
+    let mut me = 0u64;
+    for next in 1..n {
+        let off = TREE[next].load(Ordering::Relaxed) as usize;
+        // SAFETY: `validate_tree` checked a whole header at every offset it
+        // returned; the buffer is page aligned and every offset 64-aligned.
+        let h = unsafe { &*(plan_buffer().as_ptr().add(off) as *const PlanHeader) };
+        if h.parent != me {
+            continue;
+        }
+        let child = fork_process(Some(h.process.pid));
+        if child < 0 {
+            die(RestorerExit::PidNamespace, "clone3 set_tid child pid", h.process.pid, child);
+        }
+        if child == 0 {
+            PLAN_BASE.store(off, Ordering::Relaxed);
+            me = next as u64;
+            if h.flags & PLAN_FLAG_GROUP_LEADER != 0 {
+                // SAFETY: setpgid with integer arguments, for ourselves.
+                let r = unsafe { sys!(nr::SETPGID, 0, 0) };
+                if r < 0 {
+                    die(RestorerExit::PidNamespace, "setpgid", h.process.pid, r);
+                }
+            }
+        }
     }
 }
 
@@ -1015,6 +1125,21 @@ fn restore_fds(keep_above: i32) {
                 // EBADF), onto the image's fd number.
                 unsafe { sys!(nr::DUP2, f.offset, target) }
             }
+            // An end of a pipe of the tree, waiting at its number above every fd.
+            Some(FdRestore::TreePipe) => {
+                const F_SETFL: usize = 4;
+                const O_WRONLY: u64 = 1;
+                let at = header().pipe_fd_base + 2 * f.offset + (f.open_flags & O_WRONLY);
+                // SAFETY: dup2 of the end the root made (inherited by fork)
+                // onto the image's fd number, then its file status flags.
+                unsafe {
+                    let r = sys!(nr::DUP2, at, target);
+                    if r >= 0 {
+                        sys!(nr::FCNTL, target, F_SETFL, f.open_flags & 0o4000);
+                    }
+                    r
+                }
+            }
             None => die(RestorerExit::BadPlan, "unknown fd kind", f.kind, 0),
         };
         if opened < 0 {
@@ -1538,6 +1663,10 @@ extern "C" fn restorer_main() -> ! {
     if h.flags & PLAN_FLAG_TERMINAL != 0 {
         take_terminal();
     }
+    // Its children join its session (and the terminal) as forks of it, and
+    // inherit the tree's pipes.
+    create_tree_pipes();
+    fork_descendants();
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
     let handler_sock = move_fd_above(HANDLER_FD, keep_above);

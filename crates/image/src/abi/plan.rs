@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 7;
+pub const PLAN_VERSION: u64 = 9;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -41,6 +41,16 @@ pub const PLAN_FLAG_CLONE_ID_IN_RAX: u64 = 2;
 /// starts its own session with it as controlling terminal (setsid +
 /// TIOCSCTTY), which makes its process group the terminal's foreground one.
 pub const PLAN_FLAG_TERMINAL: u64 = 4;
+
+/// Plan flag: the process leads a process group of its own (a moved
+/// tree's descendant): it calls `setpgid(0, 0)` right after its fork.
+pub const PLAN_FLAG_GROUP_LEADER: u64 = 8;
+
+/// Most plans (processes) in one process tree.
+pub const MAX_TREE_PLANS: usize = 64;
+
+/// [`PlanHeader::parent`] of a tree's root (and of a single process).
+pub const NO_PARENT: u64 = u64::MAX;
 
 /// Most instructions of [`PlanHeader::seccomp`] (the kernel's BPF_MAXINSNS).
 pub const MAX_SECCOMP_INSNS: u64 = 4096;
@@ -67,6 +77,24 @@ pub struct PlanHeader {
     /// point (hierarchical tickets). Needs `PLAN_FLAG_NEW_PIDNS` when > 1,
     /// and a single thread.
     pub clone_count: u64,
+    /// A process tree is several plans one after the other (each starting
+    /// at a multiple of [`FPU_ALIGN`], its `total_len` its own): this is
+    /// the index of the plan of this process's parent, which forks it with
+    /// its PID before either restores anything; [`NO_PARENT`] for the first
+    /// plan (the root, forked by PID 1). A tree needs `PLAN_FLAG_NEW_PIDNS`
+    /// and a `clone_count` of 1 in every plan.
+    pub parent: u64,
+    /// Pipes between the processes of the tree (every plan of a tree has
+    /// the same count); their table ([`PlanPipe`] × `n_pipes`) is in the
+    /// root's plan only (`n_pipes` 0 in the others). The root creates them
+    /// before it forks anything, each end at `pipe_fd_base + 2 × index`
+    /// (+ 1: the write end), above every fd of every process of the tree;
+    /// each process `dup2`s the ends it holds ([`FdRestore::TreePipe`]) and
+    /// closes the rest.
+    pub tree_pipes: u64,
+    pub pipe_fd_base: u64,
+    pub n_pipes: u64,
+    pub pipes_off: u64,
     pub n_threads: u64,
     pub threads_off: u64,
     pub n_regions: u64,
@@ -172,6 +200,10 @@ pub enum FdRestore {
     /// (`offset` is 1 or 2), for a descriptor of the file stdout/stderr
     /// writes to.
     Dup = 5,
+    /// An end of pipe `offset` of the tree (`PlanHeader::tree_pipes`): its
+    /// write end if `open_flags` is `O_WRONLY`, else its read end; the
+    /// descriptor gets `open_flags`' `O_NONBLOCK`.
+    TreePipe = 6,
 }
 
 impl FdRestore {
@@ -182,6 +214,7 @@ impl FdRestore {
             3 => FdRestore::PipeReadEof,
             4 => FdRestore::PipeWriteEpipe,
             5 => FdRestore::Dup,
+            6 => FdRestore::TreePipe,
             _ => return None,
         })
     }
@@ -204,6 +237,23 @@ impl PlanFd {
     }
 }
 
+/// A pipe between processes of a tree, as the root creates it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PlanPipe {
+    /// Its capacity in bytes (`F_SETPIPE_SZ`).
+    pub capacity: u64,
+    /// What was in it, unread (written into it before anything runs).
+    pub data: BlobRef,
+}
+
+/// Largest capacity of a moved pipe (the kernel's default `pipe-max-size`).
+pub const MAX_PIPE_BYTES: u64 = 1 << 20;
+/// Lowest fd number of a tree's pipes' ends while it restores.
+pub const MIN_PIPE_FD_BASE: u64 = 10;
+/// Highest fd number anything of a plan may use.
+pub const MAX_PLAN_FD: u64 = 1 << 20;
+
 /// A signal to queue again before the threads resume.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
@@ -218,10 +268,54 @@ pub const THREAD_SIZE: usize = core::mem::size_of::<PlanThread>();
 pub const REGION_SIZE: usize = core::mem::size_of::<PlanRegion>();
 pub const FD_SIZE: usize = core::mem::size_of::<PlanFd>();
 pub const SIGNAL_SIZE: usize = core::mem::size_of::<PlanSignal>();
+pub const PIPE_SIZE: usize = core::mem::size_of::<PlanPipe>();
 
 /// Round `n` up to the FPU alignment (blob offsets of FPU areas).
 pub const fn align_fpu(n: u64) -> u64 {
     (n + FPU_ALIGN - 1) & !(FPU_ALIGN - 1)
+}
+
+/// The offsets of the plans of a process tree in `bytes` (see
+/// [`PlanHeader::parent`]), each checked by [`validate`], the parents
+/// before their children; at most `max` plans.
+#[allow(clippy::cast_possible_truncation)] // offsets are checked against `bytes.len()` first
+pub fn validate_tree(bytes: &[u8], out: &mut [u64]) -> Result<usize, PlanInvalid> {
+    let mut n = 0usize;
+    let mut off = 0u64;
+    let len = bytes.len() as u64;
+    while off < len {
+        if n == out.len() {
+            return Err(PlanInvalid { what: "too many plans in a tree", value: n as u64 });
+        }
+        let rest = &bytes[off as usize..];
+        if rest.len() < HEADER_SIZE {
+            return Err(PlanInvalid { what: "plan shorter than header", value: rest.len() as u64 });
+        }
+        let h: PlanHeader = record(rest, 0, 0);
+        if h.total_len > rest.len() as u64 || h.total_len < HEADER_SIZE as u64 {
+            return Err(PlanInvalid { what: "plan length in a tree", value: h.total_len });
+        }
+        validate(&rest[..h.total_len as usize])?;
+        let root = n == 0;
+        if root != (h.parent == NO_PARENT) || (!root && (h.parent >= n as u64 || h.clone_count != 1 || h.flags & PLAN_FLAG_NEW_PIDNS == 0)) {
+            return Err(PlanInvalid { what: "parent of a plan in a tree", value: h.parent });
+        }
+        let root_pipes = if root { h.n_pipes } else { record::<PlanHeader>(bytes, 0, 0).n_pipes };
+        if h.tree_pipes != root_pipes || (!root && h.n_pipes != 0) {
+            return Err(PlanInvalid { what: "pipes of a plan in a tree", value: h.tree_pipes });
+        }
+        out[n] = off;
+        n += 1;
+        off = align_fpu(off + h.total_len);
+    }
+    if n == 0 {
+        return Err(PlanInvalid { what: "empty plan", value: 0 });
+    }
+    Ok(n)
+}
+
+fn pipe_fd_base_end_bad(end: Option<u64>) -> bool {
+    end.is_none_or(|e| e > MAX_PLAN_FD)
 }
 
 /// Why [`validate`] refused a plan: what was wrong and the value that was.
@@ -267,6 +361,7 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
         || !in_bounds(h.regions_off, h.n_regions, REGION_SIZE)
         || !in_bounds(h.fds_off, h.n_fds, FD_SIZE)
         || !in_bounds(h.signals_off, h.n_signals, SIGNAL_SIZE)
+        || !in_bounds(h.pipes_off, h.n_pipes, PIPE_SIZE)
         || !in_bounds(h.blob_off, h.blob_len, 1)
         || !h.blob_off.is_multiple_of(64)
     {
@@ -308,10 +403,23 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
             return invalid("region", r.start);
         }
     }
+    let pipe_fds_end = h.tree_pipes.checked_mul(2).and_then(|n| n.checked_add(h.pipe_fd_base));
+    if h.tree_pipes > 0 && (h.pipe_fd_base < MIN_PIPE_FD_BASE || pipe_fd_base_end_bad(pipe_fds_end)) {
+        return invalid("tree pipes' fd numbers", h.pipe_fd_base);
+    }
+    for i in 0..h.n_pipes {
+        let p: PlanPipe = record(plan, h.pipes_off, i);
+        if !blob_ok(p.data) || p.capacity > MAX_PIPE_BYTES || p.data.len > p.capacity {
+            return invalid("pipe", i);
+        }
+    }
     for i in 0..h.n_fds {
         let f: PlanFd = record(plan, h.fds_off, i);
-        if !blob_ok(f.path) || f.restore_kind().is_none() {
+        if !blob_ok(f.path) || f.restore_kind().is_none() || f.fd >= MAX_PLAN_FD {
             return invalid("fd", f.fd);
+        }
+        if f.restore_kind() == Some(FdRestore::TreePipe) && (f.offset >= h.tree_pipes || f.fd >= h.pipe_fd_base) {
+            return invalid("fd of a tree pipe", f.fd);
         }
     }
     Ok(())

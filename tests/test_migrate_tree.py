@@ -1,0 +1,159 @@
+"""A task's whole process tree moves together (issue 9 part 4), on a real embedded cluster.
+
+tests/migrate/tree.c: a parent and its children each count in phases, printing a checksum of their
+own heap per step; between phases they wait at a gate (the parent reads a line of stdin, then
+signals each child), so the test moves the tree at known points without timing. Each moved run
+must print, per process, exactly what an undisturbed local run prints, the parent's waitpid must
+get each child's real exit status, and the task's exit status must be the parent's.
+"""
+import collections
+import fcntl
+import os
+import pathlib
+import struct
+import subprocess
+import termios
+
+import pytest
+
+from conftest import ROOT, status, wait_for
+from test_migrate import Task, cc, local, migrate, ps_row
+
+
+@pytest.fixture(scope="module")
+def tree_prog():
+    return cc(ROOT / "tests/migrate/tree.c", "tree")
+
+
+def per_process(out):
+    """Lines of each process (by their "p<k>" prefix), in the order it printed them; the rest apart."""
+    procs = collections.defaultdict(list)
+    for line in out.splitlines():
+        procs[line.split(" ", 1)[0] if line.startswith("p") else "end"].append(line)
+    return dict(procs)
+
+
+def wait_gate(t, children, phase):
+    """Read until every process of the tree printed that it waits after `phase`."""
+    want = {f"p{k} phase {phase} done\n" for k in range(children + 1)}
+    while not want <= set(t.lines):
+        t.read_until("p")
+
+
+def test_a_parent_and_two_children_move_twice_and_reap_as_if_never_moved(cluster, tree_prog, workdir):
+    hosts = [h["name"] for h in status()["hosts"]]
+    argv = [tree_prog, 2, 3, 20, 20]
+    t = Task(argv, hosts[0], workdir)
+    wait_gate(t, 2, 0)
+    task = t.id(" ".join(map(str, argv)))
+    # First move: every process waits at its gate (the parent in read, the children in sigwaitinfo).
+    report = migrate(task, hosts[1])
+    assert report["to"] == hosts[1] and report["threads"] == 3, report
+    assert ps_row(task)["host"] == hosts[1]
+    t.send("\n")
+    # Second move: right after the gate opened, while the processes work.
+    report = migrate(task, hosts[2])
+    assert report["to"] == hosts[2] and report["threads"] == 3, report
+    assert ps_row(task)["host"] == hosts[2]
+    wait_gate(t, 2, 1)
+    t.send("\n")
+    rc, moved, err = t.finish()
+    ref_rc, ref = local(argv, "\n\n", cwd=workdir)
+    assert ref_rc == 7, ref
+    assert per_process(moved) == per_process(ref), f"moved run differs from an undisturbed one; stderr: {err}"
+    assert per_process(moved)["end"] == ["reaped 1 exit 11", "reaped 2 exit 12", "done"]
+    assert rc == 7, f"the task's exit status is the parent's: {rc}; stderr: {err}"
+    wait_for(lambda: ps_row(task) is None, "the task to leave ps")
+
+
+@pytest.mark.parametrize("child,reason", [
+    # A child that has exited and that its parent has not reaped yet.
+    ("os._exit(3)", "zombie"),
+    # A child holding a socket.
+    ("os.close(r); s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); os.write(w, b'x'); os.close(w); signal.pause()", "socket"),
+])
+def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdir, child, reason):
+    # The parent says "ready" once its child is a zombie or listens (the child says so on a pipe
+    # the parent closes before it says "ready": no pipe is left between them).
+    prog = ("import os, signal, socket, sys, time\n"
+            "r, w = os.pipe()\n"
+            "pid = os.fork()\n"
+            "if pid == 0:\n"
+            f"    {child}\n"
+            "os.close(w)\n"
+            "os.read(r, 1); os.close(r)\n"
+            "while open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] not in 'ZS':\n"
+            "    time.sleep(0.01)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print('still here', flush=True)\n"
+            "os.kill(pid, 9); os.waitpid(pid, 0)\n")
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task(["python3", "-c", prog], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id("python3")
+    r = migrate(task, hosts[1], check=False)
+    assert r.returncode != 0, r.stdout
+    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
+    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+PRODUCER = ("import sys\n"
+            "for i in range(int(sys.argv[1])):\n"
+            "    sys.stdout.buffer.write(bytes((i * 7 + j) % 251 for j in range(4096)))\n")
+# Reads 4 KiB at a time, slowly: the producer runs ahead until the pipe between them is full, so a
+# move finds bytes in flight in it (and the producer blocked writing).
+CONSUMER = ("import hashlib, sys, time\n"
+            "h = hashlib.sha256()\n"
+            "i = 0\n"
+            "while chunk := sys.stdin.buffer.read(4096):\n"
+            "    h.update(chunk)\n"
+            "    print(f'chunk {i} {len(chunk)} {h.hexdigest()[:16]}', flush=True)\n"
+            "    i += 1\n"
+            "    time.sleep(float(sys.argv[1]))\n"
+            "print('end', flush=True)\n"
+            "sys.exit(5)\n")
+
+
+def queued_in_stdin_of(cmdline):
+    """Bytes waiting in the stdin pipe of the process whose command line starts with `cmdline`
+    (FIONREAD on a new read end of that pipe, which takes nothing out)."""
+    def command_of(pid):
+        try:
+            return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:  # ended meanwhile
+            return b""
+    pids = [p for p in os.listdir("/proc") if p.isdigit() and command_of(p).startswith(cmdline.encode())]
+    assert len(pids) == 1, f"processes running {cmdline!r}: {pids}"
+    fd = os.open(f"/proc/{pids[0]}/fd/0", os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
+    finally:
+        os.close(fd)
+
+
+def test_a_shell_pipeline_moves_mid_stream_with_bytes_in_flight(cluster, workdir):
+    (workdir / "producer.py").write_text(PRODUCER)
+    (workdir / "consumer.py").write_text(CONSUMER)
+    chunks = 300
+    tag = workdir.name  # names this run's consumer among the machine's processes
+    line = f"python3 producer.py {chunks} | python3 consumer.py 0.01 {tag}"
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task(["sh", "-c", line], hosts[0], workdir)
+    t.read_until("chunk 30 ")
+    task = t.id("producer.py")
+    assert queued_in_stdin_of(f"python3 consumer.py 0.01 {tag}") > 0, "no bytes in flight in the pipe before the move"
+    report = migrate(task, hosts[1])
+    assert report["to"] == hosts[1] and report["threads"] >= 3, report
+    t.read_until("chunk 120 ")
+    report = migrate(task, hosts[2])
+    assert report["to"] == hosts[2], report
+    assert ps_row(task)["host"] == hosts[2]
+    rc, moved, err = t.finish()
+    ref = subprocess.run(["sh", "-c", line], cwd=workdir, capture_output=True, text=True, timeout=300)
+    assert ref.returncode == 5 and ref.stdout.endswith("end\n"), ref
+    assert moved == ref.stdout, f"the consumer's output differs from an undisturbed run; stderr: {err}"
+    assert rc == 5, f"the pipeline's exit status: {rc}; stderr: {err}"
