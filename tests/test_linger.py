@@ -29,6 +29,11 @@ def v1_mounts():
     return ctl, every
 
 
+def unified_mounts():
+    """The cgroup2 mount point, as a list (empty if none)."""
+    return [l.split()[1] for l in pathlib.Path("/proc/self/mounts").read_text().splitlines() if l.split()[2:3] == ["cgroup2"]][:1]
+
+
 def host(name, st=None):
     return next(h for h in (st or status())["hosts"] if h["name"] == name)
 
@@ -384,3 +389,203 @@ def test_ie_kills_and_reruns_on_an_idle_host_with_output_once(lcluster, tmp_path
 def test_exec_names_the_policies_it_accepts():
     r = subprocess.run([STARLING, "exec", "--policy", "XX", "--", "true"], capture_output=True, text=True)
     assert r.returncode != 0 and "LF, LL, PM or IE" in r.stderr, r.stderr
+
+
+# Rate windows (issue 10): the guests' disk and network bytes/s while the owner is active. The
+# guests measure themselves: bytes over the time from their first byte to the last one on the disk
+# (O_DIRECT + fsync) or acknowledged by the receiver (it closes only after reading everything).
+WINDOW_BPS = 2 << 20
+WINDOW_BYTES = 8 << 20
+DISK_WRITER = """
+import mmap, os, sys, time
+path, total = sys.argv[1], int(sys.argv[2])
+buf = mmap.mmap(-1, 1 << 20)
+buf.write(b"x" * (1 << 20))
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+t = time.monotonic()
+n = 0
+while n < total:
+    n += os.write(fd, buf)
+os.fsync(fd)
+dt = time.monotonic() - t
+os.close(fd)
+os.unlink(path)
+print(n / dt)
+"""
+NET_RECEIVER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(4)
+print("listening", flush=True)
+for _ in range(int(sys.argv[2])):
+    c, _ = s.accept()
+    while c.recv(1 << 16):
+        pass
+    c.close()
+print("received", flush=True)
+"""
+NET_SENDER = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+b = b"x" * 65536
+n, total = 0, int(sys.argv[3])
+t = time.monotonic()
+while n < total:
+    s.sendall(b)
+    n += len(b)
+s.shutdown(socket.SHUT_WR)
+s.recv(1)
+print(n / (time.monotonic() - t))
+"""
+WINDOW_PORT = 7461
+HTB = "5354:"
+
+
+def guest_rate(host, code, *args):
+    r = subprocess.run([STARLING, "exec", "--host", host, "--", "python3", "-c", code, *map(str, args)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def in_netns(ns, *args):
+    """A command in network namespace `ns` (nsenter, not `ip netns exec`: that remounts /sys)."""
+    return subprocess.run(["nsenter", f"--net=/run/netns/{ns}", *args], capture_output=True, text=True, timeout=60)
+
+
+def our_nft_tables(ns=None):
+    r = in_netns(ns, "nft", "list", "tables") if ns else subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [l for l in r.stdout.splitlines() if " starling_" in l]
+
+
+def our_qdiscs(ns=None):
+    r = in_netns(ns, "tc", "qdisc", "show") if ns else subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [l for l in r.stdout.splitlines() if f"htb {HTB}" in l]
+
+
+def blkio_rules(guest_rel):
+    d = cg("blkio", guest_rel)
+    return [l for f in ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device")
+            if (d / f).exists() for l in (d / f).read_text().split("\n") if l.strip()]
+
+
+def windows_cluster():
+    starling("down", check=False)
+    env = dict(os.environ, STARLING_GUEST_DISK_BPS=str(WINDOW_BPS), STARLING_GUEST_NET_BPS=str(WINDOW_BPS))
+    r = subprocess.run([STARLING, "up", "--hosts", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rate_windows_limit_guests_while_the_owner_is_active_and_go_at_down(lcluster):
+    """h1's guests write O_DIRECT and send over TCP to a guest on h2: at ≈ the window while h1's
+    owner is at the keyboard, far above it once the owner is idle again; `down` leaves no rule."""
+    import threading
+    windows_cluster()
+    receiver = None
+    try:
+        # A new cluster's owners are idle: no window (the hysteresis keeps one for 5 s at most).
+        o = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] is None and r, "h1's windows off while its owner is idle")
+        assert blkio_rules(o["guest_cgroup"]) == []
+        h2_addr = host("h2")["address"].split(":")[0]
+        receiver = spawn(STARLING, "exec", "--host", "h2", "--", "python3", "-c", NET_RECEIVER, str(WINDOW_PORT), "2")
+        lines = []
+        threading.Thread(target=lambda: lines.extend(iter(receiver.stdout.readline, "")), daemon=True).start()
+        wait_for(lambda: "listening\n" in lines, "the receiver on h2 listening", timeout=600)
+
+        starling("owner", "h1", "--active")
+        rep = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] and r, "h1's rate windows applied")
+        assert "disk" in rep["rate_windows"] and "net" in rep["rate_windows"], rep
+        assert "rate windows applied" in starling("status").stdout
+        rules = blkio_rules(o["guest_cgroup"])
+        assert rules and all(l.split()[1] == str(WINDOW_BPS) for l in rules), rules
+        disk_slow = guest_rate("h1", DISK_WRITER, "/tmp/window-disk", WINDOW_BYTES)
+        net_slow = guest_rate("h1", NET_SENDER, h2_addr, WINDOW_PORT, WINDOW_BYTES)
+        print(f"owner active: disk {disk_slow / 2**20:.2f} MiB/s, net {net_slow / 2**20:.2f} MiB/s")
+        assert disk_slow <= 1.5 * WINDOW_BPS, f"guest wrote at {disk_slow / 2**20:.2f} MiB/s with a 2 MiB/s window"
+        assert net_slow <= 1.5 * WINDOW_BPS, f"guest sent at {net_slow / 2**20:.2f} MiB/s with a 2 MiB/s window"
+
+        starling("owner", "h1", "--idle")
+        wait_for(lambda: owner_report("h1")["rate_windows"] is None, "h1's rate windows removed")
+        assert blkio_rules(o["guest_cgroup"]) == []
+        disk_fast = guest_rate("h1", DISK_WRITER, "/tmp/window-disk", WINDOW_BYTES)
+        net_fast = guest_rate("h1", NET_SENDER, h2_addr, WINDOW_PORT, WINDOW_BYTES)
+        print(f"owner idle: disk {disk_fast / 2**20:.2f} MiB/s, net {net_fast / 2**20:.2f} MiB/s")
+        assert disk_fast > 3 * WINDOW_BPS, f"guest wrote at only {disk_fast / 2**20:.2f} MiB/s with the owner idle"
+        assert net_fast > 3 * WINDOW_BPS, f"guest sent at only {net_fast / 2**20:.2f} MiB/s with the owner idle"
+        wait_for(lambda: "received\n" in lines, "the receiver to get both streams")
+
+        # Applied again, then `down`: no blkio rule, nft table or htb of ours is left anywhere.
+        starling("owner", "h1", "--active")
+        wait_for(lambda: owner_report("h1")["rate_windows"], "h1's rate windows applied again")
+        assert blkio_rules(o["guest_cgroup"])
+        r = down()
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not cg("blkio", o["guest_cgroup"]).exists(), "the guest's blkio group (and its rules) left behind"
+        prefix = f"starling{os.environ['STARLING_INSTANCE']}-" if os.environ.get("STARLING_INSTANCE", "0") != "0" else "starling-"
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert prefix not in left, f"host namespaces (with their tables and qdiscs) left: {left}"
+        assert [t for t in our_nft_tables() if prefix.replace("-", "_") in t] == [], our_nft_tables()
+        assert our_qdiscs() == [], our_qdiscs()
+    finally:
+        if receiver is not None:
+            kill_group(receiver)
+        starling("owner", "h1", "--idle", check=False)
+        starling("down", check=False)
+        up(2)
+
+
+def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
+    """A lone agent in a network namespace of its own with an active (emulated) owner applies its
+    windows; killed -9 it leaves them; a new agent of the same name removes them at start; SIGTERM
+    leaves nothing either."""
+    require_root("network namespaces, nftables, tc and cgroups")
+    name = f"lingerwin{os.getpid()}"
+    rel = f"starling/{name}/guest"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    state = tmp_path / "state"
+    state.mkdir()
+    env = dict(os.environ, STARLING_GUEST_DISK_BPS=str(WINDOW_BPS), STARLING_GUEST_NET_BPS=str(WINDOW_BPS))
+
+    def agent():
+        return subprocess.Popen(["nsenter", f"--net=/run/netns/{name}", STARLING, "agent", "--head", "127.0.0.1:1",
+                                 "--name", name, "--state", str(state), "--owner", "emulated"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+
+    def applied():
+        return our_nft_tables(name) and our_qdiscs(name) and blkio_rules(rel)
+
+    a = None
+    try:
+        r = in_netns(name, "ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        assert r.returncode == 0, r.stderr
+        (state / "owner-keyboard").write_text("active\n")
+        a = agent()
+        wait_for(applied, "the windows of an agent whose owner is active")
+        assert len(our_qdiscs(name)) == 2, our_qdiscs(name)  # v0 and v1, not lo
+        os.killpg(a.pid, signal.SIGKILL)
+        a.wait(timeout=60)
+        assert our_nft_tables(name) and our_qdiscs(name), "the killed agent's windows vanished by themselves"
+        (state / "owner-keyboard").write_text("idle\n")
+        a = agent()
+        wait_for(lambda: not our_nft_tables(name) and not our_qdiscs(name), "the new agent to remove the stale table and qdiscs")
+        wait_for(lambda: (cg("cpu", rel) / "cpu.idle").exists(), "the new agent's guest group")
+        assert blkio_rules(rel) == [], "the stale guest group's disk rules survived"
+        # The new agent applies its own when the owner comes back, and removes them at SIGTERM.
+        (state / "owner-keyboard").write_text("active\n")
+        wait_for(applied, "the new agent's windows")
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=120) == 0
+        assert our_nft_tables(name) == [] and our_qdiscs(name) == []
+        _, every = v1_mounts()
+        assert [m for m in every + unified_mounts() if (pathlib.Path(m) / "starling" / name).exists()] == []
+    finally:
+        if a is not None and a.poll() is None:
+            kill_group(a)
+        subprocess.run(["ip", "netns", "del", name], check=False)
+        for m in v1_mounts()[1] + unified_mounts():
+            for d in sorted((pathlib.Path(m) / "starling" / name).glob("**/"), key=lambda p: -len(p.parts)):
+                d.rmdir()

@@ -1,11 +1,13 @@
 //! The agent's side of Linger-Longer (see `starling_linger`): the guest
 //! cgroup every task's processes start in, the owner monitor that samples
-//! the host once a second, applies the memory band and keeps the report
-//! the agent sends the head with its load.
+//! the host once a second, applies the memory band and the guests' disk and
+//! network rate windows, and keeps the report the agent sends the head with
+//! its load.
 
 use starling_config::{AgentSettings, GuestPolicy, OwnerKind};
 use starling_linger::guest::{BandAction, Guest, MemoryBand};
-use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, KEYBOARD_FILE};
+use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, OwnerIo, KEYBOARD_FILE};
+use starling_linger::window::{self, DiskWindow, Hysteresis, NetWindow, Step};
 use starling_linger::{cgroup::Controller, Hierarchies, Keyboard};
 use starling_proto::OwnerReport;
 use std::sync::{Arc, Mutex};
@@ -18,9 +20,74 @@ pub(crate) const PERIOD: Duration = Duration::from_secs(1);
 pub(crate) struct Linger {
     pub guest: Option<Arc<Guest>>,
     pub report: Arc<Mutex<Option<OwnerReport>>>,
+    /// The network window's table and qdiscs outlive a killed agent: removed at exit and at start.
+    net: Option<Arc<NetWindow>>,
 }
 
 const MIB: u64 = 1 << 20;
+
+/// The guests' rate windows and whether they are on.
+struct Windows {
+    disk: Option<DiskWindow>,
+    net: Option<Arc<NetWindow>>,
+    hysteresis: Hysteresis,
+    /// What is applied now, in words (`None`: nothing).
+    applied: Option<String>,
+}
+
+fn rate(bps: u64) -> String {
+    #[allow(clippy::cast_precision_loss, reason = "a rate shown to one decimal")]
+    let mib = bps as f64 / MIB as f64;
+    format!("{mib:.1} MiB/s")
+}
+
+impl Windows {
+    /// One owner sample: apply or remove the windows as the hysteresis says.
+    fn step(&mut self, g: &Guest, owner_active: bool, owner_io_bps: u64) {
+        if self.disk.is_none() && self.net.is_none() {
+            return;
+        }
+        match self.hysteresis.step(owner_active, owner_io_bps) {
+            Step::Keep => {}
+            Step::Apply => {
+                let mut on = Vec::new();
+                if let Some(d) = &self.disk {
+                    match d.apply(g.group()) {
+                        Ok(()) => on.push(format!(
+                            "disk {} on {}",
+                            rate(d.bps),
+                            d.disks.iter().map(|k| k.name.as_str()).collect::<Vec<_>>().join(",")
+                        )),
+                        Err(e) => log::warn!("guests' disk window not applied: {e}"),
+                    }
+                }
+                if let Some(n) = &self.net {
+                    match n.apply() {
+                        Ok(ifaces) => on.push(format!("net {} on {}", rate(n.bps), ifaces.join(","))),
+                        Err(e) => log::warn!("guests' network window not applied: {e}"),
+                    }
+                }
+                let why = if owner_active { "owner active".to_string() } else { format!("owner I/O {} B/s", owner_io_bps) };
+                log::info!("{why}: guests' rate windows applied: {}", on.join(", "));
+                self.applied = (!on.is_empty()).then(|| on.join(", "));
+            }
+            Step::Remove => {
+                if let Some(d) = &self.disk {
+                    if let Err(e) = d.remove(g.group()) {
+                        log::warn!("removing the guests' disk window: {e}");
+                    }
+                }
+                if let Some(n) = &self.net {
+                    if let Err(e) = n.remove() {
+                        log::warn!("removing the guests' network window: {e}");
+                    }
+                }
+                log::info!("owner idle for {} s: guests' rate windows removed", window::QUIET_SAMPLES);
+                self.applied = None;
+            }
+        }
+    }
+}
 
 impl Linger {
     /// Make the guest group (removing a stale one first). Without cgroups
@@ -28,14 +95,14 @@ impl Linger {
     pub fn start(settings: &AgentSettings, name: &str, cores: u32) -> Linger {
         let cg = settings.cgroup.clone().unwrap_or_else(|| name.to_string());
         let report = Arc::new(Mutex::new(None));
-        let guest = match Guest::create(Hierarchies::discover(), &cg) {
+        let guest = match Guest::create(Hierarchies::discover(), &cg, settings.guest_net_bps > 0) {
             Ok(g) => {
                 log::info!("guests run in cgroup {} at {} priority", g.rel().display(), g.cpu.as_str());
                 Arc::new(g)
             }
             Err(e) => {
                 log::warn!("tasks run WITHOUT guest containment (owner not protected): {e}");
-                return Linger { guest: None, report };
+                return Linger { guest: None, report, net: None };
             }
         };
         let band = MemoryBand {
@@ -43,16 +110,45 @@ impl Linger {
             high_water: settings.high_water_mib.max(settings.low_water_mib) * MIB,
         };
         let guest_usage = guest.group().dir(Controller::Cpuacct).map(|d| d.join("cpuacct.usage")).unwrap_or_default();
-        let (cpu, keyboard) = match settings.owner {
+        const IO_STATS: &str = "blkio.throttle.io_service_bytes_recursive";
+        let (cpu, keyboard, io) = match settings.owner {
             OwnerKind::Emulated => (
                 OwnerCpu::Cgroup {
                     usage: guest.owner_group().dir(Controller::Cpuacct).map(|d| d.join("cpuacct.usage")).unwrap_or_default(),
                 },
                 KeyboardSource::File(settings.state.join(KEYBOARD_FILE)),
+                OwnerIo::Cgroup { stats: guest.owner_group().dir(Controller::Blkio).map(|d| d.join(IO_STATS)).unwrap_or_default() },
             ),
-            OwnerKind::Machine => (OwnerCpu::Machine { guest_usage: guest_usage.clone() }, KeyboardSource::Terminals),
+            OwnerKind::Machine => (
+                OwnerCpu::Machine { guest_usage: guest_usage.clone() },
+                KeyboardSource::Terminals,
+                OwnerIo::Machine { guest_stats: guest.group().dir(Controller::Blkio).map(|d| d.join(IO_STATS)).unwrap_or_default() },
+            ),
         };
-        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, cores);
+        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, io, cores);
+        let disk = (settings.guest_disk_bps > 0).then(|| DiskWindow { bps: settings.guest_disk_bps, disks: window::disks() });
+        if disk.as_ref().is_some_and(|d| d.disks.is_empty()) {
+            log::warn!("guests' disk window: no disks found under /sys/block");
+        }
+        let net = if settings.guest_net_bps == 0 {
+            None
+        } else {
+            match (Hierarchies::discover().unified(), guest.unified_dir()) {
+                (Some(mount), Some(_)) => {
+                    let n = NetWindow::new(settings.guest_net_bps, mount, guest.rel(), &cg);
+                    // A killed agent's table and qdiscs are still here.
+                    if let Err(e) = n.remove() {
+                        log::warn!("removing a stale network window: {e}");
+                    }
+                    Some(Arc::new(n))
+                }
+                _ => {
+                    log::warn!("guests' network window off: {}", window::WindowError::NoUnified);
+                    None
+                }
+            }
+        };
+        let mut windows = Windows { disk, net: net.clone(), hysteresis: Hysteresis::default(), applied: None };
         let (policy, pause_s) = (settings.policy, settings.pm_pause_s);
         let (g, r) = (guest.clone(), report.clone());
         let mut tick = move || {
@@ -87,6 +183,7 @@ impl Linger {
                 BandAction::Release => log::info!("free memory {} MiB ≥ high water: guests released", mib(s.mem_available)),
                 BandAction::Nothing => {}
             }
+            windows.step(&g, s.state != starling_linger::OwnerState::Idle, s.io_bps);
             let busy = !g.group().pids().is_empty();
             let doing = if st.suspended {
                 format!("guests suspended (PM): moved to an idle host if the owner is still active after {} s", pause_s)
@@ -123,6 +220,7 @@ impl Linger {
                 doing,
                 guest_cgroup: g.rel().display().to_string(),
                 owner_cgroup: g.owner_group().rel.display().to_string(),
+                rate_windows: windows.applied.clone(),
             };
             *r.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(rep);
         };
@@ -135,7 +233,7 @@ impl Linger {
         if let Err(e) = spawned {
             log::warn!("no owner monitor: {e}");
         }
-        Linger { guest: Some(guest), report }
+        Linger { guest: Some(guest), report, net }
     }
 
     /// What a task's sandbox does to itself before it runs anything.
@@ -181,8 +279,14 @@ impl Linger {
         }
     }
 
-    /// At exit: kill every guest and remove the agent's cgroups.
+    /// At exit: remove the network window, kill every guest and remove the
+    /// agent's cgroups (the disk window's rules go with them).
     pub fn remove(&self) {
+        if let Some(n) = &self.net {
+            if let Err(e) = n.remove() {
+                log::warn!("removing the guests' network window: {e}");
+            }
+        }
         if let Some(g) = &self.guest {
             match g.remove() {
                 Ok(()) => log::info!("removed guest cgroup {}", g.rel().display()),

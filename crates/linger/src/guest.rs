@@ -118,6 +118,8 @@ pub struct Guest {
     host_rel: PathBuf,
     group: Group,
     owner: Group,
+    /// The guest group in the cgroup2 mount (its sockets are what the network window shapes).
+    unified: Option<PathBuf>,
     pub cpu: CpuPriority,
     state: std::sync::Mutex<BandState>,
 }
@@ -163,16 +165,28 @@ const PATIENCE: Duration = Duration::from_secs(10);
 impl Guest {
     /// Remove a stale guest group of this name (a killed agent's: its
     /// processes are killed), then make a fresh one, and the owner group
-    /// beside it if missing.
-    pub fn create(h: Hierarchies, name: &str) -> Result<Guest, GuestError> {
+    /// beside it if missing. With `in_unified`, guests also join the guest
+    /// group in the cgroup2 mount (the network window tells their sockets
+    /// apart by it).
+    pub fn create(h: Hierarchies, name: &str, in_unified: bool) -> Result<Guest, GuestError> {
         check_name(name)?;
         let rel = guest_rel(name);
         let stale = cgroup::remove_tree(&h, &rel, PATIENCE)?;
         if !stale.is_empty() {
             log::warn!("removed a stale guest cgroup {} ({} directories; an earlier agent was killed)", rel.display(), stale.len());
         }
-        let group = Group::create(&h, &rel, &[Controller::Cpuacct, Controller::Memory, Controller::Freezer], &[Controller::Cpu])?;
-        let owner = Group::create(&h, &owner_rel(name), &[Controller::Cpuacct, Controller::Memory], &[])?;
+        let group =
+            Group::create(&h, &rel, &[Controller::Cpuacct, Controller::Memory, Controller::Freezer], &[Controller::Cpu, Controller::Blkio])?;
+        // The owner's blkio group counts an emulated owner's I/O.
+        let owner = Group::create(&h, &owner_rel(name), &[Controller::Cpuacct, Controller::Memory], &[Controller::Blkio])?;
+        let unified = match h.unified() {
+            Some(u) if in_unified => {
+                let dir = u.join(&rel);
+                std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io { path: dir.clone(), source })?;
+                Some(dir)
+            }
+            _ => None,
+        };
         // cpu.idle ranks a group against its siblings only: the guest's
         // ancestors under the hierarchy's root must be idle too, or they
         // compete with the owner's tasks at normal weight.
@@ -189,13 +203,15 @@ impl Guest {
         }
         let _ = group.write(Controller::Memory, "memory.limit_in_bytes", "-1");
         let host_rel = Path::new(cgroup::ROOT).join(name);
-        Ok(Guest { h, host_rel, group, owner, cpu, state: std::sync::Mutex::new(BandState::default()) })
+        Ok(Guest { h, host_rel, group, owner, unified, cpu, state: std::sync::Mutex::new(BandState::default()) })
     }
 
     /// What each task's first process does before exec.
     pub fn join(&self) -> Join {
+        let mut procs_files = self.group.procs_files();
+        procs_files.extend(self.unified.iter().map(|d| d.join("cgroup.procs")));
         Join {
-            procs_files: self.group.procs_files(),
+            procs_files,
             sched_idle: self.cpu == CpuPriority::SchedIdle,
             oom_score_adj: Some(1000),
         }
@@ -212,6 +228,11 @@ impl Guest {
     /// `starling/NAME/guest`.
     pub fn rel(&self) -> &Path {
         &self.group.rel
+    }
+
+    /// The guest group in the cgroup2 mount, if guests join it.
+    pub fn unified_dir(&self) -> Option<&Path> {
+        self.unified.as_deref()
     }
 
     /// CPU time of all guests so far (ns, `cpuacct.usage`).
