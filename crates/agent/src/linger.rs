@@ -122,7 +122,14 @@ impl Linger {
             OwnerKind::Machine => (
                 OwnerCpu::Machine { guest_usage: guest_usage.clone() },
                 KeyboardSource::Terminals,
-                OwnerIo::Machine { guest_stats: guest.group().dir(Controller::Blkio).map(|d| d.join(IO_STATS)).unwrap_or_default() },
+                // Every starling group's I/O is left out (all agents' guests on this machine, of any
+                // instance), not only this agent's: another cluster's guests are no owner of ours.
+                OwnerIo::Machine {
+                    starling_stats: Hierarchies::discover()
+                        .path(Controller::Blkio, std::path::Path::new(starling_linger::cgroup::ROOT))
+                        .map(|d| d.join(IO_STATS))
+                        .unwrap_or_default(),
+                },
             ),
         };
         let mut monitor = Monitor::new(cpu, guest_usage, keyboard, io, cores);

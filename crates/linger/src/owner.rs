@@ -6,8 +6,9 @@
 //!   is not the guest group's (`cpuacct.usage`) nor idle.
 //! * Owner I/O (bytes/s read and written on disk): on an emulated host the
 //!   owner's blkio group; on a real host the whole disks' sectors of
-//!   `/proc/diskstats` minus the guest group's (v1 charges buffered
-//!   writeback to no group, so a guest's writeback counts as the owner's).
+//!   `/proc/diskstats` minus those of every group under `starling/` (the
+//!   guests of every agent on the machine; v1 charges buffered writeback to
+//!   no group, so a guest's writeback counts as the owner's).
 //! * Free memory: `MemAvailable` of `/proc/meminfo`.
 //! * Keyboard: on an emulated host, what `starling owner HOST --active|--idle`
 //!   wrote into the agent's state directory; on a real host, the newest
@@ -78,8 +79,9 @@ pub enum OwnerCpu {
 pub enum OwnerIo {
     /// An emulated host: the owner group's `blkio.throttle.io_service_bytes_recursive`.
     Cgroup { stats: PathBuf },
-    /// A real host: `/proc/diskstats` minus the guests' `blkio.throttle.io_service_bytes_recursive`.
-    Machine { guest_stats: PathBuf },
+    /// A real host: `/proc/diskstats` minus `blkio.throttle.io_service_bytes_recursive` of the
+    /// `starling/` tree (every agent's guests on this machine, not only this agent's).
+    Machine { starling_stats: PathBuf },
 }
 
 /// The `Total` of a `blkio.throttle.io_service_bytes_recursive` (0 if absent).
@@ -112,7 +114,7 @@ impl OwnerIo {
     fn bytes(&self) -> u64 {
         match self {
             OwnerIo::Cgroup { stats } => blkio_total(stats),
-            OwnerIo::Machine { guest_stats } => disk_bytes().saturating_sub(blkio_total(guest_stats)),
+            OwnerIo::Machine { starling_stats } => disk_bytes().saturating_sub(blkio_total(starling_stats)),
         }
     }
 }
