@@ -11,8 +11,10 @@ anywhere beforehand:
 * relay cache: the same F on h2 (served by the head's relay cache, the client sends nothing);
 * warm: the same F on h1 again (in h1's cache: FUSE passthrough), ÷ a local `md5sum F`;
 * fan-out: `starling run -n N -- md5sum F` with N = 1, 4, 16 (placement puts one task per host
-  while hosts have free cores), its wall time and the bytes the head sent to the hosts (the sum
-  of the bridge-side veth ends' tx_bytes: no host gets file data from anywhere but the head).
+  while hosts have free cores), its wall time, the bytes the head sent to the hosts (the bridge's
+  own tx_bytes: what the root namespace, where the head runs, sent into it; frames the bridge
+  forwards from host to host are not counted there) and the bytes delivered into the hosts from
+  anywhere, the head or each other (the sum of the bridge-side veth ends' tx_bytes).
 
 MB/s figures are MiB-of-file ÷ wall time of the whole `starling exec` (end to end, so they
 include the exec's own overhead and md5sum's read); "data MB/s" subtracts the time of
@@ -87,6 +89,7 @@ class Cluster:
         self.pids = [json.loads((run_dir / "cluster.json").read_text())["head_pid"]] + [h["pid"] for h in st["hosts"]]
         inst = os.environ.get("STARLING_INSTANCE", "")
         self.veths = [f"stv{inst}-{h['name']}" if inst else f"stv-{h['name']}" for h in st["hosts"]]
+        self.bridge = f"stbr{inst or 0}"
         for v in self.veths:
             if not pathlib.Path(f"/sys/class/net/{v}").exists():
                 sys.exit(f"no veth {v}: is STARLING_INSTANCE the same as the cluster's?")
@@ -99,6 +102,10 @@ class Cluster:
     def to_hosts(self):
         """Bytes sent into the hosts' veths (the bridge's side: traffic towards the hosts)."""
         return sum(int(pathlib.Path(f"/sys/class/net/{v}/statistics/tx_bytes").read_text()) for v in self.veths)
+
+    def from_head(self):
+        """Bytes the head's namespace sent into the bridge (towards the hosts)."""
+        return int(pathlib.Path(f"/sys/class/net/{self.bridge}/statistics/tx_bytes").read_text())
 
     def down(self):
         sh(STARLING, "down", check=False, timeout=300)
@@ -137,16 +144,16 @@ def single(c, d, mib, tag):
 def fanout(c, d, mib, n, tag):
     p, want = new_file(d, f"fan-{tag}-{n}.bin", mib)
     lb = load()
-    before, cpu = c.to_hosts(), c.cpu()
+    before, head_before, cpu = c.to_hosts(), c.from_head(), c.cpu()
     t, r = timed(STARLING, "run", "-n", str(n), "--json", "--", "md5sum", str(p), cwd=d, timeout=1800)
-    egress = c.to_hosts() - before
+    egress, delivered = c.from_head() - head_before, c.to_hosts() - before
     events = [json.loads(line) for line in r.stdout.splitlines()]
     hosts = {e["host"] for e in events if e.get("event") == "started"}
     digests = {md5_of(e["data"]) for e in events if e.get("event") == "output" and e.get("stream") == "stdout"}
     if digests != {want}:
         sys.exit(f"fan-out {n}: tasks read {digests}, the file's md5 is {want}")
     p.unlink()
-    return {"hosts": n, "distinct_hosts": len(hosts), "wall_s": t, "head_egress_bytes": egress, "load_before": lb,
+    return {"hosts": n, "distinct_hosts": len(hosts), "wall_s": t, "head_egress_bytes": egress, "to_hosts_bytes": delivered, "load_before": lb,
             "cpu_s": c.cpu() - cpu}
 
 

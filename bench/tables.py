@@ -434,10 +434,10 @@ def render_data(doc):
         for f in run["fanout"]:
             frows.append([tag, f["hosts"], f["distinct_hosts"], f"{f['wall_s']:.2f}",
                           dash(one and f["wall_s"] / one, "{:.2f}×"), fmt_bytes(f["head_egress_bytes"]),
-                          f"{f['head_egress_bytes'] / (mib << 20):.2f}×", dash(f.get("cpu_s"), "{:.2f}"),
-                          f"{f['load_before']:.1f}"])
-    fan = table(["hosts' links", "tasks", "hosts", "wall s", "÷ one", "head egress", "÷ file", "data-path CPU s",
-                 "load before"], frows, list("lrrrrrrrr"))
+                          f"{f['head_egress_bytes'] / (mib << 20):.2f}×", fmt_bytes(f["to_hosts_bytes"]) if "to_hosts_bytes" in f else "-",
+                          dash(f.get("cpu_s"), "{:.2f}"), f"{f['load_before']:.1f}"])
+    fan = table(["hosts' links", "tasks", "hosts", "wall s", "÷ one", "head egress", "÷ file", "into hosts",
+                 "data-path CPU s", "load before"], frows, list("lrrrrrrrrr"))
     warm = [f"{tag}: warm exec {run['single']['warm']['wall_s']:.2f} s ÷ local {doc['local_md5_s']:.2f} s = "
             f"{run['single']['warm']['wall_s'] / doc['local_md5_s']:.2f} (`exec -- true` alone: {run['exec_true_s']:.2f} s)"
             for tag, run in doc["runs"].items()]

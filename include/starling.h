@@ -101,6 +101,7 @@ long long sf_ticket_stat(const sf_ticket_t *t, int which);
 #define SF_STAT_MC_DATA_PAGES 12     /* multicast pages sent with data */
 #define SF_STAT_MC_DATA_DATAGRAMS 13 /* ... and the datagrams they took (= pages when a page fits the MTU) */
 #define SF_STAT_MC_MTU 14            /* the MTU the multicast sender split pages to (its link's) */
+#define SF_STAT_MC_RECEIVERS 15      /* multicast receivers that joined: one per clone host (its clones share it) */
 /* Size in bytes of the encoded process descriptor of the ticket's clone. */
 long long sf_descriptor_bytes(const sf_ticket_t *t);
 /* Free a ticket (kills its clones if they were not joined). */

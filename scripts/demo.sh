@@ -2,7 +2,8 @@
 # The main job on the embedded cluster: a real parallel C build (Lua 5.4, 33 files)
 # through `starling exec`, timed against the same build done locally, outputs compared;
 # then a remote fork: a running C program cloned onto every core of the cluster;
-# then a live migration: a running program moved between three hosts; then Linger-Longer (a guest
+# then a live migration: a running program moved between three hosts; then Snowbird (a program started
+# at home with `exec --roam`, moved to a host and back); then Linger-Longer (a guest
 # under an active owner, an IE rerun); then a Slurm pilot job (`up --slurm`) on a local Slurm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -126,6 +127,30 @@ echo "   before: ticks=$(cut -d' ' -f2 <<<"$before") ids=$(cut -d' ' -f3-6 <<<"$
 echo "   after:  ticks=$(cut -d' ' -f2 <<<"$after") ids=$(cut -d' ' -f3-6 <<<"$after") one-shot left $(( $(cut -d' ' -f7 <<<"$after") / 1000000 )) ms"
 if [ "$(cut -d' ' -f3-6 <<<"$before")" != "$(cut -d' ' -f3-6 <<<"$after")" ] || [ "$(cut -d' ' -f2 <<<"$after")" -le "$(cut -d' ' -f2 <<<"$before")" ]; then
     echo "   TIMERS DID NOT MOVE"; exit 1
+fi
+echo
+echo "== Snowbird: a program started at home with \`starling exec --roam\` (this machine, same view of your files)"
+echo "   moves to h2 for a phase and comes back home (\`starling migrate TASK --to h2|home\`); \`ps\` says where and why"
+(cd "$W" && ./phases 4 3 "$W/home.bin" 16 < <(printf '\n\n') > /dev/null) || [ $? = 7 ]
+coproc ROAMING { cd "$W" && exec "$S" exec --roam -T -- ./phases 4 3 "$W/roamed.bin" 16 2>&1; }
+exec {to_roaming}>&"${ROAMING[1]}"
+roam_until() { local line; while IFS= read -r line <&"${ROAMING[0]}"; do [[ $line == "$1"* ]] && return 0; done; return 1; }
+roam_until "phase 0 done"
+rtask=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "roamed.bin" in r["command"]))')
+p=1
+for to in h2 home; do
+    $S migrate "$rtask" --to "$to" | sed 's/^/   /'
+    $S ps | awk -v t="t$rtask" 'NR == 1 || $1 == t' | sed 's/^/   /'
+    echo >&"$to_roaming"
+    if [ $p -lt 2 ]; then roam_until "phase $p done"; else roam_until "done "; fi
+    p=$((p + 1))
+done
+exec {to_roaming}>&-
+wait "$ROAMING_PID" && rc=0 || rc=$?
+if [ "$rc" = 7 ] && cmp -s "$W/home.bin" "$W/roamed.bin"; then
+    echo "   the file it wrote at home, on h2 and at home again, and its exit status, are those of an undisturbed run"
+else
+    echo "   ROAMED RUN DIFFERS (exit $rc)"; exit 1
 fi
 echo
 echo "== Linger-Longer: a guest on h1 while h1's owner burns every core (guest at cpu.idle)"

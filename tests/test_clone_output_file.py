@@ -52,16 +52,21 @@ def check_parent_lines(lines, last):
     assert lines.index("PARENT during") < lines.index(last), text
 
 
-@pytest.mark.parametrize("hierarchical,dup", [(1, 0), (0, 0), (1, 1)], ids=["hierarchical", "spread", "dup-fd"])
+@pytest.mark.parametrize("hierarchical,dup", [(1, 0), (0, 0), (1, 1), (0, 2), (1, 2)],
+                         ids=["hierarchical", "spread", "dup-fd", "captured-spread", "captured-hierarchical"])
 def test_clone_output_to_a_file_is_appended(cluster, prog, workdir, hierarchical, dup):
     """`output_file 2 H DUP > out.txt 2>&1`: the parent's 3 lines and each clone's lines, all in the
-    file. With DUP the parent keeps a copy of fd 1 on fd 9 first (what pytest's capture does) and the
-    clones write through it too: that copy is the same stream, not a file the clone commits."""
+    file. With DUP=1 the parent keeps a copy of fd 1 on fd 9 first and the clones write through it
+    too: that copy is the same stream, not a file the clone commits. With DUP=2 the parent is arranged
+    as under pytest's output capture (`pytest > log`): the log only on fd 9, an unlinked temporary file
+    on fd 1 and 2. The clones hold fd 9 but never write it; the log must still be the parent's file
+    when they end (a clone that committed its untouched copy back replaced it: every line the parent
+    wrote afterwards went to the replaced file)."""
     status, lines = run_into_file([prog, "2", str(hierarchical), str(dup)], workdir / "out.txt")
     text = "\n".join(lines)
     assert status == 0, text
     check_parent_lines(lines, "PARENT last 2")
-    kinds = ["out", "err"] + (["dup"] if dup else [])
+    kinds = ["out", "err"] + (["dup"] if dup == 1 else [])
     for i in (1, 2):
         for k in kinds:
             assert lines.count(f"CLONE {i} {k}") == 1, f"'CLONE {i} {k}' not exactly once in:\n{text}"

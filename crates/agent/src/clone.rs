@@ -17,6 +17,11 @@
 //!   each clone's userfaultfd starts a handler that fetches `Fetch` pages
 //!   from the client's page server (TCP / mcdist) and reads `File` pages from
 //!   the same files the clone sees (the task's overlay root + the path);
+//! * every clone of a ticket on this host — the clones of a hierarchical
+//!   task, and spread tasks placed here together — shares one
+//!   [`HostTicket`] (from the agent's [`HostTickets`]): the descriptor is
+//!   fetched once per host, and one multicast receiver brings pages for all
+//!   of them;
 //! * a hierarchical task (`CloneSpec::local_forks` > 0) restores once and
 //!   holds several clones: the restorer forks them at the restore point and
 //!   its PID 1 reports each one's exit status over the same socket;
@@ -28,6 +33,7 @@
 
 use crate::{fork_step, AgentError, Result, Step};
 use starling_fork::fault::{FaultHandler, FaultStats, Materialize};
+use starling_fork::host::{HostTicket, HostTickets};
 use starling_fork::image::abi::process::Creds;
 use starling_fork::image::{Descriptor, PlanOptions, Region, RegionKind};
 use starling_fork::page_server::PageClient;
@@ -61,6 +67,8 @@ pub(crate) struct CloneRun {
     /// supported).
     pub materialize: Option<Materialize>,
     live: LiveStats,
+    /// Shared with the ticket's other clones on this host; held until the clones ended.
+    _host: Arc<HostTicket>,
     /// The reporter thread (see [`CloneRun::report_progress`]) and what stops it (dropping it).
     reporter: Option<(mpsc::Sender<()>, std::thread::JoinHandle<()>)>,
 }
@@ -133,6 +141,7 @@ pub(crate) fn prepare(
     spec: &CloneSpec,
     root: &Path,
     distribution: DistributionReport,
+    tickets: &HostTickets,
     settings: &starling_config::ForkSettings,
     rootless: bool,
 ) -> Result<(TaskProgram, CloneRun)> {
@@ -140,9 +149,12 @@ pub(crate) fn prepare(
         spec.page_server.parse().map_err(|_| AgentError::PageServerAddress(spec.page_server.clone()))?;
     let options = starling_fork::fault::FaultOptions::from_settings(settings);
     let key = spec.page_key;
-    let (encoded, mode) = starling_fork::fault::fetch_descriptor(server, &key, &spec.descriptor_hash.0, spec.descriptor_len as usize, &options)
-        .map_err(fork_step(Step::FetchDescriptor))?;
-    log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str());
+    let host = tickets.get(server, &key, &spec.descriptor_hash.0, &options);
+    let (encoded, mode) = host.descriptor(&spec.descriptor_hash.0, spec.descriptor_len as usize).map_err(fork_step(Step::FetchDescriptor))?;
+    match mode {
+        Some(mode) => log::debug!("clone {}: descriptor ({} bytes) by {}", spec.clone_id, encoded.len(), mode.as_str()),
+        None => log::debug!("clone {}: descriptor ({} bytes) as fetched for this host before", spec.clone_id, encoded.len()),
+    }
     let mut desc = Descriptor::decode(&encoded).map_err(|e| fork_step(Step::DecodeDescriptor)(e.into()))?;
     if rootless {
         // The agent's user namespace maps one id, 0 (its user outside): the clone runs as that
@@ -157,10 +169,11 @@ pub(crate) fn prepare(
     let asked = materialize.clone();
     let live: LiveStats = Arc::default();
     let registry = live.clone();
+    let shared = host.clone();
     let serve: Serve = Arc::new(move |clone_id, uffd, stats, stop| {
         registry.lock().unwrap_or_else(|p| p.into_inner()).push((clone_id, stats.clone()));
-        let client = PageClient::connect(server, &key)?;
-        let mut h = FaultHandler::new_with(uffd, &handler_desc, client, stats.clone(), options.clone());
+        let client = PageClient::connect(server, &key, shared.options().encrypt)?;
+        let mut h = FaultHandler::on_host(uffd, &handler_desc, client, stats.clone(), &shared);
         if let Some(m) = &asked {
             h = h.with_materialize(m.clone(), server);
         }
@@ -172,7 +185,7 @@ pub(crate) fn prepare(
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(crate::AgentError::Filter)?;
     let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp, terminal: false };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
-    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, placed_ns: spec.placed_ns, distribution, materialize, live, reporter: None }))
+    Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, placed_ns: spec.placed_ns, distribution, materialize, live, _host: host, reporter: None }))
 }
 
 impl CloneRun {

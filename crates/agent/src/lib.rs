@@ -18,6 +18,7 @@ mod clone;
 mod io;
 mod linger;
 mod migrate;
+mod peers;
 mod remote;
 mod task;
 
@@ -132,6 +133,10 @@ pub struct AgentConfig {
     /// user is 0 (see `starling agent`): tasks run as that user and views
     /// show the client's files as theirs.
     pub rootless: bool,
+    /// The user's own machine (`agent --home`): the head places here only what names this
+    /// site (a roaming task), and its tasks are the user's own work, not guests (no guest
+    /// cgroup, no starvation priority, no owner monitor).
+    pub home: bool,
 }
 
 pub(crate) struct TaskCtl {
@@ -162,6 +167,9 @@ pub(crate) struct Agent {
     pub running: AtomicU32,
     /// Page distribution of the last clone's fault handler (for `starling status`).
     pub page_distribution: Arc<std::sync::Mutex<Option<String>>>,
+    /// The fork tickets with clones on this host: what their clones share
+    /// (descriptor, multicast receiver).
+    pub host_tickets: starling_fork::host::HostTickets,
     /// Our address towards the head (other hosts reach us there).
     pub addr: Mutex<String>,
     /// Migrations out waiting for the head to hold their task's input.
@@ -170,6 +178,8 @@ pub(crate) struct Agent {
     pub incoming: Mutex<HashMap<u64, Arc<std::sync::atomic::AtomicBool>>>,
     /// The guest cgroup every task runs in, and the owner monitor's report.
     pub linger: linger::Linger,
+    /// Chunk sharing with the other hosts, and the port this host serves them on.
+    pub peers: Option<(Arc<peers::Peers>, u16)>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -200,6 +210,8 @@ impl Agent {
             running: self.running.load(Ordering::Relaxed),
             page_distribution: self.page_distribution.lock().map(|m| m.clone()).unwrap_or(None),
             owner: self.linger.report.lock().map(|r| r.clone()).unwrap_or(None),
+            home: self.cfg.home,
+            peer: self.peers.as_ref().and_then(|(_, port)| Some(std::net::SocketAddr::new(addr.parse().ok()?, *port).to_string())),
         }
     }
 
@@ -347,8 +359,8 @@ impl Agent {
             .filter_map(|(task, t)| {
                 let root = t.pid.load(Ordering::SeqCst);
                 (root > 0).then(|| {
-                    let (cpu_seconds, rss_bytes) = tree_usage(root);
-                    starling_proto::TaskUsage { task: *task, cpu_seconds, rss_bytes }
+                    let u = tree_usage(root);
+                    starling_proto::TaskUsage { task: *task, cpu_seconds: u.cpu_seconds, rss_bytes: u.rss_bytes, runnable: u.runnable }
                 })
             })
             .collect()
@@ -385,27 +397,40 @@ impl Agent {
     }
 }
 
-/// CPU seconds and resident bytes of process `root` and everything below it.
-pub(crate) fn tree_usage(root: u32) -> (f64, u64) {
+/// What a process tree uses now.
+pub(crate) struct TreeUsage {
+    pub cpu_seconds: f64,
+    pub rss_bytes: u64,
+    /// Threads in state R.
+    pub runnable: u32,
+}
+
+/// CPU seconds, resident bytes and runnable threads of process `root` and everything below it.
+pub(crate) fn tree_usage(root: u32) -> TreeUsage {
     // SAFETY: sysconf with a constant name.
     let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let (mut cpu, mut rss) = (0.0, 0u64);
+    let mut u = TreeUsage { cpu_seconds: 0.0, rss_bytes: 0, runnable: 0 };
     let mut stack = vec![root];
     while let Some(p) = stack.pop() {
         if let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) {
             let f: Vec<&str> = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace().collect();
             // utime, stime: fields 14 and 15 (index 11 and 12 after the comm); rss pages: field 24.
             let num = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-            cpu += (num(11) + num(12)) as f64 / ticks;
-            rss += num(21) * 4096;
+            u.cpu_seconds += (num(11) + num(12)) as f64 / ticks;
+            u.rss_bytes += num(21) * 4096;
         }
         for t in std::fs::read_dir(format!("/proc/{p}/task")).into_iter().flatten().flatten() {
+            // Each thread's state: the field after its comm.
+            let state = std::fs::read_to_string(t.path().join("stat")).ok();
+            if state.as_deref().and_then(|s| s.rsplit_once(')')).is_some_and(|(_, r)| r.trim_start().starts_with('R')) {
+                u.runnable += 1;
+            }
             if let Ok(kids) = std::fs::read_to_string(t.path().join("children")) {
                 stack.extend(kids.split_whitespace().filter_map(|c| c.parse::<u32>().ok()));
             }
         }
     }
-    (cpu, rss)
+    u
 }
 
 /// Remove task directories left by a previous run of this agent (crash, kill -9).
@@ -428,7 +453,26 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     std::fs::create_dir_all(state.join("tasks")).map_err(io_step(Step::CreateDir(state.clone())))?;
     clean_stale_tasks(state);
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
-    let linger = linger::Linger::start(&cfg.settings, &cfg.name, cores());
+    let linger = if cfg.home { linger::Linger::none() } else { linger::Linger::start(&cfg.settings, &cfg.name, cores()) };
+    let auth = cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
+    // Other hosts fetch the chunks this one holds here (any port: announced to the head).
+    // Home (the user's own machine) is no cluster host: it serves no one.
+    let peers = if cfg.home {
+        None
+    } else {
+        match TcpListener::bind("0.0.0.0:0").await {
+            Ok(l) => {
+                let port = l.local_addr().map_err(io_step(Step::Accept))?.port();
+                let p = Arc::new(peers::Peers::new(cache.clone(), cfg.name.clone(), auth.as_ref())?);
+                tokio::spawn(p.clone().serve(l));
+                Some((p, port))
+            }
+            Err(e) => {
+                log::warn!("agent {}: no port for other hosts to fetch chunks from ({e}); every chunk comes from the head", cfg.name);
+                None
+            }
+        }
+    };
     let agent = Arc::new(Agent {
         cfg,
         cache,
@@ -436,10 +480,12 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         waiters: Arc::new(Waiters::default()),
         running: AtomicU32::new(0),
         page_distribution: Arc::new(std::sync::Mutex::new(None)),
+        host_tickets: Default::default(),
         addr: Mutex::new(String::new()),
         held_waiters: Mutex::new(HashMap::new()),
         incoming: Mutex::new(HashMap::new()),
         linger,
+        peers,
     });
     // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
     {
@@ -456,7 +502,6 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             std::process::exit(0);
         });
     }
-    let auth = agent.cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
     if auth.is_none() {
         log::warn!("agent {}: no --auth: its head connection is not authenticated (a head of this cluster gives it credentials: README, Authentication)", agent.cfg.name);
     }

@@ -90,6 +90,11 @@ impl Windows {
 }
 
 impl Linger {
+    /// No guest group: the home site runs the user's own work.
+    pub fn none() -> Linger {
+        Linger { guest: None, report: Arc::new(Mutex::new(None)) }
+    }
+
     /// Make the guest group (removing a stale one first). Without cgroups
     /// tasks run uncontained: said in the log and by `starling status`.
     pub fn start(settings: &AgentSettings, name: &str, cores: u32) -> Linger {

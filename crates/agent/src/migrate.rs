@@ -162,17 +162,18 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
     )
     .map_err(|e| format!("cannot reach the target at {to_addr}: {e}"))?;
     let _ = stream.set_nodelay(true);
-    {
-        let mut s = &stream;
+    let secrecy = {
         let _ = stream.set_read_timeout(Some(Duration::from_secs(30)));
-        starling_fork::page_server::prove_client(&how.key, &mut s, &mut &stream)
+        let s = starling_fork::page_server::prove_client(&how.key, agent.cfg.fork.encrypt, &mut &stream, &mut &stream)
             .map_err(|e| format!("the target at {to_addr} did not take the move's key: {e}"))?;
         let _ = stream.set_read_timeout(None);
-    }
+        s
+    };
     let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
     let mut opts = SourceOptions::new(CaptureOptions { root: live.root.clone(), heuristics: agent.cfg.fork.heuristics }, local_ip);
     opts.stop_and_copy = how.stop_and_copy;
     opts.key = how.key;
+    opts.encrypt = agent.cfg.fork.encrypt;
     let mut hooks = Source {
         agent: agent.clone(),
         tx: tx.clone(),
@@ -186,7 +187,8 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
         switched: false,
         state_bytes: 0,
     };
-    match migrate_out(pid, stream, &opts, &mut hooks) {
+    let conn = starling_fork::page_server::halves(stream, secrecy).map_err(|e| e.to_string())?;
+    match migrate_out(pid, conn, &opts, &mut hooks) {
         Ok(r) => Ok((r, hooks.state_bytes)),
         Err(e) => {
             if !hooks.switched {
@@ -394,7 +396,7 @@ impl SourceHooks for Source {
         // Its end here is not its end any more.
         self.life.moved.store(true, Ordering::SeqCst);
         // The source's copy is still there (stopped): its CPU counters are final.
-        let cpu_seconds = u32::try_from(self.pid).map_or(0.0, |p| crate::tree_usage(p).0);
+        let cpu_seconds = u32::try_from(self.pid).map_or(0.0, |p| crate::tree_usage(p).cpu_seconds);
         let _ = self.tx.blocking_send(Msg::MigrateHandedOver { migration: self.migration, task: self.task, cpu_seconds });
     }
 }
@@ -451,8 +453,14 @@ pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task
 
 /// Wait for the source's connection (until `abort` or [`CONNECT_WAIT`]):
 /// the first that proves the move's `key`. Others are closed at once,
-/// before a byte of theirs is decoded, and the wait goes on.
-fn wait_for_source(listener: &TcpListener, key: &starling_proto::SecretKey, abort: &AtomicBool) -> Result<TcpStream, String> {
+/// before a byte of theirs is decoded, and the wait goes on. `encrypt`:
+/// this host's `fork.encrypt` (the stream is encrypted if either side asks).
+fn wait_for_source(
+    listener: &TcpListener,
+    key: &starling_proto::SecretKey,
+    encrypt: bool,
+    abort: &AtomicBool,
+) -> Result<starling_fork::page_server::Halves, String> {
     listener.set_nonblocking(true).map_err(|e| e.to_string())?;
     let until = Instant::now() + CONNECT_WAIT;
     loop {
@@ -462,11 +470,10 @@ fn wait_for_source(listener: &TcpListener, key: &starling_proto::SecretKey, abor
                 let _ = s.set_nodelay(true);
                 // A peer that says nothing must not hold the listener.
                 let _ = s.set_read_timeout(Some(Duration::from_secs(10)));
-                let mut r = &s;
-                match starling_fork::page_server::prove_server(key, &mut r, &mut &s) {
-                    Ok(()) => {
+                match starling_fork::page_server::prove_server(key, encrypt, &mut &s, &mut &s) {
+                    Ok(secrecy) => {
                         let _ = s.set_read_timeout(None);
-                        return Ok(s);
+                        return starling_fork::page_server::halves(s, secrecy).map_err(|e| e.to_string());
                     }
                     Err(e) => log::warn!("migration listener: a connection without the move's key was refused ({e})"),
                 }
@@ -504,16 +511,16 @@ fn receive(
         log::warn!("task {task}: not taken from its source: {why}");
         Ok(())
     };
-    let stream = match wait_for_source(&listener, key, abort) {
+    let conn = match wait_for_source(&listener, key, agent.cfg.fork.encrypt, abort) {
         Ok(s) => s,
         Err(why) => return gave_up(why),
     };
     let mut prepared: Option<Prepared> = None;
-    let incoming = starling_migrate::target::receive(stream, *key, &mut |payload| {
+    let incoming = starling_migrate::target::receive(conn, *key, agent.cfg.fork.encrypt, &mut |payload| {
         let p: Prepare = decode(&payload)?;
         let view_dir = dir.join("view");
         std::fs::create_dir_all(&view_dir).map_err(|e| e.to_string())?;
-        let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
+        let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone(), peers: agent.peers.as_ref().map(|(p, _)| p.clone()) });
         let view = starling_view::mount_with(source, &view_dir, starling_view::ViewOptions::default()).map_err(|e| e.to_string())?;
         view.preload(p.bindings);
         view.preload_listings(p.listings);

@@ -18,7 +18,7 @@ pub struct Waiters {
 }
 
 impl Waiters {
-    fn register(&self) -> (u64, mpsc::Receiver<FileResp>) {
+    pub(crate) fn register(&self) -> (u64, mpsc::Receiver<FileResp>) {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (s, r) = mpsc::channel();
         self.map.lock().unwrap().insert(id, s);
@@ -28,6 +28,10 @@ impl Waiters {
         if let Some(s) = self.map.lock().unwrap().remove(&id) {
             let _ = s.send(resp);
         }
+    }
+    /// Request `id` will not be answered: wake its waiter with an error.
+    pub(crate) fn complete_none(&self, id: u64) {
+        self.map.lock().unwrap().remove(&id);
     }
     /// The head is gone: wake every waiter with an error.
     pub fn fail_all(&self) {
@@ -45,6 +49,8 @@ pub struct RemoteSource {
     pub tx: Outgoing,
     pub waiters: Arc<Waiters>,
     pub cache: Arc<HostCache>,
+    /// Chunk sharing with other hosts; `None`: everything from the head.
+    pub(crate) peers: Option<Arc<crate::peers::Peers>>,
 }
 
 fn eio(msg: impl Into<String>) -> io::Error {
@@ -86,44 +92,145 @@ struct Fetch<'a> {
     to_send: std::collections::VecDeque<&'a [Hash]>,
     /// Batches requested, oldest first, with their answer channels.
     in_flight: std::collections::VecDeque<(&'a [Hash], mpsc::Receiver<FileResp>)>,
-    /// Chunks of the oldest answered batch not yet handed out.
-    ready: std::collections::VecDeque<starling_proto::ChunkData>,
+    /// Chunks of the oldest answered batch not yet handed out, verified.
+    ready: std::collections::VecDeque<(Hash, Vec<u8>)>,
+    /// With peers: every chunk this fetch will hand out (pending for peers
+    /// until written), and how many of them are written or given up.
+    missing: &'a [Hash],
+    released: usize,
 }
 
 impl<'a> Fetch<'a> {
     fn new(src: &'a RemoteSource, missing: &'a [Hash]) -> Self {
-        Fetch { src, to_send: missing.chunks(CHUNK_BATCH).collect(), in_flight: Default::default(), ready: Default::default() }
+        if let Some(p) = &src.peers {
+            // Pending before the head hears of them: once it has, it may refer other hosts to us.
+            p.pending.add(missing);
+        }
+        Fetch { src, to_send: missing.chunks(CHUNK_BATCH).collect(), in_flight: Default::default(), ready: Default::default(), missing, released: 0 }
+    }
+
+    /// Chunks handed out before the `upto`-th are written: no longer pending.
+    fn release(&mut self, upto: usize) {
+        let upto = upto.min(self.missing.len());
+        if let (Some(p), true) = (&self.src.peers, upto > self.released) {
+            p.pending.remove(&self.missing[self.released..upto]);
+        }
+        self.released = self.released.max(upto);
     }
 
     /// The verified bytes of `want`, the next chunk in the order asked.
     fn next(&mut self, want: &Hash) -> io::Result<Vec<u8>> {
+        // The caller wrote every chunk it was handed before asking for the next.
+        let handed = self.missing.len() - self.to_send.iter().chain(self.in_flight.iter().map(|(b, _)| b)).map(|b| b.len()).sum::<usize>() - self.ready.len();
+        self.release(handed);
         while self.ready.is_empty() {
             while self.in_flight.len() < WINDOW {
                 let Some(batch) = self.to_send.pop_front() else { break };
-                let rx = self.src.send(FileReq::GetChunks { hashes: batch.to_vec() })?;
+                let req = if self.src.peers.is_some() { FileReq::FindChunks { hashes: batch.to_vec() } } else { FileReq::GetChunks { hashes: batch.to_vec() } };
+                let rx = self.src.send(req)?;
                 self.in_flight.push_back((batch, rx));
             }
             let Some((batch, rx)) = self.in_flight.pop_front() else {
                 return Err(eio(format!("chunk {want:?} was not among those fetched")));
             };
-            let got = match rx.recv_timeout(REQUEST_TIMEOUT) {
-                Ok(FileResp::Chunks(got)) => got,
+            let answer = match rx.recv_timeout(REQUEST_TIMEOUT) {
+                Ok(FileResp::Chunks(got)) if self.src.peers.is_none() => got.into_iter().map(starling_proto::ChunkSource::Data).collect(),
+                Ok(FileResp::ChunkSources(got)) if self.src.peers.is_some() => got,
                 Ok(FileResp::Errno(e)) => return Err(io::Error::from_raw_os_error(e)),
                 Ok(_) => return Err(eio("client answered GetChunks with something else")),
                 Err(_) => return Err(io::Error::from_raw_os_error(libc::EIO)),
             };
             // Answers list the chunks in the order asked (the relay and the
             // client both do); anything else is refused.
-            if got.len() != batch.len() || got.iter().zip(batch).any(|(c, h)| c.hash != *h) {
-                return Err(eio(format!("GetChunks answered {} chunk(s), not the {} asked for in order", got.len(), batch.len())));
+            if answer.len() != batch.len() || answer.iter().zip(batch).any(|(c, h)| c.hash() != h) {
+                return Err(eio(format!("GetChunks answered {} chunk(s), not the {} asked for in order", answer.len(), batch.len())));
             }
-            self.ready.extend(got);
+            self.take_answer(answer)?;
         }
-        let c = self.ready.pop_front().expect("refilled above");
-        if c.hash != *want {
-            return Err(eio(format!("chunk {:?} arrived where {want:?} was expected", c.hash)));
+        let (hash, bytes) = self.ready.pop_front().expect("refilled above");
+        if hash != *want {
+            return Err(eio(format!("chunk {hash:?} arrived where {want:?} was expected")));
         }
-        c.into_verified().map_err(|e| eio(format!("chunk from client rejected: {e}")))
+        Ok(bytes)
+    }
+
+    /// Queue a batch's chunks: the head's as they are, those it referred to
+    /// peers fetched from them (all peers asked at once), and whatever a
+    /// peer did not deliver intact from the head.
+    fn take_answer(&mut self, answer: Vec<starling_proto::ChunkSource>) -> io::Result<()> {
+        use starling_proto::ChunkSource;
+        let mut by_peer: HashMap<&str, Vec<Hash>> = HashMap::new();
+        for s in &answer {
+            if let ChunkSource::Peer { hash, addr } = s {
+                by_peer.entry(addr.as_str()).or_default().push(*hash);
+            }
+        }
+        let mut from_peers: HashMap<Hash, Vec<u8>> = HashMap::new();
+        if let Some(peers) = &self.src.peers {
+            let asked: Vec<(&str, mpsc::Receiver<FileResp>)> =
+                by_peer.iter().map(|(addr, hashes)| (*addr, peers.ask(addr, self.src.task, hashes.clone()))).collect();
+            for (addr, rx) in asked {
+                for c in crate::peers::Peers::answer(&rx) {
+                    if !by_peer[addr].contains(&c.hash) {
+                        continue;
+                    }
+                    let hash = c.hash;
+                    match c.into_verified() {
+                        Ok(bytes) => {
+                            from_peers.insert(hash, bytes);
+                        }
+                        Err(e) => log::warn!("chunk from peer {addr} rejected: {e}; fetching it from the head"),
+                    }
+                }
+            }
+        }
+        let fallback: Vec<Hash> = answer
+            .iter()
+            .filter_map(|s| match s {
+                ChunkSource::Peer { hash, .. } if !from_peers.contains_key(hash) => Some(*hash),
+                _ => None,
+            })
+            .collect();
+        if !fallback.is_empty() {
+            log::info!("task {}: {} chunk(s) not had from peers; fetching them from the head", self.src.task, fallback.len());
+            for batch in fallback.chunks(CHUNK_BATCH) {
+                let FileResp::Chunks(got) = self.src.request(FileReq::GetChunks { hashes: batch.to_vec() })? else {
+                    return Err(eio("client answered GetChunks with something else"));
+                };
+                for c in got {
+                    let hash = c.hash;
+                    if batch.contains(&hash) {
+                        let bytes = c.into_verified().map_err(|e| eio(format!("chunk from client rejected: {e}")))?;
+                        from_peers.insert(hash, bytes);
+                    }
+                }
+            }
+        }
+        for s in answer {
+            match s {
+                ChunkSource::Data(c) => {
+                    let hash = c.hash;
+                    let bytes = c.into_verified().map_err(|e| eio(format!("chunk from client rejected: {e}")))?;
+                    self.ready.push_back((hash, bytes));
+                }
+                ChunkSource::Peer { hash, .. } => {
+                    // Asked for twice in one batch: the second use gets a copy.
+                    let bytes = match from_peers.get(&hash) {
+                        Some(b) => b.clone(),
+                        None => return Err(eio(format!("chunk {hash:?} was had from neither a peer nor the head"))),
+                    };
+                    self.ready.push_back((hash, bytes));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Fetch<'_> {
+    fn drop(&mut self) {
+        // Done or failed: nothing more of this fetch will arrive.
+        self.release(self.missing.len());
     }
 }
 

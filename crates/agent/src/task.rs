@@ -156,7 +156,7 @@ fn run_blocking(
     }
     let view_dir = dir.join("view");
     std::fs::create_dir_all(&view_dir).map_err(io_step(Step::CreateDir(view_dir.clone())))?;
-    let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone() });
+    let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone(), peers: agent.peers.as_ref().map(|(p, _)| p.clone()) });
     // A clone's own files are prethrown (its restorer finds them without a
     // round trip), so fewer request loops do: starting each costs a thread
     // and its 16 MiB buffer, which adds up when a ticket starts many clones.
@@ -193,7 +193,7 @@ fn run_blocking(
     let (child, mut clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
-            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.cfg.fork, agent.cfg.rootless)?;
+            let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.host_tickets, &agent.cfg.fork, agent.cfg.rootless)?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
             (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
@@ -388,6 +388,28 @@ fn base_of(bindings: &HashMap<WirePath, Lookup>, path: &WirePath) -> Base {
     }
 }
 
+/// Whether the upper file at `host_path` is exactly the file the task was bound
+/// (`bound`): same recipe — bytes, mode, owner and mtime. The overlay copies a
+/// file up when it is opened for writing, written or not (a clone reopens every
+/// descriptor its parent had open for writing, e.g. the log pytest keeps on a
+/// spare fd). Committing such a copy would replace the file by rename and cut
+/// off whoever holds it open on the client — the clone's own parent, writing
+/// its log — so an untouched copy is no change. Only a copy whose size and
+/// mtime match is read to compare; anything else is a change without reading.
+fn unchanged_copy_up(
+    bound: Option<&Lookup>,
+    host_path: &std::path::Path,
+    meta: &std::fs::Metadata,
+    chunking: starling_store::chunker::Chunking,
+) -> Result<bool> {
+    let Some(Lookup::File(attr, name)) = bound else { return Ok(false) };
+    if attr.size != meta.len() || attr.mtime_ns != starling_store::chunker::mtime_ns(meta) {
+        return Ok(false);
+    }
+    let recipe = starling_store::chunker::chunk_file(host_path, meta, chunking, |_, _| {}).map_err(io_step(Step::ReadChanges))?;
+    Ok(recipe.name() == *name)
+}
+
 /// Turn the overlay's upper dir into changes, sending file contents ahead.
 fn collect_changes(
     task: TaskId,
@@ -414,6 +436,9 @@ fn collect_changes(
         match e {
             UpperEntry::File { path, host_path, .. } => {
                 let meta = std::fs::symlink_metadata(&host_path).map_err(io_step(Step::ReadChanges))?;
+                if unchanged_copy_up(bindings.get(&path), &host_path, &meta, cfg.settings.chunking)? {
+                    continue;
+                }
                 let mut err = None;
                 let recipe = starling_store::chunker::chunk_file(&host_path, &meta, cfg.settings.chunking, |c, bytes| {
                     if err.is_some() || !sent.insert(c.hash) {

@@ -99,6 +99,10 @@ enum Cmd {
         /// Machine-readable output.
         #[arg(long)]
         json: bool,
+        /// A roaming task's (`exec --roam`) migration decisions, oldest first, each with the
+        /// sensor values that caused it.
+        #[arg(long, value_name = "TASK")]
+        why: Option<String>,
         /// Cluster head address (default: the embedded cluster started by `starling up`).
         #[arg(long)]
         cluster: Option<String>,
@@ -120,7 +124,8 @@ enum Cmd {
     Migrate {
         /// The task (as `starling ps` shows it).
         task: String,
-        /// Target host, or `auto` for the least loaded other host with a free core.
+        /// Target host, `home` (the home site of `exec --roam`), or `auto` for the least loaded
+        /// other host with a free core (never home).
         #[arg(long, default_value = "auto")]
         to: String,
         /// Machine-readable report.
@@ -309,6 +314,18 @@ struct ExecArgs {
     /// Don't send the program's predicted file bindings with the launch (for measurements).
     #[arg(long)]
     no_prethrow: bool,
+    /// Start the command at home (this machine, in the same sandbox and file view as a cluster
+    /// host: the home site, started if needed) and let it roam: a migration manager moves it to
+    /// the cluster while it crunches and back home when you interact with it (Snowbird), as its
+    /// profile says. `starling migrate TASK --to HOST|home` moves it by hand; `starling ps` shows
+    /// where it is and why, `starling ps --why TASK` every decision with the sensor values
+    /// behind it. Needs an embedded cluster (`starling up`).
+    #[arg(long, conflicts_with_all = ["host", "job"])]
+    roam: bool,
+    /// The roaming profile (TOML: states naming sites, rules over averaged sensors, dwell time,
+    /// cost/benefit; README, Roaming). [default: the generic profile]
+    #[arg(long, value_name = "FILE", requires = "roam")]
+    profile: Option<PathBuf>,
     /// The command and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -395,6 +412,11 @@ struct AgentArgs {
     /// rerun from the start on an idle host). A task's own `--policy` wins. [default: agent.policy, LF]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
+    /// This agent is the home site (the user's own machine; `exec --roam` starts it): the head
+    /// places there only what names it, and its tasks are the user's own work (no guest cgroup).
+    /// It runs in a mount namespace of its own, so its tasks' mounts stay out of the machine's.
+    #[arg(long)]
+    home: bool,
     /// The cluster's credentials for this agent (ca.pem, agent.pem, agent.key, copied from the
     /// head's `--auth` directory): its head connection is then mutual TLS, and only the head's
     /// certificate is accepted. Without it the connection is unauthenticated.
@@ -531,8 +553,16 @@ fn run(cli: Cli) -> Result<i32> {
                 (_, true) => starling_client::terminal::TerminalMode::Never,
                 _ => starling_client::terminal::TerminalMode::Auto,
             };
-            let opts = starling_client::exec::ExecOptions { host: a.host, job: a.job, terminal };
-            Ok(runtime().block_on(starling_client::exec::run(&ctx, spec, opts))?)
+            let rt = runtime();
+            let (host, roam) = if a.roam {
+                let roam = roam_profile(a.profile.as_deref())?;
+                rt.block_on(ensure_home(&cfg, &ctx.target))?;
+                (Some(starling_cluster::HOME_SITE.to_string()), Some(roam))
+            } else {
+                (a.host, None)
+            };
+            let opts = starling_client::exec::ExecOptions { host, job: a.job, terminal, roam };
+            Ok(rt.block_on(starling_client::exec::run(&ctx, spec, opts))?)
         }
         Cmd::Run(a) => {
             init_logging(cfg.log.as_deref(), "warn");
@@ -582,10 +612,13 @@ fn run(cli: Cli) -> Result<i32> {
                 ),
             }
         }
-        Cmd::Ps { json, cluster } => {
+        Cmd::Ps { json, why, cluster } => {
             init_logging(cfg.log.as_deref(), "warn");
             let ctx = client_context(&cfg, cluster)?;
-            runtime().block_on(ps(json, &ctx.target))
+            match why {
+                Some(t) => runtime().block_on(ps_why(parse_task(&t)?, json, &ctx.target)),
+                None => runtime().block_on(ps(json, &ctx.target)),
+            }
         }
         Cmd::Migrate { task, to, json, stop_and_copy, cluster } => {
             init_logging(cfg.log.as_deref(), "warn");
@@ -649,6 +682,9 @@ fn run(cli: Cli) -> Result<i32> {
             }
             // Without root: a user namespace of our own, where we are 0 (before any thread starts).
             let rootless = enter_rootless_namespace()?;
+            if a.home {
+                private_mounts()?;
+            }
             let name = settings.name.clone().unwrap_or_else(nix_hostname);
             let cfg = starling_agent::AgentConfig {
                 settings,
@@ -657,6 +693,7 @@ fn run(cli: Cli) -> Result<i32> {
                 exe: std::env::current_exe().context("locating the starling binary")?,
                 compress: true,
                 rootless,
+                home: a.home,
             };
             runtime().block_on(starling_agent::run(cfg))?;
             Ok(0)
@@ -700,6 +737,51 @@ fn run(cli: Cli) -> Result<i32> {
             runtime().block_on(starling_head::run(settings))?;
             Ok(0)
         }
+    }
+}
+
+/// The home agent's mounts (its tasks' views and overlays) in a mount namespace of its own,
+/// propagating nothing back to the machine's. Must run before any thread is started.
+fn private_mounts() -> Result<()> {
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS).context("unshare(CLONE_NEWNS) for the home agent")?;
+    nix::mount::mount(None::<&str>, "/", None::<&str>, nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE, None::<&str>)
+        .context("making the home agent's mounts private")?;
+    Ok(())
+}
+
+/// `exec --roam`'s profile: the file given, else the generic one.
+fn roam_profile(file: Option<&std::path::Path>) -> Result<starling_client::exec::Roam> {
+    use starling_client::roam::Profile;
+    Ok(match file {
+        Some(f) => {
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading the profile {}", f.display()))?;
+            let profile = Profile::parse(&text).with_context(|| format!("{}", f.display()))?;
+            starling_client::exec::Roam { profile, name: f.display().to_string() }
+        }
+        None => starling_client::exec::Roam { profile: Profile::generic(), name: "generic".into() },
+    })
+}
+
+/// The home site is registered with the head: start it if it is not (an embedded cluster's).
+async fn ensure_home(cfg: &Config, target: &Target) -> Result<()> {
+    let has_home = |s: &starling_proto::ClusterStatus| s.hosts.iter().any(|h| h.home);
+    if has_home(&fetch_status(target).await?) {
+        return Ok(());
+    }
+    let local = LocalCluster::new(cfg.instance, cfg.dirs());
+    let pid = local.start_home().context("starting the home site")?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if has_home(&fetch_status(target).await?) {
+            return Ok(());
+        }
+        if std::time::Instant::now() > deadline || !std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            anyhow::bail!(
+                "the home site (agent pid {pid}) did not register with the head; its log is {}",
+                starling_cluster::log_path(&local.run_dir, starling_cluster::HOME_SITE).display()
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
 
@@ -858,10 +940,27 @@ async fn ps(json: bool, target: &Target) -> Result<i32> {
     // Host and state columns as wide as their longest value ("moving to h12", "queued for rerun 2 (IE)").
     let hw = rows.iter().map(|r| r.host.chars().count()).max().unwrap_or(0).max(8);
     let sw = rows.iter().map(|r| r.state.chars().count()).max().unwrap_or(0).max(14);
-    println!("{:<20} {:<12} {:<hw$} {:<sw$} {:>8} {:>10} {:>8}  COMMAND", "TASK", "JOB", "HOST", "STATE", "CPU", "RSS", "TIME");
+    // Roaming tasks (`exec --roam`): where each is, and why, as the last column.
+    let roaming = rows.iter().any(|r| r.roam.is_some());
+    println!(
+        "{:<20} {:<12} {:<hw$} {:<sw$} {:>8} {:>10} {:>8}  COMMAND{}",
+        "TASK",
+        "JOB",
+        "HOST",
+        "STATE",
+        "CPU",
+        "RSS",
+        "TIME",
+        if roaming { "  SITE/REASON" } else { "" }
+    );
     for r in &rows {
+        let why = match (&r.roam, roaming) {
+            (Some(l), _) => format!("  {}: {}", r.host, l.reason),
+            (None, true) => "  -".to_string(),
+            (None, false) => String::new(),
+        };
         println!(
-            "{:<20} {:<12} {:<hw$} {:<sw$} {:>8} {:>10} {:>8}  {}",
+            "{:<20} {:<12} {:<hw$} {:<sw$} {:>8} {:>10} {:>8}  {}{why}",
             r.task.to_string(),
             r.job.as_deref().unwrap_or("-"),
             r.host,
@@ -874,6 +973,40 @@ async fn ps(json: bool, target: &Target) -> Result<i32> {
     }
     if rows.is_empty() {
         println!("(no tasks running)");
+    }
+    Ok(0)
+}
+
+/// `ps --why TASK`: a roaming task's decisions, with the sensors behind each.
+async fn ps_why(task: starling_proto::TaskId, json: bool, target: &Target) -> Result<i32> {
+    let rows = ask(target, Msg::PsRequest, |m| match m {
+        Msg::PsReply(rows) => Some(rows),
+        _ => None,
+    })
+    .await?;
+    let row = rows.into_iter().find(|r| r.task == task).with_context(|| format!("no running task {task} (see `starling ps`)"))?;
+    let Some(log) = row.roam else {
+        anyhow::bail!("task {task} does not roam (it was not started with `starling exec --roam`)");
+    };
+    if json {
+        println!("{}", serde_json::to_string_pretty(&serde_json::json!({"task": task, "host": row.host, "reason": log.reason, "decisions": log.decisions}))?);
+        return Ok(0);
+    }
+    println!("{task} runs on {}: {}", row.host, log.reason);
+    for d in &log.decisions {
+        let secs = d.at_ms.div_euclid(1000);
+        let when = format!("{:02}:{:02}:{:02}.{:03}", secs.rem_euclid(86400) / 3600, secs.rem_euclid(3600) / 60, secs.rem_euclid(60), d.at_ms.rem_euclid(1000));
+        let sensors: Vec<String> = d.sensors.iter().map(|(k, v)| format!("{k}={v:.2}")).collect();
+        println!(
+            "{when} UTC  {:<7} {} -> {} ({} -> {})  {}{}",
+            d.action,
+            d.from_site,
+            d.to_site,
+            d.from_state,
+            d.to_state,
+            d.reason,
+            if sensors.is_empty() { String::new() } else { format!("  [{}]", sensors.join(" ")) }
+        );
     }
     Ok(0)
 }
@@ -929,7 +1062,9 @@ async fn fetch_status(target: &Target) -> Result<starling_proto::ClusterStatus> 
 }
 
 async fn status(json: bool, target: &Target) -> Result<i32> {
-    let st = fetch_status(target).await?;
+    let mut st = fetch_status(target).await?;
+    // The home site (`exec --roam`) is this machine, not a host of the cluster: shown apart.
+    let home = st.hosts.iter().position(|h| h.home).map(|i| st.hosts.remove(i));
     let local = target.record.as_ref();
     let slurm = local.and_then(|l| l.slurm.as_ref());
     let mut network = serde_json::Map::new();
@@ -961,10 +1096,11 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
                     "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
-                    "page_distribution": h.page_distribution, "owner": h.owner})
+                    "page_distribution": h.page_distribution, "owner": h.owner, "peer": h.peer})
             })
             .collect();
-        let mut out = serde_json::json!({"head": st.head, "network": network, "hosts": hosts});
+        let home = home.map(|h| serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores, "running": h.running}));
+        let mut out = serde_json::json!({"head": st.head, "network": network, "hosts": hosts, "home": home});
         if let Some(s) = slurm {
             out["slurm"] = serde_json::json!({"job_id": s.job_id, "nodes": s.nodes, "partition": s.partition,
                 "submitted": s.submitted, "output": s.output});
@@ -999,6 +1135,9 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     }
     if st.hosts.is_empty() {
         println!("(no hosts connected)");
+    }
+    if let Some(h) = &home {
+        println!("home site (exec --roam): {} at {}, agent pid {}, {} cores, {} running", h.name, h.addr, h.pid, h.cores, h.running);
     }
     // Linger-Longer: each host's owner and what its guests do about it.
     if !st.hosts.is_empty() {

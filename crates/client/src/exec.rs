@@ -15,11 +15,20 @@ pub struct ExecOptions {
     pub job: Option<String>,
     /// Whether the task runs on a terminal (a pty on its host).
     pub terminal: TerminalMode,
+    /// `exec --roam`: start at home (`host` is the home site) under a migration manager.
+    pub roam: Option<Roam>,
+}
+
+/// A roaming task's profile (`exec --roam [--profile FILE]`).
+pub struct Roam {
+    pub profile: crate::roam::Profile,
+    /// Its name in the decision log (the file, or `generic`).
+    pub name: String,
 }
 
 /// Copy our stdin to the task from a plain thread (stdin may be a terminal
 /// or a pipe; blocking reads are simplest and never stall the runtime).
-fn stdin_pump(handle: &TaskHandle) {
+fn stdin_pump(handle: &TaskHandle, interaction: Option<crate::roam::InteractionLog>) {
     let task = handle.task;
     let tx = handle.sender();
     std::thread::spawn(move || {
@@ -32,6 +41,9 @@ fn stdin_pump(handle: &TaskHandle) {
                     return;
                 }
                 Ok(n) => {
+                    if let Some(i) = &interaction {
+                        i.lock().unwrap().input(std::time::Instant::now());
+                    }
                     if tx.blocking_send(Msg::Stdin { task, data: buf[..n].to_vec() }).is_err() {
                         return;
                     }
@@ -39,6 +51,15 @@ fn stdin_pump(handle: &TaskHandle) {
             }
         }
     });
+}
+
+/// A spawned task that ends with its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Signals we pass on to the task instead of dying of them.
@@ -118,7 +139,23 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     // From here what is typed goes to the task's pty as it is (Ctrl-C
     // included: the remote line discipline makes it a SIGINT there).
     let mut raw = if on_terminal { RawMode::enter() } else { None };
-    stdin_pump(&handle);
+    let interaction = opts.roam.as_ref().map(|_| crate::roam::InteractionLog::default());
+    stdin_pump(&handle, interaction.clone());
+    // The roaming task's manager lives as long as this loop (the task's client).
+    let _manager = match (opts.roam, &interaction) {
+        (Some(r), Some(i)) => {
+            let m = crate::roam::Manager {
+                profile: r.profile,
+                profile_name: r.name,
+                target: ctx.target.clone(),
+                task: handle.task,
+                notes: handle.sender(),
+                interaction: i.clone(),
+            };
+            Some(AbortOnDrop(tokio::spawn(m.run())))
+        }
+        _ => None,
+    };
 
     let mut stdout = std::io::stdout();
     let mut stderr = std::io::stderr();
@@ -140,6 +177,9 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
         }
         match ev {
             Some(TaskEvent::Output(stream, data)) => {
+                if let Some(i) = &interaction {
+                    i.lock().unwrap().output(std::time::Instant::now());
+                }
                 let res = match stream {
                     Stream::Stdout if !stdout_gone => stdout.write_all(&data).and_then(|_| stdout.flush()),
                     Stream::Stdout => Ok(()),

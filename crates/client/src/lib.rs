@@ -9,11 +9,13 @@
 //! - [`job`] runs many tasks as one job.
 //! - [`launch`] prepares a launch from what earlier runs used.
 //! - [`shadow`] remembers what the head's caches hold.
+//! - [`roam`] is a roaming task's migration manager (`exec --roam`).
 //! - [`terminal`] runs a task on a pty when `starling exec` runs on a terminal.
 
 pub mod exec;
 pub mod job;
 pub mod launch;
+pub mod roam;
 pub mod shadow;
 pub mod terminal;
 

@@ -118,7 +118,44 @@ impl LocalCluster {
     pub fn load_state(&self) -> Option<ClusterState> {
         load_state(&self.run_dir)
     }
+
+    /// Start the home site of this cluster (`exec --roam`): an agent on this machine, in its
+    /// root network namespace, named [`HOME_SITE`], registered with the head as home
+    /// (`agent --home`: nothing is placed there unless a launch or a move names it). It lives
+    /// until `down` (which finds it by its head address and state directory); returns its pid.
+    /// Its tasks get the same file view and sandbox as on any host, so they can move both ways.
+    pub fn start_home(&self) -> Result<u32> {
+        let state = self.load_state().ok_or(ClusterError::NotRunning)?;
+        if state.slurm.is_some() {
+            return Err(ClusterError::HomeOnSlurm);
+        }
+        // Straight to the head, as the hosts reach it (not through the emulated WAN link).
+        let head = state.link.as_ref().map_or(state.head_addr.clone(), |l| l.head_direct.clone());
+        let dir = host_dir(&state.state_dir, HOME_SITE).join("state");
+        std::fs::create_dir_all(&dir).doing(|| format!("mkdir {}", dir.display()))?;
+        let mut cmd = Command::new(&state.exe);
+        cmd.arg(roles::AGENT)
+            .arg("--home")
+            .arg("--head")
+            .arg(&head)
+            .arg("--name")
+            .arg(HOME_SITE)
+            .arg("--state")
+            .arg(&dir)
+            .arg("--cache-mib")
+            .arg(state.cache_mib_per_host.to_string())
+            .arg("--cgroup")
+            .arg(format!("{}{HOME_SITE}", state.netns_prefix));
+        if let Some(a) = &state.auth {
+            cmd.arg("--auth").arg(a);
+        }
+        spawn_detached(cmd, &log_path(&self.run_dir, HOME_SITE), None)
+    }
 }
+
+/// The name the home site (the user's own machine, `exec --roam`) has in `status`, `ps` and
+/// `migrate --to`.
+pub const HOME_SITE: &str = "home";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
@@ -150,6 +187,10 @@ pub enum ClusterError {
     Record(#[from] starling_config::ConfigError),
     #[error(transparent)]
     Slurm(#[from] slurm::SlurmError),
+    #[error("no embedded cluster is running here (start one with `starling up`)")]
+    NotRunning,
+    #[error("a Slurm cluster has no home site here: `exec --roam` needs an embedded cluster (`starling up`)")]
+    HomeOnSlurm,
     #[error("teardown incomplete: {}\n(removed: {})", problems.join("; "), removed.join("; "))]
     Teardown { problems: Vec<String>, removed: Vec<String> },
 }

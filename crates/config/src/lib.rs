@@ -130,6 +130,9 @@ pub struct ForkSettings {
     pub page_server_bind: Option<SocketAddr>,
     /// Pages fetched per fault: the faulting one and following `Fetch` pages.
     pub prefetch: usize,
+    /// Encrypt fork and migration traffic (page server, multicast pages,
+    /// migration stream); a side that sets it gets it whatever its peer's.
+    pub encrypt: bool,
 }
 
 /// Where a ticket's clones run.
@@ -229,7 +232,7 @@ pub enum OwnerKind {
 
 impl Default for ForkSettings {
     fn default() -> Self {
-        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16 }
+        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true }
     }
 }
 
@@ -608,6 +611,17 @@ pub static SETTINGS: &[Setting] = &[
                 (_, Some(false)) => Multicast::Off,
                 _ => return Err("off, on or push"),
             });
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.encrypt",
+        env: Some("STARLING_FORK_ENCRYPT"),
+        flag: "",
+        default: "on",
+        meaning: "encrypt remote-fork and migration traffic (page-server connections, multicast pages, the migration stream: AES-256-GCM under the ticket's or move's key); a connection is encrypted when either end asks, and a host that asks takes no multicast pages in clear (`docs/SECURITY.md`)",
+        apply: |c, v| {
+            c.fork.encrypt = v.switch()?;
             Ok(())
         },
     },

@@ -18,6 +18,7 @@ use crate::Descriptor;
 use starling_image::abi::counters::CloneCounters;
 use crate::cluster::{CloneState, ClusterClones, ClusterLink};
 use crate::fault::FaultOptions;
+use crate::host::HostTicket;
 use crate::local::LocalClone;
 use crate::page_server::{PageServer, PageServerOptions};
 use crate::template::{fork_template, ForkOutcome, Template};
@@ -180,14 +181,16 @@ impl Ticket {
         // The ticket's secret: clones get it with their launch (over the
         // authenticated control channel), nobody else does.
         let key = starling_proto::SecretKey::random();
-        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None, key };
+        let opts = PageServerOptions { descriptor: encoded.clone(), mcdist, ticket: None, key, encrypt: self.settings.encrypt };
         let server = PageServer::start_with(template.pid, served, bind, opts)?;
         let stamps = ParentStamps { ticket_ns: self.granted_ns, template_ns, descriptor_ns: realtime_ns() };
         let clones = match &self.backend {
             Backend::Local => {
                 let mut clones = Vec::new();
+                // This machine is the clones' one host: they share a multicast receiver.
+                let host = std::sync::Arc::new(HostTicket::new(server.addr(), key, FaultOptions::from_settings(&self.settings)));
                 for id in 1..=self.allocation {
-                    match LocalClone::launch(&descriptor, id, server.addr(), key, &FaultOptions::from_settings(&self.settings)) {
+                    match LocalClone::launch(&descriptor, id, &host) {
                         Ok(c) => clones.push(c),
                         Err(e) => {
                             clones.iter_mut().for_each(LocalClone::kill);

@@ -10,12 +10,13 @@
 //!   `UFFDIO_COPY` (EEXIST — already present — is fine).
 //!
 //! With mcdist (see `starling-mcdist`; switch `STARLING_MCDIST=off|on|push`,
-//! default on) `Fetch` pages come from the ticket's multicast group: the
-//! handler joins the group the page server names (on the interface of its
-//! TCP connection), and a receive thread installs every page any clone asked
-//! for into this clone too, in batches (`UFFDIO_COPY` of contiguous runs,
-//! EEXIST fine). The faulting path only waits for its own pages. If no
-//! multicast arrives (detected by a probe at start, or a fetch that times
+//! default on) `Fetch` pages come from the ticket's multicast group, through
+//! the one receiver the host's clones of the ticket share (see
+//! [`crate::host`]; joined on the interface of the page server's TCP
+//! connection): its receive thread installs every page any clone asked for
+//! into this clone too, in batches (`UFFDIO_COPY` of contiguous runs, EEXIST
+//! fine). The faulting path only waits for its own pages. If no multicast
+//! arrives (detected by a probe when the host joins, or a fetch that times
 //! out later) the handler falls back to the page server's TCP unicast and
 //! says so: a warning in the log and [`FaultStats::mode`].
 //!
@@ -25,10 +26,11 @@
 //! (mremap of registered memory, e.g. realloc) are followed by translating
 //! the new addresses back to the template's.
 
-use crate::{Descriptor, PageClass, PageProtocolError};
+use crate::{Descriptor, PageClass};
 use starling_image::abi::counters::{realtime_ns, CloneCounters};
 use starling_image::abi::plan::MapKind;
 use starling_image::RegionKind;
+use crate::host::{Group, HostTicket, Member};
 use crate::page_server::PageClient;
 use crate::{ForkError, Result, PAGE_SIZE};
 use starling_mcdist::{Fetched, Mode, PageSink, Receiver, ReceiverConfig, Switch};
@@ -232,15 +234,19 @@ pub struct FaultOptions {
     /// `Fetch` pages of its region (`fork.prefetch`, default
     /// [`DEFAULT_PREFETCH`]; 1..=`MAX_BATCH`).
     pub prefetch: usize,
+    /// Take pages only encrypted (`fork.encrypt`): page-server connections
+    /// ask for it, and a multicast group in clear is not joined.
+    pub encrypt: bool,
 }
 
 impl FaultOptions {
-    /// As the settings say (`fork.mcdist` = off refuses multicast; `fork.prefetch`).
+    /// As the settings say (`fork.mcdist` = off refuses multicast; `fork.prefetch`, `fork.encrypt`).
     pub fn from_settings(settings: &starling_config::ForkSettings) -> FaultOptions {
         FaultOptions {
             mcdist: settings.mcdist.unwrap_or(Switch::On),
             probe_timeout: std::time::Duration::from_millis(300),
             prefetch: settings.prefetch,
+            encrypt: settings.encrypt,
         }
     }
 }
@@ -252,8 +258,9 @@ pub struct FaultHandler {
     local: Option<Arc<dyn LocalPages>>,
     files: HashMap<String, std::fs::File>,
     client: PageClient,
-    /// The multicast receiver, while multicast works.
-    mc: Option<Receiver>,
+    /// The host's multicast receiver and this clone's place among the
+    /// clones it installs into, while multicast works.
+    mc: Option<(Arc<Receiver>, Member)>,
     stats: Arc<FaultStats>,
     prefetch: usize,
     /// (clone start, len, template start) after REMAP events, latest last; a template start of
@@ -453,9 +460,20 @@ impl FaultHandler {
         Self::new_with(uffd, desc, client, stats, FaultOptions::from_settings(&Default::default()))
     }
 
-    /// As [`FaultHandler::new`] with explicit options. Never fails: without
+    /// As [`FaultHandler::new`] with explicit options, for a clone that shares
+    /// nothing with others (its own multicast receiver). Never fails: without
     /// working multicast the handler is unicast (see [`FaultStats::mode`]).
-    pub fn new_with(uffd: OwnedFd, desc: &Descriptor, mut client: PageClient, stats: Arc<FaultStats>, opts: FaultOptions) -> FaultHandler {
+    pub fn new_with(uffd: OwnedFd, desc: &Descriptor, client: PageClient, stats: Arc<FaultStats>, opts: FaultOptions) -> FaultHandler {
+        let host = HostTicket::new(client.peer_addr(), *client.key(), opts);
+        Self::on_host(uffd, desc, client, stats, &host)
+    }
+
+    /// A handler for one of the clones of `host`'s ticket on this host: it
+    /// fetches through the host's multicast receiver (joined by the first
+    /// clone that asks) and installs the pages it brings for any of them.
+    /// Never fails, as [`FaultHandler::new_with`].
+    pub fn on_host(uffd: OwnedFd, desc: &Descriptor, mut client: PageClient, stats: Arc<FaultStats>, host: &HostTicket) -> FaultHandler {
+        let opts = host.options();
         let uffd = Uffd::new(uffd);
         let regions: Vec<HandlerRegion> = desc
             .regions
@@ -476,7 +494,17 @@ impl FaultHandler {
             })
             .collect();
         let shared = Arc::new(Shared { uffd, regions, events: Mutex::new(Vec::new()), held: Mutex::new(HashMap::new()) });
-        let mc = start_receiver(&shared, &mut client, &stats, &opts);
+        let mc = match host.group(&mut client) {
+            Group::Joined(rx, mode) => {
+                stats.mode.store(mode as u8, Ordering::Relaxed);
+                let installer = Arc::new(Installer { shared: shared.clone(), stats: stats.clone(), unsolicited: true });
+                Some((rx, host.join(installer)))
+            }
+            Group::Unicast(mode) => {
+                stats.mode.store(mode as u8, Ordering::Relaxed);
+                None
+            }
+        };
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
         FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![], drained: None, materialize: None }
     }
@@ -632,8 +660,8 @@ impl FaultHandler {
         if self.drained.is_some() {
             return; // one is under way
         }
-        let key = *self.client.key();
-        let started = PageClient::connect(server, &key).and_then(|client| {
+        let (key, encrypt) = (*self.client.key(), self.client.wants_encryption());
+        let started = PageClient::connect(server, &key, encrypt).and_then(|client| {
             let m2 = m.clone();
             self.spawn_drain(
                 client,
@@ -882,8 +910,11 @@ impl FaultHandler {
     }
 
     fn fetch_remote(&mut self, tmpl_addrs: &[u64]) -> Result<Vec<Fetched>> {
-        if let Some(rx) = &self.mc {
-            match rx.fetch(tmpl_addrs) {
+        if let Some((rx, _)) = &self.mc {
+            let shared = &self.shared;
+            // Pages the host's receiver installed into this clone since the batch was chosen.
+            let present = |a: u64| shared.locate(a).is_some_and(|(ri, pi)| shared.state(ri, pi) != ST_FETCH);
+            match rx.fetch_unless(tmpl_addrs, &present) {
                 Ok(r) => return Ok(r),
                 Err(e) => {
                     log::warn!("mcdist: {e}; this clone falls back to unicast page fetches");
@@ -957,19 +988,10 @@ fn drain(shared: &Shared, local: Option<&dyn LocalPages>, installer: &Installer,
     }
 }
 
-/// Join the ticket's multicast group if the page server offers one and it
-/// works here; record the outcome in `stats.mode`.
-fn start_receiver(shared: &Arc<Shared>, client: &mut PageClient, stats: &Arc<FaultStats>, opts: &FaultOptions) -> Option<Receiver> {
-    let sink = Arc::new(Installer { shared: shared.clone(), stats: stats.clone(), unsolicited: true });
-    let (rx, mode) = join_group(client, opts, sink);
-    stats.mode.store(mode as u8, Ordering::Relaxed);
-    rx
-}
-
 /// Join the multicast group the page server behind `client` offers, with
 /// `sink` for pages nobody here waits for. Returns the receiver (None:
 /// unicast) and the resulting distribution mode.
-fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSink>) -> (Option<Receiver>, Mode) {
+pub(crate) fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSink>) -> (Option<Receiver>, Mode) {
     if opts.mcdist == Switch::Off {
         return (None, Mode::Unicast);
     }
@@ -981,6 +1003,10 @@ fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSi
             return (None, Mode::UnicastFallback);
         }
     };
+    if opts.encrypt && !info.encrypted {
+        log::warn!("mcdist: the ticket's multicast pages are not encrypted and this host's fork.encrypt requires it; unicast");
+        return (None, Mode::Unicast);
+    }
     let iface = match client.local_addr() {
         Some(SocketAddr::V4(a)) => *a.ip(),
         _ => Ipv4Addr::LOCALHOST,
@@ -991,6 +1017,7 @@ fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSi
     let id = (std::process::id() << 12) ^ seq;
     let mut cfg = ReceiverConfig::new(info.ticket, *client.key(), info.group, iface, info.sender, id);
     cfg.probe_timeout = opts.probe_timeout;
+    cfg.encrypted = info.encrypted;
     match Receiver::start(cfg, sink) {
         Ok(rx) => (Some(rx), if info.push { Mode::MulticastPush } else { Mode::Multicast }),
         Err(e) => {
@@ -998,64 +1025,6 @@ fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc<dyn PageSi
             (None, Mode::UnicastFallback)
         }
     }
-}
-
-/// A sink that takes nothing: for a receiver that only serves `fetch`.
-struct NoSink;
-
-impl PageSink for NoSink {
-    fn offer(&self, pages: &[(u64, Fetched)]) -> Vec<bool> {
-        vec![false; pages.len()]
-    }
-}
-
-/// Fetch the encoded descriptor (`len` bytes, BLAKE3 `hash`) from the page
-/// server at `server`, as its pseudo-pages (`page_server::DESCRIPTOR_BASE`):
-/// from the ticket's multicast group when that works here — every host of
-/// the ticket asks at about the same moment and one transmission answers
-/// them all — else over TCP. Returns the bytes and how they came.
-pub fn fetch_descriptor(server: SocketAddr, key: &starling_proto::SecretKey, hash: &[u8; 32], len: usize, opts: &FaultOptions) -> Result<(Vec<u8>, Mode)> {
-    if len == 0 || len as u64 > starling_image::MAX_DESCRIPTOR_BYTES {
-        return Err(PageProtocolError::DescriptorLength(len).into());
-    }
-    let addrs = crate::page_server::descriptor_pages(len);
-    let mut client = PageClient::connect(server, key)?;
-    let (rx, mut mode) = join_group(&mut client, opts, Arc::new(NoSink));
-    let mut pages: Option<Vec<Fetched>> = None;
-    if let Some(mut rx) = rx {
-        match rx.fetch(&addrs) {
-            Ok(p) if p.iter().all(|f| matches!(f, Fetched::Data(_) | Fetched::Zero)) => pages = Some(p),
-            Ok(_) => log::warn!("mcdist: descriptor pages unreadable over multicast; fetching over TCP"),
-            Err(e) => log::warn!("mcdist: descriptor not received ({e}); fetching over TCP"),
-        }
-        rx.stop();
-    }
-    let pages = match pages {
-        Some(p) => p,
-        None => {
-            if matches!(mode, Mode::Multicast | Mode::MulticastPush) {
-                mode = Mode::UnicastFallback;
-            }
-            let mut out = Vec::with_capacity(addrs.len());
-            for batch in addrs.chunks(crate::page_server::MAX_BATCH as usize) {
-                out.extend(client.fetch(batch)?.into_iter().map(Fetched::from));
-            }
-            out
-        }
-    };
-    let mut bytes = Vec::with_capacity(addrs.len() * PAGE);
-    for p in pages {
-        match p {
-            Fetched::Data(d) if d.len() == PAGE => bytes.extend_from_slice(&d),
-            Fetched::Zero => bytes.resize(bytes.len() + PAGE, 0),
-            _ => return Err(PageProtocolError::DescriptorUnreadable.into()),
-        }
-    }
-    bytes.truncate(len);
-    if starling_proto::Hash::of(&bytes).0 != *hash {
-        return Err(PageProtocolError::DescriptorHash.into());
-    }
-    Ok((bytes, mode))
 }
 
 /// Errors that mean "nothing to do": page already present (EEXIST), range
@@ -1072,8 +1041,8 @@ impl Drop for FaultHandler {
             s.pages_multicast_unsolicited.load(Ordering::Relaxed),
             s.mode().as_str()
         );
-        if let Some(rx) = &self.mc {
-            log::debug!("mcdist receiver: {:?}", rx.stats());
+        if let Some((rx, _)) = &self.mc {
+            log::debug!("mcdist receiver (this host's): {:?}", rx.stats());
         }
     }
 }

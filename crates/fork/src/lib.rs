@@ -15,7 +15,9 @@
 //!    (`starling_image::lower`), start the static restorer (crate
 //!    `starling-restorer`), which maps the regions and becomes the clone, and
 //!    serve each clone's userfaultfd with a [`fault`] handler (clone host).
-//!    One stage, used by the local backend and by cluster agents alike.
+//!    One stage, used by the local backend and by cluster agents alike; a
+//!    host's clones of one ticket share the descriptor fetch and the
+//!    multicast receiver ([`host`]).
 //! 5. [`local`]: a backend that runs 4 on this machine; [`cluster`]: one
 //!    that launches each clone as a task on a cluster host (the agent runs
 //!    4 there, inside the task's sandbox and file view); [`api`] the
@@ -27,10 +29,12 @@ pub mod api;
 pub mod cluster;
 pub mod dump;
 pub mod fault;
+pub mod host;
 pub mod ffi;
 pub mod local;
 pub mod page_server;
 pub mod restore;
+pub mod stream;
 pub mod template;
 pub mod template_hook;
 pub mod uffd;

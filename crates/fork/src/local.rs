@@ -6,13 +6,13 @@
 //! sandbox. The restorer creates a PID namespace so the clone gets the
 //! template's PID.
 
-use crate::fault::{FaultHandler, FaultOptions};
+use crate::fault::FaultHandler;
+use crate::host::HostTicket;
 use starling_image::abi::counters::CloneCounters;
 use crate::page_server::PageClient;
 use crate::restore::{exit_status, Restore, RestoreProgram, Serve};
 use crate::{Descriptor, ForkError, Result};
 use starling_image::PlanOptions;
-use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
@@ -30,14 +30,14 @@ pub struct LocalClone {
 }
 
 impl LocalClone {
-    /// Start clone `id` of the template described by `desc`, whose pages
-    /// are served at `server` under `key`, its handler set up by `options`.
-    pub fn launch(desc: &Descriptor, id: u32, server: SocketAddr, key: starling_proto::SecretKey, options: &FaultOptions) -> Result<LocalClone> {
+    /// Start clone `id` of the template described by `desc`, one of the
+    /// clones of `host`'s ticket here (its page server, key and options).
+    pub fn launch(desc: &Descriptor, id: u32, host: &Arc<HostTicket>) -> Result<LocalClone> {
         let handler_desc = Arc::new(desc.clone());
-        let options = options.clone();
+        let host = host.clone();
         let serve: Serve = Arc::new(move |_id, uffd, stats, stop| {
-            let client = PageClient::connect(server, &key)?;
-            FaultHandler::new_with(uffd, &handler_desc, client, stats, options.clone()).run(stop)
+            let client = PageClient::connect(host.server(), host.key(), host.options().encrypt)?;
+            FaultHandler::on_host(uffd, &handler_desc, client, stats, &host).run(stop)
         });
         let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
         let (program, restore) = Restore::start(desc, plan, serve)?;

@@ -6,13 +6,18 @@
 //! and no request is parsed, before the client has proved it:
 //!
 //! ```text
-//! client:   "SFPA" | client nonce [32]
-//! server:   "SFPB" | server nonce [32] | MAC("SFP server", client nonce | server nonce) [32]
-//! client:   "SFPC" | MAC("SFP client", client nonce | server nonce) [32]
+//! client:   "SFPA" | client nonce [32] | wants encryption u8 (0 or 1)
+//! server:   "SFPB" | server nonce [32] | encrypted u8 | MAC("SFP server", transcript) [32]
+//! client:   "SFPC" | MAC("SFP client", transcript) [32]
+//!           transcript = client nonce | wants | server nonce | encrypted
 //! ```
 //!
 //! A client that fails closes; a server that gets a wrong proof closes
-//! without a byte more. Then:
+//! without a byte more. The connection is encrypted when either side's
+//! `fork.encrypt` asks for it (the server answers `wants | its own`; a
+//! client that wanted it refuses a 0): from here on its bytes are AES-GCM
+//! records under keys of this connection alone ([`crate::stream`]), else
+//! in clear. Then, in either:
 //!
 //! ```text
 //! request:  "SFPQ" | count: u32 (1..=MAX_BATCH) | count × page address: u64
@@ -27,7 +32,7 @@
 //!
 //! ```text
 //! request:  "SFPM"
-//! reply:    "SFPN" | mode u8 (0 off, 1 on, 2 push) | ticket u64 | group ip [4] | group port u16
+//! reply:    "SFPN" | mode u8 (0 off, 1 on, 2 push; + 0x80: pages encrypted) | ticket u64 | group ip [4] | group port u16
 //!                  | request ip [4] | request port u16
 //! ```
 //!
@@ -44,8 +49,9 @@
 //! frozen while the parent goes on). All-zero pages are answered with the
 //! one-byte ZERO tag.
 
+use crate::stream::{Secrecy, StreamReader, StreamWriter};
 use crate::{ForkError, PageProtocolError, Result, PAGE_SIZE};
-use std::io::{BufReader, BufWriter, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpListener, TcpStream};
 use starling_mcdist::{Sender, SenderConfig, Switch};
 use starling_proto::SecretKey;
@@ -116,11 +122,15 @@ pub struct WireStats {
     pub multicast_data_pages: u64,
     pub multicast_data_datagrams: u64,
     pub multicast_mtu: u64,
+    /// Multicast receivers that joined the ticket's group (distinct request
+    /// sockets that said HELLO, counted by the sender): one per clone host,
+    /// shared by that host's clones.
+    pub multicast_receivers: u64,
 }
 
 impl WireStats {
     /// As a fixed array (the order of `sf_ticket_stat`'s `which`).
-    pub fn to_array(&self) -> [u64; 15] {
+    pub fn to_array(&self) -> [u64; 16] {
         [
             self.bytes_wire,
             self.bytes_tcp,
@@ -137,6 +147,7 @@ impl WireStats {
             self.multicast_data_pages,
             self.multicast_data_datagrams,
             self.multicast_mtu,
+            self.multicast_receivers,
         ]
     }
 }
@@ -149,6 +160,8 @@ pub struct McdistInfo {
     pub group: SocketAddrV4,
     /// The sender's request socket.
     pub sender: SocketAddrV4,
+    /// Page contents are encrypted (the sender's `fork.encrypt`).
+    pub encrypted: bool,
 }
 
 /// Options of [`PageServer::start_with`].
@@ -162,6 +175,9 @@ pub struct PageServerOptions {
     pub descriptor: Vec<u8>,
     /// The ticket's key: TCP clients must prove it, multicast is sealed with it.
     pub key: SecretKey,
+    /// Encrypt every connection and the multicast pages (`fork.encrypt`);
+    /// off, a connection is still encrypted if its client asks.
+    pub encrypt: bool,
 }
 
 /// The MTU assumed when the link's cannot be read (Ethernet's).
@@ -253,9 +269,9 @@ impl Image {
 }
 
 impl Default for PageServerOptions {
-    /// Multicast on, no descriptor, a fresh random key.
+    /// Multicast on, no descriptor, a fresh random key, encrypted.
     fn default() -> PageServerOptions {
-        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new(), key: SecretKey::random() }
+        PageServerOptions { mcdist: Switch::On, ticket: None, descriptor: Vec::new(), key: SecretKey::random(), encrypt: true }
     }
 }
 
@@ -313,6 +329,7 @@ impl PageServer {
                 let iface = if a.ip().is_unspecified() { Ipv4Addr::LOCALHOST } else { *a.ip() };
                 let mut cfg = SenderConfig::new(ticket, opts.key, group, iface);
                 cfg.push = switch == Switch::Push;
+                cfg.encrypt = opts.encrypt;
                 // The MTU of the link the group goes out on: a page is one datagram
                 // when it fits (loopback, the embedded cluster's 9000-byte bridge),
                 // else it is split; 1500 when the link is not found.
@@ -320,7 +337,7 @@ impl PageServer {
                 let source = TemplateSource(image.clone());
                 match Sender::start(cfg, Box::new(source)) {
                     Ok(sender) => {
-                        let info = McdistInfo { push: switch == Switch::Push, ticket, group, sender: sender.request_addr() };
+                        let info = McdistInfo { push: switch == Switch::Push, ticket, group, sender: sender.request_addr(), encrypted: opts.encrypt };
                         Some((info, sender))
                     }
                     Err(e) => {
@@ -332,7 +349,7 @@ impl PageServer {
             (_, SocketAddr::V6(_)) => None,
         };
         let info = mcdist.as_ref().map(|(i, _)| *i);
-        let (stop2, stats2, key) = (stop.clone(), stats.clone(), opts.key);
+        let (stop2, stats2, key, encrypt) = (stop.clone(), stats.clone(), opts.key, opts.encrypt);
         let accept_thread = std::thread::Builder::new()
             .name("sf-page-server".into())
             .spawn(move || {
@@ -344,7 +361,7 @@ impl PageServer {
                     let (image, stats) = (image.clone(), stats2.clone());
                     let _ = std::thread::Builder::new().name("sf-page-conn".into()).spawn(move || {
                         // A protocol error only ends this connection.
-                        let _ = serve_connection(&image, &stats, info, &key, conn);
+                        let _ = serve_connection(&image, &stats, info, &key, encrypt, conn);
                     });
                 }
             })
@@ -394,6 +411,7 @@ impl PageServer {
             w.multicast_data_pages = g(&ms.data_pages);
             w.multicast_data_datagrams = g(&ms.data_datagrams);
             w.multicast_mtu = s.mtu() as u64;
+            w.multicast_receivers = g(&ms.receivers_joined);
             // `as` from f64 saturates at the bounds and maps NaN to 0: whole bytes/s.
             #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
             let whole = |rate: f64| rate as u64;
@@ -435,7 +453,7 @@ fn encode_mcdist(info: Option<McdistInfo>) -> Vec<u8> {
         out.extend_from_slice(&[0u8; 1 + 8 + 6 + 6]);
         return out;
     };
-    out.push(if i.push { 2 } else { 1 });
+    out.push(if i.push { 2 } else { 1 } | if i.encrypted { ENCRYPTED_GROUP } else { 0 });
     out.extend_from_slice(&i.ticket.to_le_bytes());
     out.extend_from_slice(&i.group.ip().octets());
     out.extend_from_slice(&i.group.port().to_le_bytes());
@@ -448,40 +466,77 @@ const HELLO_MAGIC: [u8; 4] = *b"SFPA";
 const CHALLENGE_MAGIC: [u8; 4] = *b"SFPB";
 const PROOF_MAGIC: [u8; 4] = *b"SFPC";
 const NONCE: usize = 32;
+/// The `SFPN` mode bit saying the group's pages are encrypted.
+const ENCRYPTED_GROUP: u8 = 0x80;
 
-/// Server side of the key proof (module doc); Err closes the connection.
-pub fn prove_server(key: &SecretKey, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
+/// Server side of the key proof (module doc), `encrypt`: this side's
+/// `fork.encrypt`. Err closes the connection. Read unbuffered: nothing
+/// after the proof is taken from `rd`.
+pub fn prove_server(key: &SecretKey, encrypt: bool, rd: &mut impl Read, wr: &mut impl Write) -> Result<Secrecy> {
     let io = |e| ForkError::io("page server handshake", e);
-    let mut hello = [0u8; 4 + NONCE];
+    let mut hello = [0u8; 4 + NONCE + 1];
     rd.read_exact(&mut hello).map_err(io)?;
-    if hello[..4] != HELLO_MAGIC {
+    let wants = hello[4 + NONCE];
+    if hello[..4] != HELLO_MAGIC || wants > 1 {
         return Err(PageProtocolError::KeyProof.into());
     }
-    let nonce_c = &hello[4..];
+    let nonce_c = &hello[4..4 + NONCE];
     let nonce_s = SecretKey::random().0;
-    let mac = starling_mcdist::seal::mac(key, b"SFP server", &[nonce_c, &nonce_s]);
-    wr.write_all(&CHALLENGE_MAGIC).and_then(|_| wr.write_all(&nonce_s)).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)?;
+    let encrypted = wants | u8::from(encrypt);
+    let transcript: [&[u8]; 4] = [nonce_c, &[wants], &nonce_s, &[encrypted]];
+    let mac = starling_mcdist::seal::mac(key, b"SFP server", &transcript);
+    wr.write_all(&CHALLENGE_MAGIC)
+        .and_then(|_| wr.write_all(&nonce_s))
+        .and_then(|_| wr.write_all(&[encrypted]))
+        .and_then(|_| wr.write_all(&mac))
+        .and_then(|_| wr.flush())
+        .map_err(io)?;
     let mut proof = [0u8; 4 + starling_mcdist::seal::MAC_LEN];
     rd.read_exact(&mut proof).map_err(io)?;
-    if proof[..4] != PROOF_MAGIC || !starling_mcdist::seal::verify(key, b"SFP client", &[nonce_c, &nonce_s], &proof[4..]) {
+    if proof[..4] != PROOF_MAGIC || !starling_mcdist::seal::verify(key, b"SFP client", &transcript, &proof[4..]) {
         return Err(PageProtocolError::KeyProof.into());
     }
-    Ok(())
+    Ok(if encrypted == 1 { Secrecy::encrypted(key, nonce_c, &nonce_s, false) } else { Secrecy::clear() })
 }
 
-/// Client side of the key proof (module doc).
-pub fn prove_client(key: &SecretKey, rd: &mut impl Read, wr: &mut impl Write) -> Result<()> {
+/// Client side of the key proof (module doc), `encrypt`: this side's
+/// `fork.encrypt` (a server that would not encrypt is then refused).
+pub fn prove_client(key: &SecretKey, encrypt: bool, rd: &mut impl Read, wr: &mut impl Write) -> Result<Secrecy> {
     let io = |e| ForkError::io("page server handshake", e);
     let nonce_c = SecretKey::random().0;
-    wr.write_all(&HELLO_MAGIC).and_then(|_| wr.write_all(&nonce_c)).and_then(|_| wr.flush()).map_err(io)?;
-    let mut ch = [0u8; 4 + NONCE + starling_mcdist::seal::MAC_LEN];
+    let wants = u8::from(encrypt);
+    wr.write_all(&HELLO_MAGIC).and_then(|_| wr.write_all(&nonce_c)).and_then(|_| wr.write_all(&[wants])).and_then(|_| wr.flush()).map_err(io)?;
+    let mut ch = [0u8; 4 + NONCE + 1 + starling_mcdist::seal::MAC_LEN];
     rd.read_exact(&mut ch).map_err(io)?;
     let nonce_s = &ch[4..4 + NONCE];
-    if ch[..4] != CHALLENGE_MAGIC || !starling_mcdist::seal::verify(key, b"SFP server", &[&nonce_c, nonce_s], &ch[4 + NONCE..]) {
+    let encrypted = ch[4 + NONCE];
+    let transcript: [&[u8]; 4] = [&nonce_c, &[wants], nonce_s, &[encrypted]];
+    if ch[..4] != CHALLENGE_MAGIC || !starling_mcdist::seal::verify(key, b"SFP server", &transcript, &ch[4 + NONCE + 1..]) {
         return Err(PageProtocolError::KeyProof.into());
     }
-    let mac = starling_mcdist::seal::mac(key, b"SFP client", &[&nonce_c, nonce_s]);
-    wr.write_all(&PROOF_MAGIC).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)
+    if encrypted > 1 || encrypted < wants {
+        return Err(PageProtocolError::KeyProof.into());
+    }
+    let mac = starling_mcdist::seal::mac(key, b"SFP client", &transcript);
+    wr.write_all(&PROOF_MAGIC).and_then(|_| wr.write_all(&mac)).and_then(|_| wr.flush()).map_err(io)?;
+    Ok(if encrypted == 1 { Secrecy::encrypted(key, &nonce_c, nonce_s, true) } else { Secrecy::clear() })
+}
+
+/// A proven connection's two halves, encrypted or clear as its proof settled.
+pub type Halves = (StreamReader<TcpStream>, StreamWriter<TcpStream>);
+
+/// Split `conn` after its proof.
+pub fn halves(conn: TcpStream, secrecy: Secrecy) -> Result<Halves> {
+    let read = conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?;
+    Ok(secrecy.split(read, conn))
+}
+
+/// Dial `addr` and prove `key` as a client (`encrypt`: this side's `fork.encrypt`).
+pub fn connect_proven(addr: SocketAddr, key: &SecretKey, encrypt: bool) -> Result<Halves> {
+    let s = TcpStream::connect(addr).map_err(|e| ForkError::io(format!("connect page server {addr}"), e))?;
+    let _ = s.set_nodelay(true);
+    let secrecy = prove_client(key, encrypt, &mut &s, &mut &s)?;
+    halves(s, secrecy)
 }
 
 /// One request of a page-server connection, as [`read_request`] parses it.
@@ -546,14 +601,16 @@ pub fn read_reply(rd: &mut impl Read, n: usize) -> Result<Vec<PageReply>> {
     Ok(out)
 }
 
-fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, key: &SecretKey, conn: TcpStream) -> Result<()> {
+fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>, key: &SecretKey, encrypt: bool, conn: TcpStream) -> Result<()> {
     let _ = conn.set_nodelay(true);
-    let mut rd = BufReader::new(conn.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
-    let mut wr = BufWriter::with_capacity(256 * 1024, conn);
-    if let Err(e) = prove_server(key, &mut rd, &mut wr) {
-        stats.refused.fetch_add(1, Ordering::Relaxed);
-        return Err(e);
-    }
+    let secrecy = match prove_server(key, encrypt, &mut &conn, &mut &conn) {
+        Ok(s) => s,
+        Err(e) => {
+            stats.refused.fetch_add(1, Ordering::Relaxed);
+            return Err(e);
+        }
+    };
+    let (mut rd, mut wr) = halves(conn, secrecy)?;
     // Grown to the largest batch seen, not allocated at MAX_BATCH up front:
     // this runs in the user's process, where a 4 MiB calloc per connection
     // is often served from a malloc arena and memset in full (glibc's
@@ -652,25 +709,39 @@ impl From<PageReply> for starling_mcdist::Fetched {
 
 /// Client side of the protocol.
 pub struct PageClient {
-    rd: BufReader<TcpStream>,
-    wr: BufWriter<TcpStream>,
+    rd: StreamReader<TcpStream>,
+    wr: StreamWriter<TcpStream>,
     key: SecretKey,
+    server: SocketAddr,
+    encrypt: bool,
 }
 
 impl PageClient {
-    /// Connect and prove `key` (the ticket's); fails if the server does not prove it back.
-    pub fn connect(addr: SocketAddr, key: &SecretKey) -> Result<PageClient> {
-        let s = TcpStream::connect(addr).map_err(|e| ForkError::io(format!("connect page server {addr}"), e))?;
-        let _ = s.set_nodelay(true);
-        let mut rd = BufReader::with_capacity(256 * 1024, s.try_clone().map_err(|e| ForkError::io("clone socket", e))?);
-        let mut wr = BufWriter::new(s);
-        prove_client(key, &mut rd, &mut wr)?;
-        Ok(PageClient { rd, wr, key: *key })
+    /// Connect and prove `key` (the ticket's); fails if the server does not
+    /// prove it back, or (`encrypt`: this host's `fork.encrypt`) would not encrypt.
+    pub fn connect(addr: SocketAddr, key: &SecretKey, encrypt: bool) -> Result<PageClient> {
+        let (rd, wr) = connect_proven(addr, key, encrypt)?;
+        Ok(PageClient { rd, wr, key: *key, server: addr, encrypt })
     }
 
     /// The ticket's key (multicast is sealed with it).
     pub fn key(&self) -> &SecretKey {
         &self.key
+    }
+
+    /// The page server's address (as dialled).
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.server
+    }
+
+    /// Whether this side asked for encryption (another connection asks the same).
+    pub fn wants_encryption(&self) -> bool {
+        self.encrypt
+    }
+
+    /// Whether this connection is encrypted.
+    pub fn is_encrypted(&self) -> bool {
+        self.rd.is_encrypted()
     }
 
     /// Local address of the connection (the interface to join multicast on).
@@ -691,7 +762,8 @@ impl PageClient {
         let v4 = |o: usize| {
             SocketAddrV4::new(Ipv4Addr::new(r[o], r[o + 1], r[o + 2], r[o + 3]), u16::from_le_bytes([r[o + 4], r[o + 5]]))
         };
-        Ok(match r[4] {
+        let encrypted = r[4] & ENCRYPTED_GROUP != 0;
+        Ok(match r[4] & !ENCRYPTED_GROUP {
             0 => None,
             m @ (1 | 2) => {
                 let sender = v4(19);
@@ -705,6 +777,7 @@ impl PageClient {
                     ticket: u64::from_le_bytes(r[5..13].try_into().expect("8 bytes")),
                     group: v4(13),
                     sender,
+                    encrypted,
                 })
             }
             m => return Err(PageProtocolError::McdistMode(m).into()),

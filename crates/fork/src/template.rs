@@ -209,6 +209,8 @@ fn raw_syscall_record(record: &mut TemplateRecord) {
         t.tid = i64::from(libc::getpid()).cast_unsigned();
         libc::syscall(libc::SYS_arch_prctl, 0x1003 /* ARCH_GET_FS */, &mut t.regs.fs_base as *mut u64);
         libc::syscall(libc::SYS_arch_prctl, 0x1004 /* ARCH_GET_GS */, &mut t.regs.gs_base as *mut u64);
+        // PR_GET_NAME writes at most 16 bytes, NUL-terminated.
+        libc::prctl(libc::PR_GET_NAME, t.comm.as_mut_ptr());
         let mut tid_addr: u64 = 0;
         if libc::prctl(libc::PR_GET_TID_ADDRESS, &mut tid_addr as *mut u64) == 0 {
             t.tid_address = tid_addr;

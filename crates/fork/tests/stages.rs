@@ -162,21 +162,21 @@ fn page_server_serves_data_zero_and_refuses_outside() {
     unsafe { buf.write_bytes(0x11, 4096) };
     // Without the key: a client with another key is refused (and sees the
     // server fail its proof), and a plain request gets not one byte back.
-    assert!(PageClient::connect(server.addr(), &starling_proto::SecretKey([0x5b; 32])).is_err());
+    assert!(PageClient::connect(server.addr(), &starling_proto::SecretKey([0x5b; 32]), true).is_err());
     {
         use std::io::{Read, Write};
         let mut raw = std::net::TcpStream::connect(server.addr()).unwrap();
         let mut req = b"SFPQ".to_vec();
         req.extend_from_slice(&1u32.to_le_bytes());
         req.extend_from_slice(&(base + 4096).to_le_bytes());
-        req.resize(4 + 32, 0); // as long as a hello, so the server reads it all
+        req.resize(4 + 32 + 1, 0); // as long as a hello, so the server reads it all
         raw.write_all(&req).unwrap();
         let mut got = Vec::new();
         let _ = raw.read_to_end(&mut got); // the server closes
         assert!(got.is_empty(), "a connection without the key got {} bytes", got.len());
     }
     assert!(server.stats().refused.load(std::sync::atomic::Ordering::Relaxed) >= 1);
-    let mut client = PageClient::connect(server.addr(), &key).unwrap();
+    let mut client = PageClient::connect(server.addr(), &key, true).unwrap();
     let replies = client.fetch(&[base, base + 4096, base + 8192]).unwrap();
     assert!(matches!(replies[0], PageReply::Zero));
     match &replies[1] {
@@ -186,11 +186,88 @@ fn page_server_serves_data_zero_and_refuses_outside() {
     assert!(matches!(replies[2], PageReply::Zero));
     // Outside the served regions: the server closes the connection.
     assert!(client.fetch(&[base + 3 * 4096]).is_err());
-    let mut c2 = PageClient::connect(server.addr(), &key).unwrap();
+    let mut c2 = PageClient::connect(server.addr(), &key, true).unwrap();
     assert!(c2.fetch(&[base + 1]).is_err(), "unaligned address must be refused");
     server.stop();
     reap(pid);
     // SAFETY: same layout as allocated.
     unsafe { std::alloc::dealloc(buf, layout) };
     let _ = PageClass::Zero;
+}
+
+/// A relay between a page client and its server, as a sniffer on the wire
+/// sees them: it keeps every byte the server sent, and flips one bit of the
+/// server's stream at `flip_at` if given. Serves one connection.
+fn relay(server: std::net::SocketAddr, flip_at: Option<usize>) -> (std::net::SocketAddr, std::sync::Arc<std::sync::Mutex<Vec<u8>>>) {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen2 = seen.clone();
+    std::thread::spawn(move || {
+        let (mut client, _) = listener.accept().unwrap();
+        let mut up = std::net::TcpStream::connect(server).unwrap();
+        let (mut client_r, mut up_w) = (client.try_clone().unwrap(), up.try_clone().unwrap());
+        std::thread::spawn(move || std::io::copy(&mut client_r, &mut up_w));
+        let mut buf = [0u8; 65536];
+        loop {
+            let n = match up.read(&mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            let mut seen = seen2.lock().unwrap();
+            let from = seen.len();
+            seen.extend_from_slice(&buf[..n]);
+            if let Some(i) = flip_at.filter(|&i| (from..from + n).contains(&i)) {
+                buf[i - from] ^= 0x01;
+            }
+            drop(seen);
+            if client.write_all(&buf[..n]).is_err() {
+                return;
+            }
+        }
+    });
+    (addr, seen)
+}
+
+#[test]
+fn page_server_encrypts_when_either_side_asks_and_refuses_tampered_records() {
+    let layout = std::alloc::Layout::from_size_align(2 * 4096, 4096).unwrap();
+    // SAFETY: non-zero-size layout; freed at the end.
+    let buf = unsafe { std::alloc::alloc_zeroed(layout) };
+    // A page nobody else sends: bytes of a counter the wire must not show.
+    let pattern: Vec<u8> = (0..4096u32).map(|i| u8::try_from((i * 7 + 3) % 251).unwrap()).collect();
+    // SAFETY: writes inside the allocation.
+    unsafe { std::ptr::copy_nonoverlapping(pattern.as_ptr(), buf.add(4096), 4096) };
+    let page = buf as u64 + 4096;
+    let pid = sleeping_child(|| {});
+    let key = starling_proto::SecretKey([0x3c; 32]);
+    let serve = |encrypt: bool| {
+        let opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, key, encrypt, ..PageServerOptions::default() };
+        PageServer::start_with(pid, vec![(page, page + 4096)], "127.0.0.1:0".parse().unwrap(), opts).unwrap()
+    };
+    for (server_wants, client_wants) in [(false, false), (true, false), (false, true), (true, true)] {
+        let encrypted = server_wants || client_wants;
+        let server = serve(server_wants);
+        let (via, seen) = relay(server.addr(), None);
+        let mut client = PageClient::connect(via, &key, client_wants).unwrap();
+        assert_eq!(client.is_encrypted(), encrypted, "server {server_wants}, client {client_wants}");
+        match &client.fetch(&[page]).unwrap()[0] {
+            PageReply::Data(d) => assert_eq!(&d[..], &pattern[..]),
+            _ => panic!("expected the page's data"),
+        }
+        let seen = seen.lock().unwrap();
+        let in_clear = seen.windows(64).any(|w| w == &pattern[..64]);
+        assert_eq!(in_clear, !encrypted, "the page in clear on the wire (server {server_wants}, client {client_wants})");
+    }
+    // One bit flipped in the reply's ciphertext (after the 69-byte SFPB and
+    // the record's 4-byte length): the client refuses the record.
+    let server = serve(true);
+    let (via, _) = relay(server.addr(), Some(69 + 4 + 10));
+    let mut client = PageClient::connect(via, &key, true).unwrap();
+    let err = client.fetch(&[page]).err().expect("a tampered record must be refused");
+    assert!(err.to_string().contains("authentication"), "{err}");
+    reap(pid);
+    // SAFETY: same layout as allocated.
+    unsafe { std::alloc::dealloc(buf, layout) };
 }

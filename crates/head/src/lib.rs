@@ -28,6 +28,7 @@ mod ps;
 mod queue;
 mod metrics;
 mod relay;
+mod roam;
 mod routing;
 
 use starling_config::HeadSettings;
@@ -93,6 +94,8 @@ pub(crate) struct Route {
     pub(crate) cpu_before: f64,
     /// File requests a move's target sent before the switch (marked id → host).
     pub(crate) target_file_ids: HashMap<u64, String>,
+    /// A roaming task (`exec --roam`): why it runs where it does, its manager's decisions.
+    pub(crate) roam: Option<starling_proto::RoamLog>,
 }
 
 #[derive(Default)]
@@ -508,7 +511,9 @@ impl Head {
             let mut st = self.state.lock().unwrap();
             let name = st.hosts.iter().find(|(_, h)| h.conn_id == conn).map(|(n, _)| n.clone());
             if let Some(n) = &name {
-                st.hosts.remove(n);
+                if let (Some(h), Some(relay)) = (st.hosts.remove(n), &self.relay) {
+                    relay.forget_peer(h.info.peer.as_deref());
+                }
             }
             let lost = st.routes.iter().filter(|(_, r)| r.host_conn == conn).map(|(t, _)| *t).collect();
             (name, lost)

@@ -69,9 +69,11 @@ impl Head {
         let moves: Vec<(TaskId, String)> = {
             let st = self.state.lock().unwrap();
             let mut lg = self.lingering.lock().unwrap();
+            // The home site has no owner to linger beside, and takes no guests.
             let mut views: Vec<View> = st
                 .hosts
                 .values()
+                .filter(|h| !h.info.home)
                 .map(|h| View {
                     name: h.info.name.clone(),
                     policy: h.info.owner.as_ref().and_then(|o| GuestPolicy::parse(&o.policy).ok()),

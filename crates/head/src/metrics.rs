@@ -33,6 +33,8 @@ pub(crate) struct Counters {
     pub(crate) relay_bytes_from_clients: AtomicU64,
     /// Content bytes the relay served to hosts.
     pub(crate) relay_bytes_to_hosts: AtomicU64,
+    /// Chunks the relay told a host to fetch from another host instead of sending them.
+    pub(crate) relay_chunks_to_peers: AtomicU64,
 }
 
 /// Add `n` to a counter.
@@ -134,6 +136,7 @@ pub(crate) fn render(head: &Head) -> String {
             ("{kind=\"recipe\",result=\"miss\"}".into(), n(get(&c.relay_recipe_misses))),
             ("{kind=\"chunk\",result=\"hit\"}".into(), n(get(&c.relay_chunk_hits))),
             ("{kind=\"chunk\",result=\"miss\"}".into(), n(get(&c.relay_chunk_misses))),
+            ("{kind=\"chunk\",result=\"peer\"}".into(), n(get(&c.relay_chunks_to_peers))),
         ],
     );
     metric(

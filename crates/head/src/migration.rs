@@ -222,6 +222,9 @@ impl Head {
                 let requester = {
                     let mut st = self.state.lock().unwrap();
                     let m = st.routes.get_mut(&task).and_then(|r| r.moving.take_if(|m| m.id == migration));
+                    if let Some(r) = st.routes.get_mut(&task) {
+                        crate::roam::moved(r, &report);
+                    }
                     report.total_ms = m.as_ref().map_or(report.total_ms, |m| m.started.elapsed().as_secs_f64() * 1e3);
                     st.recent_migrations.push_back(report.clone());
                     if st.recent_migrations.len() > RECENT_MIGRATIONS {
@@ -354,11 +357,12 @@ impl Head {
     }
 }
 
-/// The least loaded host other than `from` with `cores` free.
+/// The least loaded host other than `from` with `cores` free (never the home site: a task goes
+/// home only when asked to).
 fn least_loaded_other(hosts: &HashMap<String, Host>, from: &str, cores: u32) -> Option<String> {
     hosts
         .values()
-        .filter(|h| h.info.name != from && h.cores_busy + cores <= h.info.cores.max(1))
+        .filter(|h| h.info.name != from && !h.info.home && h.cores_busy + cores <= h.info.cores.max(1))
         .min_by(|a, b| {
             let load = |h: &Host| f64::from(h.cores_busy) / f64::from(h.info.cores.max(1));
             load(a).total_cmp(&load(b)).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))

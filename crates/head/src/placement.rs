@@ -21,7 +21,7 @@ pub(crate) enum Unplaceable {
 
 /// Can a launch (needing `cores` on one host) ever be placed? `Err`: why not.
 pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>, cores: u32) -> Result<(), Unplaceable> {
-    if hosts.is_empty() {
+    if want.is_none() && hosts.values().all(|h| h.info.home) {
         return Err(Unplaceable::NoHosts);
     }
     if let Some(w) = want {
@@ -33,22 +33,22 @@ pub(crate) fn check_placeable(hosts: &HashMap<String, Host>, want: Option<&str>,
         if h.info.cores.max(1) < cores {
             return Err(Unplaceable::HostTooSmall { host: w.to_string(), has: h.info.cores, needs: cores });
         }
-    } else if hosts.values().all(|h| h.info.cores.max(1) < cores) {
+    } else if hosts.values().filter(|h| !h.info.home).all(|h| h.info.cores.max(1) < cores) {
         return Err(Unplaceable::NoHostLargeEnough(cores));
     }
     Ok(())
 }
 
-/// A host with `cores` free (the named one, else the least loaded), now
-/// holding them; `None` if every eligible host is busy. `idle_owner`: only
-/// a host whose owner is idle (an IE rerun).
+/// A host with `cores` free (the named one, else the least loaded, never the
+/// home site), now holding them; `None` if every eligible host is busy.
+/// `idle_owner`: only a host whose owner is idle (an IE rerun).
 pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>, cores: u32, idle_owner: bool) -> Option<&'a mut Host> {
     let free = |h: &Host| h.cores_busy + cores <= h.info.cores.max(1) && (!idle_owner || owner_idle(h));
     let name = match want {
         Some(w) => hosts.get(w).filter(|h| free(h)).map(|h| h.info.name.clone())?,
         None => hosts
             .values()
-            .filter(|h| free(h))
+            .filter(|h| free(h) && !h.info.home)
             .min_by(|a, b| {
                 owner_rank(a)
                     .total_cmp(&owner_rank(b))
@@ -90,11 +90,12 @@ fn load(h: &Host) -> f64 {
 pub(crate) fn grant(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, Unplaceable> {
     let mut free: Vec<(String, u32)> = hosts
         .values()
+        .filter(|h| !h.info.home)
         .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.cores_busy)))
         .filter(|(_, f)| *f > 0)
         .collect();
     if free.is_empty() {
-        return Err(if hosts.is_empty() { Unplaceable::NoHosts } else { Unplaceable::NoFreeCores });
+        return Err(if hosts.values().all(|h| h.info.home) { Unplaceable::NoHosts } else { Unplaceable::NoFreeCores });
     }
     free.sort_by(|a, b| b.1.cmp(&a.1).then(natural_key(&a.0).cmp(&natural_key(&b.0))));
     let mut out: Vec<(String, u32)> = Vec::new();
@@ -151,6 +152,8 @@ mod tests {
                     running: 0,
                     page_distribution: None,
                     owner: None,
+                    home: false,
+                    peer: None,
                 };
                 (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
             })

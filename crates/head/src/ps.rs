@@ -65,6 +65,8 @@ impl Head {
                     cpu_seconds: u.map(|u| u.cpu_seconds + r.cpu_before),
                     rss_bytes: u.map(|u| u.rss_bytes),
                     runtime_seconds: r.started.elapsed().as_secs_f64(),
+                    runnable: u.map(|u| u.runnable),
+                    roam: r.roam.clone(),
                 }
             })
             .collect();

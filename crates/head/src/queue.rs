@@ -91,6 +91,7 @@ impl Head {
             moving: None,
             cpu_before: 0.0,
             target_file_ids: Default::default(),
+            roam: None,
         };
         self.groups.lock().unwrap().started(task, q.conn, &q.spec, &route.command);
         self.state.lock().unwrap().routes.insert(task, route);

@@ -3,11 +3,21 @@
 //! what is missing is fetched from the task's client exactly once however
 //! many hosts ask. Immutable, hash-named content only, so it can never
 //! change what a task sees.
+//!
+//! Host-to-host sharing (`FindChunks`): the relay remembers which hosts
+//! asked for each chunk recently (they hold it, or are fetching it and
+//! will). A host asking for a chunk another host holds is sent that host's
+//! peer address instead of the bytes, so each chunk leaves the head about
+//! once however many hosts read it. The hosts that asked form a tree per
+//! chunk (each is referred only to hosts that asked before it), at most
+//! [`REFERRALS`] referrals per holder, so no host serves everyone and
+//! none waits on a long chain; a host that cannot get a chunk from its peer
+//! asks the head again with `GetChunks`, which always sends the bytes.
 
 use starling_proto::conn::Outgoing;
-use starling_proto::{ChunkData, FileReq, FileResp, Hash, Msg, Recipe, TaskId};
+use starling_proto::{ChunkData, ChunkSource, FileReq, FileResp, Hash, Msg, Recipe, TaskId};
 use starling_store::HostCache;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use tokio::sync::{oneshot, watch};
@@ -27,6 +37,60 @@ pub(crate) struct Relay {
     waiters: Mutex<HashMap<u64, oneshot::Sender<FileResp>>>,
     next_req: AtomicU64,
     counters: std::sync::Arc<crate::metrics::Counters>,
+    holders: Mutex<Holders>,
+}
+
+/// Hosts a holder of a chunk is referred to at most (then it is full, and
+/// those who got it from it are referred instead).
+const REFERRALS: u32 = 3;
+/// Chunks whose holders are remembered (the most recently asked for):
+/// 2^18 chunks of 64 KiB on average are 16 GiB of content.
+const HELD_CHUNKS: usize = 1 << 18;
+
+/// Which hosts (by peer address) asked for which chunks, and how many
+/// hosts each was referred to for it.
+#[derive(Default)]
+struct Holders {
+    by_chunk: HashMap<Hash, Vec<(String, u32)>>,
+    /// Chunks in the order first asked for, to forget the oldest.
+    order: VecDeque<Hash>,
+}
+
+impl Holders {
+    /// A peer for `asker` to fetch `h` from (the earliest holder not yet
+    /// full, not itself), noting the referral; `asker` is a holder from now
+    /// on either way (it will have the chunk, from the peer or from us).
+    fn refer(&mut self, h: &Hash, asker: Option<&str>) -> Option<String> {
+        let holders = match self.by_chunk.get_mut(h) {
+            Some(v) => v,
+            None => {
+                if self.order.len() >= HELD_CHUNKS {
+                    if let Some(old) = self.order.pop_front() {
+                        self.by_chunk.remove(&old);
+                    }
+                }
+                self.order.push_back(*h);
+                self.by_chunk.entry(*h).or_default()
+            }
+        };
+        let peer = holders.iter_mut().find(|(addr, n)| *n < REFERRALS && Some(addr.as_str()) != asker).map(|(addr, n)| {
+            *n += 1;
+            addr.clone()
+        });
+        if let Some(me) = asker {
+            if !holders.iter().any(|(addr, _)| addr == me) {
+                holders.push((me.to_string(), 0));
+            }
+        }
+        peer
+    }
+
+    /// A host left: it holds nothing any more.
+    fn forget(&mut self, peer: &str) {
+        for v in self.by_chunk.values_mut() {
+            v.retain(|(addr, _)| addr != peer);
+        }
+    }
 }
 
 impl Relay {
@@ -37,6 +101,7 @@ impl Relay {
             waiters: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(0),
             counters,
+            holders: Mutex::default(),
         })
     }
 
@@ -88,10 +153,17 @@ impl Relay {
         rx.await.ok()
     }
 
+    /// A host left (its peer address, if it had one): refer nobody to it.
+    pub(crate) fn forget_peer(&self, peer: Option<&str>) {
+        if let Some(p) = peer {
+            self.holders.lock().unwrap().forget(p);
+        }
+    }
+
     /// Answer a content-named request from the cache, fetching what is
     /// missing from the task's client (`None`: gone) exactly once however
-    /// many hosts ask.
-    pub(crate) async fn serve(&self, client: Option<Outgoing>, task: TaskId, req: FileReq) -> FileResp {
+    /// many hosts ask. `asker`: the peer address of the host asking.
+    pub(crate) async fn serve(&self, client: Option<Outgoing>, task: TaskId, req: FileReq, asker: Option<String>) -> FileResp {
         let Some(client) = client else { return FileResp::Errno(EIO) };
         match req {
             FileReq::GetRecipe { name } => {
@@ -109,8 +181,39 @@ impl Relay {
                 resp
             }
             FileReq::GetChunks { hashes } => self.serve_chunks(&client, task, &hashes).await,
+            FileReq::FindChunks { hashes } => self.find_chunks(&client, task, &hashes, asker.as_deref()).await,
             _ => FileResp::Errno(EIO),
         }
+    }
+
+    /// `FindChunks`: a peer for each chunk some other host holds, the
+    /// bytes of the others, in the order asked.
+    async fn find_chunks(&self, client: &Outgoing, task: TaskId, hashes: &[Hash], asker: Option<&str>) -> FileResp {
+        let peers: Vec<Option<String>> = {
+            let mut holders = self.holders.lock().unwrap();
+            hashes.iter().map(|h| holders.refer(h, asker)).collect()
+        };
+        let to_send: Vec<Hash> = hashes.iter().zip(&peers).filter(|(_, p)| p.is_none()).map(|(h, _)| *h).collect();
+        crate::metrics::add(&self.counters.relay_chunks_to_peers, u64::try_from(hashes.len() - to_send.len()).unwrap_or(0));
+        let mut data = if to_send.is_empty() {
+            Vec::new().into_iter()
+        } else {
+            match self.serve_chunks(client, task, &to_send).await {
+                FileResp::Chunks(c) => c.into_iter(),
+                other => return other,
+            }
+        };
+        let mut out = Vec::with_capacity(hashes.len());
+        for (h, peer) in hashes.iter().zip(peers) {
+            match peer {
+                Some(addr) => out.push(ChunkSource::Peer { hash: *h, addr }),
+                None => match data.next() {
+                    Some(c) => out.push(ChunkSource::Data(c)),
+                    None => return FileResp::Errno(EIO),
+                },
+            }
+        }
+        FileResp::ChunkSources(out)
     }
 
     async fn serve_chunks(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) -> FileResp {
@@ -210,5 +313,35 @@ impl Relay {
             }
         }
         fetched
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_referred_only_to_earlier_askers_at_most_three_each() {
+        let mut holders = Holders::default();
+        let h = Hash::of(b"chunk");
+        let names: Vec<String> = (1..=16).map(|i| format!("10.0.0.{i}:1")).collect();
+        let refs: Vec<Option<String>> = names.iter().map(|n| holders.refer(&h, Some(n))).collect();
+        assert_eq!(refs[0], None, "the first asker gets the bytes");
+        for (i, r) in refs.iter().enumerate().skip(1) {
+            let peer = r.as_deref().expect("a later asker is referred to a peer");
+            let at = names.iter().position(|n| n == peer).unwrap();
+            assert!(at < i, "asker {i} referred to {at}, which asked after it");
+        }
+        for n in &names {
+            let served = refs.iter().filter(|r| r.as_deref() == Some(n.as_str())).count();
+            assert!(served <= 3, "{n} was referred to {served} hosts");
+        }
+        // Asking again is never a referral to oneself.
+        assert_ne!(holders.refer(&h, Some(&names[0])).as_deref(), Some(names[0].as_str()));
+        // Hosts that left are referred to nobody: the first asker, full, leaves the head to send it.
+        for n in &names[1..] {
+            holders.forget(n);
+        }
+        assert_eq!(holders.refer(&h, Some("10.0.0.99:1")), None);
     }
 }

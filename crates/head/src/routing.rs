@@ -34,15 +34,19 @@ impl Head {
                 Msg::MigrateFreezing { migration, task } => self.migrate_freezing(migration, task, &tx).await,
                 Msg::MigrateHandedOver { migration, task, cpu_seconds } => self.migrate_handed_over(migration, task, cpu_seconds).await,
                 Msg::MigrateDone { migration, task, result } => self.migrate_done(migration, task, result).await,
-                Msg::FileRequest { task, id, req: req @ (FileReq::GetRecipe { .. } | FileReq::GetChunks { .. }) }
+                Msg::FileRequest { task, id, req: req @ (FileReq::GetRecipe { .. } | FileReq::GetChunks { .. } | FileReq::FindChunks { .. }) }
                     if self.relay.is_some() =>
                 {
                     let Some(me) = self.self_arc() else { continue };
                     let tx = tx.clone();
                     tokio::spawn(async move {
-                        let client = me.state.lock().unwrap().routes.get(&task).and_then(|r| r.client.clone());
+                        let (client, peer) = {
+                            let st = me.state.lock().unwrap();
+                            let peer = st.hosts.values().find(|h| h.conn_id == conn).and_then(|h| h.info.peer.clone());
+                            (st.routes.get(&task).and_then(|r| r.client.clone()), peer)
+                        };
                         let relay = me.relay.as_ref().expect("relay cache on");
-                        let resp = relay.serve(client, task, req).await;
+                        let resp = relay.serve(client, task, req, peer).await;
                         let _ = tx.send(Msg::FileResponse { task, id, resp }).await;
                     });
                 }
@@ -162,6 +166,7 @@ impl Head {
                     let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
                     let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
                 }
+                Msg::RoamNote { task, decision } => self.roam_note(conn, task, decision),
                 Msg::ExecutorProgress { ticket, progress } => self.groups.lock().unwrap().executor(conn, ticket, progress),
                 Msg::FileResponse { id, resp, .. } if self.relay.as_ref().is_some_and(|r| r.is_ours(id)) => {
                     if let Some(relay) = &self.relay {

@@ -13,7 +13,7 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 4;
+pub const DESCRIPTOR_VERSION: u32 = 5;
 /// Upper bound accepted by [`Descriptor::decode`].
 pub const MAX_DESCRIPTOR_BYTES: u64 = 64 << 20;
 /// Largest FPU area accepted (XSAVE with AMX is ~11 KiB).

@@ -23,13 +23,13 @@
 //!     `min_rate`). Every change is recorded in a rate trace.
 //!   - *Push* (optional): each requested page also queues the next
 //!     `push_pages` not-yet-sent pages of its region at low priority.
-//! * [`Receiver`] runs in each clone host's fault handler. It joins the
-//!   group; a background thread reassembles and verifies pages (BLAKE3 of
-//!   the page in every fragment) and hands them over in batches: to a
-//!   faulting thread waiting for exactly that page, otherwise to a
-//!   [`PageSink`] that installs it into the clone if the clone has not got
-//!   it. Waiting threads re-request after a timeout (exponential backoff,
-//!   bounded).
+//! * [`Receiver`] runs once per clone host and ticket, shared by the fault
+//!   handlers of that host's clones of the ticket. It joins the group; a
+//!   background thread reassembles and verifies pages (BLAKE3 of the page in
+//!   every fragment) and hands them over in batches: to the faulting threads
+//!   waiting for exactly that page, otherwise to a [`PageSink`] that installs
+//!   it into each of the host's clones that has not got it. Waiting threads
+//!   re-request after a timeout (exponential backoff, bounded).
 //! * Detection: a receiver sends HELLO to the sender, which answers with a
 //!   multicast PROBE. A receiver that hears none within `probe_timeout`
 //!   refuses to start ([`McdistError::NoMulticast`]); callers then fall

@@ -3,11 +3,18 @@
 //!
 //! A background thread reads the group socket. Completed pages are
 //! dispatched in batches (everything that is already queued in the socket,
-//! up to 1024 pages): a page a faulting thread is waiting for goes to that
-//! thread (which installs it at the clone address it faulted on); any other
-//! page is offered to the [`PageSink`], which installs it into the clone if
-//! the clone has not got it yet — so pages requested by any clone reach all
-//! clones, and a faulting thread only ever waits for its own pages.
+//! up to 1024 pages): a page faulting threads are waiting for goes to each
+//! of them (which install it at the clone address they faulted on); any
+//! other page is offered to the [`PageSink`], which installs it into the
+//! clones that have not got it yet — so pages requested by any clone reach
+//! all clones, and a faulting thread only ever waits for its own pages.
+//!
+//! One receiver serves every clone of its ticket on a host (the fork crate's
+//! `HostTicket`): its fetches may come from several clones' fault handlers at
+//! once, and its sink installs into all of them. So it remembers nothing per
+//! clone: a fetch is told which pages its clone already has (`present`), and
+//! a page that arrives again is offered again (a clone that started late may
+//! want it).
 //!
 //! [`Receiver::fetch`] sends a request and waits; on timeout it re-requests
 //! what is still missing, doubling the timeout up to `max_timeout`, and gives
@@ -17,7 +24,7 @@ use crate::sender::{force_buffer, wait_readable};
 use crate::wire::{self, DataHeader, Request};
 use crate::{McdistError, Result};
 use std::os::fd::AsRawFd;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -32,16 +39,17 @@ pub enum Fetched {
     Zero,
     /// The template could not read it.
     Unreadable,
-    /// Already installed into the clone by the sink (nothing to do).
+    /// The clone has it already (the `present` of [`Receiver::fetch_unless`]
+    /// said so): nothing to do.
     Installed,
 }
 
-/// Installs pages nobody asked for (called from the receive thread).
+/// Installs pages nobody waits for (called from the receive thread).
 pub trait PageSink: Send + Sync + 'static {
     /// Offer a batch of (template address, page) — `Data` or `Zero` only,
-    /// sorted by address. Returns, per page, whether the clone now has it
-    /// (installed now or before). Pages declined are handed to a later
-    /// `fetch` of the same address if they arrive again.
+    /// sorted by address. Returns, per page, whether it went into a clone
+    /// (now or before); only counted. A fetch that started waiting for one of
+    /// them meanwhile gets the page too.
     fn offer(&self, pages: &[(u64, Fetched)]) -> Vec<bool>;
 }
 
@@ -50,6 +58,9 @@ pub struct ReceiverConfig {
     pub ticket: u64,
     /// The ticket's key: datagrams not sealed with it are dropped.
     pub key: starling_proto::SecretKey,
+    /// Pages are encrypted (the sender's `fork.encrypt`): a page that does
+    /// not open is dropped, and so is any page in clear (and the reverse).
+    pub encrypted: bool,
     pub group: SocketAddrV4,
     /// Address of the local interface to join the group on.
     pub interface: Ipv4Addr,
@@ -75,6 +86,7 @@ impl ReceiverConfig {
         ReceiverConfig {
             ticket,
             key,
+            encrypted: true,
             group,
             interface,
             sender,
@@ -98,7 +110,6 @@ pub struct ReceiverStats {
     pub dropped_injected: AtomicU64,
     pub pages_complete: AtomicU64,
     pub pages_corrupt: AtomicU64,
-    pub pages_duplicate: AtomicU64,
     pub pages_to_waiters: AtomicU64,
     pub pages_installed_unsolicited: AtomicU64,
     pub pages_declined: AtomicU64,
@@ -114,12 +125,38 @@ impl ReceiverStats {
     }
 }
 
+/// A page fetches are waiting for.
+#[derive(Default)]
+struct Waiting {
+    /// How many fetches wait for it (several clones may fault on one page).
+    fetchers: u32,
+    /// What arrived, until the last of them took it.
+    page: Option<Fetched>,
+}
+
 #[derive(Default)]
 struct Inner {
-    /// Pages a fetch is waiting for → what arrived.
-    waiters: HashMap<u64, Option<Fetched>>,
-    /// Pages the sink installed.
-    delivered: HashSet<u64>,
+    /// Pages fetches are waiting for, by template address.
+    waiters: HashMap<u64, Waiting>,
+}
+
+impl Inner {
+    /// One fetch stops waiting for `addr`: returns what arrived (if it did),
+    /// and forgets the page once no fetch waits for it any more.
+    fn leave(&mut self, addr: u64) -> Option<Fetched> {
+        let w = self.waiters.get_mut(&addr)?;
+        w.fetchers = w.fetchers.saturating_sub(1);
+        let page = w.page.clone();
+        if w.fetchers == 0 {
+            self.waiters.remove(&addr);
+        }
+        page
+    }
+
+    /// Whether a fetch waits for `addr` and has not got it yet.
+    fn awaited(&self, addr: u64) -> bool {
+        self.waiters.get(&addr).is_some_and(|w| w.page.is_none())
+    }
 }
 
 struct Shared {
@@ -228,15 +265,30 @@ impl Receiver {
     /// Get the pages at `addrs` (template addresses): request them, wait,
     /// re-request on timeout. One result per address, in order.
     pub fn fetch(&self, addrs: &[u64]) -> Result<Vec<Fetched>> {
+        self.fetch_unless(addrs, &|_| false)
+    }
+
+    /// As [`Receiver::fetch`], for a clone that has the pages for which
+    /// `present` says so (answered [`Fetched::Installed`], not requested).
+    /// `present` is asked with the receive thread held off from handing
+    /// pages to fetches: a page the sink installs into the clone before that
+    /// is seen present, one it installs after is also handed to this fetch.
+    pub fn fetch_unless(&self, addrs: &[u64], present: &dyn Fn(u64) -> bool) -> Result<Vec<Fetched>> {
         let mut out: Vec<Option<Fetched>> = vec![None; addrs.len()];
         let mut missing: Vec<u64> = Vec::new();
+        // Pages no other fetch of this receiver (another clone of the host) has asked for already.
+        let mut ask: Vec<u64> = Vec::new();
         {
             let mut g = self.shared.lock();
             for (i, &a) in addrs.iter().enumerate() {
-                if g.delivered.contains(&a) {
+                if present(a) {
                     out[i] = Some(Fetched::Installed);
-                } else {
-                    g.waiters.insert(a, None);
+                } else if !missing.contains(&a) {
+                    let w = g.waiters.entry(a).or_default();
+                    w.fetchers += 1;
+                    if w.fetchers == 1 {
+                        ask.push(a);
+                    }
                     missing.push(a);
                 }
             }
@@ -244,41 +296,45 @@ impl Receiver {
         if missing.is_empty() {
             return Ok(out.into_iter().map(|f| f.unwrap_or(Fetched::Installed)).collect());
         }
-        self.shared.stats.pages_requested.fetch_add(missing.len() as u64, Ordering::Relaxed);
+        self.shared.stats.pages_requested.fetch_add(ask.len() as u64, Ordering::Relaxed);
         let t0 = Instant::now();
         let srtt = Duration::from_micros(self.shared.srtt_us.load(Ordering::Relaxed));
         let mut timeout = (srtt * 4).clamp(self.cfg.min_timeout, self.cfg.max_timeout);
         let mut deadline = t0 + timeout;
         let mut retried = false;
-        self.send_request(&missing);
+        // Only a fetch that asked for all it waits for times a request.
+        let asked_all = ask.len() == missing.len();
+        if !ask.is_empty() {
+            self.send_request(&ask);
+        }
         let mut g = self.shared.lock();
         loop {
             // Collect what arrived.
-            missing.retain(|a| match g.waiters.get(a) {
-                Some(Some(_)) => {
-                    let f = g.waiters.remove(a).flatten();
-                    for (i, &x) in addrs.iter().enumerate() {
-                        if x == *a && out[i].is_none() {
-                            out[i] = f.clone();
-                        }
-                    }
-                    false
+            missing.retain(|&a| {
+                if g.awaited(a) {
+                    return true;
                 }
-                _ => true,
+                let f = g.leave(a);
+                for (i, &x) in addrs.iter().enumerate() {
+                    if x == a && out[i].is_none() {
+                        out[i] = f.clone();
+                    }
+                }
+                false
             });
             if missing.is_empty() {
                 break;
             }
             if self.shared.stop.load(Ordering::Acquire) {
-                for a in &missing {
-                    g.waiters.remove(a);
+                for &a in &missing {
+                    g.leave(a);
                 }
                 return Err(McdistError::Stopped);
             }
             let now = Instant::now();
             if now - t0 >= self.cfg.give_up {
-                for a in &missing {
-                    g.waiters.remove(a);
+                for &a in &missing {
+                    g.leave(a);
                 }
                 return Err(McdistError::Timeout { addr: missing[0], waited: now - t0 });
             }
@@ -295,7 +351,7 @@ impl Receiver {
             g = self.shared.arrived.wait_timeout(g, deadline - now).map(|(g, _)| g).unwrap_or_else(|p| p.into_inner().0);
         }
         drop(g);
-        if !retried {
+        if !retried && asked_all {
             // Karn: only unambiguous samples update the estimate.
             let sample = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
             let old = self.shared.srtt_us.load(Ordering::Relaxed);
@@ -362,19 +418,19 @@ struct RxLoop {
     shared: Arc<Shared>,
     sink: Arc<dyn PageSink>,
     partial: HashMap<u64, Partial>,
-    /// Pages the sink installed (later copies are ignored).
-    done: HashSet<u64>,
     interval_start: Instant,
     interval_bytes: u64,
     last_sweep: Instant,
     rng: u64,
+    /// The page key of the last sender id seen (encrypted pages).
+    cipher: Option<([u8; 16], crate::seal::Cipher)>,
 }
 
 impl RxLoop {
     fn new(cfg: ReceiverConfig, shared: Arc<Shared>, sink: Arc<dyn PageSink>) -> RxLoop {
         let now = Instant::now();
         let rng = 0x9e37_79b9_7f4a_7c15 ^ (u64::from(cfg.receiver_id) + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        RxLoop { cfg, shared, sink, partial: HashMap::new(), done: HashSet::new(), interval_start: now, interval_bytes: 0, last_sweep: now, rng }
+        RxLoop { cfg, shared, sink, partial: HashMap::new(), interval_start: now, interval_bytes: 0, last_sweep: now, rng, cipher: None }
     }
 
     fn inject_drop(&mut self) -> bool {
@@ -463,12 +519,6 @@ impl RxLoop {
             st.dropped_injected.fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        if self.done.contains(&h.addr) {
-            if h.kind != wire::KIND_FRAGMENT || h.index == 0 {
-                st.pages_duplicate.fetch_add(1, Ordering::Relaxed);
-            }
-            return None;
-        }
         match h.kind {
             wire::KIND_ZERO => {
                 st.pages_complete.fetch_add(1, Ordering::Relaxed);
@@ -498,9 +548,19 @@ impl RxLoop {
                 if p.got < p.count {
                     return None;
                 }
-                let p = self.partial.remove(&h.addr)?;
+                let mut p = self.partial.remove(&h.addr)?;
                 let whole = DataHeader { mac: p.mac, ..h };
-                if !whole.verify(&self.cfg.key, &p.data) {
+                let authentic = if self.cfg.encrypted {
+                    let id = whole.sender_id();
+                    if self.cipher.as_ref().is_none_or(|(known, _)| *known != id) {
+                        self.cipher = Some((id, crate::seal::Cipher::derive(&self.cfg.key, crate::seal::MULTICAST_PAGE, &[&id])));
+                    }
+                    let (_, cipher) = self.cipher.as_ref().expect("set above");
+                    whole.open_page(cipher, &mut p.data)
+                } else {
+                    whole.verify(&self.cfg.key, &p.data)
+                };
+                if !authentic {
                     // Corrupted on the way, or forged: asked for again.
                     st.pages_corrupt.fetch_add(1, Ordering::Relaxed);
                     st.forged.fetch_add(1, Ordering::Relaxed);
@@ -524,14 +584,12 @@ impl RxLoop {
             let mut g = self.shared.lock();
             for (addr, page) in batch {
                 match g.waiters.get_mut(&addr) {
-                    Some(slot @ None) => {
-                        // Not remembered in `done`: if the waiter cannot
-                        // install it, a re-sent copy must get through again.
-                        *slot = Some(page);
+                    Some(w) if w.page.is_none() => {
+                        w.page = Some(page);
                         st.pages_to_waiters.fetch_add(1, Ordering::Relaxed);
                         woke = true;
                     }
-                    Some(Some(_)) => {}
+                    Some(_) => {}
                     None if matches!(page, Fetched::Unreadable) => {}
                     None => to_sink.push((addr, page)),
                 }
@@ -547,20 +605,16 @@ impl RxLoop {
         let mut g = self.shared.lock();
         for (i, (addr, page)) in to_sink.into_iter().enumerate() {
             let ok = installed.get(i).copied().unwrap_or(false);
-            let waiting = matches!(g.waiters.get(&addr), Some(None));
             if ok {
                 st.pages_installed_unsolicited.fetch_add(1, Ordering::Relaxed);
-                g.delivered.insert(addr);
-                self.done.insert(addr);
-                if waiting {
-                    g.waiters.insert(addr, Some(Fetched::Installed));
-                    woke = true;
-                }
-            } else if waiting {
-                // Someone started waiting while the sink looked at it.
-                g.waiters.insert(addr, Some(page));
+            }
+            if let Some(w) = g.waiters.get_mut(&addr).filter(|w| w.page.is_none()) {
+                // A fetch started waiting while the sink looked at it (its
+                // clone may be one the sink did not install into, or its
+                // `present` may have looked before the sink did).
+                w.page = Some(page);
                 woke = true;
-            } else {
+            } else if !ok {
                 st.pages_declined.fetch_add(1, Ordering::Relaxed);
             }
         }

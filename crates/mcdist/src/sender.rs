@@ -38,6 +38,8 @@ pub struct SenderConfig {
     pub ticket: u64,
     /// The ticket's key: every datagram is sealed with it, requests must be.
     pub key: starling_proto::SecretKey,
+    /// Encrypt page contents (`fork.encrypt`; see [`crate::wire`]).
+    pub encrypt: bool,
     /// The ticket's multicast group and port.
     pub group: SocketAddrV4,
     /// Address of the interface to send on (IP_MULTICAST_IF).
@@ -72,6 +74,7 @@ impl SenderConfig {
         SenderConfig {
             ticket,
             key,
+            encrypt: true,
             group,
             interface,
             request_bind: SocketAddrV4::new(interface, 0),
@@ -96,6 +99,10 @@ impl SenderConfig {
 pub struct SenderStats {
     pub requests: AtomicU64,
     pub hellos: AtomicU64,
+    /// Receivers that joined: distinct request sockets (source address and
+    /// port) that said HELLO. One per clone host when its clones share a
+    /// receiver; counted here, from what arrived, not from what they claim.
+    pub receivers_joined: AtomicU64,
     pub pages_requested: AtomicU64,
     /// Pages multicast (data + zero + unreadable), including pushed ones.
     pub pages_sent: AtomicU64,
@@ -267,16 +274,27 @@ struct SenderCore {
     high: VecDeque<u64>,
     low: VecDeque<u64>,
     receivers: HashMap<u32, ReceiverReport>,
+    /// Request sockets that said HELLO (see [`SenderStats::receivers_joined`]).
+    joined: std::collections::HashSet<std::net::SocketAddr>,
     rate: f64,
     tokens: f64,
     last_refill: Instant,
     last_increase: Instant,
     last_trace: Instant,
+    /// Grows by one per datagram that is not a fragment and per page
+    /// transmission (its fragments share it): the nonce of an encrypted page.
     seq: u64,
     buf: Vec<u8>,
+    /// With encryption: this sender's page key and the random id it is salted with.
+    cipher: Option<(crate::seal::Cipher, [u8; 16])>,
+    /// The page being encrypted (a copy: the source's stays as read).
+    sealed: Vec<u8>,
 }
 
 const TRACE_LIMIT: usize = 200_000;
+/// Most request sockets remembered for [`SenderStats::receivers_joined`] (a
+/// bound on what sealed HELLOs can make the sender hold).
+const MAX_JOINED: usize = 65_536;
 const INCREASE_TICK: Duration = Duration::from_millis(10);
 /// Pages read from the source per round.
 const SEND_BATCH: usize = 32;
@@ -306,6 +324,7 @@ impl SenderCore {
             high: VecDeque::new(),
             low: VecDeque::new(),
             receivers: HashMap::new(),
+            joined: std::collections::HashSet::new(),
             rate,
             tokens: 0.0,
             last_refill: now,
@@ -313,6 +332,11 @@ impl SenderCore {
             last_trace: now,
             seq: 0,
             buf: vec![0u8; 65536],
+            cipher: cfg.encrypt.then(|| {
+                let id: [u8; 16] = starling_proto::SecretKey::random().0[..16].try_into().expect("16 of 32 bytes");
+                (crate::seal::Cipher::derive(&cfg.key, crate::seal::MULTICAST_PAGE, &[&id]), id)
+            }),
+            sealed: vec![0u8; wire::PAGE],
             cfg,
         }
     }
@@ -338,7 +362,7 @@ impl SenderCore {
             wait_readable(requests, wait);
             for _ in 0..512 {
                 match requests.recv_from(&mut rbuf) {
-                    Ok((n, _)) => self.on_request(&rbuf[..n]),
+                    Ok((n, from)) => self.on_request(&rbuf[..n], from),
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                     Err(_) => break,
@@ -419,7 +443,7 @@ impl SenderCore {
             && regions.get(i).is_some_and(|&(s, e)| s <= addr && addr + wire::PAGE as u64 <= e)
     }
 
-    fn on_request(&mut self, d: &[u8]) {
+    fn on_request(&mut self, d: &[u8], from: std::net::SocketAddr) {
         let Some(req) = Request::parse_sealed(d, &self.cfg.key) else {
             self.stats.invalid.fetch_add(1, Ordering::Relaxed);
             return;
@@ -437,6 +461,9 @@ impl SenderCore {
         }
         if req.kind == wire::REQ_HELLO {
             self.stats.hellos.fetch_add(1, Ordering::Relaxed);
+            if self.joined.len() < MAX_JOINED && self.joined.insert(from) {
+                self.stats.receivers_joined.fetch_add(1, Ordering::Relaxed);
+            }
             self.send_probe();
             return;
         }
@@ -593,13 +620,24 @@ impl SenderCore {
         };
         h.kind = wire::KIND_FRAGMENT;
         h.count = self.fragments;
-        h.seal(&self.cfg.key, data);
+        self.seq += 1;
+        h.seq = self.seq;
+        let mut sealed = std::mem::take(&mut self.sealed);
+        let data = match &self.cipher {
+            Some((cipher, id)) => {
+                sealed.copy_from_slice(data);
+                h.seal_page(cipher, *id, &mut sealed);
+                &sealed
+            }
+            None => {
+                h.seal(&self.cfg.key, data);
+                data
+            }
+        };
         let mut buf = std::mem::take(&mut self.buf);
         for i in 0..self.fragments {
             let Some(r) = wire::fragment_range(i, self.fragments) else { break };
-            self.seq += 1;
             h.index = i;
-            h.seq = self.seq;
             h.write(&mut buf[..wire::DATA_HEADER]);
             let len = wire::DATA_HEADER + r.len();
             buf[wire::DATA_HEADER..len].copy_from_slice(&data[r]);
@@ -608,6 +646,7 @@ impl SenderCore {
         }
         self.stats.data_pages.fetch_add(1, Ordering::Relaxed);
         self.buf = buf;
+        self.sealed = sealed;
     }
 }
 

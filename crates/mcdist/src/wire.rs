@@ -13,6 +13,7 @@
 //! group datagram (sender → G:port), header 64 bytes:
 //!   0 magic "SFMC" | 4 kind u8 | 5 fragment index u8 | 6 fragment count u8 | 7 0
 //!   8 ticket u64 | 16 page address u64 | 24 sequence u64 | 32 MAC [32]
+//!   (encrypted FRAGMENT: 32 AEAD tag [16] | sender id [16])
 //!   64 payload: bytes [index × ceil(4096/count) ..] of the page (kind FRAGMENT only)
 //!   kinds: PROBE (answer to HELLO; address = sequence of the probe), FRAGMENT,
 //!          ZERO (the page is all zero), UNREADABLE (the template cannot read it)
@@ -30,7 +31,21 @@
 //! reassembled page); a PROBE's, ZERO's or UNREADABLE's covers kind, ticket,
 //! address and sequence. A datagram or page whose MAC does not verify is
 //! dropped (`ReceiverStats::forged`, `SenderStats::invalid`) and the page is
-//! asked for again. Datagrams are not encrypted.
+//! asked for again.
+//!
+//! **Encryption** (when the sender's `fork.encrypt` is on; a receiver that
+//! requires it drops clear pages): a FRAGMENT's payload is a fragment of the
+//! page encrypted with AES-256-GCM ([`seal::Cipher`]) under a key derived
+//! from the ticket's key and the sender's random 16-byte id (carried in
+//! every fragment), with the ticket and address as associated data and the
+//! transmission's sequence number as nonce; the AEAD tag takes the place of
+//! the MAC. Every fragment of one transmission carries the same sequence
+//! number, tag and id. Nonces never repeat under a key: the key is the
+//! sender's own (its id is 128 random bits), and its sequence number grows
+//! by one for every datagram it sends that is not a fragment and once per
+//! page transmission. What stays in clear: kinds, addresses, sequence
+//! numbers, requests (page addresses and rates) — which pages, never their
+//! bytes.
 
 use crate::seal::{self, MAC_LEN};
 use starling_proto::SecretKey;
@@ -112,6 +127,33 @@ impl DataHeader {
     /// Whether the MAC is right (`page` as for [`DataHeader::seal`]; constant time).
     pub fn verify(&self, key: &SecretKey, page: &[u8]) -> bool {
         blake3::Hash::from(self.expected_mac(key, page)) == blake3::Hash::from(self.mac)
+    }
+
+    /// The sender id of an encrypted FRAGMENT (the KDF salt of its key).
+    pub fn sender_id(&self) -> [u8; 16] {
+        self.mac[16..].try_into().expect("16 bytes")
+    }
+
+    /// Encrypt a FRAGMENT's whole `page` in place under `cipher` (the
+    /// sender's, of id `sender`) and set the tag; the nonce is `seq`, which
+    /// must be this transmission's own (module doc).
+    pub fn seal_page(&mut self, cipher: &seal::Cipher, sender: [u8; 16], page: &mut [u8]) {
+        let tag = cipher.seal(seal::counter_nonce(self.seq), &self.page_aad(), page);
+        self.mac[..seal::TAG_LEN].copy_from_slice(&tag);
+        self.mac[seal::TAG_LEN..].copy_from_slice(&sender);
+    }
+
+    /// Decrypt a reassembled encrypted `page` in place; false if it does not
+    /// authenticate (`cipher`: derived for [`DataHeader::sender_id`]).
+    pub fn open_page(&self, cipher: &seal::Cipher, page: &mut [u8]) -> bool {
+        cipher.open(seal::counter_nonce(self.seq), &self.page_aad(), page, &self.mac[..seal::TAG_LEN])
+    }
+
+    fn page_aad(&self) -> [u8; 16] {
+        let mut aad = [0u8; 16];
+        aad[..8].copy_from_slice(&self.ticket.to_le_bytes());
+        aad[8..].copy_from_slice(&self.addr.to_le_bytes());
+        aad
     }
 
     /// Parse a datagram; None for anything malformed (peers are not trusted).
@@ -257,6 +299,25 @@ mod tests {
         assert!(z.verify(&key, &[]));
         z.addr = 0x2000; // a ZERO moved to another page
         assert!(!z.verify(&key, &[]));
+        // Encrypted: opens only as sealed, under the sender's key, at its address.
+        let sender = [4u8; 16];
+        let cipher = seal::Cipher::derive(&key, seal::MULTICAST_PAGE, &[&sender]);
+        let mut e = DataHeader { kind: KIND_FRAGMENT, index: 0, count: 1, ticket: 7, addr: 0x1000, seq: 11, mac: [0; 32] };
+        let mut sealed = page.clone();
+        e.seal_page(&cipher, sender, &mut sealed);
+        assert_ne!(sealed, page);
+        assert_eq!(e.sender_id(), sender);
+        let mut opened = sealed.clone();
+        assert!(e.open_page(&cipher, &mut opened));
+        assert_eq!(opened, page);
+        let moved = DataHeader { addr: 0x2000, ..e.clone() };
+        assert!(!moved.open_page(&cipher, &mut sealed.clone()));
+        let replayed = DataHeader { seq: 12, ..e.clone() };
+        assert!(!replayed.open_page(&cipher, &mut sealed.clone()));
+        let mut tampered = sealed.clone();
+        tampered[100] ^= 1;
+        assert!(!e.open_page(&cipher, &mut tampered));
+        assert!(!e.open_page(&seal::Cipher::derive(&other, seal::MULTICAST_PAGE, &[&sender]), &mut sealed.clone()));
         let q = Request { kind: REQ_PAGES, ticket: 7, receiver: 2, rate: 1000, rtt_us: 50, addrs: vec![0x1000] };
         let e = q.encode_sealed(&key);
         assert_eq!(Request::parse_sealed(&e, &key).unwrap(), q);

@@ -67,8 +67,11 @@ fn forged_datagrams_are_dropped_and_a_receiver_without_the_key_gets_nothing() {
     let mut rx = Receiver::start(rcfg, sink.clone()).expect("a receiver with the key hears the probe");
 
     // A forger on the group: for every page, a ZERO and a whole-page
-    // FRAGMENT of 0xEE sealed with another key, and a FRAGMENT carrying the
-    // page's plain BLAKE3 (what the unsealed protocol accepted).
+    // FRAGMENT of 0xEE sealed with another key, a FRAGMENT carrying the
+    // page's plain BLAKE3 (what the unsealed protocol accepted), one
+    // encrypted under another key, and one in clear with the right key's MAC
+    // (the sender and receiver encrypt, `fork.encrypt`'s default: a clear
+    // page is refused even when its MAC is right).
     let forger = UdpSocket::bind((lo, 0)).unwrap();
     socket2::SockRef::from(&forger).set_multicast_if_v4(&lo).unwrap();
     forger.set_multicast_loop_v4(true).unwrap();
@@ -82,7 +85,13 @@ fn forged_datagrams_are_dropped_and_a_receiver_without_the_key_gets_nothing() {
             let mut frag = DataHeader { kind: wire::KIND_FRAGMENT, index: 0, count: 1, ticket, addr, seq: 2, mac: [0; 32] };
             frag.seal(&other, &evil);
             let plain = DataHeader { mac: *blake3::hash(&evil).as_bytes(), ..frag.clone() };
-            [(zero, &[][..]), (frag, &evil[..]), (plain, &evil[..])].map(|(h, payload)| {
+            let mut clear = frag.clone();
+            clear.seal(&key, &evil);
+            let mut encrypted = frag.clone();
+            let mut sealed = evil.clone();
+            let id = [9u8; 16];
+            encrypted.seal_page(&starling_mcdist::seal::Cipher::derive(&other, starling_mcdist::seal::MULTICAST_PAGE, &[&id]), id, &mut sealed);
+            [(zero, &evil[..0]), (frag, &evil[..]), (plain, &evil[..]), (clear, &evil[..]), (encrypted, &sealed[..])].map(|(h, payload)| {
                 let mut d = vec![0u8; wire::DATA_HEADER + payload.len()];
                 h.write(&mut d);
                 d[wire::DATA_HEADER..].copy_from_slice(payload);

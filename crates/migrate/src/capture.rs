@@ -86,6 +86,19 @@ fn ns_id(pid: i32, tid: i32) -> Result<u64> {
         .ok_or_else(|| MigrateError::Unmovable(format!("thread {tid}: no NSpid in its status")))
 }
 
+/// The name of thread `tid` of `pid` (its `comm`, at most 15 bytes), NUL-padded
+/// as [`ThreadCore::comm`] holds it; all zero if it cannot be read (the
+/// restored thread then keeps the restorer's name, nothing else is lost).
+fn thread_name(pid: i32, tid: i32) -> [u8; 16] {
+    let mut comm = [0u8; 16];
+    if let Ok(name) = read(&format!("/proc/{pid}/task/{tid}/comm")) {
+        let name = name.strip_suffix('\n').unwrap_or(&name).as_bytes();
+        let n = name.len().min(15);
+        comm[..n].copy_from_slice(&name[..n]);
+    }
+    comm
+}
+
 /// Refuse what cannot move, without stopping the process.
 pub fn precheck(pid: i32, root: &Path) -> Result<()> {
     let children = children(pid)?;
@@ -453,6 +466,7 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
             rseq: Rseq { addr, len, sig },
             sigmask,
             altstack,
+            comm: thread_name(f.pid, tid),
         };
         threads.push(ThreadState { core, fpu, pending });
     }

@@ -8,10 +8,10 @@ use crate::inject::Injector;
 use crate::wire::{self, ToSource, ToTarget};
 use crate::{MigrateError, Result};
 use starling_fork::dump::{dump_regions, RegionOptions};
-use starling_fork::page_server::{PageServer, PageServerOptions};
+use starling_fork::page_server::{Halves, PageServer, PageServerOptions};
+use starling_fork::stream::{StreamReader, StreamWriter};
 use starling_image::{PageClass, Region, RegionKind, PAGE_BYTES, PAGE_SIZE};
 use std::collections::HashSet;
-use std::io::BufWriter;
 use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::time::Instant;
 
@@ -32,6 +32,8 @@ pub struct SourceOptions {
     pub page_server_ip: IpAddr,
     /// The move's secret: the key of its page server.
     pub key: starling_proto::SecretKey,
+    /// Encrypt the page server's connections (`fork.encrypt`).
+    pub encrypt: bool,
     /// Snowbird's way, kept as the baseline: no copy while it runs, every
     /// page sent while it is frozen.
     pub stop_and_copy: bool,
@@ -39,7 +41,7 @@ pub struct SourceOptions {
 
 impl SourceOptions {
     pub fn new(capture: CaptureOptions, page_server_ip: IpAddr) -> SourceOptions {
-        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_proto::SecretKey::random() }
+        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_proto::SecretKey::random(), encrypt: true }
     }
 }
 
@@ -97,7 +99,7 @@ fn fetch_pages(regions: &[Region]) -> Vec<u64> {
 }
 
 /// Read `addrs` from `pid` and send them in batches; returns bytes sent.
-fn send_pages(pid: i32, addrs: &[u64], w: &mut BufWriter<TcpStream>) -> Result<u64> {
+fn send_pages(pid: i32, addrs: &[u64], w: &mut StreamWriter<TcpStream>) -> Result<u64> {
     let mut bytes = 0;
     let mut buf = vec![0u8; BATCH_PAGES * PAGE_BYTES];
     for batch in addrs.chunks(BATCH_PAGES) {
@@ -145,17 +147,17 @@ fn writable_ranges(regions: &[Region]) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// Move process `pid` to the target at the other end of `stream`.
+/// Move process `pid` to the target at the other end of `conn` (proven
+/// with the move's key: `page_server::prove_client`, then `halves`).
 ///
 /// Before the freeze any failure leaves the process running here; after the
 /// target reported it running, the process here is killed whatever happens
 /// (it must never run twice).
-pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mut dyn SourceHooks) -> Result<SourceReport> {
+pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn SourceHooks) -> Result<SourceReport> {
     let start = Instant::now();
     let mut report = SourceReport::default();
     precheck(pid, &opts.capture.root)?;
-    let mut reader = stream.try_clone().map_err(wire::WireError::Io)?;
-    let mut w = BufWriter::with_capacity(1 << 20, stream);
+    let (mut reader, mut w) = conn;
     let payload = hooks.prepare().map_err(|reason| MigrateError::Hook { stage: "prepare", reason })?;
     wire::send(&mut w, &ToTarget::Prepare { payload })?;
 
@@ -222,7 +224,7 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
     };
     let served: Vec<(u64, u64)> =
         desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
-    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key };
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key, encrypt: opts.encrypt };
     let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(
         &mut w,
@@ -245,8 +247,8 @@ pub fn migrate_out(pid: i32, stream: TcpStream, opts: &SourceOptions, hooks: &mu
 /// The baseline: freeze, send every page, resume there.
 fn stop_and_copy(
     pid: i32,
-    reader: &mut TcpStream,
-    w: &mut BufWriter<TcpStream>,
+    reader: &mut StreamReader<TcpStream>,
+    w: &mut StreamWriter<TcpStream>,
     opts: &SourceOptions,
     hooks: &mut dyn SourceHooks,
     start: Instant,
@@ -264,7 +266,7 @@ fn stop_and_copy(
     report.freeze_pages = pages.len() as u64;
     let served: Vec<(u64, u64)> =
         desc.regions.iter().filter(|r| r.pages.count(PageClass::Fetch) > 0).map(|r| (r.start, r.end)).collect();
-    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key };
+    let server_opts = PageServerOptions { mcdist: starling_mcdist::Switch::Off, ticket: None, descriptor: Vec::new(), key: opts.key, encrypt: opts.encrypt };
     let server = PageServer::start_with(pid, served, SocketAddr::new(opts.page_server_ip, 0), server_opts)?;
     wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale: Vec::new(), page_server: server.addr().to_string(), payload })?;
     finish(f, reader, server, hooks, frozen_at, start, report)
@@ -272,7 +274,7 @@ fn stop_and_copy(
 
 /// Wait until the target has what the restore needs besides memory (its
 /// file view, the mapped files' bytes): that work stays out of the pause.
-fn wait_prepared(reader: &mut TcpStream) -> Result<()> {
+fn wait_prepared(reader: &mut StreamReader<TcpStream>) -> Result<()> {
     match wire::recv::<ToSource>(reader) {
         Ok(ToSource::Prepared) => Ok(()),
         Ok(ToSource::Failed { reason }) => Err(MigrateError::TargetFailed(reason)),
@@ -285,7 +287,7 @@ fn wait_prepared(reader: &mut TcpStream) -> Result<()> {
 /// until it holds everything, then end it here.
 fn finish(
     f: Frozen,
-    reader: &mut TcpStream,
+    reader: &mut StreamReader<TcpStream>,
     mut server: PageServer,
     hooks: &mut dyn SourceHooks,
     frozen_at: Instant,

@@ -7,10 +7,10 @@ use crate::staging::Staging;
 use crate::wire::{self, ToSource, ToTarget};
 use crate::{MigrateError, Result};
 use starling_fork::fault::{FaultHandler, FaultOptions};
-use starling_fork::page_server::PageClient;
+use starling_fork::page_server::{Halves, PageClient};
+use starling_fork::stream::StreamWriter;
 use starling_fork::restore::Serve;
 use starling_image::Descriptor;
-use std::io::BufReader;
 use std::net::{SocketAddr, TcpStream};
 use std::sync::{Arc, Mutex};
 
@@ -23,6 +23,8 @@ pub struct Incoming {
     pub page_server: SocketAddr,
     /// The move's secret (proved to the page server).
     pub key: starling_proto::SecretKey,
+    /// Ask the page server for encryption (this host's `fork.encrypt`).
+    pub encrypt: bool,
     pub staged: Arc<Staging>,
     replies: Arc<Mutex<Replies>>,
 }
@@ -30,7 +32,7 @@ pub struct Incoming {
 /// The connection back to the source. `Complete` never overtakes
 /// `Resumed`: a small process can be drained before it runs.
 struct Replies {
-    stream: TcpStream,
+    stream: StreamWriter<TcpStream>,
     resumed: bool,
     complete: Option<ToSource>,
 }
@@ -64,16 +66,20 @@ impl Replies {
 /// every page arrived): the caller ends it and reports it lost.
 pub type OnLost = Arc<dyn Fn(String) + Send + Sync>;
 
-/// Receive a migration on `stream` until its image: `on_prepare` gets the
-/// source's first payload at once (to prepare while pages arrive: pages
-/// wait while it runs) and the source is told `Prepared` when it returns.
-pub fn receive(stream: TcpStream, key: starling_proto::SecretKey, on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>) -> Result<Incoming> {
-    let replies = Arc::new(Mutex::new(Replies {
-        stream: stream.try_clone().map_err(wire::WireError::Io)?,
-        resumed: false,
-        complete: None,
-    }));
-    let mut r = BufReader::with_capacity(1 << 20, stream);
+/// Receive a migration on `conn` (proven with the move's `key`:
+/// `page_server::prove_server`, then `halves`) until its image:
+/// `on_prepare` gets the source's first payload at once (to prepare while
+/// pages arrive: pages wait while it runs) and the source is told
+/// `Prepared` when it returns. `encrypt`: this host's `fork.encrypt`, for
+/// its connections to the source's page server.
+pub fn receive(
+    conn: Halves,
+    key: starling_proto::SecretKey,
+    encrypt: bool,
+    on_prepare: &mut dyn FnMut(Vec<u8>) -> std::result::Result<(), String>,
+) -> Result<Incoming> {
+    let (mut r, stream) = conn;
+    let replies = Arc::new(Mutex::new(Replies { stream, resumed: false, complete: None }));
     let mut frames = FrameReader::default();
     let fail = |reason: String| {
         let _ = replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Failed { reason });
@@ -95,7 +101,7 @@ pub fn receive(stream: TcpStream, key: starling_proto::SecretKey, on_prepare: &m
             }
             Ok(Taken::Image { descriptor, page_server, payload }) => {
                 let staged = Arc::new(frames.into_staging());
-                return Ok(Incoming { descriptor: *descriptor, payload, page_server, key, staged, replies });
+                return Ok(Incoming { descriptor: *descriptor, payload, page_server, key, encrypt, staged, replies });
             }
         }
     }
@@ -156,14 +162,14 @@ impl Incoming {
     /// descriptor as the handler sees files (under the task's root).
     pub fn serve(&self, desc: Descriptor, prefetch: usize, on_lost: OnLost) -> Serve {
         let desc = Arc::new(desc);
-        let (staged, server, replies, key) = (self.staged.clone(), self.page_server, self.replies.clone(), self.key);
+        let (staged, server, replies, key, encrypt) = (self.staged.clone(), self.page_server, self.replies.clone(), self.key, self.encrypt);
         Arc::new(move |_id, uffd, stats, stop| {
-            let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch };
-            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server, &key)?, stats.clone(), opts)
+            let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch, encrypt };
+            let mut h = FaultHandler::new_with(uffd, &desc, PageClient::connect(server, &key, encrypt)?, stats.clone(), opts)
                 .with_local_pages(staged.clone());
             let (replies2, lost2, stats2) = (replies.clone(), on_lost.clone(), stats.clone());
             h.spawn_drain(
-                PageClient::connect(server, &key)?,
+                PageClient::connect(server, &key, encrypt)?,
                 Box::new(move |r| {
                     let mut s = replies2.lock().unwrap_or_else(|p| p.into_inner());
                     match r {

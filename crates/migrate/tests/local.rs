@@ -9,7 +9,8 @@ use starling_migrate::capture::CaptureOptions;
 use starling_migrate::source::{migrate_out, SourceHooks, SourceOptions};
 use starling_migrate::target::receive;
 use std::io::{BufRead, BufReader, Read};
-use std::net::{TcpListener, TcpStream};
+use starling_fork::page_server::connect_proven;
+use std::net::TcpListener;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::PathBuf;
@@ -122,8 +123,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
     // The move's key (the head makes it on a cluster): the target's page-server client proves it.
     let key = starling_proto::SecretKey::random();
     let target = std::thread::spawn(move || -> TargetEnd {
-        let (s, _) = listener.accept().map_err(|e| e.to_string())?;
-        let inc = receive(s, key, &mut |_| Ok(())).map_err(|e| e.to_string())?;
+        let inc = receive(accept_proven(&listener, &key), key, true, &mut |_| Ok(())).map_err(|e| e.to_string())?;
         let desc = inc.descriptor.clone();
         let lost = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let lost2 = lost.clone();
@@ -154,8 +154,15 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
     });
     let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
     opts.key = key;
-    let report = migrate_out(p.pid, TcpStream::connect(addr).unwrap(), &opts, &mut NoHooks);
+    let report = migrate_out(p.pid, connect_proven(addr, &key, true).unwrap(), &opts, &mut NoHooks);
     (report, target.join().unwrap())
+}
+
+/// The target's side of the move's key proof, as the agent does it (encrypted).
+fn accept_proven(listener: &TcpListener, key: &starling_proto::SecretKey) -> starling_fork::page_server::Halves {
+    let (s, _) = listener.accept().unwrap();
+    let secrecy = starling_fork::page_server::prove_server(key, true, &mut &s, &mut &s).unwrap();
+    starling_fork::page_server::halves(s, secrecy).unwrap()
 }
 
 /// Run `cmd` undisturbed, then again with a move once `ready` was printed;
@@ -287,14 +294,16 @@ fn target_lost_mid_migration_leaves_the_process_running_here() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
     // A target that takes some pages, then dies.
+    let key = starling_proto::SecretKey::random();
     let target = std::thread::spawn(move || {
-        let (mut s, _) = listener.accept().unwrap();
+        let (mut r, w) = accept_proven(&listener, &key);
         let mut buf = vec![0u8; 4 << 20];
-        let _ = s.read_exact(&mut buf);
-        drop(s);
+        let _ = r.read_exact(&mut buf);
+        drop((r, w));
     });
-    let opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
-    let r = migrate_out(p.pid, TcpStream::connect(addr).unwrap(), &opts, &mut NoHooks);
+    let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
+    opts.key = key;
+    let r = migrate_out(p.pid, connect_proven(addr, &key, true).unwrap(), &opts, &mut NoHooks);
     target.join().unwrap();
     assert!(r.is_err(), "the migration must fail: {r:?}");
     let status = p.child.wait().unwrap();

@@ -26,6 +26,29 @@ pub enum FileReq {
     ReadDir { path: WirePath },
     GetRecipe { name: Hash },
     GetChunks { hashes: Vec<Hash> },
+    /// Like `GetChunks`, from a host that can fetch from its peers: the head
+    /// may answer, per chunk, with a peer that has (or is fetching) it
+    /// instead of the bytes ([`FileResp::ChunkSources`]).
+    FindChunks { hashes: Vec<Hash> },
+}
+
+/// Where a host gets one chunk of a [`FileReq::FindChunks`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ChunkSource {
+    /// The bytes, as `GetChunks` would have sent them.
+    Data(ChunkData),
+    /// Ask this peer (its [`HostInfo::peer`] address); on any failure, the
+    /// head with `GetChunks`.
+    Peer { hash: Hash, addr: String },
+}
+
+impl ChunkSource {
+    pub fn hash(&self) -> &Hash {
+        match self {
+            ChunkSource::Data(c) => &c.hash,
+            ChunkSource::Peer { hash, .. } => hash,
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,6 +58,8 @@ pub enum FileResp {
     ReadDir(Result<Vec<DirEntry>, i32>),
     Recipe(Option<Recipe>),
     Chunks(Vec<ChunkData>),
+    /// The answer to `FindChunks`: one source per chunk, in the order asked.
+    ChunkSources(Vec<ChunkSource>),
     /// The request failed with this errno.
     Errno(i32),
 }
@@ -211,6 +236,12 @@ pub enum Msg {
     /// ticket's clones), sent when the counts change (throttled by the client) and once at
     /// shutdown with `closed`. For the dashboard only.
     ExecutorProgress { ticket: u64, progress: ExecutorProgress },
+
+    // ---- roaming tasks (appended: variants are encoded by index)
+    /// Client → head, on the task's own connection: its migration manager decided this (moves
+    /// included, before it asks for them). The head keeps the latest [`MAX_ROAM_DECISIONS`] for
+    /// `starling ps --why`; the first note makes the task a roaming one in `ps`.
+    RoamNote { task: TaskId, decision: RoamDecision },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -260,6 +291,7 @@ impl Msg {
             Msg::Error { message, .. } => check_bytes("error message", message.len(), 64 << 10),
             Msg::HostInfo(h) => {
                 check_bytes("host name", h.name.len(), 256)?;
+                check_bytes("peer address", h.peer.as_ref().map_or(0, String::len), 256)?;
                 if !h.load.is_finite() || h.load < 0.0 {
                     return Err(Invalid::HostLoad.into());
                 }
@@ -276,7 +308,7 @@ impl Msg {
             Msg::FileRequest { req, .. } => match req {
                 FileReq::Lookup { path } | FileReq::ReadDir { path } => path.validate(),
                 FileReq::GetRecipe { .. } => Ok(()),
-                FileReq::GetChunks { hashes } => check_bytes("chunk batch", hashes.len(), MAX_BATCH),
+                FileReq::GetChunks { hashes } | FileReq::FindChunks { hashes } => check_bytes("chunk batch", hashes.len(), MAX_BATCH),
             },
             Msg::FileResponse { resp, .. } => match resp {
                 FileResp::Lookup(Lookup::Symlink(_, t)) => check_bytes("symlink target", t.len(), MAX_PATH),
@@ -289,6 +321,13 @@ impl Msg {
                     Ok(())
                 }
                 FileResp::Recipe(Some(r)) => r.validate(),
+                FileResp::ChunkSources(sources) => {
+                    check_bytes("chunk batch", sources.len(), MAX_BATCH)?;
+                    sources.iter().try_for_each(|s| match s {
+                        ChunkSource::Peer { addr, .. } => check_bytes("peer address", addr.len(), 256),
+                        ChunkSource::Data(_) => Ok(()),
+                    })
+                }
                 _ => Ok(()),
             },
             Msg::Finished { changes, accessed, .. } => {
@@ -333,6 +372,14 @@ impl Msg {
                 Ok(())
             }
             Msg::PsReply(rows) => check_bytes("task rows", rows.len(), 1 << 20),
+            Msg::RoamNote { decision: d, .. } => {
+                for (what, s) in [("state", &d.from_state), ("state", &d.to_state), ("site", &d.from_site), ("site", &d.to_site), ("action", &d.action)] {
+                    check_bytes(what, s.len(), 256)?;
+                }
+                check_bytes("decision reason", d.reason.len(), 4096)?;
+                check_bytes("sensors", d.sensors.len(), 64)?;
+                d.sensors.iter().try_for_each(|(n, _)| check_bytes("sensor name", n.len(), 64))
+            }
             Msg::UsageReply { tasks, .. } => check_bytes("task usage rows", tasks.len(), 1 << 20),
             Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
             Msg::MigrateIn { from, .. } => check_bytes("host name", from.len(), 256),

@@ -364,6 +364,45 @@ pub struct TaskRow {
     pub rss_bytes: Option<u64>,
     /// Seconds since it started.
     pub runtime_seconds: f64,
+    /// Threads of its processes that are runnable now (state R), if known: a roaming task's
+    /// migration manager reads its CPU demand from this and `cpu_seconds`.
+    pub runnable: Option<u32>,
+    /// A roaming task's (`exec --roam`): why it runs where it does, and its manager's decisions.
+    pub roam: Option<RoamLog>,
+}
+
+/// A roaming task's record at the head (`starling ps`, `ps --why`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoamLog {
+    /// Why it runs where it runs now (the latest decision that moved it, or its start).
+    pub reason: String,
+    /// Its migration manager's decisions (and moves by hand), oldest first, at most
+    /// [`MAX_ROAM_DECISIONS`] (older ones are dropped).
+    pub decisions: Vec<RoamDecision>,
+}
+
+/// Most decisions the head keeps per roaming task.
+pub const MAX_ROAM_DECISIONS: usize = 256;
+
+/// One decision of a roaming task's migration manager: with the sensor values that caused it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RoamDecision {
+    /// Client wall clock (ms since the epoch).
+    pub at_ms: i64,
+    /// The manager's state before and after (profile state names; equal when it stayed).
+    pub from_state: String,
+    pub to_state: String,
+    /// Where the task ran, and where the decision sends it (a host name, `home`, or
+    /// `cluster` for any host).
+    pub from_site: String,
+    pub to_site: String,
+    /// What the decision was: `move`, `moved`, `stay` (a rule fired but the move was held back:
+    /// dwell time, cost/benefit) or `failed`.
+    pub action: String,
+    /// In words: the rule that fired and why the move was made or held back.
+    pub reason: String,
+    /// The averaged sensors behind it (name, value).
+    pub sensors: Vec<(String, f64)>,
 }
 
 /// What one task uses on its host (for `starling ps`).
@@ -372,6 +411,8 @@ pub struct TaskUsage {
     pub task: TaskId,
     pub cpu_seconds: f64,
     pub rss_bytes: u64,
+    /// Threads in state R (running or waiting for a CPU) now.
+    pub runnable: u32,
 }
 
 /// What a live migration did.
@@ -694,6 +735,14 @@ pub struct HostInfo {
     /// None if the agent has no guest cgroup.
     #[serde(default)]
     pub owner: Option<OwnerReport>,
+    /// The site is the user's own machine (`starling agent --home`, started by `exec --roam`):
+    /// the head places there only what names it (a roaming task's start, `migrate --to home`).
+    #[serde(default)]
+    pub home: bool,
+    /// `IP:PORT` where this host serves the chunks it holds to other hosts
+    /// of the cluster (`FindChunks`); None if it does not.
+    #[serde(default)]
+    pub peer: Option<String>,
 }
 
 /// One host's owner monitor and guest containment, sent with each load report.

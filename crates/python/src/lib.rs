@@ -289,10 +289,11 @@ fn clone_host(ticket: PyRef<'_, Ticket>, id: i32) -> Option<String> {
 /// `join`), as a dict: bytes_wire (TCP + multicast, with headers),
 /// bytes_tcp, bytes_multicast, pages_requested, pages_served, rate_cuts,
 /// implicit_losses, lockstep_suppressed, pages_pushed, rate_min, rate_now,
-/// descriptor_pages_sent. None before `clone`.
+/// descriptor_pages_sent, multicast_data_pages, multicast_data_datagrams,
+/// multicast_mtu, multicast_receivers (one per clone host). None before `clone`.
 #[pyfunction]
 fn ticket_stats(ticket: PyRef<'_, Ticket>) -> Option<std::collections::BTreeMap<&'static str, u64>> {
-    const NAMES: [&str; 12] = [
+    const NAMES: [&str; 16] = [
         "bytes_wire",
         "bytes_tcp",
         "bytes_multicast",
@@ -305,6 +306,10 @@ fn ticket_stats(ticket: PyRef<'_, Ticket>) -> Option<std::collections::BTreeMap<
         "rate_min",
         "rate_now",
         "descriptor_pages_sent",
+        "multicast_data_pages",
+        "multicast_data_datagrams",
+        "multicast_mtu",
+        "multicast_receivers",
     ];
     let w = ticket.core.wire_stats()?;
     Some(NAMES.into_iter().zip(w.to_array()).collect())

@@ -13,14 +13,15 @@
 //! stdio on 0-2.
 //!
 //! Steps: (1) block every signal; optionally a PID namespace: unshare, an
-//! init with PID 1, and the process with `set_tid` = its PID (PID 1 forks
+//! init with PID 1 (which mounts a `/proc` of that namespace in a mount
+//! namespace of its own), and the process with `set_tid` = its PID (PID 1 forks
 //! several for a hierarchical clone ticket); (2) move off the kernel-made
 //! stack onto a static one, unmap it, move vDSO/vvar to the image's
 //! addresses; (3) map every region at its exact address; (4) create a
 //! userfaultfd, register the regions with data to fetch, pass it to the
 //! handler; (5) restore fds, cwd, umask, rlimits, sigactions; (6) create the
 //! other threads with `clone3` `set_tid` = their TIDs; every thread restores
-//! its own fs/gs base, robust list, clear-tid address, rseq and credentials
+//! its own name, fs/gs base, robust list, clear-tid address, rseq and credentials
 //! and queues its pending signals, then waits at a barrier while the leader
 //! arms the interval timers and re-creates the POSIX timers with their IDs; (7) each thread resumes with `rt_sigreturn` on
 //! a frame holding its registers, FPU state, signal mask and altstack.
@@ -76,6 +77,7 @@ mod nr {
     pub const RT_SIGTIMEDWAIT: usize = 128;
     pub const RT_SIGQUEUEINFO: usize = 129;
     pub const PRCTL: usize = 157;
+    pub const MOUNT: usize = 165;
     pub const SECCOMP: usize = 317;
     pub const ARCH_PRCTL: usize = 158;
     pub const GETTID: usize = 186;
@@ -584,6 +586,7 @@ fn enter_pid_namespace(pid: u64, count: u64) {
     // PID 1 of the new namespace. Die with our parent (the launcher).
     // SAFETY: prctl with integer arguments.
     unsafe { sys!(nr::PRCTL, 1 /* PR_SET_PDEATHSIG */, 9) };
+    mount_own_proc();
     let first = header().clone_id;
     let mut pids = [0isize; MAX_CLONES_PER_RESTORE as usize];
     let mut running = 0u64;
@@ -633,6 +636,38 @@ fn enter_pid_namespace(pid: u64, count: u64) {
         }
     }
     exit_group(first_code)
+}
+
+/// In a mount namespace of our own, a `/proc` of the new PID namespace over
+/// the sandbox's. The sandbox's `/proc` numbers processes as its own
+/// namespace does, in which the restored ones have other IDs than they see
+/// for themselves: `/proc/<getpid()>` and `/proc/self/task/<tid>` (glibc's
+/// `pthread_getname_np`, tools reading their own threads) named another
+/// process or thread, or none. Called by PID 1 before it forks the
+/// processes, which inherit the namespace. Best effort: where it is not
+/// allowed (an agent without root whose sandbox hides parts of `/proc`)
+/// everything else is restored as before.
+fn mount_own_proc() {
+    const CLONE_NEWNS: usize = 0x0002_0000;
+    const MS_NOSUID: usize = 2;
+    const MS_NODEV: usize = 4;
+    const MS_NOEXEC: usize = 8;
+    const MS_PRIVATE: usize = 1 << 18;
+    let proc_dir = b"/proc\0";
+    // SAFETY: unshare takes flags only; it gives this process (and the
+    // processes it forks next) a copy of the sandbox's mount namespace.
+    if unsafe { sys!(nr::UNSHARE, CLONE_NEWNS) } < 0 {
+        return;
+    }
+    // SAFETY: mount with NUL-terminated static strings and no data. Making
+    // our copy of /proc private first keeps the new mount from propagating
+    // back into the sandbox's namespace (or further) if /proc was shared.
+    unsafe {
+        if sys!(nr::MOUNT, 0, proc_dir.as_ptr(), 0, MS_PRIVATE, 0) < 0 {
+            return;
+        }
+        sys!(nr::MOUNT, b"proc\0".as_ptr(), proc_dir.as_ptr(), b"proc\0".as_ptr(), MS_NOSUID | MS_NODEV | MS_NOEXEC, 0);
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1138,6 +1173,13 @@ fn restore_own_thread(index: usize) {
     if t.regs.gs_base != 0 {
         // SAFETY: as above.
         unsafe { sys!(nr::ARCH_PRCTL, 0x1001, t.regs.gs_base) };
+    }
+    if t.comm[0] != 0 {
+        // SAFETY: PR_SET_NAME (15) reads at most 16 bytes from the plan's
+        // copy of the name, which lives in the restorer's own memory; the
+        // kernel NUL-terminates what it keeps. A failure only leaves the
+        // restorer's name, so it is not fatal.
+        unsafe { sys!(nr::PRCTL, 15, t.comm.as_ptr()) };
     }
     if t.robust.head != 0 {
         // SAFETY: registers the image's robust list head (restored memory).

@@ -6,7 +6,7 @@
 //! its identity changed) and the files themselves. Every binding we hand
 //! out is remembered so the commit step can tell what the task saw.
 
-use starling_proto::{Attr, ChunkData, DirEntry, FileReq, FileResp, Hash, Lookup, NodeKind, Recipe, WirePath};
+use starling_proto::{Attr, ChunkData, ChunkSource, DirEntry, FileReq, FileResp, Hash, Lookup, NodeKind, Recipe, WirePath};
 use starling_store::RecipeCache;
 use std::collections::HashMap;
 use std::os::unix::ffi::OsStrExt;
@@ -158,7 +158,10 @@ impl FileServer {
                 }
                 FileResp::Recipe(r)
             }
-            FileReq::GetChunks { hashes } => match self.chunks(hashes) {
+            // A host asking the head for peers reaches the client only
+            // when the head keeps no relay cache: the bytes, from here.
+            FileReq::GetChunks { hashes } | FileReq::FindChunks { hashes } => match self.chunks(hashes) {
+                Ok(c) if matches!(req, FileReq::FindChunks { .. }) => FileResp::ChunkSources(c.into_iter().map(ChunkSource::Data).collect()),
                 Ok(c) => FileResp::Chunks(c),
                 Err(e) => {
                     log::warn!("serving chunks: {e}");

@@ -156,6 +156,8 @@ pub struct HostCache {
     /// id: a second task opening the same new file waits for the first
     /// rather than fetching it again.
     assembling: Mutex<HashMap<Hash, std::sync::Arc<Mutex<()>>>>,
+    /// Where chunks written only into assembled files are (for peers).
+    located: Mutex<crate::located::Located>,
 }
 
 impl HostCache {
@@ -193,7 +195,7 @@ impl HostCache {
         for (_, key, size) in found {
             index.use_entry(key, size);
         }
-        let cache = HostCache { root: dir.to_path_buf(), max_bytes, index: Mutex::new(index), assembling: Mutex::default() };
+        let cache = HostCache { root: dir.to_path_buf(), max_bytes, index: Mutex::new(index), assembling: Mutex::default(), located: Mutex::default() };
         cache.evict(&mut cache.lock(), None);
         Ok(cache)
     }
@@ -253,6 +255,22 @@ impl HostCache {
         let Some(bytes) = self.read_entry(key, u64::from(starling_proto::MAX_CHUNK))? else { return Ok(None) };
         self.note_read(key, bytes.len() as u64);
         Ok(Some(bytes))
+    }
+
+    /// The bytes of chunk `h` for another host, which verifies them: from
+    /// the chunk store, or from where it was written into an assembled file
+    /// (complete or still being written). `None` if this host has no copy.
+    pub fn chunk_for_peer(&self, h: &Hash) -> io::Result<Option<Vec<u8>>> {
+        if self.lock().touch((Kind::Chunk, *h)) {
+            if let Some(bytes) = self.get_chunk_unverified(h)? {
+                return Ok(Some(bytes));
+            }
+        }
+        let found = self.located.lock().unwrap_or_else(|e| e.into_inner()).find(h);
+        match found {
+            Some((file, offset, len)) => crate::located::read_at(&file, offset, len).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Store a recipe; returns its name.
@@ -425,6 +443,10 @@ impl HostCache {
         }
         let mut fetched: HashSet<Hash> = HashSet::new();
         self.store(key, |f| {
+            // Each chunk written is remembered for peers as soon as it is in the file.
+            let file = std::sync::Arc::new(f.try_clone()?);
+            self.located.lock().unwrap_or_else(|e| e.into_inner()).add_file(file.clone());
+            let mut offset = 0u64;
             for c in &r.chunks {
                 let bytes = if missing.contains(&c.hash) && fetched.insert(c.hash) {
                     let bytes = fetch(&c.hash)?;
@@ -443,6 +465,8 @@ impl HostCache {
                     ));
                 }
                 f.write_all(&bytes)?;
+                self.located.lock().unwrap_or_else(|e| e.into_inner()).add_chunk(c.hash, &file, offset, c.len);
+                offset += u64::from(c.len);
             }
             f.set_permissions(fs::Permissions::from_mode(0o444))?;
             f.sync_all()

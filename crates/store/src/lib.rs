@@ -31,6 +31,7 @@
 
 pub mod chunker;
 mod host_cache;
+mod located;
 mod recipe_cache;
 
 pub use host_cache::{CacheStats, HostCache};

@@ -345,3 +345,31 @@ fn assemble_fetching_writes_fetched_chunks_straight_into_the_file() {
     assert_eq!(err.to_string(), "gone");
     assert_eq!(cache.assemble(&r2).unwrap_err().kind(), io::ErrorKind::NotFound);
 }
+
+#[test]
+fn chunks_written_into_an_assembled_file_are_served_to_peers_while_it_is_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = HostCache::open(dir.path(), 64 << 20).unwrap();
+    let data = random_bytes(12, 3 << 20);
+    let pieces = chunker::chunk_bytes(&data);
+    assert!(pieces.len() > 2, "the test needs several chunks");
+    let recipe = Recipe { size: data.len() as u64, mode: 0o100644, uid: 0, gid: 0, mtime_ns: 1, chunks: pieces.iter().map(|(r, _)| *r).collect() };
+    let bytes_of = |i: usize| data[pieces[i].1.clone()].to_vec();
+    assert!(cache.chunk_for_peer(&pieces[0].0.hash).unwrap().is_none(), "nothing is held before the fetch");
+    let missing = cache.missing(&recipe);
+    let mut next = 0;
+    cache
+        .assemble_fetching(&recipe, &missing, &mut |h| {
+            // Every chunk fetched before this one is already readable; this one is not yet.
+            for (i, (r, _)) in pieces.iter().enumerate().take(next) {
+                assert!(cache.chunk_for_peer(&r.hash).unwrap() == Some(bytes_of(i)), "chunk {i} while writing");
+            }
+            assert!(cache.chunk_for_peer(h).unwrap().is_none());
+            next += 1;
+            Ok(bytes_of(next - 1))
+        })
+        .unwrap();
+    for (i, (r, _)) in pieces.iter().enumerate() {
+        assert!(cache.chunk_for_peer(&r.hash).unwrap() == Some(bytes_of(i)), "chunk {i} after assembly");
+    }
+}

@@ -47,4 +47,8 @@ pub struct ThreadCore {
     /// Blocked signals (bit `n-1` = signal `n`).
     pub sigmask: u64,
     pub altstack: AltStack,
+    /// The thread's name (`/proc/PID/task/TID/comm`, `PR_SET_NAME`), NUL-padded;
+    /// all zero: keep whatever name the restored thread has. Without it a
+    /// restored thread shows the restorer's name in `ps`, `top` and debuggers.
+    pub comm: [u8; 16],
 }

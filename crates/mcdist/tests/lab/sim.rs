@@ -374,7 +374,8 @@ pub fn run_scenario(
                 Ok(r) => r,
                 Err(e) => return (Err(e.to_string()), 0, 0, 0, 0),
             };
-            let r = run_workload(&mut |a: &[u64]| rx.fetch(a), &mem, &img, &w, 16);
+            // As the fork's fault handler does: pages the sink installed meanwhile are not asked for.
+            let r = run_workload(&mut |a: &[u64]| rx.fetch_unless(a, &|x| mem.has(x)), &mem, &img, &w, 16);
             let st = rx.stats();
             let out = (
                 starling_mcdist::ReceiverStats::get(&st.pages_requested),

@@ -2,7 +2,11 @@
  * condition variables), the main thread printing a running checksum after
  * each round. Its output depends only on its arguments, so a run that was
  * migrated mid-way must print exactly what an undisturbed run prints.
+ * Each worker names itself (worker-N); at the end the main thread prints
+ * every thread's name as the kernel has it (/proc/.../comm), which a move
+ * must keep too (`ps`, `top` and debuggers show it).
  * usage: workers ROUNDS HEAP_MIB [PAUSE_US] */
+#define _GNU_SOURCE
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -21,6 +25,9 @@ static size_t heap_words;
 
 static void *worker(void *arg) {
     int id = (int)(intptr_t)arg, seen = 0;
+    char name[16];
+    snprintf(name, sizeof name, "worker-%d", id);
+    pthread_setname_np(pthread_self(), name);
     for (;;) {
         pthread_mutex_lock(&mu);
         while (round_no == seen && !stop)
@@ -74,6 +81,15 @@ int main(int argc, char **argv) {
         fflush(stdout);
         usleep(pause);
     }
+    char name[16];
+    printf("names:");
+    pthread_getname_np(pthread_self(), name, sizeof name);
+    printf(" %s", name);
+    for (int i = 0; i < WORKERS; i++) {
+        pthread_getname_np(t[i], name, sizeof name);
+        printf(" %s", name);
+    }
+    printf("\n");
     pthread_mutex_lock(&mu);
     stop = 1;
     pthread_cond_broadcast(&cv_work);

@@ -1,0 +1,295 @@
+//! Host-to-host chunk sharing: each agent serves the chunks it holds to the
+//! other agents of its cluster, and fetches from them the chunks the head's
+//! relay refers it to (`FindChunks` → `ChunkSource::Peer`), so a file read
+//! by many hosts leaves the head about once.
+//!
+//! The wire is the proto's own: `Hello` (role `Agent` both ways), then
+//! `FileRequest { GetChunks }` answered by `FileResponse { Chunks }` listing
+//! the chunks this host has, in the order asked (those it has not are left
+//! out). With `--auth` the connection is mutual TLS and both sides must show
+//! an agent certificate of the cluster's CA.
+//!
+//! A host referred to a peer that is still fetching the chunk itself (it
+//! asked the head first, a moment ago) waits for it: the peer answers once
+//! the chunk is written into its assembled file, or leaves it out when its
+//! own fetch ends without it. The asking host verifies every chunk against
+//! its name exactly as it does the head's, and gets whatever the peer did
+//! not deliver (refused, left out, connection lost) from the head.
+
+use crate::remote::Waiters;
+use starling_auth::Role as AuthRole;
+use starling_proto::conn::{establish, Outgoing};
+use starling_proto::{ChunkData, FileReq, FileResp, Hash, Msg, ProtoError, Role, TaskId};
+use starling_store::HostCache;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+/// The longest a host waits for a peer's answer before asking the head
+/// instead. Only a peer that hangs without closing its connection (stopped,
+/// partitioned) takes this long: a dead one's connection closes at once,
+/// and a peer answers as soon as its own fetch of the chunks ends.
+const PEER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Chunks this host has asked for and not yet written (or given up on):
+/// a peer asking for one of them is answered when it lands.
+pub(crate) struct Pending {
+    chunks: Mutex<HashMap<Hash, u32>>,
+    /// Bumped whenever chunks stop being pending.
+    changed: watch::Sender<u64>,
+}
+
+impl Default for Pending {
+    fn default() -> Self {
+        Pending { chunks: Mutex::default(), changed: watch::channel(0).0 }
+    }
+}
+
+impl Pending {
+    pub(crate) fn add(&self, hashes: &[Hash]) {
+        let mut map = self.chunks.lock().unwrap();
+        for h in hashes {
+            *map.entry(*h).or_insert(0) += 1;
+        }
+    }
+
+    pub(crate) fn remove(&self, hashes: &[Hash]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let mut map = self.chunks.lock().unwrap();
+        for h in hashes {
+            if let Some(n) = map.get_mut(h) {
+                *n -= 1;
+                if *n == 0 {
+                    map.remove(h);
+                }
+            }
+        }
+        drop(map);
+        self.changed.send_modify(|g| *g = g.wrapping_add(1));
+    }
+
+    fn contains(&self, h: &Hash) -> bool {
+        self.chunks.lock().unwrap().contains_key(h)
+    }
+}
+
+/// One connection to a peer, shared by every task fetching from it.
+struct PeerConn {
+    tx: Outgoing,
+    waiters: Arc<Waiters>,
+    closed: Arc<AtomicBool>,
+}
+
+/// This host's side of chunk sharing: what it is fetching, and its
+/// connections to peers.
+pub(crate) struct Peers {
+    pub(crate) pending: Pending,
+    cache: Arc<HostCache>,
+    name: String,
+    tls: Option<(starling_auth::TlsConnector, starling_auth::TlsAcceptor)>,
+    conns: Mutex<HashMap<String, Arc<PeerConn>>>,
+    rt: tokio::runtime::Handle,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum PeerError {
+    #[error("connecting: {0}")]
+    Connect(#[source] std::io::Error),
+    #[error("{0}")]
+    Proto(#[from] ProtoError),
+    #[error("a peer that is not an agent ({0:?})")]
+    NotAnAgent(Role),
+    #[error("a connection whose certificate is not an agent's")]
+    NotAnAgentCertificate,
+}
+
+impl Peers {
+    pub(crate) fn new(cache: Arc<HostCache>, name: String, auth: Option<&starling_auth::AuthDir>) -> Result<Peers, starling_auth::AuthError> {
+        let tls = match auth {
+            Some(a) => Some((a.connector(AuthRole::Agent)?, a.acceptor(AuthRole::Agent)?)),
+            None => None,
+        };
+        Ok(Peers { pending: Pending::default(), cache, name, tls, conns: Mutex::default(), rt: tokio::runtime::Handle::current() })
+    }
+
+    /// Ask peer `addr` for `hashes` (on behalf of `task`); the answer comes
+    /// on the receiver (the chunks it has, unverified), which is dropped
+    /// without one if the peer cannot be reached or its connection ends.
+    /// Called from FUSE threads (blocking).
+    pub(crate) fn ask(self: &Arc<Self>, addr: &str, task: TaskId, hashes: Vec<Hash>) -> std::sync::mpsc::Receiver<FileResp> {
+        let (dead_tx, dead_rx) = std::sync::mpsc::channel();
+        drop(dead_tx);
+        let Some(conn) = self.conn(addr) else { return dead_rx };
+        let (id, rx) = conn.waiters.register();
+        if conn.closed.load(Ordering::SeqCst) || conn.tx.blocking_send(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }).is_err() {
+            conn.waiters.complete_none(id);
+        }
+        rx
+    }
+
+    /// Wait for a peer's answer; the chunks it sent, none on any failure.
+    pub(crate) fn answer(rx: &std::sync::mpsc::Receiver<FileResp>) -> Vec<ChunkData> {
+        match rx.recv_timeout(PEER_TIMEOUT) {
+            Ok(FileResp::Chunks(c)) => c,
+            _ => Vec::new(),
+        }
+    }
+
+    /// The open connection to `addr`, dialled if there is none.
+    fn conn(self: &Arc<Self>, addr: &str) -> Option<Arc<PeerConn>> {
+        if let Some(c) = self.conns.lock().unwrap().get(addr) {
+            if !c.closed.load(Ordering::SeqCst) {
+                return Some(c.clone());
+            }
+        }
+        let me = self.clone();
+        let target = addr.to_string();
+        match self.rt.block_on(async move { me.dial(&target).await }) {
+            Ok(c) => {
+                self.conns.lock().unwrap().insert(addr.to_string(), c.clone());
+                Some(c)
+            }
+            Err(e) => {
+                log::warn!("peer {addr}: {e}; fetching from the head instead");
+                None
+            }
+        }
+    }
+
+    async fn dial(&self, addr: &str) -> Result<Arc<PeerConn>, PeerError> {
+        let sock = TcpStream::connect(addr).await.map_err(PeerError::Connect)?;
+        let _ = sock.set_nodelay(true);
+        match &self.tls {
+            None => self.start(sock).await,
+            Some((c, _)) => {
+                let s = c.connect(starling_auth::server_name(AuthRole::Agent), sock).await.map_err(PeerError::Connect)?;
+                self.start(s).await
+            }
+        }
+    }
+
+    async fn start<S>(&self, sock: S) -> Result<Arc<PeerConn>, PeerError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (r, w) = tokio::io::split(sock);
+        let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.name).await?;
+        if peer.role != Role::Agent {
+            return Err(PeerError::NotAnAgent(peer.role));
+        }
+        let conn = Arc::new(PeerConn { tx, waiters: Arc::new(Waiters::default()), closed: Arc::new(AtomicBool::new(false)) });
+        let (waiters, closed) = (conn.waiters.clone(), conn.closed.clone());
+        tokio::spawn(async move {
+            loop {
+                match incoming.recv().await {
+                    Ok(Msg::FileResponse { id, resp, .. }) => waiters.complete(id, resp),
+                    Ok(_) => {}
+                    Err(e) => {
+                        if !matches!(e, ProtoError::Closed) {
+                            log::warn!("peer {}: {e}", peer.name);
+                        }
+                        break;
+                    }
+                }
+            }
+            closed.store(true, Ordering::SeqCst);
+            waiters.fail_all();
+        });
+        Ok(conn)
+    }
+
+    /// Serve other hosts' requests on `listener` until the agent ends.
+    pub(crate) async fn serve(self: Arc<Self>, listener: TcpListener) {
+        loop {
+            let (sock, from) = match listener.accept().await {
+                Ok(a) => a,
+                Err(e) => {
+                    log::warn!("peer listener: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            };
+            let _ = sock.set_nodelay(true);
+            let me = self.clone();
+            tokio::spawn(async move {
+                let res = match &me.tls {
+                    None => me.clone().serve_one(sock).await,
+                    Some((_, a)) => match a.accept(sock).await {
+                        Ok(s) if starling_auth::client_role(&s) == Some(AuthRole::Agent) => me.clone().serve_one(s).await,
+                        Ok(_) => Err(PeerError::NotAnAgentCertificate),
+                        Err(e) => Err(PeerError::Connect(e)),
+                    },
+                };
+                if let Err(e) = res {
+                    log::info!("peer connection from {from}: {e}");
+                }
+            });
+        }
+    }
+
+    async fn serve_one<S>(self: Arc<Self>, sock: S) -> Result<(), PeerError>
+    where
+        S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    {
+        let (r, w) = tokio::io::split(sock);
+        let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.name).await?;
+        if peer.role != Role::Agent {
+            let _ = tx.send(Msg::Error { task: None, message: "only agents fetch chunks from agents".into() }).await;
+            return Err(PeerError::NotAnAgent(peer.role));
+        }
+        loop {
+            match incoming.recv().await {
+                Ok(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }) => {
+                    let (me, tx) = (self.clone(), tx.clone());
+                    tokio::spawn(async move {
+                        let chunks = me.held(&hashes).await;
+                        let _ = tx.send(Msg::FileResponse { task, id, resp: FileResp::Chunks(chunks) }).await;
+                    });
+                }
+                Ok(Msg::FileRequest { task, id, .. }) => {
+                    let _ = tx.send(Msg::FileResponse { task, id, resp: FileResp::Errno(libc::EINVAL) }).await;
+                }
+                Ok(Msg::Ping { nonce }) => {
+                    let _ = tx.send(Msg::Pong { nonce }).await;
+                }
+                Ok(_) => {}
+                Err(ProtoError::Closed) => return Ok(()),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// Of `hashes`, those this host has, in order, waiting for those it is
+    /// fetching right now.
+    async fn held(&self, hashes: &[Hash]) -> Vec<ChunkData> {
+        let mut out = Vec::with_capacity(hashes.len());
+        let mut changed = self.pending.changed.subscribe();
+        for h in hashes {
+            loop {
+                changed.borrow_and_update();
+                // Taken before looking: a chunk stops being pending only after it is written.
+                let pending = self.pending.contains(h);
+                let cache = self.cache.clone();
+                let hash = *h;
+                let found = tokio::task::spawn_blocking(move || cache.chunk_for_peer(&hash)).await;
+                if let Ok(Ok(Some(bytes))) = found {
+                    // Sent as read: the asking host verifies it (and CPU on this hop is not spent compressing).
+                    out.push(ChunkData::seal_named(*h, bytes, false));
+                    break;
+                }
+                if !pending {
+                    break;
+                }
+                if tokio::time::timeout(PEER_TIMEOUT, changed.changed()).await.is_err() {
+                    break;
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,271 @@
+//! A page-server or migration connection after its key proof: the bytes of
+//! the protocol above, in clear or in AES-256-GCM records (`fork.encrypt`).
+//!
+//! The key proof (`page_server::prove_server`/`prove_client`) settles
+//! whether the connection is encrypted (either side may ask; the answer is
+//! covered by both MACs, so nobody on the way can turn it off) and gives
+//! each direction its own key, derived from the ticket's or move's key and
+//! both handshake nonces ([`seal::PAGE_STREAM_CLIENT`],
+//! [`seal::PAGE_STREAM_SERVER`]). Records:
+//!
+//! ```text
+//! length u32 (ciphertext + tag, 16..=RECORD + 16) | ciphertext | tag [16]
+//! ```
+//!
+//! with the length as associated data and the record's number in its
+//! direction as nonce. **Nonces never repeat under a key**: a key belongs to
+//! one direction of one connection (the server's nonce is 32 fresh random
+//! bytes per connection), and its records are numbered from 0 up. A record
+//! that does not authenticate — tampered, reordered, replayed from another
+//! connection — is an `InvalidData` error and ends the connection; so does
+//! one cut short. The number is not on the wire: a dropped or repeated
+//! record fails the next tag.
+//!
+//! In clear the same types just buffer (as `BufReader`/`BufWriter` would),
+//! so the protocols above do not know which they run on.
+
+use starling_mcdist::seal::{self, Cipher, TAG_LEN};
+use std::io::{self, Read, Write};
+
+/// Largest plaintext of one record: what the writer buffers before sealing.
+pub const RECORD: usize = 256 * 1024;
+
+/// How much the reader asks of the socket at a time in clear.
+const CLEAR_READ: usize = 64 * 1024;
+
+/// The outcome of a key proof: clear, or the connection's two keys.
+pub struct Secrecy {
+    keys: Option<(Cipher, Cipher)>,
+}
+
+impl Secrecy {
+    /// No encryption.
+    pub fn clear() -> Secrecy {
+        Secrecy { keys: None }
+    }
+
+    /// The keys of a connection whose proof used these nonces, as its client
+    /// (`client = true`: sends with the client→server key) or server.
+    pub fn encrypted(key: &starling_proto::SecretKey, nonce_c: &[u8], nonce_s: &[u8], client: bool) -> Secrecy {
+        let up = Cipher::derive(key, seal::PAGE_STREAM_CLIENT, &[nonce_c, nonce_s]);
+        let down = Cipher::derive(key, seal::PAGE_STREAM_SERVER, &[nonce_c, nonce_s]);
+        Secrecy { keys: Some(if client { (up, down) } else { (down, up) }) }
+    }
+
+    pub fn is_encrypted(&self) -> bool {
+        self.keys.is_some()
+    }
+
+    /// The two halves of the connection (`read` and `write` ends of one
+    /// socket, e.g. a `TcpStream` and its `try_clone`).
+    pub fn split<R: Read, W: Write>(self, read: R, write: W) -> (StreamReader<R>, StreamWriter<W>) {
+        let (send, recv) = match self.keys {
+            Some((s, r)) => (Some(s), Some(r)),
+            None => (None, None),
+        };
+        (StreamReader::new(read, recv), StreamWriter::new(write, send))
+    }
+}
+
+/// The reading half (see the module doc).
+pub struct StreamReader<R> {
+    inner: R,
+    cipher: Option<Cipher>,
+    /// Records read so far (the next one's nonce).
+    count: u64,
+    buf: Vec<u8>,
+    pos: usize,
+    end: usize,
+}
+
+impl<R: Read> StreamReader<R> {
+    /// `cipher`: the peer's sending key, or None in clear.
+    pub fn new(inner: R, cipher: Option<Cipher>) -> StreamReader<R> {
+        StreamReader { inner, cipher, count: 0, buf: Vec::new(), pos: 0, end: 0 }
+    }
+
+    pub fn get_ref(&self) -> &R {
+        &self.inner
+    }
+
+    pub fn is_encrypted(&self) -> bool {
+        self.cipher.is_some()
+    }
+
+    /// Fill the buffer: `Ok(false)` at a clean end of the connection.
+    fn refill(&mut self) -> io::Result<bool> {
+        let Some(cipher) = &self.cipher else {
+            self.buf.resize(CLEAR_READ, 0);
+            let n = loop {
+                match self.inner.read(&mut self.buf) {
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                    r => break r?,
+                }
+            };
+            (self.pos, self.end) = (0, n);
+            return Ok(n > 0);
+        };
+        let mut len = [0u8; 4];
+        match self.inner.read_exact(&mut len) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        let n = u32::from_le_bytes(len) as usize;
+        if !(TAG_LEN..=RECORD + TAG_LEN).contains(&n) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("an encrypted record of {n} bytes")));
+        }
+        self.buf.resize(n, 0);
+        self.inner.read_exact(&mut self.buf)?;
+        let (data, tag) = self.buf.split_at_mut(n - TAG_LEN);
+        if !cipher.open(seal::counter_nonce(self.count), &len, data, tag) {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "an encrypted record failed authentication"));
+        }
+        self.count += 1;
+        (self.pos, self.end) = (0, n - TAG_LEN);
+        Ok(true)
+    }
+}
+
+impl<R: Read> Read for StreamReader<R> {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        while self.pos == self.end {
+            if !self.refill()? {
+                return Ok(0);
+            }
+        }
+        let n = out.len().min(self.end - self.pos);
+        out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// The writing half: buffers up to [`RECORD`] bytes, sent (sealed if
+/// encrypted) when full and on `flush`.
+pub struct StreamWriter<W: Write> {
+    inner: W,
+    cipher: Option<Cipher>,
+    /// Records sent so far (the next one's nonce).
+    count: u64,
+    /// The length's room, then the pending bytes.
+    buf: Vec<u8>,
+}
+
+impl<W: Write> StreamWriter<W> {
+    /// `cipher`: this side's sending key, or None in clear.
+    pub fn new(inner: W, cipher: Option<Cipher>) -> StreamWriter<W> {
+        StreamWriter { inner, cipher, count: 0, buf: vec![0u8; 4] }
+    }
+
+    pub fn get_ref(&self) -> &W {
+        &self.inner
+    }
+
+    /// Send what is buffered (one record when encrypted).
+    fn send(&mut self) -> io::Result<()> {
+        if self.buf.len() == 4 {
+            return Ok(());
+        }
+        match &self.cipher {
+            None => self.inner.write_all(&self.buf[4..])?,
+            Some(cipher) => {
+                let n = u32::try_from(self.buf.len() - 4 + TAG_LEN).expect("a record is at most RECORD + TAG_LEN");
+                let len = n.to_le_bytes();
+                self.buf[..4].copy_from_slice(&len);
+                let tag = cipher.seal(seal::counter_nonce(self.count), &len, &mut self.buf[4..]);
+                // u64 records of 16+ bytes each: the count cannot wrap.
+                self.count += 1;
+                self.buf.extend_from_slice(&tag);
+                self.inner.write_all(&self.buf)?;
+            }
+        }
+        self.buf.truncate(4);
+        Ok(())
+    }
+}
+
+impl<W: Write> Write for StreamWriter<W> {
+    fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        if self.buf.len() - 4 == RECORD {
+            self.send()?;
+        }
+        let n = data.len().min(RECORD - (self.buf.len() - 4));
+        self.buf.extend_from_slice(&data[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.send()?;
+        self.inner.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use starling_proto::SecretKey;
+
+    /// What a client sends, as bytes on the wire (`encrypt`: sealed records).
+    fn wire(key: &SecretKey, encrypt: bool, messages: &[&[u8]]) -> Vec<u8> {
+        let s = if encrypt { Secrecy::encrypted(key, b"c", b"s", true) } else { Secrecy::clear() };
+        let (_, mut w) = s.split(io::empty(), Vec::new());
+        for m in messages {
+            w.write_all(m).unwrap();
+            w.flush().unwrap();
+        }
+        w.inner
+    }
+
+    fn read_all(key: &SecretKey, encrypt: bool, bytes: &[u8]) -> io::Result<Vec<u8>> {
+        let s = if encrypt { Secrecy::encrypted(key, b"c", b"s", false) } else { Secrecy::clear() };
+        let (mut r, _) = s.split(bytes, io::sink());
+        let mut out = Vec::new();
+        r.read_to_end(&mut out)?;
+        Ok(out)
+    }
+
+    #[test]
+    fn records_round_trip_and_hide_their_bytes() {
+        let key = SecretKey([1; 32]);
+        let page = [0x5au8; 4096];
+        let big = vec![0xa5u8; 3 * RECORD + 7]; // several records in one write
+        for encrypt in [false, true] {
+            let bytes = wire(&key, encrypt, &[b"SFPQ", &page, &big]);
+            let seen = bytes.windows(64).any(|w| w == &page[..64]);
+            assert_eq!(seen, !encrypt, "page pattern on the wire, encrypt = {encrypt}");
+            let got = read_all(&key, encrypt, &bytes).unwrap();
+            assert_eq!(got, [&b"SFPQ"[..], &page, &big].concat());
+        }
+    }
+
+    #[test]
+    fn tampered_reordered_or_foreign_records_are_refused() {
+        let key = SecretKey([1; 32]);
+        let bytes = wire(&key, true, &[b"first record", b"second record"]);
+        let first = 4 + b"first record".len() + TAG_LEN;
+        let refused = |b: &[u8], k: &SecretKey| {
+            let e = read_all(k, true, b).unwrap_err();
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        };
+        for i in [0usize, 5, first - 1, first + 6] {
+            let mut t = bytes.clone();
+            t[i] ^= 1;
+            if i == 0 {
+                // A changed length either reads past the end or fails the tag.
+                assert!(read_all(&key, true, &t).is_err());
+            } else {
+                refused(&t, &key);
+            }
+        }
+        // The second record first: its nonce is the first's.
+        refused(&[&bytes[first..], &bytes[..first]].concat(), &key);
+        // Another key.
+        refused(&bytes, &SecretKey([2; 32]));
+        // Cut short.
+        assert_eq!(read_all(&key, true, &bytes[..bytes.len() - 1]).unwrap_err().kind(), io::ErrorKind::UnexpectedEof);
+    }
+}
