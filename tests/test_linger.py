@@ -410,7 +410,7 @@ def test_exec_names_the_policies_it_accepts():
     assert r.returncode != 0 and "LF, LL, PM or IE" in r.stderr, r.stderr
 
 
-# Rate windows (issue 10): the guests' disk and network bytes/s while the owner is active. The
+# Rate windows (issue 10): the guests' disk and network bytes/s while the owner does disk I/O. The
 # guests measure themselves: bytes over the time from their first byte to the last one on the disk
 # (O_DIRECT + fsync) or acknowledged by the receiver (it closes only after reading everything).
 WINDOW_BPS = 2 << 20
@@ -460,6 +460,15 @@ print(n / (time.monotonic() - t))
 """
 WINDOW_PORT = 7461
 HTB = "5354:"
+# The owner's disk I/O: O_DIRECT writes (v1 blkio charges direct I/O to the writer's group; buffered
+# writeback would go to the root group) far above the 1 MiB/s that switches the windows on.
+OWNER_IO = "while :; do dd if=/dev/zero of=/tmp/starling-owner-io-$$ bs=1M count=16 oflag=direct status=none; done"
+
+
+def remove_owner_io_files():
+    """What a killed OWNER_IO loop left in /tmp (an emulated host's owner shares this machine's root)."""
+    for f in pathlib.Path("/tmp").glob("starling-owner-io-*"):
+        f.unlink(missing_ok=True)
 
 
 def guest_rate(host, code, *args):
@@ -499,15 +508,16 @@ def windows_cluster():
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_rate_windows_limit_guests_while_the_owner_is_active_and_go_at_down(lcluster):
+def test_rate_windows_limit_guests_while_the_owner_does_io_and_go_at_down(lcluster):
     """h1's guests write O_DIRECT and send over TCP to a guest on h2: at ≈ the window while h1's
-    owner is at the keyboard, far above it once the owner is idle again; `down` leaves no rule."""
+    owner writes to disk, far above it once its I/O has stopped; an owner who is only at the
+    keyboard does not switch them on; `down` leaves no rule."""
     import threading
     windows_cluster()
-    receiver = None
+    receiver = owner = None
     try:
-        # A new cluster's owners are idle: no window (the hysteresis keeps one for 5 s at most).
-        o = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] is None and r, "h1's windows off while its owner is idle")
+        # A new cluster's owners do no I/O: no window.
+        o = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] is None and r, "h1's windows off while its owner does no I/O")
         assert blkio_rules(o["guest_cgroup"]) == []
         h2_addr = host("h2")["address"].split(":")[0]
         receiver = spawn(STARLING, "exec", "--host", "h2", "--", "python3", "-c", NET_RECEIVER, str(WINDOW_PORT), "2")
@@ -515,7 +525,14 @@ def test_rate_windows_limit_guests_while_the_owner_is_active_and_go_at_down(lclu
         threading.Thread(target=lambda: lines.extend(iter(receiver.stdout.readline, "")), daemon=True).start()
         guest_wait(lambda: "listening\n" in lines, "the receiver on h2 listening", timeout=600)
 
+        # At the keyboard only: the windows stay off. One report holds one sample: the keyboard the
+        # agent saw and what its windows' step did with that sample.
         starling("owner", "h1", "--active")
+        rep = wait_for(lambda: (r := owner_report("h1"))["keyboard"] == "active" and r, "h1's owner seen at the keyboard")
+        assert rep["rate_windows"] is None, f"windows on for an owner who does no I/O: {rep}"
+        starling("owner", "h1", "--idle")
+
+        owner = spawn(STARLING, "owner", "h1", "--", "sh", "-c", OWNER_IO)
         rep = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] and r, "h1's rate windows applied")
         assert "disk" in rep["rate_windows"] and "net" in rep["rate_windows"], rep
         assert "rate windows applied" in starling("status").stdout
@@ -523,24 +540,27 @@ def test_rate_windows_limit_guests_while_the_owner_is_active_and_go_at_down(lclu
         assert rules and all(l.split()[1] == str(WINDOW_BPS) for l in rules), rules
         disk_slow = guest_rate("h1", DISK_WRITER, "/tmp/window-disk", WINDOW_BYTES)
         net_slow = guest_rate("h1", NET_SENDER, h2_addr, WINDOW_PORT, WINDOW_BYTES)
-        print(f"owner active: disk {disk_slow / 2**20:.2f} MiB/s, net {net_slow / 2**20:.2f} MiB/s")
+        print(f"owner doing I/O: disk {disk_slow / 2**20:.2f} MiB/s, net {net_slow / 2**20:.2f} MiB/s")
         assert disk_slow <= 1.5 * WINDOW_BPS, f"guest wrote at {disk_slow / 2**20:.2f} MiB/s with a 2 MiB/s window"
         assert net_slow <= 1.5 * WINDOW_BPS, f"guest sent at {net_slow / 2**20:.2f} MiB/s with a 2 MiB/s window"
 
-        starling("owner", "h1", "--idle")
+        kill_group(owner)
+        owner = None
         wait_for(lambda: owner_report("h1")["rate_windows"] is None, "h1's rate windows removed")
         assert blkio_rules(o["guest_cgroup"]) == []
         disk_fast = guest_rate("h1", DISK_WRITER, "/tmp/window-disk", WINDOW_BYTES)
         net_fast = guest_rate("h1", NET_SENDER, h2_addr, WINDOW_PORT, WINDOW_BYTES)
-        print(f"owner idle: disk {disk_fast / 2**20:.2f} MiB/s, net {net_fast / 2**20:.2f} MiB/s")
-        assert disk_fast > 3 * WINDOW_BPS, f"guest wrote at only {disk_fast / 2**20:.2f} MiB/s with the owner idle"
-        assert net_fast > 3 * WINDOW_BPS, f"guest sent at only {net_fast / 2**20:.2f} MiB/s with the owner idle"
+        print(f"owner I/O stopped: disk {disk_fast / 2**20:.2f} MiB/s, net {net_fast / 2**20:.2f} MiB/s")
+        assert disk_fast > 3 * WINDOW_BPS, f"guest wrote at only {disk_fast / 2**20:.2f} MiB/s with the owner's I/O stopped"
+        assert net_fast > 3 * WINDOW_BPS, f"guest sent at only {net_fast / 2**20:.2f} MiB/s with the owner's I/O stopped"
         guest_wait(lambda: "received\n" in lines, "the receiver to get both streams")
 
         # Applied again, then `down`: no blkio rule, nft table or htb of ours is left anywhere.
-        starling("owner", "h1", "--active")
+        owner = spawn(STARLING, "owner", "h1", "--", "sh", "-c", OWNER_IO)
         wait_for(lambda: owner_report("h1")["rate_windows"], "h1's rate windows applied again")
         assert blkio_rules(o["guest_cgroup"])
+        kill_group(owner)
+        owner = None
         r = down()
         assert r.returncode == 0, r.stdout + r.stderr
         assert not cg("blkio", o["guest_cgroup"]).exists(), "the guest's blkio group (and its rules) left behind"
@@ -550,20 +570,23 @@ def test_rate_windows_limit_guests_while_the_owner_is_active_and_go_at_down(lclu
         assert [t for t in our_nft_tables() if prefix.replace("-", "_") in t] == [], our_nft_tables()
         assert our_qdiscs() == [], our_qdiscs()
     finally:
-        if receiver is not None:
-            kill_group(receiver)
+        for p in (receiver, owner):
+            if p is not None:
+                kill_group(p)
+        remove_owner_io_files()
         starling("owner", "h1", "--idle", check=False)
         starling("down", check=False)
         up(2)
 
 
 def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
-    """A lone agent in a network namespace of its own with an active (emulated) owner applies its
-    windows; killed -9 it leaves them; a new agent of the same name removes them at start; SIGTERM
+    """A lone agent in a network namespace of its own whose (emulated) owner writes to disk applies
+    its windows; killed -9 it leaves them; a new agent of the same name removes them at start; SIGTERM
     leaves nothing either."""
     require_root("network namespaces, nftables, tc and cgroups")
     name = f"lingerwin{os.getpid()}"
     rel = f"starling/{name}/guest"
+    owner_blkio = cg("blkio", f"starling/{name}/owner")
     subprocess.run(["ip", "netns", "add", name], check=True)
     state = tmp_path / "state"
     state.mkdir()
@@ -574,34 +597,47 @@ def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
                                  "--name", name, "--state", str(state), "--owner", "emulated"],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
 
+    def owner_io():
+        """The owner's disk writer, in the agent's owner blkio group (what `starling owner` does on a cluster)."""
+        wait_for(lambda: (owner_blkio / "cgroup.procs").exists(), "the agent's owner group")
+        return subprocess.Popen(["sh", "-c", f"echo $$ > {owner_blkio}/cgroup.procs && exec sh -c '{OWNER_IO}'"],
+                                start_new_session=True)
+
     def applied():
         return our_nft_tables(name) and our_qdiscs(name) and blkio_rules(rel)
 
-    a = None
+    a = writer = None
     try:
         r = in_netns(name, "ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1")
         assert r.returncode == 0, r.stderr
-        (state / "owner-keyboard").write_text("active\n")
         a = agent()
-        wait_for(applied, "the windows of an agent whose owner is active")
+        writer = owner_io()
+        wait_for(applied, "the windows of an agent whose owner writes to disk")
         assert len(our_qdiscs(name)) == 2, our_qdiscs(name)  # v0 and v1, not lo
         os.killpg(a.pid, signal.SIGKILL)
         a.wait(timeout=60)
+        kill_group(writer)
+        writer = None
         assert our_nft_tables(name) and our_qdiscs(name), "the killed agent's windows vanished by themselves"
-        (state / "owner-keyboard").write_text("idle\n")
         a = agent()
         wait_for(lambda: not our_nft_tables(name) and not our_qdiscs(name), "the new agent to remove the stale table and qdiscs")
         wait_for(lambda: (cg("cpu", rel) / "cpu.idle").exists(), "the new agent's guest group")
         assert blkio_rules(rel) == [], "the stale guest group's disk rules survived"
-        # The new agent applies its own when the owner comes back, and removes them at SIGTERM.
-        (state / "owner-keyboard").write_text("active\n")
+        # The new agent applies its own when the owner's I/O comes back, and removes them at SIGTERM
+        # (the writer leaves the owner group first, so that the agent can remove it).
+        writer = owner_io()
         wait_for(applied, "the new agent's windows")
+        kill_group(writer)
+        writer = None
         a.send_signal(signal.SIGTERM)
         assert a.wait(timeout=120) == 0
         assert our_nft_tables(name) == [] and our_qdiscs(name) == []
         _, every = v1_mounts()
         assert [m for m in every + unified_mounts() if (pathlib.Path(m) / "starling" / name).exists()] == []
     finally:
+        if writer is not None:
+            kill_group(writer)
+        remove_owner_io_files()
         if a is not None and a.poll() is None:
             kill_group(a)
         subprocess.run(["ip", "netns", "del", name], check=False)

@@ -43,11 +43,11 @@ fn rate(bps: u64) -> String {
 
 impl Windows {
     /// One owner sample: apply or remove the windows as the hysteresis says.
-    fn step(&mut self, g: &Guest, owner_active: bool, owner_io_bps: u64) {
+    fn step(&mut self, g: &Guest, owner_io_bps: u64) {
         if self.disk.is_none() && self.net.is_none() {
             return;
         }
-        match self.hysteresis.step(owner_active, owner_io_bps) {
+        match self.hysteresis.step(owner_io_bps) {
             Step::Keep => {}
             Step::Apply => {
                 let mut on = Vec::new();
@@ -67,8 +67,7 @@ impl Windows {
                         Err(e) => log::warn!("guests' network window not applied: {e}"),
                     }
                 }
-                let why = if owner_active { "owner active".to_string() } else { format!("owner I/O {} B/s", owner_io_bps) };
-                log::info!("{why}: guests' rate windows applied: {}", on.join(", "));
+                log::info!("owner disk I/O {owner_io_bps} B/s: guests' rate windows applied: {}", on.join(", "));
                 self.applied = (!on.is_empty()).then(|| on.join(", "));
             }
             Step::Remove => {
@@ -82,7 +81,7 @@ impl Windows {
                         log::warn!("removing the guests' network window: {e}");
                     }
                 }
-                log::info!("owner idle for {} s: guests' rate windows removed", window::QUIET_SAMPLES);
+                log::info!("owner disk I/O quiet for {} s: guests' rate windows removed", window::QUIET_SAMPLES);
                 self.applied = None;
             }
         }
@@ -92,7 +91,7 @@ impl Windows {
 impl Linger {
     /// No guest group: the home site runs the user's own work.
     pub fn none() -> Linger {
-        Linger { guest: None, report: Arc::new(Mutex::new(None)) }
+        Linger { guest: None, report: Arc::new(Mutex::new(None)), net: None }
     }
 
     /// Make the guest group (removing a stale one first). Without cgroups
@@ -195,7 +194,7 @@ impl Linger {
                 BandAction::Release => log::info!("free memory {} MiB ≥ high water: guests released", mib(s.mem_available)),
                 BandAction::Nothing => {}
             }
-            windows.step(&g, s.state != starling_linger::OwnerState::Idle, s.io_bps);
+            windows.step(&g, s.io_bps);
             let busy = !g.group().pids().is_empty();
             let doing = if st.suspended {
                 format!("guests suspended (PM): moved to an idle host if the owner is still active after {} s", pause_s)

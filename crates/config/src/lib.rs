@@ -204,9 +204,9 @@ pub struct AgentSettings {
     pub low_water_mib: u64,
     /// Free memory (MiB) above which the cap is lifted.
     pub high_water_mib: u64,
-    /// Guests' disk reads and writes (bytes/s per disk) while the owner is active or does I/O; 0: no limit.
+    /// Guests' disk reads and writes (bytes/s per disk) while the owner does disk I/O; 0: no limit.
     pub guest_disk_bps: u64,
-    /// Guests' network sends (bytes/s per interface) while the owner is active or does I/O; 0: no limit.
+    /// Guests' network sends (bytes/s per interface) while the owner does disk I/O; 0: no limit.
     pub guest_net_bps: u64,
     /// What happens to this host's guests when its owner becomes active.
     pub policy: GuestPolicy,
@@ -909,7 +909,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_GUEST_DISK_BPS"),
         flag: "",
         default: "0 (no limit)",
-        meaning: "the guests' disk window: bytes/s each disk may read and write for guests while the owner is active or does I/O (blkio throttle; lifted 5 s after the owner is idle again)",
+        meaning: "the guests' disk window: bytes/s each disk may read and write for guests while the owner does disk I/O (blkio throttle; lifted after 5 s of quiet owner I/O)",
         apply: |c, v| {
             c.agent.guest_disk_bps = v.number()?;
             Ok(())
@@ -920,7 +920,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_GUEST_NET_BPS"),
         flag: "",
         default: "0 (no limit)",
-        meaning: "the guests' network window: bytes/s guests may send on each interface while the owner is active or does I/O (nftables `socket cgroupv2` + an htb class; lifted 5 s after the owner is idle again)",
+        meaning: "the guests' network window: bytes/s guests may send on each interface while the owner does disk I/O (nftables `socket cgroupv2` + an htb class; lifted after 5 s of quiet owner I/O)",
         apply: |c, v| {
             c.agent.guest_net_bps = v.number()?;
             Ok(())

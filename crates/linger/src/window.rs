@@ -1,6 +1,9 @@
 //! Disk and network rate windows for guests (the seed's `B_w / T_w ≤ R_t`,
-//! as the kernel's throttles), applied only while the owner is active or
-//! does I/O, and removed (with hysteresis) once the owner is idle again.
+//! as the kernel's throttles), applied only while the owner does disk I/O
+//! and removed (with hysteresis) once its I/O has been quiet for the seed's
+//! 5 s window. An owner at the keyboard or using the CPU does not switch
+//! them on: CPU is what `cpu.idle` protects, and a guest's I/O hurts an
+//! owner only when the owner does I/O too.
 //!
 //! * Disk: `blkio.throttle.{read,write}_bps_device` of the guest group (v1
 //!   `blkio`) on every whole disk of the machine. v1 throttles direct I/O
@@ -27,7 +30,7 @@ pub const NET_QDISC: &str = "5354:";
 /// The guests' class of that qdisc (what nftables sets as the packets' priority).
 pub const NET_CLASS: &str = "5354:1";
 
-/// Owner I/O (bytes/s) at or above which the windows are applied, even with the owner otherwise idle.
+/// Owner disk I/O (bytes/s) at or above which the windows are applied.
 pub const OWNER_IO_HIGH: u64 = 1 << 20;
 /// Owner I/O below this counts as quiet.
 pub const OWNER_IO_LOW: u64 = 256 << 10;
@@ -56,8 +59,8 @@ pub enum Step {
     Keep,
 }
 
-/// Windows on as soon as the owner is active or does I/O; off only after
-/// [`QUIET_SAMPLES`] samples in a row of an idle owner doing (almost) no I/O.
+/// Windows on as soon as the owner's disk I/O reaches [`OWNER_IO_HIGH`];
+/// off only after [`QUIET_SAMPLES`] samples in a row below [`OWNER_IO_LOW`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Hysteresis {
     pub applied: bool,
@@ -65,11 +68,9 @@ pub struct Hysteresis {
 }
 
 impl Hysteresis {
-    /// One sample: is the owner active (keyboard or CPU), and its I/O rate.
-    pub fn step(&mut self, owner_active: bool, owner_io_bps: u64) -> Step {
-        let loud = owner_active || owner_io_bps >= OWNER_IO_HIGH;
-        let quiet = !owner_active && owner_io_bps < OWNER_IO_LOW;
-        if loud {
+    /// One sample of the owner's disk I/O rate.
+    pub fn step(&mut self, owner_io_bps: u64) -> Step {
+        if owner_io_bps >= OWNER_IO_HIGH {
             self.quiet = 0;
             if !self.applied {
                 self.applied = true;
@@ -80,7 +81,7 @@ impl Hysteresis {
         if !self.applied {
             return Step::Keep;
         }
-        if quiet {
+        if owner_io_bps < OWNER_IO_LOW {
             self.quiet += 1;
             if self.quiet >= QUIET_SAMPLES {
                 self.applied = false;
@@ -350,27 +351,27 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hysteresis_applies_at_once_and_removes_after_a_quiet_window() {
+    fn hysteresis_applies_at_once_on_owner_io_and_removes_after_a_quiet_window() {
         let mut h = Hysteresis::default();
-        assert_eq!(h.step(false, 0), Step::Keep, "an idle owner changes nothing");
-        assert_eq!(h.step(true, 0), Step::Apply, "an active owner applies at once");
-        assert_eq!(h.step(true, 0), Step::Keep);
+        assert_eq!(h.step(0), Step::Keep, "an owner doing no I/O changes nothing");
+        assert_eq!(h.step(OWNER_IO_LOW), Step::Keep, "I/O between the thresholds does not apply");
+        assert_eq!(h.step(OWNER_IO_HIGH), Step::Apply, "owner I/O applies at once");
+        assert_eq!(h.step(OWNER_IO_HIGH), Step::Keep);
         for i in 1..QUIET_SAMPLES {
-            assert_eq!(h.step(false, 0), Step::Keep, "quiet sample {i} of {QUIET_SAMPLES}");
+            assert_eq!(h.step(0), Step::Keep, "quiet sample {i} of {QUIET_SAMPLES}");
         }
-        assert_eq!(h.step(false, 0), Step::Remove);
+        assert_eq!(h.step(0), Step::Remove);
         assert!(!h.applied);
-        // Owner I/O alone applies; I/O between the thresholds keeps the windows and restarts the count.
-        assert_eq!(h.step(false, OWNER_IO_HIGH), Step::Apply);
+        // I/O between the thresholds keeps the windows and restarts the count.
+        assert_eq!(h.step(OWNER_IO_HIGH), Step::Apply);
         for _ in 1..QUIET_SAMPLES {
-            assert_eq!(h.step(false, 0), Step::Keep);
+            assert_eq!(h.step(0), Step::Keep);
         }
-        assert_eq!(h.step(false, OWNER_IO_LOW), Step::Keep, "between the thresholds is not quiet");
+        assert_eq!(h.step(OWNER_IO_LOW), Step::Keep, "between the thresholds is not quiet");
         for _ in 1..QUIET_SAMPLES {
-            assert_eq!(h.step(false, OWNER_IO_LOW - 1), Step::Keep);
+            assert_eq!(h.step(OWNER_IO_LOW - 1), Step::Keep);
         }
-        assert_eq!(h.step(false, OWNER_IO_LOW - 1), Step::Remove);
-        assert_eq!(h.step(false, OWNER_IO_LOW), Step::Keep, "between the thresholds does not apply either");
+        assert_eq!(h.step(OWNER_IO_LOW - 1), Step::Remove);
     }
 
     #[test]
