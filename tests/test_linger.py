@@ -341,7 +341,8 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
     assert r.returncode == 0, r.stdout + r.stderr
     try:
         assert host("h1")["owner"]["policy"] == "PM" and host("h1")["owner"]["pause_s"] == 3
-        freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
+        # PM tasks freeze in their own group below the guest's.
+        freezer = cg("freezer", owner_report("h1")["guest_cgroup"]) / "pm"
         cores = host("h1")["cores"]
         # The owner comes back while the guest runs (a task cannot start in a suspended group:
         # it is frozen before its program starts, and only a started task can move).
@@ -363,6 +364,66 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
         wait_for(lambda: not owner_report("h1")["suspended"], "h1's guests resumed once the owner left")
         assert (freezer / "freezer.state").read_text().strip() == "THAWED"
     finally:
+        starling("down", check=False)
+        up(2)
+
+
+# Tasks that mostly sleep: they need little CPU, so they finish even on a machine that starves guests.
+def sleepy(tag, n):
+    return f"i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo {tag} $i; sleep 0.5; done; echo {tag} done"
+
+
+def sleepy_output(tag, n):
+    return "".join(f"{tag} {i}\n" for i in range(1, n + 1)) + f"{tag} done\n"
+
+
+def test_a_pm_task_is_suspended_and_moved_while_an_lf_task_beside_it_lingers(lcluster):
+    """Per-task `--policy PM` on an LF cluster (pause 3 s): when h1's owner comes to the keyboard,
+    only the PM task is frozen, then moved to h2; the LF task on the same host keeps running there."""
+    import threading
+    starling("down", check=False)
+    env = dict(os.environ, STARLING_PM_PAUSE_S="3")
+    r = subprocess.run([STARLING, "up", "--hosts", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pm_task = lf_task = None
+    try:
+        assert {h["owner"]["policy"] for h in status()["hosts"]} == {"LF"}
+        guest_freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
+        pm_freezer = guest_freezer / "pm"
+        pm_task = spawn(STARLING, "exec", "--policy", "PM", "--host", "h1", "--", "sh", "-c", sleepy("pm", 40))
+        lf_task = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", sleepy("lf", 60))
+        pm_lines = []
+        pm_reader = threading.Thread(target=lambda: pm_lines.extend(iter(pm_task.stdout.readline, "")), daemon=True)
+        pm_reader.start()
+        wait_for(lambda: procs(pm_freezer), "the PM task in the PM freezer group")
+        wait_for(lambda: procs(guest_freezer), "the LF task in the guest's freezer group")
+        assert not set(procs(pm_freezer)) & set(procs(guest_freezer))
+        guest_wait(lambda: pm_lines, "the PM task's first line")
+        lf_pids = procs(guest_freezer)
+
+        starling("owner", "h1", "--active")
+        wait_for(lambda: owner_report("h1")["suspended"], "h1's PM guests suspended")
+        assert (pm_freezer / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING")
+        assert (guest_freezer / "freezer.state").read_text().strip() == "THAWED", "the LF task was frozen too"
+        assert set(lf_pids) & set(procs(guest_freezer)), "the LF task left the guest's freezer group"
+        guest_wait(lambda: (t := ps_host("echo pm done")) is None or t["host"] == "h2", "the PM task moved to h2", timeout=300)
+        lf = ps_host("echo lf done")
+        assert lf is None or lf["host"] == "h1", f"the LF task moved: {lf}"
+        starling("owner", "h1", "--idle")
+
+        assert pm_task.wait(timeout=600) == 0, pm_task.stderr.read()
+        pm_reader.join(timeout=60)  # it ends at the end of the output
+        assert "".join(pm_lines) == sleepy_output("pm", 40), f"the PM task's output differs from the undisturbed one:\n{pm_lines!r}"
+        out, err = lf_task.communicate(timeout=600)
+        assert lf_task.returncode == 0, err
+        assert out == sleepy_output("lf", 60), f"the LF task's output:\n{out!r}"
+        wait_for(lambda: not owner_report("h1")["suspended"], "h1's PM group thawed once the owner left")
+        assert (pm_freezer / "freezer.state").read_text().strip() == "THAWED"
+    finally:
+        starling("owner", "h1", "--idle", check=False)
+        for p in (pm_task, lf_task):
+            if p is not None and p.poll() is None:
+                kill_group(p)
         starling("down", check=False)
         up(2)
 
@@ -460,15 +521,10 @@ print(n / (time.monotonic() - t))
 """
 WINDOW_PORT = 7461
 HTB = "5354:"
-# The owner's disk I/O: O_DIRECT writes (v1 blkio charges direct I/O to the writer's group; buffered
-# writeback would go to the root group) far above the 1 MiB/s that switches the windows on.
-OWNER_IO = "while :; do dd if=/dev/zero of=/tmp/starling-owner-io-$$ bs=1M count=16 oflag=direct status=none; done"
-
-
-def remove_owner_io_files():
-    """What a killed OWNER_IO loop left in /tmp (an emulated host's owner shares this machine's root)."""
-    for f in pathlib.Path("/tmp").glob("starling-owner-io-*"):
-        f.unlink(missing_ok=True)
+# The owner's disk I/O: O_DIRECT reads of a file on this machine's disk (an emulated host's own files
+# are on tmpfs; v1 blkio charges direct I/O to the reader's group, and it is far above the 1 MiB/s that
+# switches the windows on).
+OWNER_IO = f"while :; do dd if={STARLING} of=/dev/null bs=1M iflag=direct status=none; done"
 
 
 def guest_rate(host, code, *args):
@@ -573,7 +629,6 @@ def test_rate_windows_limit_guests_while_the_owner_does_io_and_go_at_down(lclust
         for p in (receiver, owner):
             if p is not None:
                 kill_group(p)
-        remove_owner_io_files()
         starling("owner", "h1", "--idle", check=False)
         starling("down", check=False)
         up(2)
@@ -637,7 +692,6 @@ def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
     finally:
         if writer is not None:
             kill_group(writer)
-        remove_owner_io_files()
         if a is not None and a.poll() is None:
             kill_group(a)
         subprocess.run(["ip", "netns", "del", name], check=False)

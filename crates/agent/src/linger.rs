@@ -19,12 +19,22 @@ pub(crate) const PERIOD: Duration = Duration::from_secs(1);
 /// The agent's guest group, if it could be made.
 pub(crate) struct Linger {
     pub guest: Option<Arc<Guest>>,
+    /// The host's policy: a task's own `--policy` wins.
+    policy: GuestPolicy,
     pub report: Arc<Mutex<Option<OwnerReport>>>,
     /// The network window's table and qdiscs outlive a killed agent: removed at exit and at start.
     net: Option<Arc<NetWindow>>,
 }
 
 const MIB: u64 = 1 << 20;
+
+/// Processes taken out of the guest's CPU and freezer groups for a move.
+#[derive(Debug, Default)]
+pub(crate) struct Boosted {
+    pids: Vec<i32>,
+    /// Those that were in the PM tasks' freezer group.
+    in_pm: Vec<i32>,
+}
 
 /// The guests' rate windows and whether they are on.
 struct Windows {
@@ -91,7 +101,7 @@ impl Windows {
 impl Linger {
     /// No guest group: the home site runs the user's own work.
     pub fn none() -> Linger {
-        Linger { guest: None, report: Arc::new(Mutex::new(None)), net: None }
+        Linger { guest: None, policy: GuestPolicy::LingerForever, report: Arc::new(Mutex::new(None)), net: None }
     }
 
     /// Make the guest group (removing a stale one first). Without cgroups
@@ -106,7 +116,7 @@ impl Linger {
             }
             Err(e) => {
                 log::warn!("tasks run WITHOUT guest containment (owner not protected): {e}");
-                return Linger { guest: None, report, net: None };
+                return Linger { guest: None, policy: settings.policy, report, net: None };
             }
         };
         let band = MemoryBand {
@@ -137,6 +147,11 @@ impl Linger {
             ),
         };
         let mut monitor = Monitor::new(cpu, guest_usage, keyboard, io, cores);
+        // The owner's I/O (and, on a real host, the guests' I/O left out of it) is counted only once
+        // the disks' throttling is active.
+        if let Err(e) = window::start_io_accounting(guest.group(), &window::disks()) {
+            log::warn!("owner disk I/O is not measured (the guests' rate windows never switch on): {e}");
+        }
         let disk = (settings.guest_disk_bps > 0).then(|| DiskWindow { bps: settings.guest_disk_bps, disks: window::disks() });
         if disk.as_ref().is_some_and(|d| d.disks.is_empty()) {
             log::warn!("guests' disk window: no disks found under /sys/block");
@@ -171,12 +186,10 @@ impl Linger {
                     BandAction::Nothing
                 }
             };
-            // PM: the guests are suspended while the owner is active (the head moves them after the pause).
-            if policy == GuestPolicy::PauseAndMigrate {
-                let on = s.state != starling_linger::OwnerState::Idle;
-                if let Err(e) = g.suspend(on) {
-                    log::warn!("PM: suspending the guests: {e}");
-                }
+            // PM tasks (by their own policy or the host's) are suspended while the owner is active;
+            // the head moves them after the pause.
+            if let Err(e) = g.suspend(s.state != starling_linger::OwnerState::Idle) {
+                log::warn!("PM: suspending the PM guests: {e}");
             }
             let st = g.band_state();
             let cap = g.memory_cap();
@@ -196,8 +209,9 @@ impl Linger {
             }
             windows.step(&g, s.io_bps);
             let busy = !g.group().pids().is_empty();
-            let doing = if st.suspended {
-                format!("guests suspended (PM): moved to an idle host if the owner is still active after {} s", pause_s)
+            let suspended = st.suspended && !g.pm_pids().is_empty();
+            let doing = if suspended {
+                format!("PM guests suspended: moved to an idle host if the owner is still active after {} s", pause_s)
             } else if st.frozen {
                 format!("guests frozen: free memory {} MiB < {} MiB (LF does not move them)", mib(s.mem_available), mib(band.low_water / 2))
             } else if let Some(c) = cap {
@@ -227,7 +241,7 @@ impl Linger {
                 priority: g.cpu.as_str().to_string(),
                 policy: policy.as_str().to_string(),
                 pause_s,
-                suspended: st.suspended,
+                suspended,
                 doing,
                 guest_cgroup: g.rel().display().to_string(),
                 owner_cgroup: g.owner_group().rel.display().to_string(),
@@ -244,14 +258,15 @@ impl Linger {
         if let Err(e) = spawned {
             log::warn!("no owner monitor: {e}");
         }
-        Linger { guest: Some(guest), report, net }
+        Linger { guest: Some(guest), policy: settings.policy, report, net }
     }
 
-    /// What a task's sandbox does to itself before it runs anything.
-    pub fn placement(&self) -> starling_sandbox::Placement {
+    /// What a task's sandbox does to itself before it runs anything: a
+    /// task whose policy (its own, else the host's) is PM joins the group PM suspends.
+    pub fn placement(&self, task_policy: Option<GuestPolicy>) -> starling_sandbox::Placement {
         match &self.guest {
             Some(g) => {
-                let j = g.join();
+                let j = g.join(task_policy.unwrap_or(self.policy) == GuestPolicy::PauseAndMigrate);
                 starling_sandbox::Placement { cgroup_procs: j.procs_files, sched_idle: j.sched_idle, oom_score_adj: j.oom_score_adj }
             }
             None => starling_sandbox::Placement::default(),
@@ -264,8 +279,12 @@ impl Linger {
     /// stay in the guest's memory and accounting groups). Returns who was moved.
     /// A suspended (PM) guest leaves the frozen freezer group the same way
     /// (it thaws; the capture stops it under ptrace).
-    pub fn boost(&self, pids: &[i32]) -> Vec<i32> {
-        let Some(g) = &self.guest else { return Vec::new() };
+    pub fn boost(&self, pids: &[i32]) -> Boosted {
+        let Some(g) = &self.guest else { return Boosted::default() };
+        let in_pm: Vec<i32> = {
+            let pm = g.pm_pids();
+            pids.iter().copied().filter(|p| pm.contains(p)).collect()
+        };
         let h = Hierarchies::discover();
         for c in [Controller::Cpu, Controller::Freezer] {
             let Some(root) = h.dir(c).map(|d| d.join("cgroup.procs")) else { continue };
@@ -275,17 +294,21 @@ impl Linger {
                 }
             }
         }
-        pids.to_vec()
+        Boosted { pids: pids.to_vec(), in_pm }
     }
 
-    /// After a move: what is still here goes back to the guest's CPU and freezer groups.
-    pub fn unboost(&self, pids: &[i32]) {
+    /// After a move: what is still here goes back to the CPU and freezer
+    /// groups it came from.
+    pub fn unboost(&self, boosted: &Boosted) {
         let Some(g) = &self.guest else { return };
         for c in [Controller::Cpu, Controller::Freezer] {
-            if let Some(dir) = g.group().dir(c).map(|d| d.join("cgroup.procs")) {
-                for p in pids {
-                    let _ = std::fs::write(&dir, p.to_string());
-                }
+            let Some(dir) = g.group().dir(c) else { continue };
+            for p in &boosted.pids {
+                let back = match g.pm_dir() {
+                    Some(pm) if c == Controller::Freezer && boosted.in_pm.contains(p) => pm,
+                    _ => dir,
+                };
+                let _ = std::fs::write(back.join("cgroup.procs"), p.to_string());
             }
         }
     }

@@ -1159,7 +1159,7 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
         }
         for h in &st.hosts {
             if let Some(w) = h.owner.as_ref().and_then(|o| o.rate_windows.as_deref()) {
-                println!("{}: guests' rate windows applied (owner active or doing I/O): {w}", h.name);
+                println!("{}: guests' rate windows applied (owner doing disk I/O): {w}", h.name);
             }
         }
     }

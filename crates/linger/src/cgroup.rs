@@ -219,7 +219,8 @@ impl Group {
     }
 }
 
-fn read_pids(procs: &Path) -> Vec<i32> {
+/// The pids in a `cgroup.procs` (none if it cannot be read).
+pub fn read_pids(procs: &Path) -> Vec<i32> {
     std::fs::read_to_string(procs).unwrap_or_default().split_whitespace().filter_map(|s| s.parse().ok()).collect()
 }
 

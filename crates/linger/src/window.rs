@@ -158,6 +158,24 @@ impl DiskWindow {
     }
 }
 
+/// Make the kernel count every group's disk bytes on `disks`.
+///
+/// v1 blkio keeps a group's `blkio.throttle.io_service_bytes*` (what the
+/// owner monitor reads: the owner's group on an emulated host, every
+/// starling group on a real one) only for a disk whose throttling is
+/// active, and the kernel activates it when the first rule for that disk is
+/// written, in any group; until then every group reads 0 bytes. A rule of 0
+/// (no limit) on each disk activates it and limits nothing.
+pub fn start_io_accounting(group: &Group, disks: &[Disk]) -> Result<(), WindowError> {
+    if group.dir(Controller::Blkio).is_none() {
+        return Err(WindowError::NoBlkio);
+    }
+    for d in disks {
+        group.write(Controller::Blkio, DISK_FILES[0], &format!("{} 0", d.dev))?;
+    }
+    Ok(())
+}
+
 /// The guests' network window in the agent's network namespace.
 #[derive(Debug)]
 pub struct NetWindow {
