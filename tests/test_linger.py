@@ -368,9 +368,10 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
         up(2)
 
 
-# Tasks that mostly sleep: they need little CPU, so they finish even on a machine that starves guests.
+# Tasks that mostly sleep: they need little CPU, so they finish even on a machine that starves
+# guests. One process each (a shell would fork `sleep`, and a process with children does not move).
 def sleepy(tag, n):
-    return f"i=0; while [ $i -lt {n} ]; do i=$((i+1)); echo {tag} $i; sleep 0.5; done; echo {tag} done"
+    return ["python3", "-c", f"import time\nfor i in range(1, {n} + 1):\n    print('{tag}', i, flush=True)\n    time.sleep(0.5)\nprint('{tag} done')"]
 
 
 def sleepy_output(tag, n):
@@ -390,8 +391,8 @@ def test_a_pm_task_is_suspended_and_moved_while_an_lf_task_beside_it_lingers(lcl
         assert {h["owner"]["policy"] for h in status()["hosts"]} == {"LF"}
         guest_freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
         pm_freezer = guest_freezer / "pm"
-        pm_task = spawn(STARLING, "exec", "--policy", "PM", "--host", "h1", "--", "sh", "-c", sleepy("pm", 40))
-        lf_task = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", sleepy("lf", 60))
+        pm_task = spawn(STARLING, "exec", "--policy", "PM", "--host", "h1", "--", *sleepy("pm", 40))
+        lf_task = spawn(STARLING, "exec", "--host", "h1", "--", *sleepy("lf", 60))
         pm_lines = []
         pm_reader = threading.Thread(target=lambda: pm_lines.extend(iter(pm_task.stdout.readline, "")), daemon=True)
         pm_reader.start()
@@ -406,8 +407,8 @@ def test_a_pm_task_is_suspended_and_moved_while_an_lf_task_beside_it_lingers(lcl
         assert (pm_freezer / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING")
         assert (guest_freezer / "freezer.state").read_text().strip() == "THAWED", "the LF task was frozen too"
         assert set(lf_pids) & set(procs(guest_freezer)), "the LF task left the guest's freezer group"
-        guest_wait(lambda: (t := ps_host("echo pm done")) is None or t["host"] == "h2", "the PM task moved to h2", timeout=300)
-        lf = ps_host("echo lf done")
+        guest_wait(lambda: (t := ps_host("print('pm done')")) is None or t["host"] == "h2", "the PM task moved to h2", timeout=300)
+        lf = ps_host("print('lf done')")
         assert lf is None or lf["host"] == "h1", f"the LF task moved: {lf}"
         starling("owner", "h1", "--idle")
 
