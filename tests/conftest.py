@@ -20,8 +20,12 @@ STARLING = str(ROOT / "target" / "release" / "starling")
 
 
 def sh(*args, check=True, timeout=300, **kw):
-    """Run a command, return CompletedProcess (text mode)."""
-    return subprocess.run(list(args), capture_output=True, text=True, check=check, timeout=timeout, **kw)
+    """Run a command, return CompletedProcess (text mode); with `check`, a failure says what the
+    command printed on stderr."""
+    r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **kw)
+    if check and r.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, args))} exited {r.returncode}: {r.stderr.strip()}")
+    return r
 
 
 def starling(*args, **kw):

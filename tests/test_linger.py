@@ -6,6 +6,7 @@ has used so much CPU), never over a fixed time; they are compared as ratios."""
 import json
 import os
 import pathlib
+import select
 import signal
 import subprocess
 import time
@@ -27,6 +28,11 @@ def v1_mounts():
             for o in f[3].split(","):
                 ctl.setdefault(o, f[1])
     return ctl, every
+
+
+def unified_mounts():
+    """The cgroup2 mount point, as a list (empty if none)."""
+    return [l.split()[1] for l in pathlib.Path("/proc/self/mounts").read_text().splitlines() if l.split()[2:3] == ["cgroup2"]][:1]
 
 
 def host(name, st=None):
@@ -59,6 +65,21 @@ def procs(d):
 def machine_idle_ns():
     f = pathlib.Path("/proc/stat").read_text().splitlines()[0].split()
     return int(f[4]) * NS // os.sysconf("SC_CLK_TCK")
+
+
+def guest_wait(predicate, what, timeout=120.0):
+    """wait_for for something only a guest's progress brings about. Guests run at starvation priority
+    (cpu.idle): they get only the CPU no other process of this machine wants, so on a machine kept busy
+    by something else (another test run, a build) they may not run at all. A timeout then says how idle
+    the machine was meanwhile, so that failure is not mistaken for one of the product."""
+    i0, t0 = machine_idle_ns(), time.monotonic()
+    try:
+        return wait_for(predicate, what, timeout=timeout)
+    except pytest.fail.Exception as e:
+        wall = (time.monotonic() - t0) * NS * os.cpu_count()
+        idle = (machine_idle_ns() - i0) / wall if wall > 0 else 0.0
+        pytest.fail(f"{e}; meanwhile this machine's CPUs were {idle:.0%} idle (guests at cpu.idle get only "
+                    f"idle CPU: other work here starves them)")
 
 
 def busy_loops(n):
@@ -128,7 +149,7 @@ def test_guest_starves_while_the_owner_runs_and_takes_idle_cpu_after(lcluster):
         # Owner gone: the guest takes the CPU nobody else wants (other work on this machine may
         # still take some: compare the guest's time with the machine's idle time).
         g1, i1 = usage(guest_dir), machine_idle_ns()
-        wait_for(lambda: usage(guest_dir) - g1 >= 2 * cores * NS, "the guest to get 2 CPU-seconds per core", timeout=600)
+        guest_wait(lambda: usage(guest_dir) - g1 >= 2 * cores * NS, "the guest to get 2 CPU-seconds per core", timeout=600)
         dg, di = usage(guest_dir) - g1, machine_idle_ns() - i1
         print(f"owner gone: guest {dg / NS:.3f} CPU-s, machine idle {di / NS:.3f} CPU-s")
         assert dg > 0.9 * (dg + di), f"guest took {dg / NS:.2f} CPU-s while {di / NS:.2f} CPU-s stayed idle"
@@ -156,6 +177,9 @@ def test_memory_band_caps_the_guest_when_free_memory_drops(lcluster):
         g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", "echo started; sleep 3600")
         try:
             wait_for(lambda: procs(mem_dir), "the guest in the memory guest group")
+            # Its first line before the owner comes: the guest has run (its output is checked at the end).
+            guest_wait(lambda: select.select([g.stdout], [], [], 0)[0], "the guest's first line")
+            started = g.stdout.readline()
             assert owner_report("h1")["guest_mem_cap"] is None
             unlimited = int((mem_dir / "memory.limit_in_bytes").read_text())
             own = spawn(STARLING, "owner", "h1", "--", "python3", "-c",
@@ -179,7 +203,7 @@ def test_memory_band_caps_the_guest_when_free_memory_drops(lcluster):
             for p in procs(mem_dir):
                 os.kill(p, signal.SIGKILL)
             out, _ = g.communicate(timeout=120)
-        assert out == "started\n"
+        assert started + out == "started\n"
     finally:
         starling("down", check=False)
         up(2)
@@ -274,7 +298,7 @@ def test_ll_lingers_then_moves_the_guest_to_an_idle_host(lcluster):
             # (The first report can come before the owner's first CPU sample: wait for the countdown.)
             seen = wait_for(lambda: "T_lingr" in (d := owner_report("h1")["doing"]) and d, "LL counting down T_lingr on h1")
             assert seen.startswith("LL: lingering"), seen
-            wait_for(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
+            guest_wait(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
             moved = wait_for(lambda: (d := owner_report("h1")["doing"]).startswith(("LL: moving", "LL: owner active, no guests")) and d,
                              "h1's policy report after the move")
         finally:
@@ -317,7 +341,8 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
     assert r.returncode == 0, r.stdout + r.stderr
     try:
         assert host("h1")["owner"]["policy"] == "PM" and host("h1")["owner"]["pause_s"] == 3
-        freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
+        # PM tasks freeze in their own group below the guest's.
+        freezer = cg("freezer", owner_report("h1")["guest_cgroup"]) / "pm"
         cores = host("h1")["cores"]
         # The owner comes back while the guest runs (a task cannot start in a suspended group:
         # it is frozen before its program starts, and only a started task can move).
@@ -325,12 +350,12 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
         guest = GUEST.replace(str(STEPS), str(steps)).replace("500000", "5000000")
         expected = "".join(f"{i}\n" for i in range(5_000_000, steps + 1, 5_000_000)) + "done\n"
         g = spawn(STARLING, "exec", "--host", "h1", "--", "sh", "-c", guest)
-        wait_for(lambda: (t := ps_host("echo done")) and (t.get("cpu_seconds") or 0) > 0, "the guest running")
+        guest_wait(lambda: (t := ps_host("echo done")) and (t.get("cpu_seconds") or 0) > 0, "the guest running")
         own, _ = owner_burning(cores)
         try:
             wait_for(lambda: owner_report("h1")["suspended"], "h1's guests suspended")
             assert (freezer / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING")
-            wait_for(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
+            guest_wait(lambda: (t := ps_host("echo done")) is None or t["host"] == "h2", "the guest moved to h2", timeout=300)
         finally:
             kill_group(own)
         out, err = g.communicate(timeout=600)
@@ -339,6 +364,67 @@ def test_pm_suspends_then_moves_after_the_pause(lcluster):
         wait_for(lambda: not owner_report("h1")["suspended"], "h1's guests resumed once the owner left")
         assert (freezer / "freezer.state").read_text().strip() == "THAWED"
     finally:
+        starling("down", check=False)
+        up(2)
+
+
+# Tasks that mostly sleep: they need little CPU, so they finish even on a machine that starves
+# guests. One process each (a shell would fork `sleep`, and a process with children does not move).
+def sleepy(tag, n):
+    return ["python3", "-c", f"import time\nfor i in range(1, {n} + 1):\n    print('{tag}', i, flush=True)\n    time.sleep(0.5)\nprint('{tag} done')"]
+
+
+def sleepy_output(tag, n):
+    return "".join(f"{tag} {i}\n" for i in range(1, n + 1)) + f"{tag} done\n"
+
+
+def test_a_pm_task_is_suspended_and_moved_while_an_lf_task_beside_it_lingers(lcluster):
+    """Per-task `--policy PM` on an LF cluster (pause 3 s): when h1's owner comes to the keyboard,
+    only the PM task is frozen, then moved to h2; the LF task on the same host keeps running there."""
+    import threading
+    starling("down", check=False)
+    env = dict(os.environ, STARLING_PM_PAUSE_S="3")
+    r = subprocess.run([STARLING, "up", "--hosts", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    pm_task = lf_task = None
+    try:
+        assert {h["owner"]["policy"] for h in status()["hosts"]} == {"LF"}
+        guest_freezer = cg("freezer", owner_report("h1")["guest_cgroup"])
+        pm_freezer = guest_freezer / "pm"
+        pm_task = spawn(STARLING, "exec", "--policy", "PM", "--host", "h1", "--", *sleepy("pm", 40))
+        lf_task = spawn(STARLING, "exec", "--host", "h1", "--", *sleepy("lf", 60))
+        pm_lines = []
+        pm_reader = threading.Thread(target=lambda: pm_lines.extend(iter(pm_task.stdout.readline, "")), daemon=True)
+        pm_reader.start()
+        wait_for(lambda: procs(pm_freezer), "the PM task in the PM freezer group")
+        wait_for(lambda: procs(guest_freezer), "the LF task in the guest's freezer group")
+        assert not set(procs(pm_freezer)) & set(procs(guest_freezer))
+        guest_wait(lambda: pm_lines, "the PM task's first line")
+        lf_pids = procs(guest_freezer)
+
+        starling("owner", "h1", "--active")
+        wait_for(lambda: owner_report("h1")["suspended"], "h1's PM guests suspended")
+        assert (pm_freezer / "freezer.state").read_text().strip() in ("FROZEN", "FREEZING")
+        assert (guest_freezer / "freezer.state").read_text().strip() == "THAWED", "the LF task was frozen too"
+        assert set(lf_pids) & set(procs(guest_freezer)), "the LF task left the guest's freezer group"
+        guest_wait(lambda: (t := ps_host("print('pm done')")) is None or t["host"] == "h2", "the PM task moved to h2", timeout=300)
+        lf = ps_host("print('lf done')")
+        assert lf is None or lf["host"] == "h1", f"the LF task moved: {lf}"
+        starling("owner", "h1", "--idle")
+
+        assert pm_task.wait(timeout=600) == 0, pm_task.stderr.read()
+        pm_reader.join(timeout=60)  # it ends at the end of the output
+        assert "".join(pm_lines) == sleepy_output("pm", 40), f"the PM task's output differs from the undisturbed one:\n{pm_lines!r}"
+        out, err = lf_task.communicate(timeout=600)
+        assert lf_task.returncode == 0, err
+        assert out == sleepy_output("lf", 60), f"the LF task's output:\n{out!r}"
+        wait_for(lambda: not owner_report("h1")["suspended"], "h1's PM group thawed once the owner left")
+        assert (pm_freezer / "freezer.state").read_text().strip() == "THAWED"
+    finally:
+        starling("owner", "h1", "--idle", check=False)
+        for p in (pm_task, lf_task):
+            if p is not None and p.poll() is None:
+                kill_group(p)
         starling("down", check=False)
         up(2)
 
@@ -363,12 +449,12 @@ def test_ie_kills_and_reruns_on_an_idle_host_with_output_once(lcluster, tmp_path
     reader.start()
     first = None
     try:
-        wait_for(lambda: len(lines) >= 3, "the guest's first lines", timeout=300)
+        guest_wait(lambda: len(lines) >= 3, "the guest's first lines", timeout=300)
         first = ps_host("where.txt")
         assert first is not None and first["host"] in ("h1", "h2"), first
         other = "h2" if first["host"] == "h1" else "h1"
         starling("owner", first["host"], "--active")
-        rerun = wait_for(lambda: (t := ps_host("where.txt")) and t["host"] == other and t, "the guest rerun on " + other,
+        rerun = guest_wait(lambda: (t := ps_host("where.txt")) and t["host"] == other and t, "the guest rerun on " + other,
                          timeout=300)
         assert "rerun" in rerun["state"], rerun
         assert "IE" in owner_report(first["host"])["doing"], owner_report(first["host"])
@@ -384,3 +470,232 @@ def test_ie_kills_and_reruns_on_an_idle_host_with_output_once(lcluster, tmp_path
 def test_exec_names_the_policies_it_accepts():
     r = subprocess.run([STARLING, "exec", "--policy", "XX", "--", "true"], capture_output=True, text=True)
     assert r.returncode != 0 and "LF, LL, PM or IE" in r.stderr, r.stderr
+
+
+# Rate windows (issue 10): the guests' disk and network bytes/s while the owner does disk I/O. The
+# guests measure themselves: bytes over the time from their first byte to the last one on the disk
+# (O_DIRECT + fsync) or acknowledged by the receiver (it closes only after reading everything).
+WINDOW_BPS = 2 << 20
+WINDOW_BYTES = 8 << 20
+DISK_WRITER = """
+import mmap, os, sys, time
+path, total = sys.argv[1], int(sys.argv[2])
+buf = mmap.mmap(-1, 1 << 20)
+buf.write(b"x" * (1 << 20))
+fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o600)
+t = time.monotonic()
+n = 0
+while n < total:
+    n += os.write(fd, buf)
+os.fsync(fd)
+dt = time.monotonic() - t
+os.close(fd)
+os.unlink(path)
+print(n / dt)
+"""
+NET_RECEIVER = """
+import socket, sys
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+s.listen(4)
+print("listening", flush=True)
+for _ in range(int(sys.argv[2])):
+    c, _ = s.accept()
+    while c.recv(1 << 16):
+        pass
+    c.close()
+print("received", flush=True)
+"""
+NET_SENDER = """
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+b = b"x" * 65536
+n, total = 0, int(sys.argv[3])
+t = time.monotonic()
+while n < total:
+    s.sendall(b)
+    n += len(b)
+s.shutdown(socket.SHUT_WR)
+s.recv(1)
+print(n / (time.monotonic() - t))
+"""
+WINDOW_PORT = 7461
+HTB = "5354:"
+# The owner's disk I/O: O_DIRECT reads of a file on this machine's disk (an emulated host's own files
+# are on tmpfs; v1 blkio charges direct I/O to the reader's group, and it is far above the 1 MiB/s that
+# switches the windows on).
+OWNER_IO = f"while :; do dd if={STARLING} of=/dev/null bs=1M iflag=direct status=none; done"
+
+
+def guest_rate(host, code, *args):
+    r = subprocess.run([STARLING, "exec", "--host", host, "--", "python3", "-c", code, *map(str, args)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return float(r.stdout.strip().splitlines()[-1])
+
+
+def in_netns(ns, *args):
+    """A command in network namespace `ns` (nsenter, not `ip netns exec`: that remounts /sys)."""
+    return subprocess.run(["nsenter", f"--net=/run/netns/{ns}", *args], capture_output=True, text=True, timeout=60)
+
+
+def our_nft_tables(ns=None):
+    r = in_netns(ns, "nft", "list", "tables") if ns else subprocess.run(["nft", "list", "tables"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [l for l in r.stdout.splitlines() if " starling_" in l]
+
+
+def our_qdiscs(ns=None):
+    r = in_netns(ns, "tc", "qdisc", "show") if ns else subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [l for l in r.stdout.splitlines() if f"htb {HTB}" in l]
+
+
+def blkio_rules(guest_rel):
+    d = cg("blkio", guest_rel)
+    return [l for f in ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device")
+            if (d / f).exists() for l in (d / f).read_text().split("\n") if l.strip()]
+
+
+def windows_cluster():
+    starling("down", check=False)
+    env = dict(os.environ, STARLING_GUEST_DISK_BPS=str(WINDOW_BPS), STARLING_GUEST_NET_BPS=str(WINDOW_BPS))
+    r = subprocess.run([STARLING, "up", "--hosts", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_rate_windows_limit_guests_while_the_owner_does_io_and_go_at_down(lcluster):
+    """h1's guests write O_DIRECT and send over TCP to a guest on h2: at ≈ the window while h1's
+    owner writes to disk, far above it once its I/O has stopped; an owner who is only at the
+    keyboard does not switch them on; `down` leaves no rule."""
+    import threading
+    windows_cluster()
+    receiver = owner = None
+    try:
+        # A new cluster's owners do no I/O: no window.
+        o = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] is None and r, "h1's windows off while its owner does no I/O")
+        assert blkio_rules(o["guest_cgroup"]) == []
+        h2_addr = host("h2")["address"].split(":")[0]
+        receiver = spawn(STARLING, "exec", "--host", "h2", "--", "python3", "-c", NET_RECEIVER, str(WINDOW_PORT), "2")
+        lines = []
+        threading.Thread(target=lambda: lines.extend(iter(receiver.stdout.readline, "")), daemon=True).start()
+        guest_wait(lambda: "listening\n" in lines, "the receiver on h2 listening", timeout=600)
+
+        # At the keyboard only: the windows stay off. One report holds one sample: the keyboard the
+        # agent saw and what its windows' step did with that sample.
+        starling("owner", "h1", "--active")
+        rep = wait_for(lambda: (r := owner_report("h1"))["keyboard"] == "active" and r, "h1's owner seen at the keyboard")
+        assert rep["rate_windows"] is None, f"windows on for an owner who does no I/O: {rep}"
+        starling("owner", "h1", "--idle")
+
+        owner = spawn(STARLING, "owner", "h1", "--", "sh", "-c", OWNER_IO)
+        rep = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] and r, "h1's rate windows applied")
+        assert "disk" in rep["rate_windows"] and "net" in rep["rate_windows"], rep
+        assert "rate windows applied" in starling("status").stdout
+        rules = blkio_rules(o["guest_cgroup"])
+        assert rules and all(l.split()[1] == str(WINDOW_BPS) for l in rules), rules
+        disk_slow = guest_rate("h1", DISK_WRITER, "/tmp/window-disk", WINDOW_BYTES)
+        net_slow = guest_rate("h1", NET_SENDER, h2_addr, WINDOW_PORT, WINDOW_BYTES)
+        print(f"owner doing I/O: disk {disk_slow / 2**20:.2f} MiB/s, net {net_slow / 2**20:.2f} MiB/s")
+        assert disk_slow <= 1.5 * WINDOW_BPS, f"guest wrote at {disk_slow / 2**20:.2f} MiB/s with a 2 MiB/s window"
+        assert net_slow <= 1.5 * WINDOW_BPS, f"guest sent at {net_slow / 2**20:.2f} MiB/s with a 2 MiB/s window"
+
+        kill_group(owner)
+        owner = None
+        wait_for(lambda: owner_report("h1")["rate_windows"] is None, "h1's rate windows removed")
+        assert blkio_rules(o["guest_cgroup"]) == []
+        disk_fast = guest_rate("h1", DISK_WRITER, "/tmp/window-disk", WINDOW_BYTES)
+        net_fast = guest_rate("h1", NET_SENDER, h2_addr, WINDOW_PORT, WINDOW_BYTES)
+        print(f"owner I/O stopped: disk {disk_fast / 2**20:.2f} MiB/s, net {net_fast / 2**20:.2f} MiB/s")
+        assert disk_fast > 3 * WINDOW_BPS, f"guest wrote at only {disk_fast / 2**20:.2f} MiB/s with the owner's I/O stopped"
+        assert net_fast > 3 * WINDOW_BPS, f"guest sent at only {net_fast / 2**20:.2f} MiB/s with the owner's I/O stopped"
+        guest_wait(lambda: "received\n" in lines, "the receiver to get both streams")
+
+        # Applied again, then `down`: no blkio rule, nft table or htb of ours is left anywhere.
+        owner = spawn(STARLING, "owner", "h1", "--", "sh", "-c", OWNER_IO)
+        wait_for(lambda: owner_report("h1")["rate_windows"], "h1's rate windows applied again")
+        assert blkio_rules(o["guest_cgroup"])
+        kill_group(owner)
+        owner = None
+        r = down()
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert not cg("blkio", o["guest_cgroup"]).exists(), "the guest's blkio group (and its rules) left behind"
+        prefix = f"starling{os.environ['STARLING_INSTANCE']}-" if os.environ.get("STARLING_INSTANCE", "0") != "0" else "starling-"
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert prefix not in left, f"host namespaces (with their tables and qdiscs) left: {left}"
+        assert [t for t in our_nft_tables() if prefix.replace("-", "_") in t] == [], our_nft_tables()
+        assert our_qdiscs() == [], our_qdiscs()
+    finally:
+        for p in (receiver, owner):
+            if p is not None:
+                kill_group(p)
+        starling("owner", "h1", "--idle", check=False)
+        starling("down", check=False)
+        up(2)
+
+
+def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
+    """A lone agent in a network namespace of its own whose (emulated) owner writes to disk applies
+    its windows; killed -9 it leaves them; a new agent of the same name removes them at start; SIGTERM
+    leaves nothing either."""
+    require_root("network namespaces, nftables, tc and cgroups")
+    name = f"lingerwin{os.getpid()}"
+    rel = f"starling/{name}/guest"
+    owner_blkio = cg("blkio", f"starling/{name}/owner")
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    state = tmp_path / "state"
+    state.mkdir()
+    env = dict(os.environ, STARLING_GUEST_DISK_BPS=str(WINDOW_BPS), STARLING_GUEST_NET_BPS=str(WINDOW_BPS))
+
+    def agent():
+        return subprocess.Popen(["nsenter", f"--net=/run/netns/{name}", STARLING, "agent", "--head", "127.0.0.1:1",
+                                 "--name", name, "--state", str(state), "--owner", "emulated"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env)
+
+    def owner_io():
+        """The owner's disk writer, in the agent's owner blkio group (what `starling owner` does on a cluster)."""
+        wait_for(lambda: (owner_blkio / "cgroup.procs").exists(), "the agent's owner group")
+        return subprocess.Popen(["sh", "-c", f"echo $$ > {owner_blkio}/cgroup.procs && exec sh -c '{OWNER_IO}'"],
+                                start_new_session=True)
+
+    def applied():
+        return our_nft_tables(name) and our_qdiscs(name) and blkio_rules(rel)
+
+    a = writer = None
+    try:
+        r = in_netns(name, "ip", "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        assert r.returncode == 0, r.stderr
+        a = agent()
+        writer = owner_io()
+        wait_for(applied, "the windows of an agent whose owner writes to disk")
+        assert len(our_qdiscs(name)) == 2, our_qdiscs(name)  # v0 and v1, not lo
+        os.killpg(a.pid, signal.SIGKILL)
+        a.wait(timeout=60)
+        kill_group(writer)
+        writer = None
+        assert our_nft_tables(name) and our_qdiscs(name), "the killed agent's windows vanished by themselves"
+        a = agent()
+        wait_for(lambda: not our_nft_tables(name) and not our_qdiscs(name), "the new agent to remove the stale table and qdiscs")
+        wait_for(lambda: (cg("cpu", rel) / "cpu.idle").exists(), "the new agent's guest group")
+        assert blkio_rules(rel) == [], "the stale guest group's disk rules survived"
+        # The new agent applies its own when the owner's I/O comes back, and removes them at SIGTERM
+        # (the writer leaves the owner group first, so that the agent can remove it).
+        writer = owner_io()
+        wait_for(applied, "the new agent's windows")
+        kill_group(writer)
+        writer = None
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(timeout=120) == 0
+        assert our_nft_tables(name) == [] and our_qdiscs(name) == []
+        _, every = v1_mounts()
+        assert [m for m in every + unified_mounts() if (pathlib.Path(m) / "starling" / name).exists()] == []
+    finally:
+        if writer is not None:
+            kill_group(writer)
+        if a is not None and a.poll() is None:
+            kill_group(a)
+        subprocess.run(["ip", "netns", "del", name], check=False)
+        for m in v1_mounts()[1] + unified_mounts():
+            for d in sorted((pathlib.Path(m) / "starling" / name).glob("**/"), key=lambda p: -len(p.parts)):
+                d.rmdir()

@@ -1,11 +1,13 @@
 //! The agent's side of Linger-Longer (see `starling_linger`): the guest
 //! cgroup every task's processes start in, the owner monitor that samples
-//! the host once a second, applies the memory band and keeps the report
-//! the agent sends the head with its load.
+//! the host once a second, applies the memory band and the guests' disk and
+//! network rate windows, and keeps the report the agent sends the head with
+//! its load.
 
 use starling_config::{AgentSettings, GuestPolicy, OwnerKind};
 use starling_linger::guest::{BandAction, Guest, MemoryBand};
-use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, KEYBOARD_FILE};
+use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, OwnerIo, KEYBOARD_FILE};
+use starling_linger::window::{self, DiskWindow, Hysteresis, NetWindow, Step};
 use starling_linger::{cgroup::Controller, Hierarchies, Keyboard};
 use starling_proto::OwnerReport;
 use std::sync::{Arc, Mutex};
@@ -17,15 +19,89 @@ pub(crate) const PERIOD: Duration = Duration::from_secs(1);
 /// The agent's guest group, if it could be made.
 pub(crate) struct Linger {
     pub guest: Option<Arc<Guest>>,
+    /// The host's policy: a task's own `--policy` wins.
+    policy: GuestPolicy,
     pub report: Arc<Mutex<Option<OwnerReport>>>,
+    /// The network window's table and qdiscs outlive a killed agent: removed at exit and at start.
+    net: Option<Arc<NetWindow>>,
 }
 
 const MIB: u64 = 1 << 20;
 
+/// Processes taken out of the guest's CPU and freezer groups for a move.
+#[derive(Debug, Default)]
+pub(crate) struct Boosted {
+    pids: Vec<i32>,
+    /// Those that were in the PM tasks' freezer group.
+    in_pm: Vec<i32>,
+}
+
+/// The guests' rate windows and whether they are on.
+struct Windows {
+    disk: Option<DiskWindow>,
+    net: Option<Arc<NetWindow>>,
+    hysteresis: Hysteresis,
+    /// What is applied now, in words (`None`: nothing).
+    applied: Option<String>,
+}
+
+fn rate(bps: u64) -> String {
+    #[allow(clippy::cast_precision_loss, reason = "a rate shown to one decimal")]
+    let mib = bps as f64 / MIB as f64;
+    format!("{mib:.1} MiB/s")
+}
+
+impl Windows {
+    /// One owner sample: apply or remove the windows as the hysteresis says.
+    fn step(&mut self, g: &Guest, owner_io_bps: u64) {
+        if self.disk.is_none() && self.net.is_none() {
+            return;
+        }
+        match self.hysteresis.step(owner_io_bps) {
+            Step::Keep => {}
+            Step::Apply => {
+                let mut on = Vec::new();
+                if let Some(d) = &self.disk {
+                    match d.apply(g.group()) {
+                        Ok(()) => on.push(format!(
+                            "disk {} on {}",
+                            rate(d.bps),
+                            d.disks.iter().map(|k| k.name.as_str()).collect::<Vec<_>>().join(",")
+                        )),
+                        Err(e) => log::warn!("guests' disk window not applied: {e}"),
+                    }
+                }
+                if let Some(n) = &self.net {
+                    match n.apply() {
+                        Ok(ifaces) => on.push(format!("net {} on {}", rate(n.bps), ifaces.join(","))),
+                        Err(e) => log::warn!("guests' network window not applied: {e}"),
+                    }
+                }
+                log::info!("owner disk I/O {owner_io_bps} B/s: guests' rate windows applied: {}", on.join(", "));
+                self.applied = (!on.is_empty()).then(|| on.join(", "));
+            }
+            Step::Remove => {
+                if let Some(d) = &self.disk {
+                    if let Err(e) = d.remove(g.group()) {
+                        log::warn!("removing the guests' disk window: {e}");
+                    }
+                }
+                if let Some(n) = &self.net {
+                    if let Err(e) = n.remove() {
+                        log::warn!("removing the guests' network window: {e}");
+                    }
+                }
+                log::info!("owner disk I/O quiet for {} s: guests' rate windows removed", window::QUIET_SAMPLES);
+                self.applied = None;
+            }
+        }
+    }
+}
+
 impl Linger {
     /// No guest group: the home site runs the user's own work.
     pub fn none() -> Linger {
-        Linger { guest: None, report: Arc::new(Mutex::new(None)) }
+        Linger { guest: None, policy: GuestPolicy::LingerForever, report: Arc::new(Mutex::new(None)), net: None }
     }
 
     /// Make the guest group (removing a stale one first). Without cgroups
@@ -33,14 +109,14 @@ impl Linger {
     pub fn start(settings: &AgentSettings, name: &str, cores: u32) -> Linger {
         let cg = settings.cgroup.clone().unwrap_or_else(|| name.to_string());
         let report = Arc::new(Mutex::new(None));
-        let guest = match Guest::create(Hierarchies::discover(), &cg) {
+        let guest = match Guest::create(Hierarchies::discover(), &cg, settings.guest_net_bps > 0) {
             Ok(g) => {
                 log::info!("guests run in cgroup {} at {} priority", g.rel().display(), g.cpu.as_str());
                 Arc::new(g)
             }
             Err(e) => {
                 log::warn!("tasks run WITHOUT guest containment (owner not protected): {e}");
-                return Linger { guest: None, report };
+                return Linger { guest: None, policy: settings.policy, report, net: None };
             }
         };
         let band = MemoryBand {
@@ -48,16 +124,57 @@ impl Linger {
             high_water: settings.high_water_mib.max(settings.low_water_mib) * MIB,
         };
         let guest_usage = guest.group().dir(Controller::Cpuacct).map(|d| d.join("cpuacct.usage")).unwrap_or_default();
-        let (cpu, keyboard) = match settings.owner {
+        const IO_STATS: &str = "blkio.throttle.io_service_bytes_recursive";
+        let (cpu, keyboard, io) = match settings.owner {
             OwnerKind::Emulated => (
                 OwnerCpu::Cgroup {
                     usage: guest.owner_group().dir(Controller::Cpuacct).map(|d| d.join("cpuacct.usage")).unwrap_or_default(),
                 },
                 KeyboardSource::File(settings.state.join(KEYBOARD_FILE)),
+                OwnerIo::Cgroup { stats: guest.owner_group().dir(Controller::Blkio).map(|d| d.join(IO_STATS)).unwrap_or_default() },
             ),
-            OwnerKind::Machine => (OwnerCpu::Machine { guest_usage: guest_usage.clone() }, KeyboardSource::Terminals),
+            OwnerKind::Machine => (
+                OwnerCpu::Machine { guest_usage: guest_usage.clone() },
+                KeyboardSource::Terminals,
+                // Every starling group's I/O is left out (all agents' guests on this machine, of any
+                // instance), not only this agent's: another cluster's guests are no owner of ours.
+                OwnerIo::Machine {
+                    starling_stats: Hierarchies::discover()
+                        .path(Controller::Blkio, std::path::Path::new(starling_linger::cgroup::ROOT))
+                        .map(|d| d.join(IO_STATS))
+                        .unwrap_or_default(),
+                },
+            ),
         };
-        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, cores);
+        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, io, cores);
+        // The owner's I/O (and, on a real host, the guests' I/O left out of it) is counted only once
+        // the disks' throttling is active.
+        if let Err(e) = window::start_io_accounting(guest.group(), &window::disks()) {
+            log::warn!("owner disk I/O is not measured (the guests' rate windows never switch on): {e}");
+        }
+        let disk = (settings.guest_disk_bps > 0).then(|| DiskWindow { bps: settings.guest_disk_bps, disks: window::disks() });
+        if disk.as_ref().is_some_and(|d| d.disks.is_empty()) {
+            log::warn!("guests' disk window: no disks found under /sys/block");
+        }
+        let net = if settings.guest_net_bps == 0 {
+            None
+        } else {
+            match (Hierarchies::discover().unified(), guest.unified_dir()) {
+                (Some(mount), Some(_)) => {
+                    let n = NetWindow::new(settings.guest_net_bps, mount, guest.rel(), &cg);
+                    // A killed agent's table and qdiscs are still here.
+                    if let Err(e) = n.remove() {
+                        log::warn!("removing a stale network window: {e}");
+                    }
+                    Some(Arc::new(n))
+                }
+                _ => {
+                    log::warn!("guests' network window off: {}", window::WindowError::NoUnified);
+                    None
+                }
+            }
+        };
+        let mut windows = Windows { disk, net: net.clone(), hysteresis: Hysteresis::default(), applied: None };
         let (policy, pause_s) = (settings.policy, settings.pm_pause_s);
         let (g, r) = (guest.clone(), report.clone());
         let mut tick = move || {
@@ -69,12 +186,10 @@ impl Linger {
                     BandAction::Nothing
                 }
             };
-            // PM: the guests are suspended while the owner is active (the head moves them after the pause).
-            if policy == GuestPolicy::PauseAndMigrate {
-                let on = s.state != starling_linger::OwnerState::Idle;
-                if let Err(e) = g.suspend(on) {
-                    log::warn!("PM: suspending the guests: {e}");
-                }
+            // PM tasks (by their own policy or the host's) are suspended while the owner is active;
+            // the head moves them after the pause.
+            if let Err(e) = g.suspend(s.state != starling_linger::OwnerState::Idle) {
+                log::warn!("PM: suspending the PM guests: {e}");
             }
             let st = g.band_state();
             let cap = g.memory_cap();
@@ -92,9 +207,11 @@ impl Linger {
                 BandAction::Release => log::info!("free memory {} MiB ≥ high water: guests released", mib(s.mem_available)),
                 BandAction::Nothing => {}
             }
+            windows.step(&g, s.io_bps);
             let busy = !g.group().pids().is_empty();
-            let doing = if st.suspended {
-                format!("guests suspended (PM): moved to an idle host if the owner is still active after {} s", pause_s)
+            let suspended = st.suspended && !g.pm_pids().is_empty();
+            let doing = if suspended {
+                format!("PM guests suspended: moved to an idle host if the owner is still active after {} s", pause_s)
             } else if st.frozen {
                 format!("guests frozen: free memory {} MiB < {} MiB (LF does not move them)", mib(s.mem_available), mib(band.low_water / 2))
             } else if let Some(c) = cap {
@@ -124,10 +241,11 @@ impl Linger {
                 priority: g.cpu.as_str().to_string(),
                 policy: policy.as_str().to_string(),
                 pause_s,
-                suspended: st.suspended,
+                suspended,
                 doing,
                 guest_cgroup: g.rel().display().to_string(),
                 owner_cgroup: g.owner_group().rel.display().to_string(),
+                rate_windows: windows.applied.clone(),
             };
             *r.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(rep);
         };
@@ -140,14 +258,15 @@ impl Linger {
         if let Err(e) = spawned {
             log::warn!("no owner monitor: {e}");
         }
-        Linger { guest: Some(guest), report }
+        Linger { guest: Some(guest), policy: settings.policy, report, net }
     }
 
-    /// What a task's sandbox does to itself before it runs anything.
-    pub fn placement(&self) -> starling_sandbox::Placement {
+    /// What a task's sandbox does to itself before it runs anything: a
+    /// task whose policy (its own, else the host's) is PM joins the group PM suspends.
+    pub fn placement(&self, task_policy: Option<GuestPolicy>) -> starling_sandbox::Placement {
         match &self.guest {
             Some(g) => {
-                let j = g.join();
+                let j = g.join(task_policy.unwrap_or(self.policy) == GuestPolicy::PauseAndMigrate);
                 starling_sandbox::Placement { cgroup_procs: j.procs_files, sched_idle: j.sched_idle, oom_score_adj: j.oom_score_adj }
             }
             None => starling_sandbox::Placement::default(),
@@ -160,8 +279,12 @@ impl Linger {
     /// stay in the guest's memory and accounting groups). Returns who was moved.
     /// A suspended (PM) guest leaves the frozen freezer group the same way
     /// (it thaws; the capture stops it under ptrace).
-    pub fn boost(&self, pids: &[i32]) -> Vec<i32> {
-        let Some(g) = &self.guest else { return Vec::new() };
+    pub fn boost(&self, pids: &[i32]) -> Boosted {
+        let Some(g) = &self.guest else { return Boosted::default() };
+        let in_pm: Vec<i32> = {
+            let pm = g.pm_pids();
+            pids.iter().copied().filter(|p| pm.contains(p)).collect()
+        };
         let h = Hierarchies::discover();
         for c in [Controller::Cpu, Controller::Freezer] {
             let Some(root) = h.dir(c).map(|d| d.join("cgroup.procs")) else { continue };
@@ -171,23 +294,33 @@ impl Linger {
                 }
             }
         }
-        pids.to_vec()
+        Boosted { pids: pids.to_vec(), in_pm }
     }
 
-    /// After a move: what is still here goes back to the guest's CPU and freezer groups.
-    pub fn unboost(&self, pids: &[i32]) {
+    /// After a move: what is still here goes back to the CPU and freezer
+    /// groups it came from.
+    pub fn unboost(&self, boosted: &Boosted) {
         let Some(g) = &self.guest else { return };
         for c in [Controller::Cpu, Controller::Freezer] {
-            if let Some(dir) = g.group().dir(c).map(|d| d.join("cgroup.procs")) {
-                for p in pids {
-                    let _ = std::fs::write(&dir, p.to_string());
-                }
+            let Some(dir) = g.group().dir(c) else { continue };
+            for p in &boosted.pids {
+                let back = match g.pm_dir() {
+                    Some(pm) if c == Controller::Freezer && boosted.in_pm.contains(p) => pm,
+                    _ => dir,
+                };
+                let _ = std::fs::write(back.join("cgroup.procs"), p.to_string());
             }
         }
     }
 
-    /// At exit: kill every guest and remove the agent's cgroups.
+    /// At exit: remove the network window, kill every guest and remove the
+    /// agent's cgroups (the disk window's rules go with them).
     pub fn remove(&self) {
+        if let Some(n) = &self.net {
+            if let Err(e) = n.remove() {
+                log::warn!("removing the guests' network window: {e}");
+            }
+        }
         if let Some(g) = &self.guest {
             match g.remove() {
                 Ok(()) => log::info!("removed guest cgroup {}", g.rel().display()),

@@ -304,7 +304,7 @@ pub(crate) fn sandbox_spec(agent: &Agent, spec: &TaskSpec, root: &Path) -> starl
         rlimits: spec.rlimits.clone(),
         hostname: None,
         rootless: false,
-        placement: agent.linger.placement(),
+        placement: agent.linger.placement(spec.policy),
         confinement: starling_sandbox::Confinement::Task,
         // Clones restore a process: they keep the descriptors it had.
         terminal: if spec.clone.is_none() { spec.terminal.clone() } else { None },

@@ -1373,6 +1373,11 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
                 None => println!("{:<8} {:<13} {:>9} {:>9} {:<8} {:<6} no guest cgroup: tasks are not contained", h.name, "?", "-", "-", "-", "-"),
             }
         }
+        for h in &st.hosts {
+            if let Some(w) = h.owner.as_ref().and_then(|o| o.rate_windows.as_deref()) {
+                println!("{}: guests' rate windows applied (owner doing disk I/O): {w}", h.name);
+            }
+        }
     }
     // Remote fork: how each host's last clone got its pages (a fallback to
     // unicast because multicast does not pass is said here and in the logs).

@@ -31,7 +31,9 @@ pub fn run(cfg: &Config, host: &str, active: bool, idle: bool, command: Vec<OsSt
     let h = Hierarchies::discover();
     let rel = starling_linger::guest::owner_rel(&rec.netns);
     let mut joins = Vec::new();
-    for c in [Controller::Cpuacct, Controller::Memory] {
+    // Blkio (where mounted) counts the owner's disk I/O for the guests' rate windows.
+    let blkio = h.path(Controller::Blkio, &rel).ok().filter(|d| d.is_dir()).map(|_| Controller::Blkio);
+    for c in [Controller::Cpuacct, Controller::Memory].into_iter().chain(blkio) {
         let procs = h.path(c, &rel)?.join("cgroup.procs");
         let f = std::fs::OpenOptions::new()
             .write(true)

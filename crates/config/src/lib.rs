@@ -207,6 +207,10 @@ pub struct AgentSettings {
     pub low_water_mib: u64,
     /// Free memory (MiB) above which the cap is lifted.
     pub high_water_mib: u64,
+    /// Guests' disk reads and writes (bytes/s per disk) while the owner does disk I/O; 0: no limit.
+    pub guest_disk_bps: u64,
+    /// Guests' network sends (bytes/s per interface) while the owner does disk I/O; 0: no limit.
+    pub guest_net_bps: u64,
     /// What happens to this host's guests when its owner becomes active.
     pub policy: GuestPolicy,
     /// PM: how long guests stay suspended before they are moved (seconds).
@@ -274,6 +278,8 @@ impl Default for AgentSettings {
             owner: OwnerKind::Machine,
             low_water_mib: 1024,
             high_water_mib: 2048,
+            guest_disk_bps: 0,
+            guest_net_bps: 0,
             policy: GuestPolicy::LingerForever,
             pm_pause_s: 600,
             auth: None,
@@ -921,6 +927,28 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "free memory (MiB) above which the guests' cap and freeze are lifted",
         apply: |c, v| {
             c.agent.high_water_mib = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.guest_disk_bps",
+        env: Some("STARLING_GUEST_DISK_BPS"),
+        flag: "",
+        default: "0 (no limit)",
+        meaning: "the guests' disk window: bytes/s each disk may read and write for guests while the owner does disk I/O (blkio throttle; lifted after 5 s of quiet owner I/O)",
+        apply: |c, v| {
+            c.agent.guest_disk_bps = v.number()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.guest_net_bps",
+        env: Some("STARLING_GUEST_NET_BPS"),
+        flag: "",
+        default: "0 (no limit)",
+        meaning: "the guests' network window: bytes/s guests may send on each interface while the owner does disk I/O (nftables `socket cgroupv2` + an htb class; lifted after 5 s of quiet owner I/O)",
+        apply: |c, v| {
+            c.agent.guest_net_bps = v.number()?;
             Ok(())
         },
     },

@@ -177,6 +177,7 @@ mod tests {
             doing: String::new(),
             guest_cgroup: String::new(),
             owner_cgroup: String::new(),
+            rate_windows: None,
         })
     }
 

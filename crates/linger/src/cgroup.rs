@@ -62,6 +62,10 @@ pub struct Hierarchies {
     mounts: Vec<(Controller, PathBuf)>,
     /// Every v1 hierarchy's mount point (also named ones such as `name=systemd`).
     all: Vec<PathBuf>,
+    /// The cgroup2 (unified) mount, if any: no controllers here, but a
+    /// socket remembers its creator's cgroup2 group, which nftables matches
+    /// (`socket cgroupv2`) to classify the guests' traffic.
+    unified: Option<PathBuf>,
 }
 
 impl Hierarchies {
@@ -76,6 +80,9 @@ impl Hierarchies {
         for line in text.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
             let [_, dir, fstype, opts, ..] = f.as_slice() else { continue };
+            if *fstype == "cgroup2" && h.unified.is_none() {
+                h.unified = Some(PathBuf::from(unescape(dir)));
+            }
             if *fstype != "cgroup" {
                 continue;
             }
@@ -105,6 +112,16 @@ impl Hierarchies {
     /// Every v1 hierarchy's mount point.
     pub fn all(&self) -> &[PathBuf] {
         &self.all
+    }
+
+    /// The cgroup2 mount point, if one is mounted.
+    pub fn unified(&self) -> Option<&Path> {
+        self.unified.as_deref()
+    }
+
+    /// Every v1 hierarchy and the cgroup2 mount: where starling's trees are removed from.
+    fn every(&self) -> impl Iterator<Item = &PathBuf> {
+        self.all.iter().chain(self.unified.iter())
     }
 }
 
@@ -202,7 +219,8 @@ impl Group {
     }
 }
 
-fn read_pids(procs: &Path) -> Vec<i32> {
+/// The pids in a `cgroup.procs` (none if it cannot be read).
+pub fn read_pids(procs: &Path) -> Vec<i32> {
     std::fs::read_to_string(procs).unwrap_or_default().split_whitespace().filter_map(|s| s.parse().ok()).collect()
 }
 
@@ -218,11 +236,11 @@ fn post_order(top: &Path, out: &mut Vec<PathBuf>) {
     out.push(top.to_path_buf());
 }
 
-/// Remove the tree `rel` from every v1 hierarchy: thaw it, SIGKILL its
+/// Remove the tree `rel` from every v1 hierarchy and the cgroup2 mount: thaw it, SIGKILL its
 /// processes until it is empty (up to `patience`), remove its directories
 /// bottom-up. Returns the directories removed (none if it did not exist).
 pub fn remove_tree(h: &Hierarchies, rel: &Path, patience: Duration) -> Result<Vec<PathBuf>, CgroupError> {
-    let tops: Vec<PathBuf> = h.all().iter().map(|m| m.join(rel)).filter(|p| p.is_dir()).collect();
+    let tops: Vec<PathBuf> = h.every().map(|m| m.join(rel)).filter(|p| p.is_dir()).collect();
     if tops.is_empty() {
         return Ok(Vec::new());
     }
@@ -277,15 +295,15 @@ pub fn remove_tree(h: &Hierarchies, rel: &Path, patience: Duration) -> Result<Ve
 
 /// Remove an empty directory of every hierarchy (`rel`), leaving it where it is busy or not empty.
 pub fn remove_if_empty(h: &Hierarchies, rel: &Path) {
-    for m in h.all() {
+    for m in h.every() {
         let _ = std::fs::remove_dir(m.join(rel));
     }
 }
 
-/// Names under `starling/` in any hierarchy that start with `prefix`.
+/// Names under `starling/` in any hierarchy (cgroup2 too) that start with `prefix`.
 pub fn names_with_prefix(h: &Hierarchies, prefix: &str) -> Vec<String> {
     let mut v = Vec::new();
-    for m in h.all() {
+    for m in h.every() {
         for e in std::fs::read_dir(m.join(ROOT)).into_iter().flatten().flatten() {
             let n = e.file_name().to_string_lossy().into_owned();
             if n.starts_with(prefix) && e.file_type().is_ok_and(|t| t.is_dir()) && !v.contains(&n) {
@@ -318,6 +336,8 @@ cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0
         // Named hierarchies are removed from too; cgroup2 is not a v1 hierarchy.
         assert_eq!(h.all().len(), 3);
         assert!(h.all().contains(&PathBuf::from("/sys/fs/cgroup/systemd")));
+        assert_eq!(h.unified(), Some(Path::new("/sys/fs/cgroup/unified")));
+        assert_eq!(Hierarchies::from_mounts("cgroup /sys/fs/cgroup/memory cgroup rw,memory 0 0\n").unified(), None);
     }
 
     #[test]

@@ -17,6 +17,12 @@
 //!   `oom_score_adj = 1000`: if the machine runs out of memory the kernel's
 //!   OOM killer takes a guest before any owner process. Above HighWater the
 //!   guest is thawed and uncapped.
+//! * Suspension (the PM policy): tasks whose policy is PM join the freezer
+//!   group `guest/pm` instead of `guest` (every other controller is the
+//!   guest's), and only that group is frozen while the owner is active, so
+//!   one host runs PM tasks beside lingering ones. A v1 freezer group is
+//!   frozen while it or an ancestor is, so the band's freeze of `guest`
+//!   holds the PM tasks too and its release leaves them suspended.
 
 use crate::cgroup::{self, CgroupError, Controller, Group, Hierarchies};
 use std::path::{Path, PathBuf};
@@ -71,8 +77,7 @@ pub enum BandAction {
 pub struct BandState {
     pub capped: bool,
     pub frozen: bool,
-    /// Suspended by a policy (PM) rather than by the band; the freezer is
-    /// thawed only when neither wants it frozen.
+    /// The PM tasks' freezer group (`guest/pm`) is frozen.
     pub suspended: bool,
 }
 
@@ -117,10 +122,17 @@ pub struct Guest {
     /// `starling/NAME`.
     host_rel: PathBuf,
     group: Group,
+    /// `guest/pm` in the freezer hierarchy: where tasks that PM suspends freeze.
+    pm: Option<PathBuf>,
     owner: Group,
+    /// The guest group in the cgroup2 mount (its sockets are what the network window shapes).
+    unified: Option<PathBuf>,
     pub cpu: CpuPriority,
     state: std::sync::Mutex<BandState>,
 }
+
+/// The PM tasks' freezer group, below the guest group.
+pub const PM_GROUP: &str = "pm";
 
 /// `starling/NAME/guest`.
 pub fn guest_rel(name: &str) -> PathBuf {
@@ -163,16 +175,28 @@ const PATIENCE: Duration = Duration::from_secs(10);
 impl Guest {
     /// Remove a stale guest group of this name (a killed agent's: its
     /// processes are killed), then make a fresh one, and the owner group
-    /// beside it if missing.
-    pub fn create(h: Hierarchies, name: &str) -> Result<Guest, GuestError> {
+    /// beside it if missing. With `in_unified`, guests also join the guest
+    /// group in the cgroup2 mount (the network window tells their sockets
+    /// apart by it).
+    pub fn create(h: Hierarchies, name: &str, in_unified: bool) -> Result<Guest, GuestError> {
         check_name(name)?;
         let rel = guest_rel(name);
         let stale = cgroup::remove_tree(&h, &rel, PATIENCE)?;
         if !stale.is_empty() {
             log::warn!("removed a stale guest cgroup {} ({} directories; an earlier agent was killed)", rel.display(), stale.len());
         }
-        let group = Group::create(&h, &rel, &[Controller::Cpuacct, Controller::Memory, Controller::Freezer], &[Controller::Cpu])?;
-        let owner = Group::create(&h, &owner_rel(name), &[Controller::Cpuacct, Controller::Memory], &[])?;
+        let group =
+            Group::create(&h, &rel, &[Controller::Cpuacct, Controller::Memory, Controller::Freezer], &[Controller::Cpu, Controller::Blkio])?;
+        // The owner's blkio group counts an emulated owner's I/O.
+        let owner = Group::create(&h, &owner_rel(name), &[Controller::Cpuacct, Controller::Memory], &[Controller::Blkio])?;
+        let unified = match h.unified() {
+            Some(u) if in_unified => {
+                let dir = u.join(&rel);
+                std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io { path: dir.clone(), source })?;
+                Some(dir)
+            }
+            _ => None,
+        };
         // cpu.idle ranks a group against its siblings only: the guest's
         // ancestors under the hierarchy's root must be idle too, or they
         // compete with the owner's tasks at normal weight.
@@ -188,14 +212,31 @@ impl Guest {
             log::warn!("guests at their memory cap may be OOM-killed: {e}");
         }
         let _ = group.write(Controller::Memory, "memory.limit_in_bytes", "-1");
+        let pm = match group.dir(Controller::Freezer) {
+            Some(d) => {
+                let dir = d.join(PM_GROUP);
+                std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io { path: dir.clone(), source })?;
+                Some(dir)
+            }
+            None => None,
+        };
         let host_rel = Path::new(cgroup::ROOT).join(name);
-        Ok(Guest { h, host_rel, group, owner, cpu, state: std::sync::Mutex::new(BandState::default()) })
+        Ok(Guest { h, host_rel, group, pm, owner, unified, cpu, state: std::sync::Mutex::new(BandState::default()) })
     }
 
-    /// What each task's first process does before exec.
-    pub fn join(&self) -> Join {
+    /// What each task's first process does before exec; a `suspendable`
+    /// task (policy PM) joins the PM freezer group instead of the guest's.
+    pub fn join(&self, suspendable: bool) -> Join {
+        let mut procs_files = self.group.procs_files();
+        if let (true, Some(pm), Some(fz)) = (suspendable, &self.pm, self.group.dir(Controller::Freezer)) {
+            let guest_freezer = fz.join("cgroup.procs");
+            for f in procs_files.iter_mut().filter(|f| **f == guest_freezer) {
+                *f = pm.join("cgroup.procs");
+            }
+        }
+        procs_files.extend(self.unified.iter().map(|d| d.join("cgroup.procs")));
         Join {
-            procs_files: self.group.procs_files(),
+            procs_files,
             sched_idle: self.cpu == CpuPriority::SchedIdle,
             oom_score_adj: Some(1000),
         }
@@ -205,6 +246,16 @@ impl Guest {
         &self.group
     }
 
+    /// The PM tasks' freezer group (`guest/pm`), if there is a freezer hierarchy.
+    pub fn pm_dir(&self) -> Option<&Path> {
+        self.pm.as_deref()
+    }
+
+    /// Processes in the PM tasks' freezer group.
+    pub fn pm_pids(&self) -> Vec<i32> {
+        self.pm.as_ref().map(|d| cgroup::read_pids(&d.join("cgroup.procs"))).unwrap_or_default()
+    }
+
     pub fn owner_group(&self) -> &Group {
         &self.owner
     }
@@ -212,6 +263,11 @@ impl Guest {
     /// `starling/NAME/guest`.
     pub fn rel(&self) -> &Path {
         &self.group.rel
+    }
+
+    /// The guest group in the cgroup2 mount, if guests join it.
+    pub fn unified_dir(&self) -> Option<&Path> {
+        self.unified.as_deref()
     }
 
     /// CPU time of all guests so far (ns, `cpuacct.usage`).
@@ -254,7 +310,7 @@ impl Guest {
                 st.frozen = true;
             }
             BandAction::Release => {
-                if st.frozen && !st.suspended {
+                if st.frozen {
                     self.group.write(Controller::Freezer, "freezer.state", "THAWED")?;
                 }
                 st.frozen = false;
@@ -265,18 +321,16 @@ impl Guest {
         Ok(action)
     }
 
-    /// Suspend (freeze) or resume every guest for a policy (PM); a freeze
-    /// of the memory band stays until the band releases it.
+    /// Suspend (freeze) or resume the PM tasks' group. Independent of the
+    /// band: its freeze of the whole guest group holds them too.
     pub fn suspend(&self, on: bool) -> Result<(), GuestError> {
         let mut st = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if st.suspended == on {
             return Ok(());
         }
-        if on {
-            self.group.write(Controller::Freezer, "freezer.state", "FROZEN")?;
-        } else if !st.frozen {
-            self.group.write(Controller::Freezer, "freezer.state", "THAWED")?;
-        }
+        let Some(pm) = &self.pm else { return Err(CgroupError::NotMounted(Controller::Freezer).into()) };
+        let f = pm.join("freezer.state");
+        std::fs::write(&f, if on { "FROZEN" } else { "THAWED" }).map_err(|source| CgroupError::Io { path: f, source })?;
         st.suspended = on;
         Ok(())
     }

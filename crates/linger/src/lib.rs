@@ -19,12 +19,17 @@
 //! * [`owner`]: the owner monitor: owner CPU, free memory, keyboard; the
 //!   owner state (idle / active-light / active-busy).
 //! * [`policy`]: T_lingr (eq. 3.4) for the head's LL policy.
+//! * [`window`]: the guests' disk and network rate windows (blkio
+//!   throttles; nftables `socket cgroupv2` + an htb class), applied while
+//!   the owner is active or does I/O.
 
 pub mod cgroup;
 pub mod guest;
 pub mod owner;
 pub mod policy;
+pub mod window;
 
 pub use cgroup::{CgroupError, Hierarchies};
 pub use guest::{Guest, GuestError, MemoryBand};
 pub use owner::{Keyboard, OwnerSample, OwnerState};
+pub use window::{DiskWindow, Hysteresis, NetWindow, WindowError};

@@ -4,6 +4,11 @@
 //!   owner cgroup's `cpuacct.usage` (what `starling owner HOST -- CMD` runs
 //!   is charged there); on a real host every CPU cycle of `/proc/stat` that
 //!   is not the guest group's (`cpuacct.usage`) nor idle.
+//! * Owner I/O (bytes/s read and written on disk): on an emulated host the
+//!   owner's blkio group; on a real host the whole disks' sectors of
+//!   `/proc/diskstats` minus those of every group under `starling/` (the
+//!   guests of every agent on the machine; v1 charges buffered writeback to
+//!   no group, so a guest's writeback counts as the owner's).
 //! * Free memory: `MemAvailable` of `/proc/meminfo`.
 //! * Keyboard: on an emulated host, what `starling owner HOST --active|--idle`
 //!   wrote into the agent's state directory; on a real host, the newest
@@ -69,6 +74,51 @@ pub enum OwnerCpu {
     Machine { guest_usage: PathBuf },
 }
 
+/// Where the owner's disk I/O is read.
+#[derive(Clone, Debug)]
+pub enum OwnerIo {
+    /// An emulated host: the owner group's `blkio.throttle.io_service_bytes_recursive`.
+    Cgroup { stats: PathBuf },
+    /// A real host: `/proc/diskstats` minus `blkio.throttle.io_service_bytes_recursive` of the
+    /// `starling/` tree (every agent's guests on this machine, not only this agent's).
+    Machine { starling_stats: PathBuf },
+}
+
+/// The `Total` of a `blkio.throttle.io_service_bytes_recursive` (0 if absent).
+fn blkio_total(stats: &Path) -> u64 {
+    std::fs::read_to_string(stats)
+        .ok()
+        .and_then(|t| t.lines().find_map(|l| l.strip_prefix("Total ").and_then(|n| n.trim().parse().ok())))
+        .unwrap_or(0)
+}
+
+/// Bytes read and written on the machine's whole disks so far (`/proc/diskstats` sectors × 512).
+fn disk_bytes() -> u64 {
+    let disks: Vec<String> = crate::window::disks().into_iter().map(|d| d.name).collect();
+    std::fs::read_to_string("/proc/diskstats")
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if !disks.iter().any(|d| Some(&d.as_str()) == f.get(2)) {
+                return None;
+            }
+            let sectors = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+            Some((sectors(5) + sectors(9)) * 512)
+        })
+        .sum()
+}
+
+impl OwnerIo {
+    /// The owner's bytes so far.
+    fn bytes(&self) -> u64 {
+        match self {
+            OwnerIo::Cgroup { stats } => blkio_total(stats),
+            OwnerIo::Machine { starling_stats } => disk_bytes().saturating_sub(blkio_total(starling_stats)),
+        }
+    }
+}
+
 /// Where the keyboard state comes from.
 #[derive(Clone, Debug)]
 pub enum KeyboardSource {
@@ -87,6 +137,8 @@ pub struct OwnerSample {
     pub guest_cpu: f64,
     pub keyboard: Keyboard,
     pub mem_available: u64,
+    /// The owner's disk I/O since the last sample (bytes/s).
+    pub io_bps: u64,
     pub state: OwnerState,
 }
 
@@ -95,8 +147,10 @@ pub struct Monitor {
     cpu: OwnerCpu,
     guest_usage: PathBuf,
     keyboard: KeyboardSource,
+    io: OwnerIo,
     cores: u32,
-    last: Option<(Instant, u64, u64, u64)>,
+    /// The previous sample: when, guest CPU, owner CPU, machine total CPU, owner I/O bytes.
+    last: Option<(Instant, u64, u64, u64, u64)>,
 }
 
 fn read_u64(p: &Path) -> Option<u64> {
@@ -164,8 +218,8 @@ fn share(part: u64, whole: u64) -> f64 {
 }
 
 impl Monitor {
-    pub fn new(cpu: OwnerCpu, guest_usage: PathBuf, keyboard: KeyboardSource, cores: u32) -> Monitor {
-        Monitor { cpu, guest_usage, keyboard, cores: cores.max(1), last: None }
+    pub fn new(cpu: OwnerCpu, guest_usage: PathBuf, keyboard: KeyboardSource, io: OwnerIo, cores: u32) -> Monitor {
+        Monitor { cpu, guest_usage, keyboard, io, cores: cores.max(1), last: None }
     }
 
     /// The owner since the previous call (the first call only starts the interval and reports 0 CPU).
@@ -176,9 +230,17 @@ impl Monitor {
             OwnerCpu::Cgroup { usage } => (read_u64(usage).unwrap_or(0), 0),
             OwnerCpu::Machine { .. } => machine_times().unwrap_or((0, 0)),
         };
+        let io = self.io.bytes();
+        let io_bps = match self.last {
+            None => 0,
+            Some((t, .., io0)) => {
+                let ms = u64::try_from(now.duration_since(t).as_millis()).unwrap_or(u64::MAX).max(1);
+                io.saturating_sub(io0).saturating_mul(1000) / ms
+            }
+        };
         let (cpu, guest_cpu) = match self.last {
             None => (0.0, 0.0),
-            Some((t, g0, o0, tot0)) => {
+            Some((t, g0, o0, tot0, _)) => {
                 let wall = u64::try_from(now.duration_since(t).as_nanos()).unwrap_or(u64::MAX) * u64::from(self.cores);
                 let dg = guest.saturating_sub(g0);
                 match &self.cpu {
@@ -190,9 +252,9 @@ impl Monitor {
                 }
             }
         };
-        self.last = Some((now, guest, owner, total));
+        self.last = Some((now, guest, owner, total, io));
         let kb = keyboard(&self.keyboard);
-        OwnerSample { cpu, guest_cpu, keyboard: kb, mem_available: mem_available(), state: OwnerState::classify(cpu, kb) }
+        OwnerSample { cpu, guest_cpu, keyboard: kb, mem_available: mem_available(), io_bps, state: OwnerState::classify(cpu, kb) }
     }
 }
 
@@ -220,6 +282,19 @@ mod tests {
         assert_eq!(keyboard(&src), Keyboard::Active);
         std::fs::write(&f, "idle\n").unwrap();
         assert_eq!(keyboard(&src), Keyboard::Idle);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn blkio_total_is_the_total_line() {
+        let dir = std::env::temp_dir().join(format!("starling-linger-io-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("blkio.throttle.io_service_bytes_recursive");
+        assert_eq!(blkio_total(&f), 0, "no file: nothing");
+        std::fs::write(&f, "254:0 Read 4096\n254:0 Write 8192\n254:0 Total 12288\nTotal 12288\n").unwrap();
+        assert_eq!(blkio_total(&f), 12288);
+        std::fs::write(&f, "Total 0\n").unwrap();
+        assert_eq!(blkio_total(&f), 0);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -775,6 +775,9 @@ pub struct OwnerReport {
     /// The guest and owner cgroups, relative to each v1 hierarchy's root.
     pub guest_cgroup: String,
     pub owner_cgroup: String,
+    /// The guests' disk and network rate windows while they are applied
+    /// (e.g. `disk 2.0 MiB/s on vda, net 2.0 MiB/s on eth0`), else `None`.
+    pub rate_windows: Option<String>,
 }
 
 /// What the task's view held at a path before the task changed it. The
