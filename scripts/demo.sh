@@ -2,7 +2,7 @@
 # The main job on the embedded cluster: a real parallel C build (Lua 5.4, 33 files)
 # through `starling exec`, timed against the same build done locally, outputs compared;
 # then a remote fork: a running C program cloned onto every core of the cluster;
-# then a live migration: a running program moved between three hosts; then Snowbird (a program started
+# then a live migration: a running program moved between three hosts, and a process tree; then Snowbird (a program started
 # at home with `exec --roam`, moved to a host and back); then Linger-Longer (a guest
 # under an active owner, an IE rerun); then a Slurm pilot job (`up --slurm`) on a local Slurm.
 set -euo pipefail
@@ -127,6 +127,34 @@ echo "   before: ticks=$(cut -d' ' -f2 <<<"$before") ids=$(cut -d' ' -f3-6 <<<"$
 echo "   after:  ticks=$(cut -d' ' -f2 <<<"$after") ids=$(cut -d' ' -f3-6 <<<"$after") one-shot left $(( $(cut -d' ' -f7 <<<"$after") / 1000000 )) ms"
 if [ "$(cut -d' ' -f3-6 <<<"$before")" != "$(cut -d' ' -f3-6 <<<"$after")" ] || [ "$(cut -d' ' -f2 <<<"$after")" -le "$(cut -d' ' -f2 <<<"$before")" ]; then
     echo "   TIMERS DID NOT MOVE"; exit 1
+fi
+echo
+echo "== live migration of a process tree: a parent and its two children (each with its own heap; the parent"
+echo "   will wait for them) move together from h1 to h2, then to h3; the parent still reaps their exit codes"
+cc -O1 tests/migrate/tree.c -o "$W/tree"
+{ (cd "$W" && ./tree 2 3 8 20 < <(printf '\n\n')) || [ $? = 7 ]; } | sort > "$W/tree.local"
+coproc TREE { cd "$W" && exec "$S" exec --host h1 -- ./tree 2 3 8 20 2>&1; }
+exec {to_tree}>&"${TREE[1]}"
+tree_out=()
+# Read until COUNT lines have matched the glob PATTERN (every process prints its own "pK phase N done").
+tree_until() { local seen=0 line; while IFS= read -r line <&"${TREE[0]}"; do tree_out+=("$line"); [[ $line == $1 ]] && seen=$((seen + 1)); [ $seen -ge "$2" ] && return 0; done; return 1; }
+tree_until "p? phase 0 done" 3
+trtask=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "./tree 2 3" in r["command"]))')
+p=1
+for to in h2 h3; do
+    $S migrate "$trtask" --to "$to" | sed 's/^/   /'
+    echo >&"$to_tree"
+    if [ $p -lt 2 ]; then tree_until "p? phase $p done" 3; else tree_until "done" 1; fi
+    p=$((p + 1))
+done
+exec {to_tree}>&-
+wait "$TREE_PID" && rc=0 || rc=$?
+printf '%s\n' "${tree_out[@]}" | sort > "$W/tree.moved"
+printf '%s\n' "${tree_out[@]}" | grep -E "^reaped|^done" | sed 's/^/   /'
+if [ "$rc" = 7 ] && cmp -s "$W/tree.local" "$W/tree.moved"; then
+    echo "   every process's lines ($(wc -l < "$W/tree.moved")), the reaped exit codes and the exit status (7) are those of an undisturbed run"
+else
+    echo "   MOVED TREE DIFFERS (exit $rc)"; diff "$W/tree.local" "$W/tree.moved" || true; exit 1
 fi
 echo
 echo "== Snowbird: a program started at home with \`starling exec --roam\` (this machine, same view of your files)"
