@@ -28,6 +28,18 @@ def sh(*args, check=True, timeout=300, **kw):
     return r
 
 
+def netns_with_veth(netns, veth, host_ip, ns_ip):
+    """A network namespace `netns` joined to this one by a veth pair: `veth` here with `host_ip`,
+    `eth0` in the namespace with `ns_ip` (both /24), `lo` up there (a lone head and its agents)."""
+    sh("ip", "netns", "add", netns)
+    sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+    sh("ip", "addr", "add", f"{host_ip}/24", "dev", veth)
+    sh("ip", "link", "set", veth, "up")
+    sh("ip", "netns", "exec", netns, "ip", "addr", "add", f"{ns_ip}/24", "dev", "eth0")
+    sh("ip", "netns", "exec", netns, "ip", "link", "set", "eth0", "up")
+    sh("ip", "netns", "exec", netns, "ip", "link", "set", "lo", "up")
+
+
 def starling(*args, **kw):
     return sh(STARLING, *args, **kw)
 

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, require_root, require_tool, sh, wait_for
+from conftest import netns_with_veth, STARLING, require_root, require_tool, sh, wait_for
 
 INSTANCE = int(os.environ.get("STARLING_INSTANCE", "").strip() or "0")
 NETNS = f"st-ident{INSTANCE}"
@@ -74,13 +74,7 @@ def head():
     require_root("network namespaces and agents")
     require_tool("ip", "iproute2")
     cleanup_net()
-    sh("ip", "netns", "add", NETNS)
-    sh("ip", "link", "add", VETH, "type", "veth", "peer", "name", "eth0", "netns", NETNS)
-    sh("ip", "addr", "add", f"{HEAD_IP}/24", "dev", VETH)
-    sh("ip", "link", "set", VETH, "up")
-    sh("ip", "netns", "exec", NETNS, "ip", "addr", "add", f"{AGENT_IP}/24", "dev", "eth0")
-    sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "eth0", "up")
-    sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
+    netns_with_veth(NETNS, VETH, HEAD_IP, AGENT_IP)
     shutil.rmtree(BASE, ignore_errors=True)
     BASE.mkdir(parents=True)
     (BASE / "work").mkdir()

@@ -21,7 +21,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, require_root, require_tool, sh, wait_for
+from conftest import netns_with_veth, ROOT, STARLING, require_root, require_tool, sh, wait_for
 
 NETNS = "st-realhost"
 VETH = "st-rh0"
@@ -40,13 +40,7 @@ def net():
     require_root("network namespaces and an agent")
     require_tool("ip", "iproute2")
     cleanup_net()
-    sh("ip", "netns", "add", NETNS)
-    sh("ip", "link", "add", VETH, "type", "veth", "peer", "name", "eth0", "netns", NETNS)
-    sh("ip", "addr", "add", f"{HEAD_IP}/24", "dev", VETH)
-    sh("ip", "link", "set", VETH, "up")
-    sh("ip", "netns", "exec", NETNS, "ip", "addr", "add", f"{AGENT_IP}/24", "dev", "eth0")
-    sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "eth0", "up")
-    sh("ip", "netns", "exec", NETNS, "ip", "link", "set", "lo", "up")
+    netns_with_veth(NETNS, VETH, HEAD_IP, AGENT_IP)
     shutil.rmtree(BASE, ignore_errors=True)
     BASE.mkdir(parents=True)
     r = subprocess.run([STARLING, "head", "--init", "--auth", str(AUTH)], capture_output=True, text=True, timeout=60)
