@@ -62,6 +62,18 @@ def wait_for(predicate, what, timeout=120.0, interval=0.1):
         time.sleep(interval)
 
 
+def terminate(p, timeout=60):
+    """SIGTERM a process we started and reap it; SIGKILL it if it has not ended within `timeout`
+    (cleanup, not a check: a test that needs a clean exit asserts on wait() itself)."""
+    if p.poll() is None:
+        p.terminate()
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
 def recv_until_closed(s, tolerate=()):
     """Everything a peer sends on socket `s` until it closes; an exception of a type in `tolerate`
     (e.g. a reset, a TLS alert) ends the read like a close. A socket timeout is not tolerated unless
@@ -202,3 +214,31 @@ def workdir(tmp_path):
 
 def lua_src():
     return subprocess.run([str(ROOT / "tests/fixtures/fetch-lua.sh")], capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test on the session's cluster gets the cluster's state at the moment of failure in
+    its report (ps, status, the last lines of the head's and each host's log): a CI run is seen
+    only through its output, and a hang leaves nothing else to go on."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed or "cluster" not in item.fixturenames:
+        return
+    instance = os.environ.get("STARLING_INSTANCE", "")
+    logs = pathlib.Path(f"/run/starling-{instance}" if instance else "/run/starling") / "logs"
+    names = {"head", "home", "link"}
+    for what in ("ps", "status"):
+        try:
+            r = starling(what, check=False, timeout=30)
+            said = r.stdout + r.stderr
+        except subprocess.TimeoutExpired:
+            said = "(no answer within 30 s)"
+        report.sections.append((f"starling {what} at the failure", said))
+        if what == "status":
+            names |= {line.split()[0] for line in said.splitlines() if re.match(r"h\d+\s", line)}
+    for log in sorted(logs.glob("*.log")) if logs.is_dir() else []:
+        if log.stem not in names:
+            continue
+        lines = log.read_text(errors="replace").splitlines()[-40:]
+        report.sections.append((f"{log.name}, last {len(lines)} lines", "\n".join(lines)))

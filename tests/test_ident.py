@@ -16,13 +16,12 @@ import os
 import pathlib
 import re
 import shutil
-import signal
 import subprocess
 import time
 
 import pytest
 
-from conftest import netns_with_veth, STARLING, require_root, require_tool, sh, wait_for
+from conftest import netns_with_veth, STARLING, require_root, require_tool, sh, terminate, wait_for
 
 INSTANCE = int(os.environ.get("STARLING_INSTANCE", "").strip() or "0")
 NETNS = f"st-ident{INSTANCE}"
@@ -52,14 +51,7 @@ class Daemons:
         return p
 
     def stop(self, name):
-        p = self.procs.pop(name)
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        terminate(self.procs.pop(name))
 
     def stop_all(self):
         for name in list(self.procs):

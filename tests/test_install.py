@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, require_root, require_tool, sh, wait_for
+from conftest import ROOT, require_root, require_tool, sh, terminate, wait_for
 
 BASE = pathlib.Path("/var/tmp/starling-tests/install")
 
@@ -113,13 +113,7 @@ state = "{BASE}/agent"
         assert r.returncode == 0 and r.stdout == "again\n", r.stderr
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+            terminate(p, timeout=30)
 
 
 def test_an_agent_without_root_and_without_dev_fuse_names_the_fix_in_one_line(installed):
