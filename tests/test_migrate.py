@@ -186,20 +186,28 @@ def test_python_numpy_computation_moved_mid_way(cluster, workdir):
     moved_once_matches(["python3", script, 80, 300, 0.02], "step 5 ", workdir)
 
 
+def refused_and_runs_on(argv, ready, ident, reason, workdir):
+    """Start `argv` on the first host, wait for `ready`, and ask to move it (found in ps by `ident`):
+    the move must be refused naming `reason`, and the task stays where it was. Returns the Task,
+    waiting for a line of input, for the caller to finish."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task(argv, hosts[0], workdir)
+    t.read_until(ready)
+    task = t.id(ident)
+    r = migrate(task, hosts[1], check=False)
+    assert r.returncode != 0, r.stdout
+    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
+    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    return t
+
+
 def test_a_listening_socket_is_refused_and_the_task_runs_on(cluster, workdir):
     prog = ("import socket, sys\n"
             "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
             "print('listening', flush=True)\n"
             "sys.stdin.readline()\n"
             "print('still here', flush=True)\n")
-    hosts = [h["name"] for h in status()["hosts"]]
-    t = Task(["python3", "-c", prog], hosts[0], workdir)
-    t.read_until("listening")
-    task = t.id("socket")
-    r = migrate(task, hosts[1], check=False)
-    assert r.returncode != 0, r.stdout
-    assert "socket" in r.stderr and "not moved" in r.stderr, r.stderr
-    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t = refused_and_runs_on(["python3", "-c", prog], "listening", "socket", "socket", workdir)
     t.send("\n")
     rc, out, err = t.finish()
     assert (rc, out) == (0, "listening\nstill here\n"), err
@@ -377,14 +385,7 @@ def test_posix_timers_move_with_their_ids_and_remaining_times(cluster, progs, wo
 def test_posix_timers_that_cannot_move_are_refused_and_the_task_runs_on(cluster, progs, workdir, extra, reason):
     """A timer on a thread's CPU clock (the restorer could only give it back on another thread) or
     more timers than the image holds: the move is refused naming why, and the task goes on where it was."""
-    hosts = [h["name"] for h in status()["hosts"]]
-    t = Task([progs["posix_timers"], extra], hosts[0], workdir)
-    t.read_until("ready")
-    task = t.id(f"posix_timers {extra}")
-    r = migrate(task, hosts[1], check=False)
-    assert r.returncode != 0, r.stdout
-    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
-    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t = refused_and_runs_on([progs["posix_timers"], extra], "ready", f"posix_timers {extra}", reason, workdir)
     t.send("\n")
     t.read_until("report ")
     rc, _, err = t.finish()

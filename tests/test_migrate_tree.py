@@ -17,7 +17,7 @@ import termios
 import pytest
 
 from conftest import ROOT, status, wait_for
-from test_migrate import Task, cc, local, migrate, ps_row
+from test_migrate import Task, cc, local, migrate, ps_row, refused_and_runs_on
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +88,7 @@ def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdi
             "sys.stdin.readline()\n"
             "print('still here', flush=True)\n"
             "os.kill(pid, 9); os.waitpid(pid, 0)\n")
-    hosts = [h["name"] for h in status()["hosts"]]
-    t = Task(["python3", "-c", prog], hosts[0], workdir)
-    t.read_until("ready")
-    task = t.id("python3")
-    r = migrate(task, hosts[1], check=False)
-    assert r.returncode != 0, r.stdout
-    assert reason in r.stderr and "not moved" in r.stderr, r.stderr
-    assert ps_row(task)["host"] == hosts[0], "a refused task stays where it was"
+    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", reason, workdir)
     t.send("\n")
     rc, out, err = t.finish()
     assert (rc, out) == (0, "ready\nstill here\n"), err
