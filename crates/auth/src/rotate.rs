@@ -17,8 +17,10 @@
 //! users' records), and puts `ca.pem` last: the head, which watches it, then reloads its TLS and
 //! re-issues a certificate of the new CA to every connected agent over its connection (the
 //! agent's key never moves), and to an agent that connects later with a previous-CA
-//! certificate. `finish` moves the previous CA to `ca-retired.pem`; the head drops connections
-//! still holding one of its certificates that were not re-issued.
+//! certificate. `finish` moves the previous CA to `ca-retired.pem`: from then on the head refuses
+//! a new connection with one of its certificates, in one line. Connections made before go on
+//! (and their tasks): a rotation replaces a CA, it does not distrust what it certified
+//! (revocation does that).
 
 use crate::ident::{hex, IdentError, Identity, P256PublicKey};
 use crate::{AuthDir, AuthError, Role};

@@ -196,6 +196,27 @@ enum Cmd {
     /// Enrolled hosts' certificates.
     #[command(subcommand)]
     Host(HostCmd),
+    /// The cluster's certificate authority.
+    #[command(subcommand)]
+    Ca(CaCmd),
+}
+
+#[derive(Subcommand)]
+enum CaCmd {
+    /// Replace the cluster's CA while it runs. Makes a new CA, re-signs the head's and the other
+    /// role certificates and the credentials `user add` wrote here; the head then gives every
+    /// connected agent (and any that connects later) a certificate of the new CA over its
+    /// connection. Until `ca rotate --finish`, certificates of both CAs are accepted; after it,
+    /// one of the old CA is refused with one line (and connections still using one end).
+    ///
+    /// Example: starling ca rotate; (agents and users updated) starling ca rotate --finish
+    Rotate {
+        /// Close the rotation's window: retire the previous CA.
+        #[arg(long)]
+        finish: bool,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
 }
 
 /// Where the cluster's credentials are, for the administrator's commands.
@@ -841,6 +862,34 @@ fn run(cli: Cli) -> Result<i32> {
             eprintln!("starling: user {name}'s certificate (serial {serial}) revoked; the head refuses it and drops its connections");
             Ok(0)
         }
+        Cmd::Ca(CaCmd::Rotate { finish: false, auth }) => {
+            let r = admin_auth_dir(&cfg, auth)?.rotate_ca()?;
+            eprintln!(
+                "starling: new CA {fp}; the head's, the shared role certificates and {n} user(s)' credentials re-issued{users}; \
+                 the head gives each connected agent a certificate of the new CA. Old and new CAs are both trusted until \
+                 `starling ca rotate --finish`.",
+                fp = r.fingerprint,
+                n = r.users.len(),
+                users = if r.users.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", r.users.iter().map(|(u, d)| format!("{u} in {}", d.display())).collect::<Vec<_>>().join(", "))
+                }
+            );
+            if !r.users_elsewhere.is_empty() {
+                eprintln!(
+                    "starling: no credentials here to re-issue for user(s) {}: give them new ones (`user revoke`, `user add`) before --finish",
+                    r.users_elsewhere.join(", ")
+                );
+            }
+            println!("{}", r.fingerprint);
+            Ok(0)
+        }
+        Cmd::Ca(CaCmd::Rotate { finish: true, auth }) => {
+            admin_auth_dir(&cfg, auth)?.finish_rotation()?;
+            eprintln!("starling: the previous CA is retired: its certificates are refused from now on");
+            Ok(0)
+        }
         Cmd::Host(HostCmd::Revoke { host, auth }) => {
             let serial = admin_auth_dir(&cfg, auth)?.revoke("host", &host)?;
             eprintln!("starling: host {host}'s certificate (serial {serial}) revoked; the head refuses it and drops its connection");
@@ -1018,12 +1067,13 @@ fn link_main(args: &[String]) -> ! {
         // With the cluster's credentials: local users through a Unix socket, the relay's certificate to the head.
         let auth = match (get("--auth"), get("--socket")) {
             (Some(dir), Some(sock)) => {
-                let connector = starling_auth::AuthDir::new(dir).connector(starling_auth::Role::Relay)?;
+                let dir = starling_auth::AuthDir::new(dir);
+                dir.connector(starling_auth::Role::Relay)?; // fail now if they are unusable
                 let _ = std::fs::remove_file(&sock);
                 let socket = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {sock}"))?;
                 std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666))
                     .with_context(|| format!("chmod {sock}"))?;
-                Some(starling_link::RelayAuth { socket, connector })
+                Some(starling_link::RelayAuth { socket, dir })
             }
             _ => None,
         };
