@@ -10,7 +10,9 @@ as the README tells an administrator to do on real hosts:
   cannot register as an enrolled host;
 * `starling host revoke` drops the host's live connection and its agent is refused with one line;
 * a client holding `starling user add NAME --uid 1000`'s certificate, run by root (its spec says
-  uid 0), runs tasks as 1000; `starling user revoke` refuses it from then on."""
+  uid 0), runs tasks as 1000; `starling user revoke` refuses it from then on;
+* `user add --groups` puts supplementary groups in the certificate: the user's tasks run with exactly
+  its gid and those groups, whatever groups the client's spec claims."""
 import json
 import os
 import pathlib
@@ -94,11 +96,13 @@ def admin(*args):
     return subprocess.run([STARLING, *args, "--auth", str(AUTH)], capture_output=True, text=True, timeout=60)
 
 
-def client(*args, creds=AUTH):
+def client(*args, creds=AUTH, groups=None):
+    """A client command; `groups`: the client process's supplementary groups (what its spec claims)."""
     env = dict(os.environ, STARLING_CLUSTER=HEAD, STARLING_AUTH=str(creds))
     env.pop("STARLING_INSTANCE", None)
     env.pop("STARLING_FORK_BACKEND", None)
-    return subprocess.run([STARLING, *args], cwd=BASE / "work", env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([STARLING, *args], cwd=BASE / "work", env=env, capture_output=True, text=True, timeout=300,
+                          extra_groups=groups)
 
 
 def status():
@@ -228,6 +232,32 @@ def test_a_user_certificate_runs_as_its_uid_only(head):
     r = client("exec", "--", "true", creds=alice)
     assert r.returncode != 0
     assert "the certificate of user alice" in r.stderr and "was revoked" in r.stderr, r.stderr
+
+
+def test_a_user_certificate_carries_its_groups(head):
+    if not hosts():
+        enrolled(head, "node9")
+    dave, erin = BASE / "dave", BASE / "erin"
+    r = admin("user", "add", "dave", "--uid", "1004", "--gid", "1005", "--groups", "2002,2001", "--out", str(dave))
+    assert r.returncode == 0, r.stderr
+    r = admin("user", "add", "erin", "--uid", "1006", "--out", str(erin))
+    assert r.returncode == 0, r.stderr
+    try:
+        # The client claims groups 0, 2001 and 3003 in its spec (root, with those supplementary groups):
+        # the administrator's certificate is believed, so the task shows what the spec claims ...
+        r = client("exec", "--", "id", "-G", groups=[0, 2001, 3003])
+        assert r.returncode == 0 and r.stdout.split() == ["0", "2001", "3003"], r.stdout + r.stderr
+        # ... while dave's runs with exactly his certificate's gid and groups, and nothing of the spec's.
+        r = client("exec", "--", "sh", "-c", "id -u; id -g; id -G", creds=dave, groups=[0, 2001, 3003])
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == ["1004", "1005", "1005 2001 2002"], r.stdout
+        # A user certified without --groups gets their gid alone.
+        r = client("exec", "--", "id", "-G", creds=erin, groups=[0, 2001, 3003])
+        assert r.returncode == 0 and r.stdout.split() == ["1006"], r.stdout + r.stderr
+    finally:
+        # (The CA-rotation test counts the users whose credentials it re-issues.)
+        for name in ("dave", "erin"):
+            admin("user", "revoke", name)
 
 
 def test_revoking_a_user_ends_its_live_session(head):

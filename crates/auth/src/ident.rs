@@ -13,7 +13,8 @@
 //! | `revoked` | one revoked certificate a line: `SERIAL KIND NAME` |
 //!
 //! A holder's name is written in its certificate as a URI subject
-//! alternative name — `starling:host:NAME` or `starling:user:NAME:UID:GID` —
+//! alternative name — `starling:host:NAME`, or `starling:user:NAME:UID:GID`
+//! with `:G1,G2,...` after it when the user has supplementary groups —
 //! next to its role's DNS name, and read back from a verified certificate by
 //! [`Identity::of`]. The head refuses a certificate whose serial is in
 //! `revoked` and drops its live connections when it appears there.
@@ -45,6 +46,8 @@ pub enum IdentError {
     HostEnrolled(String),
     #[error("user {0} already has a certificate; revoke it first (`starling user revoke {0}`)")]
     UserExists(String),
+    #[error("{0} supplementary groups: a process can have at most 65536")]
+    TooManyGroups(usize),
     #[error("no {kind} named {name} has a certificate of this cluster")]
     NotIssued { kind: &'static str, name: String },
     #[error("the public key sent is not an uncompressed ECDSA P-256 point")]
@@ -63,7 +66,47 @@ pub struct UserId {
     pub name: String,
     pub uid: u32,
     pub gid: u32,
+    /// Supplementary groups besides `gid` (sorted, without duplicates; empty in a certificate
+    /// issued before groups were carried).
+    pub groups: Vec<u32>,
 }
+
+impl UserId {
+    /// The supplementary groups this user's tasks run with: the gid and the certified groups,
+    /// as `initgroups` would list them for a local user.
+    pub fn task_groups(&self) -> Vec<u32> {
+        let mut all = vec![self.gid];
+        all.extend(self.groups.iter().copied().filter(|&g| g != self.gid));
+        all
+    }
+
+    /// The URI naming this user in their certificate.
+    fn uri(&self) -> String {
+        let UserId { name, uid, gid, groups } = self;
+        if groups.is_empty() {
+            format!("{USER_URI}{name}:{uid}:{gid}")
+        } else {
+            let list: Vec<String> = groups.iter().map(u32::to_string).collect();
+            format!("{USER_URI}{name}:{uid}:{gid}:{}", list.join(","))
+        }
+    }
+
+    /// Read back what [`UserId::uri`] wrote (the part after `starling:user:`).
+    fn parse(rest: &str) -> Option<UserId> {
+        let mut parts = rest.split(':');
+        let (Some(name), Some(uid), Some(gid), groups, None) = (parts.next(), parts.next(), parts.next(), parts.next(), parts.next()) else {
+            return None;
+        };
+        let groups = match groups {
+            None => Vec::new(),
+            Some(list) => list.split(',').map(|g| g.parse().ok()).collect::<Option<Vec<u32>>>()?,
+        };
+        Some(UserId { name: name.to_string(), uid: uid.parse().ok()?, gid: gid.parse().ok()?, groups })
+    }
+}
+
+/// At most as many supplementary groups as Linux lets a process have (`NGROUPS_MAX`).
+const MAX_GROUPS: usize = 65536;
 
 /// What a verified certificate says about its holder.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -100,11 +143,7 @@ impl Identity {
             if let Some(name) = uri.strip_prefix(HOST_URI) {
                 host = Some(name.to_string());
             } else if let Some(rest) = uri.strip_prefix(USER_URI) {
-                let mut parts = rest.split(':');
-                let (Some(name), Some(uid), Some(gid), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
-                    return None;
-                };
-                user = Some(UserId { name: name.to_string(), uid: uid.parse().ok()?, gid: gid.parse().ok()? });
+                user = Some(UserId::parse(rest)?);
             }
         }
         if role == Role::User && user.is_none() {
@@ -322,16 +361,24 @@ impl AuthDir {
         write_credentials(dir, Role::Agent, &std::fs::read(self.ca_cert()).map_err(|source| IdentError::Io { path: self.ca_cert(), source })?, &pem, &key.serialize_pem())
     }
 
-    /// `starling user add`: a key and a user certificate naming `uid` and `gid`
-    /// in `out` (ca.pem, client.pem, client.key: what a client reads from
-    /// `STARLING_AUTH`); the user's serial is recorded for revocation.
-    pub fn add_user(&self, name: &str, uid: u32, gid: u32, out: &Path) -> Result<(), IdentError> {
+    /// `starling user add`: a key and a user certificate naming `uid`, `gid`
+    /// and supplementary `groups` in `out` (ca.pem, client.pem, client.key: what
+    /// a client reads from `STARLING_AUTH`); the user's serial is recorded for
+    /// revocation.
+    pub fn add_user(&self, name: &str, uid: u32, gid: u32, groups: &[u32], out: &Path) -> Result<(), IdentError> {
         check_name("user", name)?;
+        let mut groups: Vec<u32> = groups.iter().copied().filter(|&g| g != gid).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        if groups.len() >= MAX_GROUPS {
+            return Err(IdentError::TooManyGroups(groups.len() + 1));
+        }
         if self.record("user", name).exists() {
             return Err(IdentError::UserExists(name.to_string()));
         }
         let key = KeyPair::generate().map_err(AuthError::from)?;
-        let (pem, serial) = self.issue(Role::User, &format!("{USER_URI}{name}:{uid}:{gid}"), &key)?;
+        let user = UserId { name: name.to_string(), uid, gid, groups };
+        let (pem, serial) = self.issue(Role::User, &user.uri(), &key)?;
         let out = std::path::absolute(out).map_err(|source| IdentError::Io { path: out.to_path_buf(), source })?;
         let ca = std::fs::read(self.ca_cert()).map_err(|source| IdentError::Io { path: self.ca_cert(), source })?;
         write_credentials(&out, Role::Client, &ca, &pem, &key.serialize_pem())?;
@@ -457,15 +504,42 @@ mod tests {
         let a = AuthDir::new(t.path().join("auth"));
         a.init().unwrap();
         let out = t.path().join("alice");
-        a.add_user("alice", 1000, 1001, &out).unwrap();
+        a.add_user("alice", 1000, 1001, &[], &out).unwrap();
         let pem = std::fs::read_to_string(AuthDir::new(&out).cert(Role::Client)).unwrap();
         let id = Identity::of(Some(&[leaf(&pem)])).unwrap();
         assert_eq!(id.role, Role::User);
-        assert_eq!(id.user, Some(UserId { name: "alice".into(), uid: 1000, gid: 1001 }));
-        assert!(matches!(a.add_user("alice", 1000, 1000, &t.path().join("again")), Err(IdentError::UserExists(_))));
-        assert!(matches!(a.add_user("../x", 1, 1, &t.path().join("x")), Err(IdentError::BadName { .. })));
+        assert_eq!(id.user, Some(UserId { name: "alice".into(), uid: 1000, gid: 1001, groups: vec![] }));
+        assert_eq!(id.user.unwrap().task_groups(), [1001]);
+        assert!(matches!(a.add_user("alice", 1000, 1000, &[], &t.path().join("again")), Err(IdentError::UserExists(_))));
+        assert!(matches!(a.add_user("../x", 1, 1, &[], &t.path().join("x")), Err(IdentError::BadName { .. })));
         // The shared role certificates name no holder.
         let shared = Identity::of(Some(&[crate::read_pem_cert(&a.cert(Role::Agent)).unwrap()])).unwrap();
         assert_eq!((shared.role, shared.host, shared.user), (Role::Agent, None, None));
+    }
+
+    #[test]
+    fn a_user_certificate_names_its_groups() {
+        let t = tempfile::tempdir().unwrap();
+        let a = AuthDir::new(t.path().join("auth"));
+        a.init().unwrap();
+        let out = t.path().join("bob");
+        // Given unsorted, repeated and with the gid among them.
+        a.add_user("bob", 1002, 1003, &[2002, 1003, 2001, 2002], &out).unwrap();
+        let pem = std::fs::read_to_string(AuthDir::new(&out).cert(Role::Client)).unwrap();
+        let user = Identity::of(Some(&[leaf(&pem)])).unwrap().user.unwrap();
+        assert_eq!(user, UserId { name: "bob".into(), uid: 1002, gid: 1003, groups: vec![2001, 2002] });
+        assert_eq!(user.task_groups(), [1003, 2001, 2002]);
+        // What the certificate says, as written there.
+        let der = leaf(&pem);
+        let ee = webpki::EndEntityCert::try_from(&der).unwrap();
+        assert_eq!(ee.valid_uri_names().collect::<Vec<_>>(), ["starling:user:bob:1002:1003:2001,2002"]);
+    }
+
+    #[test]
+    fn a_malformed_user_uri_names_nobody() {
+        for rest in ["bob:1:2:", "bob:1:2:3,,4", "bob:1:2:x", "bob:1:2:3:4", "bob:1"] {
+            assert_eq!(UserId::parse(rest), None, "{rest}");
+        }
+        assert_eq!(UserId::parse("bob:1:2:3").unwrap().groups, [3]);
     }
 }

@@ -281,7 +281,7 @@ mod tests {
         let a = AuthDir::new(t.path().join("auth"));
         a.init().unwrap();
         let alice = t.path().join("alice");
-        a.add_user("alice", 1000, 1000, &alice).unwrap();
+        a.add_user("alice", 1000, 1000, &[2001], &alice).unwrap();
         let old_alice = std::fs::read_to_string(AuthDir::new(&alice).cert(Role::Client)).unwrap();
         let old_head = crate::read_pem_cert(&a.cert(Role::Head)).unwrap();
         let before = a.trust().unwrap();
@@ -302,6 +302,7 @@ mod tests {
         assert_eq!(trust.issuer(&leaf(&old_alice)), Issuer::Previous);
         let id_new = Identity::of(Some(&[leaf(&new_alice)])).unwrap();
         assert_eq!(id_new.user, Identity::of(Some(&[leaf(&old_alice)])).unwrap().user);
+        assert_eq!(id_new.user.unwrap().groups, [2001], "her groups are re-issued with her");
         assert_eq!(std::fs::read_to_string(AuthDir::new(&alice).ca_cert()).unwrap(), a.ca_bundle().unwrap());
         // Revoking alice revokes both her certificates.
         let (serials, _) = a.read_record("user", "alice").unwrap();

@@ -245,10 +245,11 @@ enum TokenCmd {
 
 #[derive(Subcommand)]
 enum UserCmd {
-    /// Issue user NAME a certificate naming its uid (and gid): a client holding it
-    /// (STARLING_AUTH=DIR, over TCP) runs tasks as that uid only, whatever its spec says.
+    /// Issue user NAME a certificate naming its uid, gid and supplementary groups: a
+    /// client holding it (STARLING_AUTH=DIR, over TCP) runs tasks as that uid with exactly
+    /// that gid and those groups, whatever its spec says.
     ///
-    /// Example: starling user add alice --uid 1000 --out /tmp/alice-creds
+    /// Example: starling user add alice --uid 1000 --groups 27,100 --out /tmp/alice-creds
     Add {
         name: String,
         #[arg(long)]
@@ -256,6 +257,9 @@ enum UserCmd {
         /// [default: the uid]
         #[arg(long)]
         gid: Option<u32>,
+        /// Supplementary groups (numbers, comma-separated) besides the gid. [default: none]
+        #[arg(long, value_name = "G1,G2,...", value_delimiter = ',')]
+        groups: Vec<u32>,
         /// Where to write the user's credentials (ca.pem, client.pem, client.key; made 0700):
         /// give this directory to the user. [default: DIR/users.d/NAME]
         #[arg(long, value_name = "DIR")]
@@ -844,15 +848,16 @@ fn run(cli: Cli) -> Result<i32> {
             );
             Ok(0)
         }
-        Cmd::User(UserCmd::Add { name, uid, gid, out, root, auth }) => {
+        Cmd::User(UserCmd::Add { name, uid, gid, groups, out, root, auth }) => {
             if uid == 0 && !root {
                 anyhow::bail!("a certificate for uid 0 runs tasks as root: pass --root to mean it");
             }
             let dir = admin_auth_dir(&cfg, auth)?;
             let out = out.unwrap_or_else(|| dir.dir.join("users.d").join(&name));
-            dir.add_user(&name, uid, gid.unwrap_or(uid), &out)?;
+            let gid = gid.unwrap_or(uid);
+            dir.add_user(&name, uid, gid, &groups, &out)?;
             eprintln!(
-                "starling: user {name} (uid {uid}) certified; give them {d} and have them set STARLING_AUTH={d} (revoke: `starling user revoke {name}`)",
+                "starling: user {name} (uid {uid}, gid {gid}, groups {groups:?}) certified; give them {d} and have them set STARLING_AUTH={d} (revoke: `starling user revoke {name}`)",
                 d = out.display()
             );
             Ok(0)

@@ -540,7 +540,7 @@ impl Head {
                 let who: ClientIdentity = match peer {
                     Peer::Local(cred) => Some(cred),
                     Peer::Cert(Identity { role: AuthRole::User, user: Some(u), .. }) => {
-                        Some(Cred { uid: u.uid, gid: u.gid, groups: vec![u.gid] })
+                        Some(Cred { uid: u.uid, gid: u.gid, groups: u.task_groups() })
                     }
                     Peer::Cert(Identity { role: AuthRole::Client, .. }) | Peer::Unauthenticated => None,
                     Peer::Cert(id) => return refuse(format!("a {:?} certificate cannot be used by a client", id.role)).await,
