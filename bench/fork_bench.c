@@ -11,7 +11,7 @@
  * (start_ns, relative to t0), then sleeps until t0 + SETTLE_MS before its
  * PROBES first touches of heap pages 64 pages apart (each one a userfault
  * served over TCP: the fault-service time as the clone sees it, prefetch never
- * hides it). Without the settle, clones that started early would probe while
+ * hides it; total_ns is their sum). Without the settle, clones that started early would probe while
  * later ones are still being created and steal the CPU their creation needs:
  * the clone time of N would then include other clones' work. A clone that
  * starts after the deadline prints late=1 (SETTLE_MS too short).
@@ -127,15 +127,17 @@ int main(int argc, char **argv) {
         long long probing = now_ns();
         size_t pages = (heap_mib << 20) / 4096;
         unsigned long sum = 0;
+        long long total = 0;
         for (int i = 0; i < probes; i++) {
             size_t page = ((size_t)i * 64 + (size_t)id * 7) % pages;
             long long a = now_ns();
             sum += heap[page * 4096];
             lat[i] = now_ns() - a;
+            total += lat[i];
         }
         qsort(lat, probes, sizeof *lat, cmp_ll);
-        printf("CLONE id=%d start_ns=%lld probe_ns=%lld late=%d median_ns=%lld p99_ns=%lld sum=%lu\n", id,
-               started - t0, probing - t0, late, lat[probes / 2], lat[(probes * 99) / 100], sum);
+        printf("CLONE id=%d start_ns=%lld probe_ns=%lld late=%d median_ns=%lld p99_ns=%lld total_ns=%lld sum=%lu\n", id,
+               started - t0, probing - t0, late, lat[probes / 2], lat[(probes * 99) / 100], total, sum);
         sf_exit(0);
     }
     long long returned = now_ns();
@@ -158,9 +160,9 @@ int main(int argc, char **argv) {
            sysconf(_SC_NPROCESSORS_ONLN), sysconf(_SC_CLK_TCK), busy0, bg_end - bg_start, bg_busy1 - bg_busy0, t0);
     for (int i = 0; i < samples; i++) printf("CPU t_ns=%lld busy=%lld\n", sample_t[i], sample_busy[i]);
     for (int i = 1; i <= m; i++)
-        printf("STAT id=%d status=%d faults=%lld fetched=%lld zero=%lld file=%lld requests=%lld\n", i,
+        printf("STAT id=%d status=%d faults=%lld fetched=%lld zero=%lld file=%lld requests=%lld dist=%lld\n", i,
                sf_clone_status(t, i), sf_clone_stat(t, i, 0), sf_clone_stat(t, i, 1), sf_clone_stat(t, i, 2),
-               sf_clone_stat(t, i, 3), sf_clone_stat(t, i, 4));
+               sf_clone_stat(t, i, 3), sf_clone_stat(t, i, 4), sf_clone_stat(t, i, 6));
     /* Each clone's critical-path stamps (CLOCK_REALTIME ns, as t0). */
     for (int i = 1; i <= m; i++)
         printf("STAMPS id=%d ticket=%lld template=%lld descriptor=%lld placed=%lld launch_received=%lld "

@@ -378,6 +378,25 @@ def render_auth(doc):
            table(["path", "insecure ms", "auth ms", "auth cost", "runs"], rows)]
     worst = max(r["delta_pct"] for r in doc["rows"])
     out += ["", f"* authenticated ≤ 5 % slower: {'met' if worst <= 5 else 'not met'} (worst {worst:+.1f}%)"]
+    f = doc.get("faults")
+    if f:
+        dists = {1: "multicast", 2: "multicast push", 3: "unicast", 4: "unicast fallback"}
+        frows = [[r["mode"], f"`{r['up']}`, fork.encrypt {r['fork_encrypt']}", f"{r['median_us']:.0f}", f"{r['p99_us']:.0f}",
+                  f"{r['mean_us']:.0f}", f"{r['total_ms']:.1f}", r["probes"], r["faults"], r["pages_fetched"],
+                  f"{r['median_ratio']:.2f}", f"{r['mean_ratio']:.2f}"] for r in f["rows"]]
+        dist = sorted({dists.get(d, str(d)) for r in f["rows"] for d in r["dist"]})
+        out += ["", f"Page-fault service: a one-clone remote fork ({', '.join(dist)}: from the parent's page server over "
+                f"TCP) whose clone times its first touches of heap pages 64 pages apart, each a fault its host's handler "
+                f"serves with one request; {f['probes_per_run']} touches per run, {f['rounds']} interleaved rounds (after "
+                f"a discarded run per cluster); median and p99 are medians over the rounds, mean and total over every "
+                f"touch; faults and pages: the clones' handler counters (`sf_clone_stat`), all rounds. Machine load "
+                f"{f['load_min']:.1f}–{f['load_max']:.1f}: the hosts, the parent and its page server share this "
+                f"machine's cores with other programs, so these are rough.", "",
+                table(["mode", "cluster", "median µs", "p99 µs", "mean µs", "total ms", "touches", "faults",
+                       "pages fetched", "median ÷ insecure", "mean ÷ insecure"], frows, list("llrrrrrrrrr"))]
+        worst_fault = max(max(r["median_ratio"], r["mean_ratio"]) for r in f["rows"])
+        out += ["", f"* page faults with authentication and encryption ≤ 5 % slower: "
+                f"{'met' if worst_fault <= 1.05 else 'not met'} (worst ratio {worst_fault:.2f})"]
     return "\n".join(out)
 
 

@@ -10,7 +10,9 @@ as the README tells an administrator to do on real hosts:
   cannot register as an enrolled host;
 * `starling host revoke` drops the host's live connection and its agent is refused with one line;
 * a client holding `starling user add NAME --uid 1000`'s certificate, run by root (its spec says
-  uid 0), runs tasks as 1000; `starling user revoke` refuses it from then on."""
+  uid 0), runs tasks as 1000; `starling user revoke` refuses it from then on;
+* `user add --groups` puts supplementary groups in the certificate: the user's tasks run with exactly
+  its gid and those groups, whatever groups the client's spec claims."""
 import json
 import os
 import pathlib
@@ -86,11 +88,13 @@ def admin(*args):
     return subprocess.run([STARLING, *args, "--auth", str(AUTH)], capture_output=True, text=True, timeout=60)
 
 
-def client(*args, creds=AUTH):
+def client(*args, creds=AUTH, groups=None):
+    """A client command; `groups`: the client process's supplementary groups (what its spec claims)."""
     env = dict(os.environ, STARLING_CLUSTER=HEAD, STARLING_AUTH=str(creds))
     env.pop("STARLING_INSTANCE", None)
     env.pop("STARLING_FORK_BACKEND", None)
-    return subprocess.run([STARLING, *args], cwd=BASE / "work", env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([STARLING, *args], cwd=BASE / "work", env=env, capture_output=True, text=True, timeout=300,
+                          extra_groups=groups)
 
 
 def status():
@@ -222,6 +226,32 @@ def test_a_user_certificate_runs_as_its_uid_only(head):
     assert "the certificate of user alice" in r.stderr and "was revoked" in r.stderr, r.stderr
 
 
+def test_a_user_certificate_carries_its_groups(head):
+    if not hosts():
+        enrolled(head, "node9")
+    dave, erin = BASE / "dave", BASE / "erin"
+    r = admin("user", "add", "dave", "--uid", "1004", "--gid", "1005", "--groups", "2002,2001", "--out", str(dave))
+    assert r.returncode == 0, r.stderr
+    r = admin("user", "add", "erin", "--uid", "1006", "--out", str(erin))
+    assert r.returncode == 0, r.stderr
+    try:
+        # The client claims groups 0, 2001 and 3003 in its spec (root, with those supplementary groups):
+        # the administrator's certificate is believed, so the task shows what the spec claims ...
+        r = client("exec", "--", "id", "-G", groups=[0, 2001, 3003])
+        assert r.returncode == 0 and r.stdout.split() == ["0", "2001", "3003"], r.stdout + r.stderr
+        # ... while dave's runs with exactly his certificate's gid and groups, and nothing of the spec's.
+        r = client("exec", "--", "sh", "-c", "id -u; id -g; id -G", creds=dave, groups=[0, 2001, 3003])
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.splitlines() == ["1004", "1005", "1005 2001 2002"], r.stdout
+        # A user certified without --groups gets their gid alone.
+        r = client("exec", "--", "id", "-G", creds=erin, groups=[0, 2001, 3003])
+        assert r.returncode == 0 and r.stdout.split() == ["1006"], r.stdout + r.stderr
+    finally:
+        # (The CA-rotation test counts the users whose credentials it re-issues.)
+        for name in ("dave", "erin"):
+            admin("user", "revoke", name)
+
+
 def test_revoking_a_user_ends_its_live_session(head):
     if not hosts():
         enrolled(head, "node8")
@@ -244,3 +274,73 @@ def test_revoking_a_user_ends_its_live_session(head):
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_ca_rotation_keeps_the_cluster_running_and_then_refuses_the_old_ca(head):
+    creds = enrolled(head, "rot1")
+    carol = BASE / "carol"
+    r = admin("user", "add", "carol", "--uid", "1003", "--out", str(carol))
+    assert r.returncode == 0, r.stderr
+    # What a holder that missed the rotation keeps: the old CA's certificates.
+    carol_old, rot1_old = BASE / "carol-old", BASE / "creds-rot1-old"
+    shutil.copytree(carol, carol_old)
+    shutil.copytree(creds, rot1_old)
+    env = dict(os.environ, STARLING_CLUSTER=HEAD, STARLING_AUTH=str(AUTH))
+    env.pop("STARLING_INSTANCE", None)
+    env.pop("STARLING_FORK_BACKEND", None)
+    task = subprocess.Popen([STARLING, "exec", "-T", "--", "sh", "-c", "echo started; read line; echo got $line"],
+                            cwd=BASE / "work", env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert task.stdout.readline().strip() == "started"  # a task runs across the whole rotation
+        r = admin("ca", "rotate")
+        assert r.returncode == 0, r.stderr
+        assert re.fullmatch(r"[0-9a-f]{64}", r.stdout.strip()), r.stdout
+        assert "1 user(s)' credentials re-issued (carol in" in r.stderr, r.stderr
+        r = admin("ca", "rotate")
+        assert r.returncode != 0 and "a CA rotation is under way" in r.stderr, r.stderr
+        # The head gives the connected host a certificate of the new CA over its connection.
+        old_pem = (rot1_old / "agent.pem").read_text()
+        wait_for(lambda: (creds / "agent.pem").read_text() != old_pem, "the head to re-issue rot1's certificate")
+        assert (creds / "ca.pem").read_text() == (AUTH / "ca.pem").read_text()
+        assert "installed a new certificate and CAs from the head" in head.log("rot1")
+        # During the window both CAs' holders are served: the re-issued credentials and the old ones.
+        for c in (carol, carol_old):
+            r = client("exec", "--", "id", "-u", creds=c)
+            assert r.returncode == 0 and r.stdout.strip() == "1003", r.stdout + r.stderr
+        r = admin("ca", "rotate", "--finish")
+        assert r.returncode == 0, r.stderr
+        # The old CA's credentials are refused in one line, once the head has read the change.
+        retired = "was issued by a CA this cluster has retired"
+        refused = wait_for(lambda: (lambda r: r if r.returncode != 0 else None)(client("exec", "--", "true", creds=carol_old)),
+                           "the head to refuse carol's old certificate")
+        assert f"the certificate of user carol (serial" in refused.stderr and retired in refused.stderr, refused.stderr
+        # ... and so is an agent holding only the old certificate.
+        # (Its own state directory: rot1's holds the running task.)
+        argv = agent_argv("rot1", "--head", HEAD, "--auth", str(rot1_old))
+        argv[argv.index("--state") + 1] = str(BASE / "state-rot1-old")
+        head.start("rot1-old", argv)
+        wait_for(lambda: f"peer refused us: the certificate of host rot1 (serial" in head.log("rot1-old")
+                 and retired in head.log("rot1-old"), "rot1's old certificate to be refused")
+        head.stop("rot1-old")
+        # The task started before the rotation ran through it.
+        out, err = task.communicate("x\n", timeout=120)
+        assert task.returncode == 0, err
+        assert out.strip() == "got x", out
+    finally:
+        if task.poll() is None:
+            task.kill()
+            task.wait()
+    # Jobs run after the rotation with the re-issued credentials, and the re-issued host
+    # connects again with its new certificate.
+    r = client("exec", "--", "id", "-u", creds=carol)
+    assert r.returncode == 0 and r.stdout.strip() == "1003", r.stdout + r.stderr
+    head.stop("rot1")
+    wait_for(lambda: "rot1" not in hosts(), "the head to notice rot1 left")
+    p = head.start("rot1-again", agent_argv("rot1", "--head", HEAD, "--auth", str(creds)))
+    wait_for(lambda: "rot1" in hosts() or p.poll() is not None, "rot1 to come back with its new certificate")
+    assert "rot1" in hosts(), head.log("rot1-again")
+    # Revoking it revokes the certificates of both CAs.
+    r = admin("host", "revoke", "rot1")
+    assert r.returncode == 0, r.stderr
+    assert len([l for l in (AUTH / "revoked").read_text().splitlines() if l.endswith(" host rot1")]) == 2

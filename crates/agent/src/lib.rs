@@ -235,6 +235,30 @@ impl Agent {
         }
     }
 
+    /// New credentials from the head after a CA rotation: installed for the next
+    /// connections (to the head and to other hosts); this one goes on.
+    fn install_credentials(&self, certificate: Option<&str>, ca: &str) {
+        let Some(dir) = &self.cfg.settings.auth else {
+            return log::warn!("the head sent credentials, but this agent has no --auth directory to keep them");
+        };
+        let auth = starling_auth::AuthDir::new(dir);
+        match auth.install(AuthRole::Agent, certificate, ca) {
+            Ok(()) => {
+                log::info!(
+                    "installed {} from the head (CA rotation) in {}",
+                    if certificate.is_some() { "a new certificate and CAs" } else { "new CAs" },
+                    dir.display()
+                );
+                if let Some((peers, _)) = &self.peers {
+                    if let Err(e) = peers.reload(&auth) {
+                        log::warn!("reloading the TLS for other hosts: {e}");
+                    }
+                }
+            }
+            Err(e) => log::warn!("the head's new credentials were not installed: {e}"),
+        }
+    }
+
     async fn serve_stream<S>(self: &Arc<Self>, sock: S, addr: String) -> Result<(), ProtoError>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
@@ -345,6 +369,7 @@ impl Agent {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
                 Msg::Committed { .. } | Msg::Pong { .. } => {}
+                Msg::Credentials { certificate, ca } => self.install_credentials(certificate.as_deref(), &ca),
                 // The head ends the connection after an error of no task (e.g. a revoked certificate).
                 Msg::Error { task: None, message } => return Err(ProtoError::Refused(message)),
                 Msg::Error { message, .. } => log::warn!("head says: {message}"),
@@ -507,15 +532,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     if auth.is_none() {
         log::warn!("agent {}: no --auth: its head connection is not authenticated (a head of this cluster gives it credentials: README, Authentication)", agent.cfg.name);
     }
+    // The TLS is built afresh for each head connection: a CA rotation replaces the files.
     if let Some(listen) = agent.cfg.settings.listen.clone() {
-        let tls = match &auth {
-            Some(a) => Tls::Accept(a.acceptor(AuthRole::Agent)?),
-            None => Tls::Off,
-        };
         let l = TcpListener::bind(&listen).await.map_err(|source| AgentError::Listen { addr: listen.clone(), source })?;
         log::info!("agent {} listening on {listen} for a head", agent.cfg.name);
         loop {
             let (s, peer) = l.accept().await.map_err(io_step(Step::Accept))?;
+            let tls = match &auth {
+                Some(a) => Tls::Accept(a.acceptor(AuthRole::Agent)?),
+                None => Tls::Off,
+            };
             if let Err(e) = agent.serve(s, &tls).await {
                 log::warn!("head connection from {peer}: {e}");
             }
@@ -524,12 +550,12 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let head = agent.cfg.settings.head.clone().ok_or(AgentError::NoHead)?;
     // A lost head is dialled again, ever less often (the process, its cache and its task
     // directories stay); a connection that was up (not refused) starts the backoff over.
-    let tls = match &auth {
-        Some(a) => Tls::Dial(a.connector(AuthRole::Agent)?),
-        None => Tls::Off,
-    };
     let mut backoff = RECONNECT_MIN;
     loop {
+        let tls = match &auth {
+            Some(a) => Tls::Dial(a.connector(AuthRole::Agent)?),
+            None => Tls::Off,
+        };
         match TcpStream::connect(&head).await {
             Ok(s) => {
                 match agent.serve(s, &tls).await {

@@ -91,7 +91,8 @@ pub(crate) struct Peers {
     pub(crate) pending: Pending,
     cache: Arc<HostCache>,
     name: String,
-    tls: Option<(starling_auth::TlsConnector, starling_auth::TlsAcceptor)>,
+    /// Replaced when the head sends new credentials (a CA rotation).
+    tls: std::sync::RwLock<Option<(starling_auth::TlsConnector, starling_auth::TlsAcceptor)>>,
     conns: Mutex<HashMap<String, Arc<PeerConn>>>,
     rt: tokio::runtime::Handle,
 }
@@ -114,7 +115,21 @@ impl Peers {
             Some(a) => Some((a.connector(AuthRole::Agent)?, a.acceptor(AuthRole::Agent)?)),
             None => None,
         };
-        Ok(Peers { pending: Pending::default(), cache, name, tls, conns: Mutex::default(), rt: tokio::runtime::Handle::current() })
+        Ok(Peers {
+            pending: Pending::default(),
+            cache,
+            name,
+            tls: std::sync::RwLock::new(tls),
+            conns: Mutex::default(),
+            rt: tokio::runtime::Handle::current(),
+        })
+    }
+
+    /// Use the credentials now in `auth` for the next connections.
+    pub(crate) fn reload(&self, auth: &starling_auth::AuthDir) -> Result<(), starling_auth::AuthError> {
+        let tls = (auth.connector(AuthRole::Agent)?, auth.acceptor(AuthRole::Agent)?);
+        *self.tls.write().unwrap() = Some(tls);
+        Ok(())
     }
 
     /// Ask peer `addr` for `hashes` (on behalf of `task`); the answer comes
@@ -164,7 +179,8 @@ impl Peers {
     async fn dial(&self, addr: &str) -> Result<Arc<PeerConn>, PeerError> {
         let sock = TcpStream::connect(addr).await.map_err(PeerError::Connect)?;
         let _ = sock.set_nodelay(true);
-        match &self.tls {
+        let tls = self.tls.read().unwrap().clone();
+        match &tls {
             None => self.start(sock).await,
             Some((c, _)) => {
                 let s = c.connect(starling_auth::server_name(AuthRole::Agent), sock).await.map_err(PeerError::Connect)?;
@@ -216,8 +232,9 @@ impl Peers {
             };
             let _ = sock.set_nodelay(true);
             let me = self.clone();
+            let tls = me.tls.read().unwrap().clone();
             tokio::spawn(async move {
-                let res = match &me.tls {
+                let res = match &tls {
                     None => me.clone().serve_one(sock).await,
                     Some((_, a)) => match a.accept(sock).await {
                         Ok(s) if starling_auth::client_role(&s) == Some(AuthRole::Agent) => me.clone().serve_one(s).await,

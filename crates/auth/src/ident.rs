@@ -8,12 +8,13 @@
 //! | path | what |
 //! |---|---|
 //! | `tokens/SHA256` | a join token not yet used: the file is named by the SHA-256 of its secret (the secret itself is kept nowhere) and holds its expiry (Unix seconds) |
-//! | `hosts/NAME` | the serial of the certificate host NAME enrolled with |
-//! | `users/NAME` | the serial of user NAME's certificate |
+//! | `hosts/NAME` | the serials of the certificates host NAME holds: the one it enrolled with, then one a line re-issued at each CA rotation ([`crate::rotate`]) |
+//! | `users/NAME` | the same for user NAME's certificate, and `creds PATH`: where `starling user add` wrote the user's credentials (a CA rotation re-issues them there) |
 //! | `revoked` | one revoked certificate a line: `SERIAL KIND NAME` |
 //!
 //! A holder's name is written in its certificate as a URI subject
-//! alternative name — `starling:host:NAME` or `starling:user:NAME:UID:GID` —
+//! alternative name — `starling:host:NAME`, or `starling:user:NAME:UID:GID`
+//! with `:G1,G2,...` after it when the user has supplementary groups —
 //! next to its role's DNS name, and read back from a verified certificate by
 //! [`Identity::of`]. The head refuses a certificate whose serial is in
 //! `revoked` and drops its live connections when it appears there.
@@ -45,10 +46,18 @@ pub enum IdentError {
     HostEnrolled(String),
     #[error("user {0} already has a certificate; revoke it first (`starling user revoke {0}`)")]
     UserExists(String),
+    #[error("{0} supplementary groups: a process can have at most 65536")]
+    TooManyGroups(usize),
     #[error("no {kind} named {name} has a certificate of this cluster")]
     NotIssued { kind: &'static str, name: String },
     #[error("the public key sent is not an uncompressed ECDSA P-256 point")]
     BadPublicKey,
+    #[error("a CA rotation is under way: finish it first (`starling ca rotate --finish`)")]
+    RotationOpen,
+    #[error("no CA rotation is under way (start one with `starling ca rotate`)")]
+    NoRotation,
+    #[error("the credentials sent are refused: {0}")]
+    BadCredentials(&'static str),
 }
 
 /// A remote user as their certificate names them.
@@ -57,7 +66,47 @@ pub struct UserId {
     pub name: String,
     pub uid: u32,
     pub gid: u32,
+    /// Supplementary groups besides `gid` (sorted, without duplicates; empty in a certificate
+    /// issued before groups were carried).
+    pub groups: Vec<u32>,
 }
+
+impl UserId {
+    /// The supplementary groups this user's tasks run with: the gid and the certified groups,
+    /// as `initgroups` would list them for a local user.
+    pub fn task_groups(&self) -> Vec<u32> {
+        let mut all = vec![self.gid];
+        all.extend(self.groups.iter().copied().filter(|&g| g != self.gid));
+        all
+    }
+
+    /// The URI naming this user in their certificate.
+    fn uri(&self) -> String {
+        let UserId { name, uid, gid, groups } = self;
+        if groups.is_empty() {
+            format!("{USER_URI}{name}:{uid}:{gid}")
+        } else {
+            let list: Vec<String> = groups.iter().map(u32::to_string).collect();
+            format!("{USER_URI}{name}:{uid}:{gid}:{}", list.join(","))
+        }
+    }
+
+    /// Read back what [`UserId::uri`] wrote (the part after `starling:user:`).
+    fn parse(rest: &str) -> Option<UserId> {
+        let mut parts = rest.split(':');
+        let (Some(name), Some(uid), Some(gid), groups, None) = (parts.next(), parts.next(), parts.next(), parts.next(), parts.next()) else {
+            return None;
+        };
+        let groups = match groups {
+            None => Vec::new(),
+            Some(list) => list.split(',').map(|g| g.parse().ok()).collect::<Option<Vec<u32>>>()?,
+        };
+        Some(UserId { name: name.to_string(), uid: uid.parse().ok()?, gid: gid.parse().ok()?, groups })
+    }
+}
+
+/// At most as many supplementary groups as Linux lets a process have (`NGROUPS_MAX`).
+const MAX_GROUPS: usize = 65536;
 
 /// What a verified certificate says about its holder.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,10 +119,15 @@ pub struct Identity {
     pub user: Option<UserId>,
     /// The certificate's serial number (hex): what revocation names.
     pub serial: String,
+    /// The certificate itself (DER): which CA issued it ([`crate::Trust::issuer`]), and its
+    /// public key for a re-issue at a CA rotation.
+    pub cert: CertificateDer<'static>,
 }
 
 const HOST_URI: &str = "starling:host:";
 const USER_URI: &str = "starling:user:";
+/// A record's line naming where the holder's credentials were written.
+const CREDS: &str = "creds ";
 
 impl Identity {
     /// The identity in a peer's certificate chain, already verified against
@@ -89,17 +143,13 @@ impl Identity {
             if let Some(name) = uri.strip_prefix(HOST_URI) {
                 host = Some(name.to_string());
             } else if let Some(rest) = uri.strip_prefix(USER_URI) {
-                let mut parts = rest.split(':');
-                let (Some(name), Some(uid), Some(gid), None) = (parts.next(), parts.next(), parts.next(), parts.next()) else {
-                    return None;
-                };
-                user = Some(UserId { name: name.to_string(), uid: uid.parse().ok()?, gid: gid.parse().ok()? });
+                user = Some(UserId::parse(rest)?);
             }
         }
         if role == Role::User && user.is_none() {
             return None;
         }
-        Some(Identity { role, host, user, serial: hex(ee.serial()) })
+        Some(Identity { role, host, user, serial: hex(ee.serial()), cert: leaf.clone().into_owned() })
     }
 }
 
@@ -146,6 +196,11 @@ fn check_name(kind: &'static str, name: &str) -> Result<(), IdentError> {
 /// A P-256 public key as the uncompressed point (what [`KeyPair::public_key_raw`] gives).
 pub struct P256PublicKey(Vec<u8>);
 
+/// The DER of a SubjectPublicKeyInfo up to its key bits, for an id-ecPublicKey on prime256v1 (RFC 5480):
+/// every key of a starling cluster (rcgen's default, which enrolment insists on).
+const P256_SPKI_PREFIX: [u8; 26] =
+    [0x30, 0x59, 0x30, 0x13, 0x06, 0x07, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x02, 0x01, 0x06, 0x08, 0x2a, 0x86, 0x48, 0xce, 0x3d, 0x03, 0x01, 0x07, 0x03, 0x42, 0x00];
+
 impl P256PublicKey {
     pub fn from_raw(raw: Vec<u8>) -> Result<P256PublicKey, IdentError> {
         if raw.len() == 65 && raw[0] == 4 {
@@ -153,6 +208,11 @@ impl P256PublicKey {
         } else {
             Err(IdentError::BadPublicKey)
         }
+    }
+
+    /// The key a certificate certifies (its SubjectPublicKeyInfo, DER).
+    pub fn from_spki(spki: &[u8]) -> Result<P256PublicKey, IdentError> {
+        P256PublicKey::from_raw(spki.strip_prefix(&P256_SPKI_PREFIX[..]).ok_or(IdentError::BadPublicKey)?.to_vec())
     }
 }
 
@@ -175,7 +235,7 @@ impl AuthDir {
         self.dir.join("tokens")
     }
 
-    fn record(&self, kind: &str, name: &str) -> PathBuf {
+    pub(crate) fn record(&self, kind: &str, name: &str) -> PathBuf {
         self.dir.join(format!("{kind}s")).join(name)
     }
 
@@ -225,7 +285,7 @@ impl AuthDir {
     }
 
     /// The CA, to sign with (only where `ca.key` is: the head's machine).
-    fn issuer(&self) -> Result<(rcgen::Certificate, KeyPair), AuthError> {
+    pub(crate) fn issuer(&self) -> Result<(rcgen::Certificate, KeyPair), AuthError> {
         let kpath = self.ca_key();
         crate::need(&kpath)?;
         let pem = std::fs::read_to_string(&kpath).map_err(|source| AuthError::Io { path: kpath.clone(), source })?;
@@ -236,8 +296,7 @@ impl AuthDir {
     }
 
     /// A certificate for `role` naming its holder by `uri`, for `public_key`; and its serial (hex).
-    fn issue(&self, role: Role, uri: &str, public_key: &impl rcgen::PublicKeyData) -> Result<(String, String), AuthError> {
-        let (ca, ca_key) = self.issuer()?;
+    pub(crate) fn issue(&self, role: Role, uri: &str, public_key: &impl rcgen::PublicKeyData) -> Result<(String, String), AuthError> {
         let mut params = CertificateParams::new(vec![role.dns_name()])?;
         params.subject_alt_names.push(SanType::URI(uri.try_into()?));
         params.distinguished_name = DistinguishedName::new();
@@ -245,6 +304,13 @@ impl AuthDir {
         params.is_ca = IsCa::ExplicitNoCa;
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+        self.sign(params, public_key)
+    }
+
+    /// Sign `params` for `public_key` with the current CA under a fresh random serial: the
+    /// certificate (PEM) and its serial (hex).
+    pub(crate) fn sign(&self, mut params: CertificateParams, public_key: &impl rcgen::PublicKeyData) -> Result<(String, String), AuthError> {
+        let (ca, ca_key) = self.issuer()?;
         let mut serial = [0u8; 16];
         ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut serial).map_err(|_| AuthError::Random)?;
         // A positive DER integer with no leading zero byte to strip: the serial reads back as written.
@@ -275,10 +341,10 @@ impl AuthDir {
         Ok(pem)
     }
 
-    fn write_record(&self, kind: &'static str, name: &str, serial: &str) -> Result<(), IdentError> {
+    fn write_record(&self, kind: &'static str, name: &str, text: &str) -> Result<(), IdentError> {
         let path = self.record(kind, name);
         crate::create_private_dir(path.parent().expect("a record is in a directory"))?;
-        match crate::write_private(&path, format!("{serial}\n").as_bytes()) {
+        match crate::write_private(&path, format!("{text}\n").as_bytes()) {
             Err(AuthError::Io { source, .. }) if source.kind() == std::io::ErrorKind::AlreadyExists => Err(match kind {
                 "host" => IdentError::HostEnrolled(name.to_string()),
                 _ => IdentError::UserExists(name.to_string()),
@@ -295,41 +361,73 @@ impl AuthDir {
         write_credentials(dir, Role::Agent, &std::fs::read(self.ca_cert()).map_err(|source| IdentError::Io { path: self.ca_cert(), source })?, &pem, &key.serialize_pem())
     }
 
-    /// `starling user add`: a key and a user certificate naming `uid` and `gid`
-    /// in `out` (ca.pem, client.pem, client.key: what a client reads from
-    /// `STARLING_AUTH`); the user's serial is recorded for revocation.
-    pub fn add_user(&self, name: &str, uid: u32, gid: u32, out: &Path) -> Result<(), IdentError> {
+    /// `starling user add`: a key and a user certificate naming `uid`, `gid`
+    /// and supplementary `groups` in `out` (ca.pem, client.pem, client.key: what
+    /// a client reads from `STARLING_AUTH`); the user's serial is recorded for
+    /// revocation.
+    pub fn add_user(&self, name: &str, uid: u32, gid: u32, groups: &[u32], out: &Path) -> Result<(), IdentError> {
         check_name("user", name)?;
+        let mut groups: Vec<u32> = groups.iter().copied().filter(|&g| g != gid).collect();
+        groups.sort_unstable();
+        groups.dedup();
+        if groups.len() >= MAX_GROUPS {
+            return Err(IdentError::TooManyGroups(groups.len() + 1));
+        }
         if self.record("user", name).exists() {
             return Err(IdentError::UserExists(name.to_string()));
         }
         let key = KeyPair::generate().map_err(AuthError::from)?;
-        let (pem, serial) = self.issue(Role::User, &format!("{USER_URI}{name}:{uid}:{gid}"), &key)?;
-        self.write_record("user", name, &serial)?;
+        let user = UserId { name: name.to_string(), uid, gid, groups };
+        let (pem, serial) = self.issue(Role::User, &user.uri(), &key)?;
+        let out = std::path::absolute(out).map_err(|source| IdentError::Io { path: out.to_path_buf(), source })?;
         let ca = std::fs::read(self.ca_cert()).map_err(|source| IdentError::Io { path: self.ca_cert(), source })?;
-        write_credentials(out, Role::Client, &ca, &pem, &key.serialize_pem())
+        write_credentials(&out, Role::Client, &ca, &pem, &key.serialize_pem())?;
+        self.write_record("user", name, &format!("{serial}\n{CREDS}{}", out.display()))
     }
 
-    /// `starling host revoke` / `starling user revoke`: add the holder's serial
-    /// to the revocation list and forget its record (the name may be given a
-    /// new certificate). Returns the serial.
-    pub fn revoke(&self, kind: &'static str, name: &str) -> Result<String, IdentError> {
-        check_name(kind, name)?;
+    /// The serials a record lists (every certificate its holder was issued), and where its
+    /// credentials were written, if it says.
+    pub(crate) fn read_record(&self, kind: &'static str, name: &str) -> Result<(Vec<String>, Option<PathBuf>), IdentError> {
         let path = self.record(kind, name);
-        let serial = match std::fs::read_to_string(&path) {
-            Ok(s) => s.trim().to_string(),
+        let text = match std::fs::read_to_string(&path) {
+            Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
                 return Err(IdentError::NotIssued { kind, name: name.to_string() });
             }
             Err(source) => return Err(IdentError::Io { path, source }),
         };
+        let creds = text.lines().find_map(|l| l.strip_prefix(CREDS)).map(PathBuf::from);
+        let serials = text.lines().filter(|l| !l.starts_with(CREDS) && !l.trim().is_empty()).map(|l| l.trim().to_string()).collect();
+        Ok((serials, creds))
+    }
+
+    /// Add a re-issued certificate's serial to its holder's record (revoking the holder
+    /// revokes it too).
+    pub(crate) fn add_serial(&self, kind: &'static str, name: &str, serial: &str) -> Result<(), IdentError> {
+        let path = self.record(kind, name);
+        let io = |source| IdentError::Io { path: path.clone(), source };
+        let mut f = std::fs::OpenOptions::new().append(true).open(&path).map_err(io)?;
+        f.write_all(format!("{serial}\n").as_bytes()).map_err(io)?;
+        f.sync_all().map_err(io)
+    }
+
+    /// `starling host revoke` / `starling user revoke`: add the holder's serials
+    /// (its certificate, and those re-issued to it at CA rotations) to the
+    /// revocation list and forget its record (the name may be given a new
+    /// certificate). Returns the latest serial.
+    pub fn revoke(&self, kind: &'static str, name: &str) -> Result<String, IdentError> {
+        check_name(kind, name)?;
+        let (serials, _) = self.read_record(kind, name)?;
+        let latest = serials.last().cloned().ok_or_else(|| IdentError::NotIssued { kind, name: name.to_string() })?;
         let list = self.revoked_path();
         let io = |source| IdentError::Io { path: list.clone(), source };
         let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&list).map_err(io)?;
-        f.write_all(format!("{serial} {kind} {name}\n").as_bytes()).map_err(io)?;
+        let lines: String = serials.iter().map(|s| format!("{s} {kind} {name}\n")).collect();
+        f.write_all(lines.as_bytes()).map_err(io)?;
         f.sync_all().map_err(io)?;
+        let path = self.record(kind, name);
         std::fs::remove_file(&path).map_err(|source| IdentError::Io { path, source })?;
-        Ok(serial)
+        Ok(latest)
     }
 
     /// The serials of revoked certificates.
@@ -406,15 +504,42 @@ mod tests {
         let a = AuthDir::new(t.path().join("auth"));
         a.init().unwrap();
         let out = t.path().join("alice");
-        a.add_user("alice", 1000, 1001, &out).unwrap();
+        a.add_user("alice", 1000, 1001, &[], &out).unwrap();
         let pem = std::fs::read_to_string(AuthDir::new(&out).cert(Role::Client)).unwrap();
         let id = Identity::of(Some(&[leaf(&pem)])).unwrap();
         assert_eq!(id.role, Role::User);
-        assert_eq!(id.user, Some(UserId { name: "alice".into(), uid: 1000, gid: 1001 }));
-        assert!(matches!(a.add_user("alice", 1000, 1000, &t.path().join("again")), Err(IdentError::UserExists(_))));
-        assert!(matches!(a.add_user("../x", 1, 1, &t.path().join("x")), Err(IdentError::BadName { .. })));
+        assert_eq!(id.user, Some(UserId { name: "alice".into(), uid: 1000, gid: 1001, groups: vec![] }));
+        assert_eq!(id.user.unwrap().task_groups(), [1001]);
+        assert!(matches!(a.add_user("alice", 1000, 1000, &[], &t.path().join("again")), Err(IdentError::UserExists(_))));
+        assert!(matches!(a.add_user("../x", 1, 1, &[], &t.path().join("x")), Err(IdentError::BadName { .. })));
         // The shared role certificates name no holder.
         let shared = Identity::of(Some(&[crate::read_pem_cert(&a.cert(Role::Agent)).unwrap()])).unwrap();
         assert_eq!((shared.role, shared.host, shared.user), (Role::Agent, None, None));
+    }
+
+    #[test]
+    fn a_user_certificate_names_its_groups() {
+        let t = tempfile::tempdir().unwrap();
+        let a = AuthDir::new(t.path().join("auth"));
+        a.init().unwrap();
+        let out = t.path().join("bob");
+        // Given unsorted, repeated and with the gid among them.
+        a.add_user("bob", 1002, 1003, &[2002, 1003, 2001, 2002], &out).unwrap();
+        let pem = std::fs::read_to_string(AuthDir::new(&out).cert(Role::Client)).unwrap();
+        let user = Identity::of(Some(&[leaf(&pem)])).unwrap().user.unwrap();
+        assert_eq!(user, UserId { name: "bob".into(), uid: 1002, gid: 1003, groups: vec![2001, 2002] });
+        assert_eq!(user.task_groups(), [1003, 2001, 2002]);
+        // What the certificate says, as written there.
+        let der = leaf(&pem);
+        let ee = webpki::EndEntityCert::try_from(&der).unwrap();
+        assert_eq!(ee.valid_uri_names().collect::<Vec<_>>(), ["starling:user:bob:1002:1003:2001,2002"]);
+    }
+
+    #[test]
+    fn a_malformed_user_uri_names_nobody() {
+        for rest in ["bob:1:2:", "bob:1:2:3,,4", "bob:1:2:x", "bob:1:2:3:4", "bob:1"] {
+            assert_eq!(UserId::parse(rest), None, "{rest}");
+        }
+        assert_eq!(UserId::parse("bob:1:2:3").unwrap().groups, [3]);
     }
 }

@@ -43,8 +43,10 @@ use std::sync::Arc;
 
 pub mod enrol;
 pub mod ident;
+pub mod rotate;
 
 pub use ident::{Identity, IdentError, UserId};
+pub use rotate::{Issuer, Trust};
 pub use tokio_rustls::{client::TlsStream as ClientTls, server::TlsStream as ServerTls, TlsAcceptor, TlsConnector};
 
 /// What can go wrong making, reading or using the cluster's credentials.
@@ -151,36 +153,41 @@ impl AuthDir {
         write_public(&self.ca_cert(), ca.pem().as_bytes())?;
         for role in Role::SHARED {
             let key = KeyPair::generate()?;
-            let mut params = CertificateParams::new(vec![role.dns_name()])?;
-            params.distinguished_name = DistinguishedName::new();
-            params.distinguished_name.push(DnType::CommonName, format!("starling {}", role.stem()));
-            params.is_ca = IsCa::ExplicitNoCa;
-            params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-            params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
-            let cert = params.signed_by(&key, &ca, &ca_key)?;
+            let cert = shared_role_params(role)?.signed_by(&key, &ca, &ca_key)?;
             write_private(&self.key(role), key.serialize_pem().as_bytes())?;
             write_public(&self.cert(role), cert.pem().as_bytes())?;
         }
         Ok(())
     }
 
+    /// Every CA a handshake accepts: those of `ca.pem` (the current one, and the previous one
+    /// while a rotation's window is open) and the retired ones of `ca-retired.pem` (only the
+    /// head's directory has any: their certificates complete the handshake only to be refused
+    /// by the head in one line, [`Trust::issuer`]).
     fn roots(&self) -> Result<Arc<rustls::RootCertStore>, AuthError> {
-        let path = self.ca_cert();
-        let ca = read_pem_cert(&path)?;
+        let trust = self.trust()?;
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(ca)?;
+        for ca in trust.trusted.into_iter().chain(trust.retired) {
+            roots.add(ca)?;
+        }
         Ok(Arc::new(roots))
     }
 
-    /// The role's certificate followed by the CA's (so that a host enrolling with a
-    /// join token, which knows only the CA's fingerprint, can check the chain), and its key.
+    /// The role's certificate followed by the current CA's (so that a host enrolling with a
+    /// join token, which knows only the CA's fingerprint, can check the chain) and, after a
+    /// rotation, the current CA's key certified by the previous CA (`ca-cross.pem`: a holder
+    /// that trusts only the previous CA still verifies this one), and its key.
     fn chain(&self, role: Role) -> Result<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>), AuthError> {
         let cert = read_pem_cert(&self.cert(role))?;
         let ca = read_pem_cert(&self.ca_cert())?;
+        let mut chain = vec![cert, ca];
+        if self.cross_cert().exists() {
+            chain.push(read_pem_cert(&self.cross_cert())?);
+        }
         let kpath = self.key(role);
         need(&kpath)?;
         let key = PrivateKeyDer::from_pem_file(&kpath).map_err(|source| AuthError::Pem { path: kpath, what: "private key", source })?;
-        Ok((vec![cert, ca], key))
+        Ok((chain, key))
     }
 
     /// TLS for a side that accepts connections as `role`: its certificate,
@@ -286,6 +293,17 @@ pub(crate) fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// A shared role certificate's parameters ([`AuthDir::init`], and again at a CA rotation).
+pub(crate) fn shared_role_params(role: Role) -> Result<CertificateParams, AuthError> {
+    let mut params = CertificateParams::new(vec![role.dns_name()])?;
+    params.distinguished_name = DistinguishedName::new();
+    params.distinguished_name.push(DnType::CommonName, format!("starling {}", role.stem()));
+    params.is_ca = IsCa::ExplicitNoCa;
+    params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth, ExtendedKeyUsagePurpose::ClientAuth];
+    Ok(params)
+}
+
 pub(crate) fn ca_params() -> CertificateParams {
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
@@ -306,9 +324,19 @@ pub(crate) fn need(path: &Path) -> Result<(), AuthError> {
     }
 }
 
+/// The first certificate of a PEM file.
 pub(crate) fn read_pem_cert(path: &Path) -> Result<CertificateDer<'static>, AuthError> {
     need(path)?;
     CertificateDer::from_pem_file(path).map_err(|source| AuthError::Pem { path: path.to_path_buf(), what: "certificate", source })
+}
+
+/// Every certificate of a PEM file (a bundle); none if it does not exist.
+pub(crate) fn read_pem_bundle(path: &Path) -> Result<Vec<CertificateDer<'static>>, AuthError> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let pem = |source| AuthError::Pem { path: path.to_path_buf(), what: "certificate bundle", source };
+    CertificateDer::pem_file_iter(path).map_err(pem)?.collect::<Result<Vec<_>, _>>().map_err(pem)
 }
 
 /// Create `dir` (and parents) with the last component 0700; an existing
@@ -344,6 +372,20 @@ pub(crate) fn write_private(path: &Path, data: &[u8]) -> Result<(), AuthError> {
 
 pub(crate) fn write_public(path: &Path, data: &[u8]) -> Result<(), AuthError> {
     write_file(path, data, 0o644)
+}
+
+/// Replace `path` with `data` (mode `mode`) at once: a reader sees the old file or the new one.
+pub(crate) fn replace_file(path: &Path, data: &[u8], mode: u32) -> Result<(), AuthError> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".new");
+    let tmp = PathBuf::from(tmp);
+    let io = |source| AuthError::Io { path: tmp.clone(), source };
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+        _ => {}
+    }
+    write_file(&tmp, data, mode)?;
+    std::fs::rename(&tmp, path).map_err(|source| AuthError::Io { path: path.to_path_buf(), source })
 }
 
 #[cfg(test)]

@@ -196,6 +196,27 @@ enum Cmd {
     /// Enrolled hosts' certificates.
     #[command(subcommand)]
     Host(HostCmd),
+    /// The cluster's certificate authority.
+    #[command(subcommand)]
+    Ca(CaCmd),
+}
+
+#[derive(Subcommand)]
+enum CaCmd {
+    /// Replace the cluster's CA while it runs. Makes a new CA, re-signs the head's and the other
+    /// role certificates and the credentials `user add` wrote here; the head then gives every
+    /// connected agent (and any that connects later) a certificate of the new CA over its
+    /// connection. Until `ca rotate --finish`, certificates of both CAs are accepted; after it,
+    /// one of the old CA is refused with one line (and connections still using one end).
+    ///
+    /// Example: starling ca rotate; (agents and users updated) starling ca rotate --finish
+    Rotate {
+        /// Close the rotation's window: retire the previous CA.
+        #[arg(long)]
+        finish: bool,
+        #[command(flatten)]
+        auth: AuthDirArg,
+    },
 }
 
 /// Where the cluster's credentials are, for the administrator's commands.
@@ -224,10 +245,11 @@ enum TokenCmd {
 
 #[derive(Subcommand)]
 enum UserCmd {
-    /// Issue user NAME a certificate naming its uid (and gid): a client holding it
-    /// (STARLING_AUTH=DIR, over TCP) runs tasks as that uid only, whatever its spec says.
+    /// Issue user NAME a certificate naming its uid, gid and supplementary groups: a
+    /// client holding it (STARLING_AUTH=DIR, over TCP) runs tasks as that uid with exactly
+    /// that gid and those groups, whatever its spec says.
     ///
-    /// Example: starling user add alice --uid 1000 --out /tmp/alice-creds
+    /// Example: starling user add alice --uid 1000 --groups 27,100 --out /tmp/alice-creds
     Add {
         name: String,
         #[arg(long)]
@@ -235,6 +257,9 @@ enum UserCmd {
         /// [default: the uid]
         #[arg(long)]
         gid: Option<u32>,
+        /// Supplementary groups (numbers, comma-separated) besides the gid. [default: none]
+        #[arg(long, value_name = "G1,G2,...", value_delimiter = ',')]
+        groups: Vec<u32>,
         /// Where to write the user's credentials (ca.pem, client.pem, client.key; made 0700):
         /// give this directory to the user. [default: DIR/users.d/NAME]
         #[arg(long, value_name = "DIR")]
@@ -823,15 +848,16 @@ fn run(cli: Cli) -> Result<i32> {
             );
             Ok(0)
         }
-        Cmd::User(UserCmd::Add { name, uid, gid, out, root, auth }) => {
+        Cmd::User(UserCmd::Add { name, uid, gid, groups, out, root, auth }) => {
             if uid == 0 && !root {
                 anyhow::bail!("a certificate for uid 0 runs tasks as root: pass --root to mean it");
             }
             let dir = admin_auth_dir(&cfg, auth)?;
             let out = out.unwrap_or_else(|| dir.dir.join("users.d").join(&name));
-            dir.add_user(&name, uid, gid.unwrap_or(uid), &out)?;
+            let gid = gid.unwrap_or(uid);
+            dir.add_user(&name, uid, gid, &groups, &out)?;
             eprintln!(
-                "starling: user {name} (uid {uid}) certified; give them {d} and have them set STARLING_AUTH={d} (revoke: `starling user revoke {name}`)",
+                "starling: user {name} (uid {uid}, gid {gid}, groups {groups:?}) certified; give them {d} and have them set STARLING_AUTH={d} (revoke: `starling user revoke {name}`)",
                 d = out.display()
             );
             Ok(0)
@@ -839,6 +865,34 @@ fn run(cli: Cli) -> Result<i32> {
         Cmd::User(UserCmd::Revoke { name, auth }) => {
             let serial = admin_auth_dir(&cfg, auth)?.revoke("user", &name)?;
             eprintln!("starling: user {name}'s certificate (serial {serial}) revoked; the head refuses it and drops its connections");
+            Ok(0)
+        }
+        Cmd::Ca(CaCmd::Rotate { finish: false, auth }) => {
+            let r = admin_auth_dir(&cfg, auth)?.rotate_ca()?;
+            eprintln!(
+                "starling: new CA {fp}; the head's, the shared role certificates and {n} user(s)' credentials re-issued{users}; \
+                 the head gives each connected agent a certificate of the new CA. Old and new CAs are both trusted until \
+                 `starling ca rotate --finish`.",
+                fp = r.fingerprint,
+                n = r.users.len(),
+                users = if r.users.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", r.users.iter().map(|(u, d)| format!("{u} in {}", d.display())).collect::<Vec<_>>().join(", "))
+                }
+            );
+            if !r.users_elsewhere.is_empty() {
+                eprintln!(
+                    "starling: no credentials here to re-issue for user(s) {}: give them new ones (`user revoke`, `user add`) before --finish",
+                    r.users_elsewhere.join(", ")
+                );
+            }
+            println!("{}", r.fingerprint);
+            Ok(0)
+        }
+        Cmd::Ca(CaCmd::Rotate { finish: true, auth }) => {
+            admin_auth_dir(&cfg, auth)?.finish_rotation()?;
+            eprintln!("starling: the previous CA is retired: its certificates are refused from now on");
             Ok(0)
         }
         Cmd::Host(HostCmd::Revoke { host, auth }) => {
@@ -1018,12 +1072,13 @@ fn link_main(args: &[String]) -> ! {
         // With the cluster's credentials: local users through a Unix socket, the relay's certificate to the head.
         let auth = match (get("--auth"), get("--socket")) {
             (Some(dir), Some(sock)) => {
-                let connector = starling_auth::AuthDir::new(dir).connector(starling_auth::Role::Relay)?;
+                let dir = starling_auth::AuthDir::new(dir);
+                dir.connector(starling_auth::Role::Relay)?; // fail now if they are unusable
                 let _ = std::fs::remove_file(&sock);
                 let socket = tokio::net::UnixListener::bind(&sock).with_context(|| format!("binding {sock}"))?;
                 std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666))
                     .with_context(|| format!("chmod {sock}"))?;
-                Some(starling_link::RelayAuth { socket, connector })
+                Some(starling_link::RelayAuth { socket, dir })
             }
             _ => None,
         };

@@ -37,7 +37,7 @@ use starling_proto::{ClusterStatus, HostInfo, Msg, ProtoError, Role, TaskId};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use starling_auth::{AuthDir, Cred, Identity, Role as AuthRole, ServerTls, TlsAcceptor, TlsConnector};
+use starling_auth::{AuthDir, Cred, Identity, Issuer, Role as AuthRole, ServerTls, TlsAcceptor, TlsConnector, Trust};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpListener, TcpStream, UnixListener};
 
@@ -153,6 +153,31 @@ pub struct Head {
     /// Serials of revoked certificates, as last read from the revocation list;
     /// every connection of a certificate watches it.
     revoked: tokio::sync::watch::Sender<Arc<HashSet<String>>>,
+    /// The TLS of new connections: rebuilt when `ca.pem` changes (a CA rotation).
+    tls: std::sync::RwLock<HeadTls>,
+    /// The cluster's CAs, as last read (a new connection whose certificate's CA is retired is refused).
+    trust: tokio::sync::watch::Sender<Arc<Trust>>,
+    /// Certificates of a previous CA whose holders were sent a certificate of the current
+    /// one over a live connection: serial → the new certificate (PEM).
+    reissued: Mutex<HashMap<String, String>>,
+    /// Live connections of agents holding a certificate: connection id → its certificate and
+    /// where to send it new credentials.
+    agent_certs: Mutex<HashMap<u64, (Identity, Outgoing)>>,
+}
+
+/// The TLS configurations the head uses for new connections.
+#[derive(Clone, Default)]
+struct HeadTls {
+    acceptor: Option<TlsAcceptor>,
+    /// For `--agent` (agents that listen); `None` when there are none.
+    connector: Option<TlsConnector>,
+}
+
+impl HeadTls {
+    fn load(auth: Option<&AuthDir>, dials_agents: bool) -> Result<HeadTls, starling_auth::AuthError> {
+        let Some(a) = auth else { return Ok(HeadTls::default()) };
+        Ok(HeadTls { acceptor: Some(a.head_acceptor()?), connector: if dials_agents { Some(a.connector(AuthRole::Head)?) } else { None } })
+    }
 }
 
 /// What the head knows, at one moment.
@@ -201,17 +226,14 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         .await
         .map_err(|source| HeadError::Listen { addr: settings.listen.clone(), source })?;
     let auth = settings.auth.as_ref().map(AuthDir::new);
-    let acceptor = match &auth {
-        Some(a) => Some(a.head_acceptor()?),
-        None => None,
-    };
+    let tls = HeadTls::load(auth.as_ref(), !settings.agents.is_empty())?;
     let revoked = match &auth {
         Some(a) => a.revoked().map_err(|e| HeadError::Revoked(e.to_string()))?,
         None => HashSet::new(),
     };
-    let connector = match &settings.auth {
-        Some(dir) if !settings.agents.is_empty() => Some(AuthDir::new(dir).connector(AuthRole::Head)?),
-        _ => None,
+    let trust = match &auth {
+        Some(a) => a.trust()?,
+        None => Trust::default(),
     };
     let unix = match &settings.socket {
         Some(path) => Some(bind_socket(path)?),
@@ -259,9 +281,14 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         root_tasks: settings.root_tasks,
         auth,
         revoked: tokio::sync::watch::Sender::new(Arc::new(revoked)),
+        tls: std::sync::RwLock::new(tls.clone()),
+        trust: tokio::sync::watch::Sender::new(Arc::new(trust)),
+        reissued: Mutex::default(),
+        agent_certs: Mutex::default(),
     });
     if head.auth.is_some() {
         tokio::spawn(head.clone().watch_revocations());
+        tokio::spawn(head.clone().watch_cas(!settings.agents.is_empty()));
     }
     *head.me.lock().unwrap() = Arc::downgrade(&head);
     if let Some(l) = metrics_listener {
@@ -276,7 +303,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
             }
         });
     }
-    match &acceptor {
+    match &tls.acceptor {
         Some(_) => log::info!("head listening on {} (mutual TLS)", settings.listen),
         None => log::warn!(
             "head listening on {} WITHOUT authentication: anyone who reaches it runs tasks as any uid (start it with --auth DIR)",
@@ -284,7 +311,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         ),
     }
     for addr in settings.agents {
-        tokio::spawn(head.clone().dial_agent(addr, connector.clone()));
+        tokio::spawn(head.clone().dial_agent(addr));
     }
     if let Some((l, path)) = unix {
         log::info!("head listening on {} for local clients", path.display());
@@ -317,7 +344,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         let (sock, peer) = listener.accept().await.map_err(HeadError::Accept)?;
         let _ = sock.set_nodelay(true);
         let head = head.clone();
-        let acceptor = acceptor.clone();
+        let acceptor = head.tls.read().unwrap().acceptor.clone();
         tokio::spawn(async move {
             let res = match acceptor {
                 None => head.serve(sock, Peer::Unauthenticated).await,
@@ -392,14 +419,28 @@ async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(S
 /// How often the head looks at the revocation list for changes.
 const REVOCATION_POLL: std::time::Duration = std::time::Duration::from_millis(500);
 
-/// The one line a revoked certificate's holder is told.
-fn revoked_line(id: &Identity) -> String {
-    let who = match (&id.host, &id.user) {
+/// Who a certificate names, for the lines its holder is told.
+fn holder(id: &Identity) -> String {
+    match (&id.host, &id.user) {
         (Some(h), _) => format!("host {h}"),
         (_, Some(u)) => format!("user {}", u.name),
         _ => format!("a {:?} certificate", id.role),
-    };
-    format!("the certificate of {who} (serial {}) was revoked by this cluster's administrator; it is refused", id.serial)
+    }
+}
+
+/// The one line a revoked certificate's holder is told.
+fn revoked_line(id: &Identity) -> String {
+    format!("the certificate of {} (serial {}) was revoked by this cluster's administrator; it is refused", holder(id), id.serial)
+}
+
+/// The one line the holder of a certificate of a retired CA is told.
+fn retired_line(id: &Identity) -> String {
+    format!(
+        "the certificate of {} (serial {}) was issued by a CA this cluster has retired (`starling ca rotate`); it is refused: \
+         use the credentials re-issued by the rotation, or get new ones (`starling user add`, `starling agent --join`)",
+        holder(id),
+        id.serial
+    )
 }
 
 /// Bound on a peer's TLS handshake.
@@ -416,11 +457,12 @@ impl Head {
     /// Keep a connection to an agent started with `starling agent --listen`
     /// (over mutual TLS when the head has credentials: the agent must show
     /// an agent certificate, and is shown the head's).
-    async fn dial_agent(self: Arc<Self>, addr: String, tls: Option<TlsConnector>) {
+    async fn dial_agent(self: Arc<Self>, addr: String) {
         loop {
             match TcpStream::connect(&addr).await {
                 Ok(s) => {
                     let _ = s.set_nodelay(true);
+                    let tls = self.tls.read().unwrap().connector.clone();
                     let res = match &tls {
                         None => self.clone().serve(s, Peer::Unauthenticated).await,
                         Some(c) => match c.connect(starling_auth::server_name(AuthRole::Agent), s).await {
@@ -447,7 +489,7 @@ impl Head {
     {
         let (mut r, mut w) = tokio::io::split(sock);
         if let Peer::Cert(id) = &peer {
-            if let Some(why) = self.revoked_why(id) {
+            if let Some(why) = self.revoked_why(id).or_else(|| self.retired_why(id)) {
                 let _ = starling_proto::write_frame(&mut w, &Msg::Error { task: None, message: why.clone() }).await;
                 return Err(ProtoError::Refused(why));
             }
@@ -481,8 +523,16 @@ impl Head {
                     Peer::Cert(Identity { role: AuthRole::Agent, host, .. }) => host.clone(),
                     _ => return refuse(format!("only a holder of an agent certificate may serve as a host, not {peer:?}")).await,
                 };
+                if let Some(id) = &cert {
+                    self.agent_certs.lock().unwrap().insert(conn, (id.clone(), tx.clone()));
+                    let trust = self.trust.borrow().clone();
+                    if trust.issuer(&id.cert) != Issuer::Current {
+                        self.offer_credentials(id, &tx, &trust).await;
+                    }
+                }
                 let served = self.serve_agent(conn, &mut incoming, tx.clone(), bound.as_deref());
                 let res = self.until_revoked(cert.as_ref(), &tx, served).await;
+                self.agent_certs.lock().unwrap().remove(&conn);
                 self.agent_gone(conn, &res).await;
                 res
             }
@@ -490,7 +540,7 @@ impl Head {
                 let who: ClientIdentity = match peer {
                     Peer::Local(cred) => Some(cred),
                     Peer::Cert(Identity { role: AuthRole::User, user: Some(u), .. }) => {
-                        Some(Cred { uid: u.uid, gid: u.gid, groups: vec![u.gid] })
+                        Some(Cred { uid: u.uid, gid: u.gid, groups: u.task_groups() })
                     }
                     Peer::Cert(Identity { role: AuthRole::Client, .. }) | Peer::Unauthenticated => None,
                     Peer::Cert(id) => return refuse(format!("a {:?} certificate cannot be used by a client", id.role)).await,
@@ -538,6 +588,17 @@ impl Head {
         revoked.then(|| revoked_line(id))
     }
 
+    /// Why a new connection's certificate is refused for its CA: one retired by a rotation.
+    /// (Connections made before the window closed go on, and so do their tasks: a rotation
+    /// replaces a CA, it does not distrust what it certified; revocation does that.)
+    fn retired_why(&self, id: &Identity) -> Option<String> {
+        match self.trust.borrow().issuer(&id.cert) {
+            Issuer::Current | Issuer::Previous => None,
+            // (Unknown: the handshake checked it against these very CAs, read again since.)
+            Issuer::Retired | Issuer::Unknown => Some(retired_line(id)),
+        }
+    }
+
     /// Serve a certified connection until it ends or its certificate is
     /// revoked: then the peer is told so in one line and the connection ends.
     async fn until_revoked(
@@ -562,6 +623,71 @@ impl Head {
                 let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
                 Err(ProtoError::Refused(why))
             }
+        }
+    }
+
+    /// Send a connected agent the CAs to trust and, if its certificate is not the current
+    /// CA's, one that is, for its own key (made once per certificate: `reissued`).
+    async fn offer_credentials(&self, id: &Identity, tx: &Outgoing, trust: &Trust) {
+        let Some(auth) = &self.auth else { return };
+        let certificate = match trust.issuer(&id.cert) {
+            Issuer::Current => None,
+            _ => {
+                let known = self.reissued.lock().unwrap().get(&id.serial).cloned();
+                match known {
+                    Some(pem) => Some(pem),
+                    None => match auth.reissue(id) {
+                        Ok((pem, serial)) => {
+                            log::info!("re-issued the certificate of {} (serial {} → {serial}) with the current CA", holder(id), id.serial);
+                            self.reissued.lock().unwrap().insert(id.serial.clone(), pem.clone());
+                            Some(pem)
+                        }
+                        Err(e) => return log::warn!("re-issuing the certificate of {}: {e}", holder(id)),
+                    },
+                }
+            }
+        };
+        match auth.ca_bundle() {
+            Ok(ca) => {
+                let _ = tx.send(Msg::Credentials { certificate, ca }).await;
+            }
+            Err(e) => log::warn!("reading the CAs to send {}: {e}", holder(id)),
+        }
+    }
+
+    /// Follow CA rotations: when `ca.pem` changes, reload the head's TLS, give every connected
+    /// agent the new CAs (and a certificate of the current one), then use the new CAs.
+    async fn watch_cas(self: Arc<Self>, dials_agents: bool) {
+        let Some(auth) = self.auth.clone() else { return };
+        let path = auth.ca_cert();
+        let stamp = |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
+        let mut seen = stamp(&path);
+        loop {
+            tokio::time::sleep(REVOCATION_POLL).await;
+            let now = stamp(&path);
+            if now == seen {
+                continue;
+            }
+            seen = now;
+            let (tls, trust) = match (HeadTls::load(Some(&auth), dials_agents), auth.trust()) {
+                (Ok(tls), Ok(trust)) => (tls, trust),
+                (Err(e), _) | (_, Err(e)) => {
+                    log::warn!("reading the cluster's CAs again: {e}; keeping the last ones");
+                    continue;
+                }
+            };
+            *self.tls.write().unwrap() = tls;
+            log::info!(
+                "the cluster's CAs changed: {} trusted{}, {} retired",
+                trust.trusted.len(),
+                if trust.window_open() { " (a rotation's window is open)" } else { "" },
+                trust.retired.len()
+            );
+            let agents: Vec<(Identity, Outgoing)> = self.agent_certs.lock().unwrap().values().cloned().collect();
+            for (id, tx) in &agents {
+                self.offer_credentials(id, tx, &trust).await;
+            }
+            self.trust.send_replace(Arc::new(trust));
         }
     }
 

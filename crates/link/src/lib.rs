@@ -198,7 +198,8 @@ pub async fn run_relay_on(
 pub struct RelayAuth {
     /// The local users' socket (mode 0666).
     pub socket: tokio::net::UnixListener,
-    pub connector: starling_auth::TlsConnector,
+    /// The relay's credentials: read for each connection (a CA rotation replaces them).
+    pub dir: starling_auth::AuthDir,
 }
 
 /// Relay connections accepted on `l` (as bytes: a client there speaks TLS to
@@ -222,7 +223,6 @@ pub async fn run_relay_with(
     if let Some(auth) = auth {
         let (shared, target) = (shared.clone(), target.clone());
         tokio::spawn(async move {
-            let connector = auth.connector;
             loop {
                 let client = match auth.socket.accept().await {
                     Ok((c, _)) => c,
@@ -232,7 +232,14 @@ pub async fn run_relay_with(
                         continue;
                     }
                 };
-                let (shared, target, connector) = (shared.clone(), target.clone(), connector.clone());
+                let connector = match auth.dir.connector(starling_auth::Role::Relay) {
+                    Ok(c) => c,
+                    Err(e) => {
+                        log::warn!("link: the relay's credentials: {e}");
+                        continue;
+                    }
+                };
+                let (shared, target) = (shared.clone(), target.clone());
                 tokio::spawn(async move {
                     let cred = match starling_auth::unix_peer(&client) {
                         Ok(c) => c,

@@ -242,6 +242,13 @@ pub enum Msg {
     /// included, before it asks for them). The head keeps the latest [`MAX_ROAM_DECISIONS`] for
     /// `starling ps --why`; the first note makes the task a roaming one in `ps`.
     RoamNote { task: TaskId, decision: RoamDecision },
+
+    // ---- CA rotation (appended: variants are encoded by index)
+    /// Head → agent, over their mutual-TLS connection, after `starling ca rotate`: the CAs to
+    /// trust from now on (PEM bundle, current first) and, unless `None`, a certificate of the
+    /// current CA for the agent's own key (same role and names). The agent installs them for
+    /// its next connections; this one goes on (`starling_auth::rotate`).
+    Credentials { certificate: Option<String>, ca: String },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -384,6 +391,10 @@ impl Msg {
             Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
             Msg::MigrateIn { from, .. } => check_bytes("host name", from.len(), 256),
             Msg::OnBehalfOf { groups, .. } => check_bytes("groups", groups.len(), 65536),
+            Msg::Credentials { certificate, ca } => {
+                check_bytes("certificate", certificate.as_ref().map_or(0, String::len), 64 << 10)?;
+                check_bytes("CA bundle", ca.len(), 64 << 10)
+            }
             Msg::MigrateOut { to_host, to_addr, .. } => {
                 check_bytes("host name", to_host.len(), 256)?;
                 check_bytes("address", to_addr.len(), 256)
