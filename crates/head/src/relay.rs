@@ -9,7 +9,9 @@
 //! will). A host asking for a chunk another host holds is sent that host's
 //! peer address instead of the bytes, so each chunk leaves the head about
 //! once however many hosts read it. The hosts that asked form a tree per
-//! chunk (each is referred only to hosts that asked before it), at most
+//! chunk (each is referred only to hosts that asked before it first did,
+//! also when it asks again having lost its copy, so no chain of referrals
+//! ever leads back to the asker and no two hosts wait on each other), at most
 //! `head.peer_referrals` referrals per holder, so no host serves everyone and
 //! none waits on a long chain; a host that cannot get a chunk from its peer
 //! asks the head again with `GetChunks`, which always sends the bytes.
@@ -61,8 +63,10 @@ impl Holders {
     }
 
     /// A peer for `asker` to fetch `h` from (the earliest holder not yet
-    /// full, not itself), noting the referral; `asker` is a holder from now
-    /// on either way (it will have the chunk, from the peer or from us).
+    /// full that asked before `asker` first did), noting the referral;
+    /// `asker` is a holder from now on either way (it will have the chunk,
+    /// from the peer or from us). The first asker, asking again, gets the
+    /// bytes.
     fn refer(&mut self, h: &Hash, asker: Option<&str>) -> Option<String> {
         if self.referrals == 0 {
             return None;
@@ -79,7 +83,14 @@ impl Holders {
                 self.by_chunk.entry(*h).or_default()
             }
         };
-        let peer = holders.iter_mut().find(|(addr, n)| *n < self.referrals && Some(addr.as_str()) != asker).map(|(addr, n)| {
+        // Only hosts that asked before the asker first did. Their copies come
+        // from the head or, by the same rule, from hosts that asked earlier
+        // still, so no chain of referrals leads back to the asker, even when
+        // it asks again (it lost its copy) while hosts it served are
+        // themselves fetching the chunk again: a host waiting on a peer that
+        // waits on it would wait for good.
+        let first_asked = asker.and_then(|me| holders.iter().position(|(addr, _)| addr == me)).unwrap_or(holders.len());
+        let peer = holders[..first_asked].iter_mut().find(|(_, n)| *n < self.referrals).map(|(addr, n)| {
             *n += 1;
             addr.clone()
         });
@@ -350,6 +361,26 @@ mod tests {
             holders.forget(n);
         }
         assert_eq!(holders.refer(&h, Some("10.0.0.99:1")), None);
+    }
+
+    #[test]
+    fn hosts_that_lost_a_chunk_and_ask_again_are_never_referred_to_each_other() {
+        // h1 got the chunk from the head, h2 from h1; both lost it (a wiped cache)
+        // and ask again at once: h2 waiting on h1 while h1 waits on h2 would wait for good.
+        let mut holders = Holders::new(3);
+        let h = Hash::of(b"chunk");
+        let (h1, h2) = ("10.0.0.1:1", "10.0.0.2:1");
+        assert_eq!(holders.refer(&h, Some(h1)), None);
+        assert_eq!(holders.refer(&h, Some(h2)).as_deref(), Some(h1));
+        assert_eq!(holders.refer(&h, Some(h1)), None, "the first asker, asking again, is sent the bytes");
+        assert_eq!(holders.refer(&h, Some(h2)).as_deref(), Some(h1), "the later asker is referred back up the tree");
+        // A host that first asked later is never a source for one that asked earlier.
+        let h3 = "10.0.0.3:1";
+        assert_eq!(holders.refer(&h, Some(h3)).as_deref(), Some(h1));
+        for _ in 0..4 {
+            assert_ne!(holders.refer(&h, Some(h2)).as_deref(), Some(h3));
+            assert_eq!(holders.refer(&h, Some(h1)), None);
+        }
     }
 
     #[test]
