@@ -622,6 +622,19 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
 }
 
+/// The daemons (head, agent, link relay) write to connections whose other end
+/// may close at any moment: that must fail the write on that connection
+/// (EPIPE), not end the process. `main` gives every command SIGPIPE's
+/// default disposition, and TLS records go out with writev, which (unlike
+/// a plain socket write, sent with MSG_NOSIGNAL) raises SIGPIPE: an agent
+/// answering a peer that had just dropped it died of it silently, and the
+/// head lost that host with every task on it. Tasks start with default
+/// dispositions whatever this is (the sandbox's init restores them).
+fn daemon_ignores_sigpipe() {
+    // SAFETY: setting a signal's disposition to SIG_IGN touches no memory.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+}
+
 /// When `main` began: the client's per-stage times count from here.
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
@@ -793,6 +806,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Agent(a) => {
+            daemon_ignores_sigpipe();
             init_logging(cfg.log.as_deref(), "info");
             let mut settings = cfg.agent.clone();
             settings.head = a.head.or(settings.head);
@@ -896,6 +910,7 @@ fn run(cli: Cli) -> Result<i32> {
             owner::run(&cfg, &a.host, a.active, a.idle, a.command)
         }
         Cmd::Head(a) => {
+            daemon_ignores_sigpipe();
             init_logging(cfg.log.as_deref(), "info");
             let mut settings = cfg.head.clone();
             settings.listen = a.listen.unwrap_or(settings.listen);
@@ -1039,6 +1054,7 @@ fn enter_rootless_namespace() -> Result<bool> {
 
 /// Hidden `__link --listen A --target B --profile P --stats FILE`: the emulated WAN link relay.
 fn link_main(args: &[String]) -> ! {
+    daemon_ignores_sigpipe();
     init_logging(None, "info");
     let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let (Some(listen), Some(target), Some(profile)) = (get("--listen"), get("--target"), get("--profile")) else {
