@@ -176,6 +176,52 @@ def test_a_peer_that_dies_mid_transfer_costs_the_others_a_fetch_from_the_head(cl
     assert after_kill > 0, "the head sent no chunk after h1 died: the readers had the whole file before the kill"
 
 
+def assembled_copies(host, size):
+    """`host`'s assembled copies of a file of `size` bytes in its cache (what it serves peers from)."""
+    state = pathlib.Path(json.loads((run_dir() / "cluster.json").read_text())["state_dir"])
+    return [f for f in (state / f"hosts/{host}/state/cache/files").glob("*/*") if f.stat().st_size == size]
+
+
+def test_hosts_that_lost_a_file_and_read_it_again_at_once_do_not_wait_on_each_other(cluster, workdir):
+    """h1 read a file from the head, h2 from h1; both lose it (their caches wiped) and read it again,
+    h2 while h1 is still fetching it. Neither may be referred to a host that is itself fetching the
+    chunks from it: h1 (the first to have read it) gets it from the head, h2 from h1, and nobody
+    falls back to the head for chunks a peer did not have (nor waits on the other for good)."""
+    up(4)
+    warm(["h1", "h2"], workdir)
+    size = 24 * MIB + 11
+    path, want = new_file(workdir, "lost.bin", size)
+    for h in ("h1", "h2"):
+        finish(exec_on(h, path, workdir), h, want)
+    # A host serves peers also from the last 16 files it assembled, deleted or not (their
+    # descriptors are kept: crates/store/src/located.rs): 20 newer files make it forget this one.
+    others = [new_file(workdir, f"other{i}.bin", 64 * 1024 + i)[0] for i in range(20)]
+    for h in ("h1", "h2"):
+        p = subprocess.run([STARLING, "exec", "--host", h, "--", "md5sum"] + [str(o) for o in others],
+                           cwd=workdir, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr
+    for h in ("h1", "h2"):
+        copies = assembled_copies(h, size)
+        assert copies, f"no assembled copy of the file in {h}'s cache"
+        for c in copies:
+            c.unlink()
+    logs = {h: len(host_log(h)) for h in ("h1", "h2")}
+    before = head_chunk_bytes_to_hosts()
+    p1 = exec_on("h1", path, workdir)
+    # h1 is fetching the file (the head has started sending chunks; every other file h1 needs
+    # is in its cache) when h2 starts reading it.
+    wait_for(lambda: head_chunk_bytes_to_hosts() > before or p1.poll() is not None, "h1 fetching the file", timeout=300, interval=0.01)
+    p2 = exec_on("h2", path, workdir)
+    finish(p1, "h1", want)
+    finish(p2, "h2", want)
+    sent = head_chunk_bytes_to_hosts() - before
+    print(f"the head sent {sent} B of chunks for a {size} B file two hosts read again ({sent / size:.2f} x)")
+    for h, at in logs.items():
+        said = host_log(h)[at:]
+        assert "not had from peers" not in said, f"{h} was referred to a peer without the chunks:\n" + said[-3000:]
+    assert sent < 1.5 * size, f"the head sent {sent / size:.2f} x the file: h2 did not get it from h1"
+
+
 @pytest.mark.parametrize("connected", [False, True], ids=["new-connection", "open-connection"])
 def test_a_stopped_peer_costs_a_reader_a_stall_not_its_read(cluster, workdir, connected):
     # A cluster of its own: connections between hosts are kept, and a host that dropped a stalled

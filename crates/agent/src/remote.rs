@@ -192,7 +192,7 @@ impl<'a> Fetch<'a> {
             })
             .collect();
         if !fallback.is_empty() {
-            log::info!("task {}: {} chunk(s) not had from peers; fetching them from the head", self.src.task, fallback.len());
+            log::warn!("task {}: {} chunk(s) not had from peers; fetching them from the head", self.src.task, fallback.len());
             for batch in fallback.chunks(CHUNK_BATCH) {
                 let FileResp::Chunks(got) = self.src.request(FileReq::GetChunks { hashes: batch.to_vec() })? else {
                     return Err(eio("client answered GetChunks with something else"));
