@@ -482,18 +482,24 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
     let linger = if cfg.home { linger::Linger::none() } else { linger::Linger::start(&cfg.settings, &cfg.name, cores()) };
     let auth = cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
-    // Other hosts fetch the chunks this one holds here (any port: announced to the head).
+    // Other hosts fetch the chunks this one holds here (announced to the head).
     // Home (the user's own machine) is no cluster host: it serves no one.
-    let peers = if cfg.home {
+    let peers = if cfg.home || !cfg.settings.peers {
+        log::info!("agent {}: chunk sharing with other hosts off; every chunk comes from the head", cfg.name);
         None
     } else {
-        match TcpListener::bind("0.0.0.0:0").await {
+        let addr = format!("0.0.0.0:{}", cfg.settings.peer_port);
+        match TcpListener::bind(&addr).await {
             Ok(l) => {
                 let port = l.local_addr().map_err(io_step(Step::Accept))?.port();
-                let p = Arc::new(peers::Peers::new(cache.clone(), cfg.name.clone(), auth.as_ref())?);
+                let stall = std::time::Duration::from_secs(cfg.settings.peer_stall_s);
+                let p = Arc::new(peers::Peers::new(cache.clone(), cfg.name.clone(), auth.as_ref(), stall)?);
                 tokio::spawn(p.clone().serve(l));
+                log::info!("agent {}: serving chunks to other hosts on port {port}", cfg.name);
                 Some((p, port))
             }
+            // A port the admin chose is a promise to the other hosts: not keeping it is an error.
+            Err(source) if cfg.settings.peer_port != 0 => return Err(AgentError::Listen { addr, source }),
             Err(e) => {
                 log::warn!("agent {}: no port for other hosts to fetch chunks from ({e}); every chunk comes from the head", cfg.name);
                 None

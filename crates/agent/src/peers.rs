@@ -15,6 +15,13 @@
 //! own fetch ends without it. The asking host verifies every chunk against
 //! its name exactly as it does the head's, and gets whatever the peer did
 //! not deliver (refused, left out, connection lost) from the head.
+//!
+//! A peer that hangs (stopped, partitioned: its connection stays open but
+//! nothing arrives) is bounded by progress, not by a deadline per request:
+//! a host waiting on a peer that has sent no byte for `agent.peer_stall_s`
+//! drops its connection (every request on it then goes to the head) and
+//! does not dial it again for [`SHUN`]. A peer waiting for its own fetch
+//! of the chunks is not silent: it sends a `Ping` every [`KEEPALIVE`].
 
 use crate::remote::Waiters;
 use starling_auth::Role as AuthRole;
@@ -22,17 +29,29 @@ use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{ChunkData, FileReq, FileResp, Hash, Msg, ProtoError, Role, TaskId};
 use starling_store::HostCache;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
-/// The longest a host waits for a peer's answer before asking the head
-/// instead. Only a peer that hangs without closing its connection (stopped,
-/// partitioned) takes this long: a dead one's connection closes at once,
-/// and a peer answers as soon as its own fetch of the chunks ends.
-const PEER_TIMEOUT: Duration = Duration::from_secs(120);
+/// The longest a peer waits for its own fetch of a chunk it was asked for
+/// before leaving it out of its answer (the asking host then gets it from
+/// the head; it has usually dropped a peer this slow already, see
+/// `agent.peer_stall_s`).
+const PENDING_WAIT: Duration = Duration::from_secs(120);
+
+/// While a peer waits for its own fetch of chunks it was asked for, it
+/// sends the asking host a `Ping` this often: bytes that say it is alive, so
+/// a slow upstream (the head fetching from a client over a slow link) is
+/// not taken for a hang (`agent.peer_stall_s` is 1 s or more).
+const KEEPALIVE: Duration = Duration::from_millis(500);
+
+/// How long a peer dropped for stalling is not dialled again: long enough
+/// that a stopped host costs the others one stall, not one per batch; short
+/// enough that a host that was only busy is used again within the job.
+pub(crate) const SHUN: Duration = Duration::from_secs(60);
 
 /// Chunks this host has asked for and not yet written (or given up on):
 /// a peer asking for one of them is answered when it lands.
@@ -83,6 +102,18 @@ struct PeerConn {
     tx: Outgoing,
     waiters: Arc<Waiters>,
     closed: Arc<AtomicBool>,
+    /// Bytes received from the peer so far: its progress.
+    received: Arc<AtomicU64>,
+    /// The task reading the peer's answers (aborted to drop a stalled peer).
+    reader: tokio::task::AbortHandle,
+}
+
+/// A request to a peer: its answer comes on `rx` (dropped without one if
+/// the peer cannot be reached or its connection ends).
+pub(crate) struct Asked {
+    addr: String,
+    conn: Option<Arc<PeerConn>>,
+    rx: std::sync::mpsc::Receiver<FileResp>,
 }
 
 /// This host's side of chunk sharing: what it is fetching, and its
@@ -95,6 +126,10 @@ pub(crate) struct Peers {
     tls: std::sync::RwLock<Option<(starling_auth::TlsConnector, starling_auth::TlsAcceptor)>>,
     conns: Mutex<HashMap<String, Arc<PeerConn>>>,
     rt: tokio::runtime::Handle,
+    /// How long a peer owing chunks may send nothing (`agent.peer_stall_s`).
+    stall: Duration,
+    /// Peers dropped for stalling (or not answering a dial), and when.
+    shunned: Mutex<HashMap<String, Instant>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -107,10 +142,12 @@ enum PeerError {
     NotAnAgent(Role),
     #[error("a connection whose certificate is not an agent's")]
     NotAnAgentCertificate,
+    #[error("no answer to the connection's greeting within {0:?}")]
+    Silent(Duration),
 }
 
 impl Peers {
-    pub(crate) fn new(cache: Arc<HostCache>, name: String, auth: Option<&starling_auth::AuthDir>) -> Result<Peers, starling_auth::AuthError> {
+    pub(crate) fn new(cache: Arc<HostCache>, name: String, auth: Option<&starling_auth::AuthDir>, stall: Duration) -> Result<Peers, starling_auth::AuthError> {
         let tls = match auth {
             Some(a) => Some((a.connector(AuthRole::Agent)?, a.acceptor(AuthRole::Agent)?)),
             None => None,
@@ -122,6 +159,8 @@ impl Peers {
             tls: std::sync::RwLock::new(tls),
             conns: Mutex::default(),
             rt: tokio::runtime::Handle::current(),
+            stall,
+            shunned: Mutex::default(),
         })
     }
 
@@ -132,44 +171,98 @@ impl Peers {
         Ok(())
     }
 
-    /// Ask peer `addr` for `hashes` (on behalf of `task`); the answer comes
-    /// on the receiver (the chunks it has, unverified), which is dropped
-    /// without one if the peer cannot be reached or its connection ends.
-    /// Called from FUSE threads (blocking).
-    pub(crate) fn ask(self: &Arc<Self>, addr: &str, task: TaskId, hashes: Vec<Hash>) -> std::sync::mpsc::Receiver<FileResp> {
-        let (dead_tx, dead_rx) = std::sync::mpsc::channel();
-        drop(dead_tx);
-        let Some(conn) = self.conn(addr) else { return dead_rx };
-        let (id, rx) = conn.waiters.register();
-        if conn.closed.load(Ordering::SeqCst) || conn.tx.blocking_send(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }).is_err() {
-            conn.waiters.complete_none(id);
-        }
-        rx
+    /// Ask peer `addr` for `hashes` (on behalf of `task`); [`Peers::answer`]
+    /// waits for what it sends. Called from FUSE threads (blocking).
+    pub(crate) fn ask(self: &Arc<Self>, addr: &str, task: TaskId, hashes: Vec<Hash>) -> Asked {
+        let conn = self.conn(addr);
+        let rx = match &conn {
+            Some(conn) => {
+                let (id, rx) = conn.waiters.register();
+                if conn.closed.load(Ordering::SeqCst) || conn.tx.blocking_send(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }).is_err() {
+                    conn.waiters.complete_none(id);
+                }
+                rx
+            }
+            None => std::sync::mpsc::channel().1,
+        };
+        Asked { addr: addr.to_string(), conn, rx }
     }
 
-    /// Wait for a peer's answer; the chunks it sent, none on any failure.
-    pub(crate) fn answer(rx: &std::sync::mpsc::Receiver<FileResp>) -> Vec<ChunkData> {
-        match rx.recv_timeout(PEER_TIMEOUT) {
-            Ok(FileResp::Chunks(c)) => c,
-            _ => Vec::new(),
+    /// Wait for a peer's answer: the chunks it sent (unverified), none on
+    /// any failure. A peer that sends nothing at all for the stall time is
+    /// dropped; one that is sending (this answer or others on the same
+    /// connection, however slowly) is waited for.
+    pub(crate) fn answer(&self, asked: Asked) -> Vec<ChunkData> {
+        let Some(conn) = &asked.conn else { return Vec::new() };
+        let mut seen = conn.received.load(Ordering::SeqCst);
+        loop {
+            match asked.rx.recv_timeout(self.stall) {
+                Ok(FileResp::Chunks(c)) => return c,
+                Ok(_) | Err(RecvTimeoutError::Disconnected) => return Vec::new(),
+                Err(RecvTimeoutError::Timeout) => {
+                    let now = conn.received.load(Ordering::SeqCst);
+                    if now == seen {
+                        log::warn!(
+                            "peer {}: nothing received for {:?} while it owes chunks; dropping it for {SHUN:?} (its chunks come from the head)",
+                            asked.addr,
+                            self.stall
+                        );
+                        self.drop_stalled(&asked.addr, conn);
+                        return Vec::new();
+                    }
+                    seen = now;
+                }
+            }
         }
     }
 
-    /// The open connection to `addr`, dialled if there is none.
+    /// Close a stalled peer's connection (every request waiting on it ends
+    /// at once) and dial it no more for [`SHUN`].
+    fn drop_stalled(&self, addr: &str, conn: &Arc<PeerConn>) {
+        self.shunned.lock().unwrap().insert(addr.to_string(), Instant::now());
+        conn.closed.store(true, Ordering::SeqCst);
+        conn.reader.abort();
+        conn.waiters.fail_all();
+        let mut conns = self.conns.lock().unwrap();
+        if conns.get(addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            conns.remove(addr);
+        }
+    }
+
+    /// The open connection to `addr`, dialled if there is none; none for a
+    /// peer shunned for stalling, or one that cannot be reached (or does not
+    /// greet) within the stall time.
     fn conn(self: &Arc<Self>, addr: &str) -> Option<Arc<PeerConn>> {
         if let Some(c) = self.conns.lock().unwrap().get(addr) {
             if !c.closed.load(Ordering::SeqCst) {
                 return Some(c.clone());
             }
         }
+        {
+            let mut shunned = self.shunned.lock().unwrap();
+            match shunned.get(addr) {
+                Some(since) if since.elapsed() < SHUN => return None,
+                Some(_) => {
+                    shunned.remove(addr);
+                }
+                None => {}
+            }
+        }
         let me = self.clone();
         let target = addr.to_string();
-        match self.rt.block_on(async move { me.dial(&target).await }) {
+        let stall = self.stall;
+        let dialled = self.rt.block_on(async move {
+            tokio::time::timeout(stall, me.dial(&target)).await.unwrap_or(Err(PeerError::Silent(stall)))
+        });
+        match dialled {
             Ok(c) => {
                 self.conns.lock().unwrap().insert(addr.to_string(), c.clone());
                 Some(c)
             }
             Err(e) => {
+                if matches!(e, PeerError::Silent(_)) {
+                    self.shunned.lock().unwrap().insert(addr.to_string(), Instant::now());
+                }
                 log::warn!("peer {addr}: {e}; fetching from the head instead");
                 None
             }
@@ -194,13 +287,19 @@ impl Peers {
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let (r, w) = tokio::io::split(sock);
+        let received = Arc::new(AtomicU64::new(0));
+        let counter = received.clone();
+        let r = tokio_util::io::InspectReader::new(r, move |bytes: &[u8]| {
+            counter.fetch_add(u64::try_from(bytes.len()).unwrap_or(u64::MAX), Ordering::SeqCst);
+        });
         let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.name).await?;
         if peer.role != Role::Agent {
             return Err(PeerError::NotAnAgent(peer.role));
         }
-        let conn = Arc::new(PeerConn { tx, waiters: Arc::new(Waiters::default()), closed: Arc::new(AtomicBool::new(false)) });
-        let (waiters, closed) = (conn.waiters.clone(), conn.closed.clone());
-        tokio::spawn(async move {
+        let (waiters, closed) = (Arc::new(Waiters::default()), Arc::new(AtomicBool::new(false)));
+        let (reader_waiters, reader_closed) = (waiters.clone(), closed.clone());
+        let reader = tokio::spawn(async move {
+            let (waiters, closed) = (reader_waiters, reader_closed);
             loop {
                 match incoming.recv().await {
                     Ok(Msg::FileResponse { id, resp, .. }) => waiters.complete(id, resp),
@@ -216,7 +315,7 @@ impl Peers {
             closed.store(true, Ordering::SeqCst);
             waiters.fail_all();
         });
-        Ok(conn)
+        Ok(Arc::new(PeerConn { tx, waiters, closed, received, reader: reader.abort_handle() }))
     }
 
     /// Serve other hosts' requests on `listener` until the agent ends.
@@ -264,7 +363,17 @@ impl Peers {
                 Ok(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }) => {
                     let (me, tx) = (self.clone(), tx.clone());
                     tokio::spawn(async move {
-                        let chunks = me.held(&hashes).await;
+                        let held = me.held(&hashes);
+                        tokio::pin!(held);
+                        let mut alive = tokio::time::interval_at(tokio::time::Instant::now() + KEEPALIVE, KEEPALIVE);
+                        let chunks = loop {
+                            tokio::select! {
+                                c = &mut held => break c,
+                                _ = alive.tick() => {
+                                    let _ = tx.send(Msg::Ping { nonce: id }).await;
+                                }
+                            }
+                        };
                         let _ = tx.send(Msg::FileResponse { task, id, resp: FileResp::Chunks(chunks) }).await;
                     });
                 }
@@ -302,7 +411,7 @@ impl Peers {
                 if !pending {
                     break;
                 }
-                if tokio::time::timeout(PEER_TIMEOUT, changed.changed()).await.is_err() {
+                if tokio::time::timeout(PENDING_WAIT, changed.changed()).await.is_err() {
                     break;
                 }
             }

@@ -167,10 +167,10 @@ impl<'a> Fetch<'a> {
         }
         let mut from_peers: HashMap<Hash, Vec<u8>> = HashMap::new();
         if let Some(peers) = &self.src.peers {
-            let asked: Vec<(&str, mpsc::Receiver<FileResp>)> =
+            let asked: Vec<(&str, crate::peers::Asked)> =
                 by_peer.iter().map(|(addr, hashes)| (*addr, peers.ask(addr, self.src.task, hashes.clone()))).collect();
-            for (addr, rx) in asked {
-                for c in crate::peers::Peers::answer(&rx) {
+            for (addr, asked) in asked {
+                for c in peers.answer(asked) {
                     if !by_peer[addr].contains(&c.hash) {
                         continue;
                     }
@@ -192,7 +192,7 @@ impl<'a> Fetch<'a> {
             })
             .collect();
         if !fallback.is_empty() {
-            log::info!("task {}: {} chunk(s) not had from peers; fetching them from the head", self.src.task, fallback.len());
+            log::warn!("task {}: {} chunk(s) not had from peers; fetching them from the head", self.src.task, fallback.len());
             for batch in fallback.chunks(CHUNK_BATCH) {
                 let FileResp::Chunks(got) = self.src.request(FileReq::GetChunks { hashes: batch.to_vec() })? else {
                     return Err(eio("client answered GetChunks with something else"));

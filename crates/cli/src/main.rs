@@ -384,6 +384,44 @@ struct UpArgs {
     /// rerun from the start on an idle host). A task's own `--policy` wins. [default: agent.policy, LF]
     #[arg(long, value_parser = parse_policy)]
     policy: Option<starling_config::GuestPolicy>,
+    #[command(flatten)]
+    peers: PeerFlags,
+    /// Hosts the head refers to one holder of a chunk at most (host-to-host chunk sharing; those
+    /// are then referred to in turn); 0: the head sends every chunk itself. [default: head.peer_referrals, 3]
+    #[arg(long, value_name = "N")]
+    peer_referrals: Option<u32>,
+}
+
+/// Host-to-host chunk sharing, as `agent` and `up` take it.
+#[derive(Args)]
+struct PeerFlags {
+    /// Share no chunks with other hosts: serve none, fetch every chunk from the head (`starling
+    /// status` shows PEERS off). [default: agent.peers, on]
+    #[arg(long)]
+    no_peers: bool,
+    /// The TCP port other hosts fetch this host's chunks from (shown by `starling status`, column
+    /// PEERS); 0: any free port. [default: agent.peer_port, 0]
+    #[arg(long, value_name = "PORT", conflicts_with = "no_peers")]
+    peer_port: Option<u16>,
+}
+
+impl PeerFlags {
+    /// The agent arguments that say the same.
+    fn agent_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if self.no_peers {
+            args.push("--no-peers".to_string());
+        }
+        if let Some(p) = self.peer_port {
+            args.extend(["--peer-port".to_string(), p.to_string()]);
+        }
+        args
+    }
+
+    fn apply(&self, settings: &mut starling_config::AgentSettings) {
+        settings.peers &= !self.no_peers;
+        settings.peer_port = self.peer_port.unwrap_or(settings.peer_port);
+    }
 }
 
 fn parse_policy(s: &str) -> Result<starling_config::GuestPolicy, String> {
@@ -549,6 +587,8 @@ struct AgentArgs {
     /// The join token (with --join).
     #[arg(long, requires = "join", env = "STARLING_JOIN_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    #[command(flatten)]
+    peers: PeerFlags,
 }
 
 #[derive(Args)]
@@ -572,6 +612,10 @@ struct HeadArgs {
     /// Forward every content request to the client (for measuring the relay cache's effect).
     #[arg(long)]
     no_relay_cache: bool,
+    /// Hosts referred to one holder of a chunk at most (host-to-host chunk sharing); 0: the head
+    /// sends every chunk itself. [default: 3]
+    #[arg(long, value_name = "N")]
+    peer_referrals: Option<u32>,
     /// Serve Prometheus metrics at http://ADDR/metrics (tasks by state, relay cache hits, clones,
     /// page faults served, per-host cores and load). Example: --metrics 0.0.0.0:9477
     #[arg(long, value_name = "IP:PORT")]
@@ -601,6 +645,19 @@ fn init_logging(filter: Option<&str>, default: &str) {
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
+}
+
+/// The daemons (head, agent, link relay) write to connections whose other end
+/// may close at any moment: that must fail the write on that connection
+/// (EPIPE), not end the process. `main` gives every command SIGPIPE's
+/// default disposition, and TLS records go out with writev, which (unlike
+/// a plain socket write, sent with MSG_NOSIGNAL) raises SIGPIPE: an agent
+/// answering a peer that had just dropped it died of it silently, and the
+/// head lost that host with every task on it. Tasks start with default
+/// dispositions whatever this is (the sandbox's init restores them).
+fn daemon_ignores_sigpipe() {
+    // SAFETY: setting a signal's disposition to SIG_IGN touches no memory.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
 }
 
 /// When `main` began: the client's per-stage times count from here.
@@ -774,6 +831,7 @@ fn run(cli: Cli) -> Result<i32> {
             Ok(0)
         }
         Cmd::Agent(a) => {
+            daemon_ignores_sigpipe();
             init_logging(cfg.log.as_deref(), "info");
             let mut settings = cfg.agent.clone();
             settings.head = a.head.or(settings.head);
@@ -800,6 +858,7 @@ fn run(cli: Cli) -> Result<i32> {
             if a.join.is_some() {
                 settings.head.clone_from(&a.join);
             }
+            a.peers.apply(&mut settings);
             if settings.high_water_mib < settings.low_water_mib {
                 anyhow::bail!(
                     "agent.high_water_mib ({}) must not be below agent.low_water_mib ({})",
@@ -905,6 +964,7 @@ fn run(cli: Cli) -> Result<i32> {
             owner::run(&cfg, &a.host, a.active, a.idle, a.command)
         }
         Cmd::Head(a) => {
+            daemon_ignores_sigpipe();
             init_logging(cfg.log.as_deref(), "info");
             let mut settings = cfg.head.clone();
             settings.listen = a.listen.unwrap_or(settings.listen);
@@ -916,6 +976,7 @@ fn run(cli: Cli) -> Result<i32> {
             settings.state = a.state.unwrap_or(settings.state);
             settings.cache_mib = a.cache_mib.unwrap_or(settings.cache_mib);
             settings.relay_cache &= !a.no_relay_cache;
+            settings.peer_referrals = a.peer_referrals.unwrap_or(settings.peer_referrals);
             if a.metrics.is_some() {
                 settings.metrics = a.metrics;
             }
@@ -1047,6 +1108,7 @@ fn enter_rootless_namespace() -> Result<bool> {
 
 /// Hidden `__link --listen A --target B --profile P --stats FILE`: the emulated WAN link relay.
 fn link_main(args: &[String]) -> ! {
+    daemon_ignores_sigpipe();
     init_logging(None, "info");
     let get = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let (Some(listen), Some(target), Some(profile)) = (get("--listen"), get("--target"), get("--profile")) else {
@@ -1349,11 +1411,13 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     if network.contains_key("host_link") {
         println!("host links: {} each (tbf)", field("host_link"));
     }
-    println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY");
+    // PEERS: the port the host serves other hosts its chunks on, or off (agent.peers).
+    println!("{:<8} {:<16} {:>8} {:>5} {:>6} {:>8} {:>9} {:>6}", "HOST", "ADDRESS", "PID", "CORES", "LOAD", "RUNNING", "MEMORY", "PEERS");
     for h in &st.hosts {
+        let peers = h.peer.as_deref().and_then(|p| p.rsplit_once(':')).map_or("off", |(_, port)| port);
         println!(
-            "{:<8} {:<16} {:>8} {:>5} {:>6.2} {:>8} {:>7.1}Gi",
-            h.name, h.addr, h.pid, h.cores, h.load, h.running, h.mem_bytes as f64 / (1u64 << 30) as f64
+            "{:<8} {:<16} {:>8} {:>5} {:>6.2} {:>8} {:>7.1}Gi {:>6}",
+            h.name, h.addr, h.pid, h.cores, h.load, h.running, h.mem_bytes as f64 / (1u64 << 30) as f64, peers
         );
     }
     if st.hosts.is_empty() {
@@ -1397,8 +1461,11 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
 }
 
 /// Arguments `up` gives the head: the relay cache switch and the metrics address.
-fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>, no_root_tasks: bool) -> Vec<String> {
+fn head_args(cfg: &Config, no_relay_cache: bool, metrics: Option<&str>, no_root_tasks: bool, peer_referrals: Option<u32>) -> Vec<String> {
     let mut args = Vec::new();
+    if let Some(n) = peer_referrals {
+        args.extend(["--peer-referrals".to_string(), n.to_string()]);
+    }
     if no_root_tasks || !cfg.head.root_tasks {
         args.push("--no-root-tasks".to_string());
     }
@@ -1421,11 +1488,12 @@ fn up(cfg: &Config, a: UpArgs) -> Result<i32> {
     let exe = std::env::current_exe().context("locating the starling binary")?;
     let local = LocalCluster::new(cfg.instance, cfg.dirs());
     // The record must say whether the head keeps a relay cache, whichever way it was switched off.
-    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
-    let agent_args = match &a.policy {
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks, a.peer_referrals);
+    let mut agent_args = match &a.policy {
         Some(p) => vec!["--policy".to_string(), p.as_str().to_string()],
         None => Vec::new(),
     };
+    agent_args.extend(a.peers.agent_args());
     let opts = UpOptions {
         head_args,
         agent_args,
@@ -1471,8 +1539,11 @@ fn up_slurm(cfg: &Config, a: UpArgs) -> Result<i32> {
     if a.nodes == Some(0) {
         anyhow::bail!("-N must be at least 1");
     }
+    if !a.peers.agent_args().is_empty() {
+        anyhow::bail!("--no-peers and --peer-port are for emulated hosts; the job's agents take agent.peers and agent.peer_port from their configuration (STARLING_PEERS, STARLING_PEER_PORT pass through srun)");
+    }
     let local = LocalCluster::new(cfg.instance, cfg.dirs());
-    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks);
+    let head_args = head_args(cfg, a.no_relay_cache, a.metrics.as_deref(), a.no_root_tasks, a.peer_referrals);
     // The edge reads Slurm's environment: inside an allocation, use it.
     let existing_job = std::env::var("SLURM_JOB_ID").ok().filter(|j| !j.is_empty());
     let req = SlurmRequest {

@@ -178,6 +178,9 @@ pub struct HeadSettings {
     pub socket: Option<PathBuf>,
     /// Whether tasks may run as root (a root client's, or a certified one's).
     pub root_tasks: bool,
+    /// Hosts a holder of a chunk is referred to at most (`FindChunks`); 0:
+    /// the head sends every chunk itself.
+    pub peer_referrals: u32,
 }
 
 /// `starling agent`.
@@ -215,6 +218,14 @@ pub struct AgentSettings {
     /// The cluster's credentials (`ca.pem`, `agent.pem`, `agent.key`): the
     /// head connection is mutual TLS; `None`: plain TCP.
     pub auth: Option<PathBuf>,
+    /// Share chunks with the other hosts (serve what this host holds, fetch
+    /// what the head refers it to); off: every chunk comes from the head.
+    pub peers: bool,
+    /// The port other hosts fetch chunks from; 0: any free port (announced to the head).
+    pub peer_port: u16,
+    /// Seconds a peer that owes this host chunks may send nothing before it
+    /// is dropped and the chunks are fetched from the head.
+    pub peer_stall_s: u64,
 }
 
 /// The Linger-Longer policy of a host's guests (a wire type: tasks carry their own).
@@ -249,6 +260,7 @@ impl Default for HeadSettings {
             auth: None,
             socket: None,
             root_tasks: true,
+            peer_referrals: 3,
         }
     }
 }
@@ -271,6 +283,9 @@ impl Default for AgentSettings {
             policy: GuestPolicy::LingerForever,
             pm_pause_s: 600,
             auth: None,
+            peers: true,
+            peer_port: 0,
+            peer_stall_s: 5,
         }
     }
 }
@@ -769,6 +784,17 @@ pub static SETTINGS: &[Setting] = &[
         },
     },
     Setting {
+        key: "head.peer_referrals",
+        env: Some("STARLING_PEER_REFERRALS"),
+        flag: "--peer-referrals (head, up)",
+        default: "3",
+        meaning: "hosts the head refers to one holder of a chunk at most (host-to-host chunk sharing; each is then referred to in turn); 0: the head sends every chunk itself",
+        apply: |c, v| {
+            c.head.peer_referrals = u32::try_from(v.number()?).map_err(|_| NUMBER)?;
+            Ok(())
+        },
+    },
+    Setting {
         key: "agent.head",
         env: None,
         flag: "--head (agent)",
@@ -937,6 +963,39 @@ pub static SETTINGS: &[Setting] = &[
             Ok(())
         },
     },
+    Setting {
+        key: "agent.peers",
+        env: Some("STARLING_PEERS"),
+        flag: "--no-peers (agent, up)",
+        default: "on",
+        meaning: "share chunks with the other hosts: serve those this host holds on its peer port, fetch those the head refers it to (off: every chunk from the head; `starling status` shows each host's peer port or `off`)",
+        apply: |c, v| {
+            c.agent.peers = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.peer_port",
+        env: Some("STARLING_PEER_PORT"),
+        flag: "--peer-port (agent, up)",
+        default: "0 (any free port)",
+        meaning: "the TCP port other hosts fetch this host's chunks from (announced to the head; open it in firewalls between hosts)",
+        apply: |c, v| {
+            c.agent.peer_port = u16::try_from(v.number()?).map_err(|_| "a port number (0 to 65535)")?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "agent.peer_stall_s",
+        env: Some("STARLING_PEER_STALL_S"),
+        flag: "",
+        default: "5",
+        meaning: "seconds a peer that owes this host chunks may send nothing before it is dropped (and shunned for a minute) and the chunks come from the head (1 or more)",
+        apply: |c, v| {
+            c.agent.peer_stall_s = v.number().ok().filter(|n| *n >= 1).ok_or("a whole number of seconds, 1 or more")?;
+            Ok(())
+        },
+    },
 ];
 
 /// The README's table of settings.
@@ -1032,7 +1091,23 @@ mod tests {
         let e = load(&[], Some("[client]\nclutser = \"x\"\n")).unwrap_err().to_string();
         assert!(e.contains("client.clutser"), "{e}");
         let e = load(&[], Some("[head]\ncache_mib = \"big\"\n")).unwrap_err().to_string();
-        assert!(e.contains("head.cache_mib") && e.contains("whole number"), "{e}");
+        assert!(e.contains("head.cache_mib") && e.contains("whole number"), "{e}");        let e = load(&[("STARLING_PEER_STALL_S", "0")], None).unwrap_err().to_string();
+        assert!(e.contains("STARLING_PEER_STALL_S") && e.contains("1 or more"), "{e}");
+        let e = load(&[], Some("[agent]\npeer_port = 70000\n")).unwrap_err().to_string();
+        assert!(e.contains("agent.peer_port") && e.contains("port number"), "{e}");
+    }
+
+    #[test]
+    fn peer_sharing_settings() {
+        let c = load(&[], None).unwrap();
+        assert!(c.agent.peers);
+        assert_eq!((c.agent.peer_port, c.agent.peer_stall_s, c.head.peer_referrals), (0, 5, 3));
+        let file = "[agent]\npeers = false\npeer_port = 7100\n[head]\npeer_referrals = 0\n";
+        let c = load(&[("STARLING_PEER_STALL_S", "2")], Some(file)).unwrap();
+        assert!(!c.agent.peers);
+        assert_eq!((c.agent.peer_port, c.agent.peer_stall_s, c.head.peer_referrals), (7100, 2, 0));
+        let c = load(&[("STARLING_PEERS", "off")], None).unwrap();
+        assert!(!c.agent.peers);
     }
 
     #[test]

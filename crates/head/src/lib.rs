@@ -259,7 +259,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
     let relay = if settings.relay_cache {
         let dir = settings.state.join("cache");
         Some(
-            relay::Relay::open(&dir, settings.cache_mib << 20, counters.clone())
+            relay::Relay::open(&dir, settings.cache_mib << 20, settings.peer_referrals, counters.clone())
                 .map_err(|source| HeadError::RelayCache { path: dir, source })?,
         )
     } else {

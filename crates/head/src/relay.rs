@@ -9,8 +9,10 @@
 //! will). A host asking for a chunk another host holds is sent that host's
 //! peer address instead of the bytes, so each chunk leaves the head about
 //! once however many hosts read it. The hosts that asked form a tree per
-//! chunk (each is referred only to hosts that asked before it), at most
-//! [`REFERRALS`] referrals per holder, so no host serves everyone and
+//! chunk (each is referred only to hosts that asked before it first did,
+//! also when it asks again having lost its copy, so no chain of referrals
+//! ever leads back to the asker and no two hosts wait on each other), at most
+//! `head.peer_referrals` referrals per holder, so no host serves everyone and
 //! none waits on a long chain; a host that cannot get a chunk from its peer
 //! asks the head again with `GetChunks`, which always sends the bytes.
 
@@ -40,27 +42,35 @@ pub(crate) struct Relay {
     holders: Mutex<Holders>,
 }
 
-/// Hosts a holder of a chunk is referred to at most (then it is full, and
-/// those who got it from it are referred instead).
-const REFERRALS: u32 = 3;
 /// Chunks whose holders are remembered (the most recently asked for):
 /// 2^18 chunks of 64 KiB on average are 16 GiB of content.
 const HELD_CHUNKS: usize = 1 << 18;
 
 /// Which hosts (by peer address) asked for which chunks, and how many
 /// hosts each was referred to for it.
-#[derive(Default)]
 struct Holders {
+    /// Hosts a holder of a chunk is referred to at most (then it is full,
+    /// and those who got it from it are referred instead); 0: none ever.
+    referrals: u32,
     by_chunk: HashMap<Hash, Vec<(String, u32)>>,
     /// Chunks in the order first asked for, to forget the oldest.
     order: VecDeque<Hash>,
 }
 
 impl Holders {
+    fn new(referrals: u32) -> Holders {
+        Holders { referrals, by_chunk: HashMap::new(), order: VecDeque::new() }
+    }
+
     /// A peer for `asker` to fetch `h` from (the earliest holder not yet
-    /// full, not itself), noting the referral; `asker` is a holder from now
-    /// on either way (it will have the chunk, from the peer or from us).
+    /// full that asked before `asker` first did), noting the referral;
+    /// `asker` is a holder from now on either way (it will have the chunk,
+    /// from the peer or from us). The first asker, asking again, gets the
+    /// bytes.
     fn refer(&mut self, h: &Hash, asker: Option<&str>) -> Option<String> {
+        if self.referrals == 0 {
+            return None;
+        }
         let holders = match self.by_chunk.get_mut(h) {
             Some(v) => v,
             None => {
@@ -73,7 +83,14 @@ impl Holders {
                 self.by_chunk.entry(*h).or_default()
             }
         };
-        let peer = holders.iter_mut().find(|(addr, n)| *n < REFERRALS && Some(addr.as_str()) != asker).map(|(addr, n)| {
+        // Only hosts that asked before the asker first did. Their copies come
+        // from the head or, by the same rule, from hosts that asked earlier
+        // still, so no chain of referrals leads back to the asker, even when
+        // it asks again (it lost its copy) while hosts it served are
+        // themselves fetching the chunk again: a host waiting on a peer that
+        // waits on it would wait for good.
+        let first_asked = asker.and_then(|me| holders.iter().position(|(addr, _)| addr == me)).unwrap_or(holders.len());
+        let peer = holders[..first_asked].iter_mut().find(|(_, n)| *n < self.referrals).map(|(addr, n)| {
             *n += 1;
             addr.clone()
         });
@@ -94,14 +111,15 @@ impl Holders {
 }
 
 impl Relay {
-    pub(crate) fn open(dir: &std::path::Path, bytes: u64, counters: std::sync::Arc<crate::metrics::Counters>) -> std::io::Result<Relay> {
+    /// `referrals`: hosts one holder of a chunk is referred to at most (`head.peer_referrals`).
+    pub(crate) fn open(dir: &std::path::Path, bytes: u64, referrals: u32, counters: std::sync::Arc<crate::metrics::Counters>) -> std::io::Result<Relay> {
         Ok(Relay {
             cache: HostCache::open(dir, bytes)?,
             inflight: Mutex::new(HashMap::new()),
             waiters: Mutex::new(HashMap::new()),
             next_req: AtomicU64::new(0),
             counters,
-            holders: Mutex::default(),
+            holders: Mutex::new(Holders::new(referrals)),
         })
     }
 
@@ -322,7 +340,7 @@ mod tests {
 
     #[test]
     fn hosts_are_referred_only_to_earlier_askers_at_most_three_each() {
-        let mut holders = Holders::default();
+        let mut holders = Holders::new(3);
         let h = Hash::of(b"chunk");
         let names: Vec<String> = (1..=16).map(|i| format!("10.0.0.{i}:1")).collect();
         let refs: Vec<Option<String>> = names.iter().map(|n| holders.refer(&h, Some(n))).collect();
@@ -343,5 +361,44 @@ mod tests {
             holders.forget(n);
         }
         assert_eq!(holders.refer(&h, Some("10.0.0.99:1")), None);
+    }
+
+    #[test]
+    fn hosts_that_lost_a_chunk_and_ask_again_are_never_referred_to_each_other() {
+        // h1 got the chunk from the head, h2 from h1; both lost it (a wiped cache)
+        // and ask again at once: h2 waiting on h1 while h1 waits on h2 would wait for good.
+        let mut holders = Holders::new(3);
+        let h = Hash::of(b"chunk");
+        let (h1, h2) = ("10.0.0.1:1", "10.0.0.2:1");
+        assert_eq!(holders.refer(&h, Some(h1)), None);
+        assert_eq!(holders.refer(&h, Some(h2)).as_deref(), Some(h1));
+        assert_eq!(holders.refer(&h, Some(h1)), None, "the first asker, asking again, is sent the bytes");
+        assert_eq!(holders.refer(&h, Some(h2)).as_deref(), Some(h1), "the later asker is referred back up the tree");
+        // A host that first asked later is never a source for one that asked earlier.
+        let h3 = "10.0.0.3:1";
+        assert_eq!(holders.refer(&h, Some(h3)).as_deref(), Some(h1));
+        for _ in 0..4 {
+            assert_ne!(holders.refer(&h, Some(h2)).as_deref(), Some(h3));
+            assert_eq!(holders.refer(&h, Some(h1)), None);
+        }
+    }
+
+    #[test]
+    fn with_no_referrals_every_asker_gets_the_bytes() {
+        let mut holders = Holders::new(0);
+        let h = Hash::of(b"chunk");
+        for i in 1..=4 {
+            assert_eq!(holders.refer(&h, Some(&format!("10.0.0.{i}:1"))), None, "asker {i}");
+        }
+    }
+
+    #[test]
+    fn a_holder_is_referred_to_at_most_the_limit() {
+        let mut holders = Holders::new(1);
+        let h = Hash::of(b"chunk");
+        assert_eq!(holders.refer(&h, Some("10.0.0.1:1")), None);
+        assert_eq!(holders.refer(&h, Some("10.0.0.2:1")).as_deref(), Some("10.0.0.1:1"));
+        // 10.0.0.1 is full: the next asker is referred to the one that got it from it.
+        assert_eq!(holders.refer(&h, Some("10.0.0.3:1")).as_deref(), Some("10.0.0.2:1"));
     }
 }
