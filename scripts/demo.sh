@@ -4,7 +4,7 @@
 # then a remote fork: a running C program cloned onto every core of the cluster;
 # then a live migration: a running program moved between three hosts, and a process tree; then Snowbird (a program started
 # at home with `exec --roam`, moved to a host and back); then Linger-Longer (a guest
-# under an active owner, an IE rerun); then a Slurm pilot job (`up --slurm`) on a local Slurm.
+# under an active owner, an IE rerun); then a CA rotation under a running task; then a Slurm pilot job (`up --slurm`) on a local Slurm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 S=$PWD/target/release/starling
@@ -207,6 +207,21 @@ if [ "$rc" = 3 ] && [ "$(cat "$W/ie.out")" = "$(for i in $(seq 1 12); do echo " 
 else
     echo "   IE RERUN DIFFERS (exit $rc)"; cat "$W/ie.out"; exit 1
 fi
+echo
+echo "== Security: the cluster's CA is replaced while a task runs (\`starling ca rotate\`, then \`--finish\`): the"
+echo "   task and the agents' connections carry on, and the agents get certificates of the new CA over them"
+mkfifo "$W/rot.in"
+(cd "$W" && exec "$S" exec --host h2 -- sh -c 'echo "   a task on $(uname -n) started before the rotation"; read x; echo "   ... and ended after it: $x"') < "$W/rot.in" > "$W/rot.out" &
+RP=$!
+exec 7>"$W/rot.in"
+within_5min grep -q "started before" "$W/rot.out"
+echo "   new CA: $($S ca rotate 2>/dev/null | cut -c1-16)..."
+echo "   during the window, a new task runs on $($S exec -- uname -n)"
+$S ca rotate --finish 2>&1 | sed 's/^starling: /   /'
+echo "   after --finish, a new task runs on $($S exec -- uname -n); hosts connected: $($S status --json | python3 -c 'import json,sys; print(len(json.load(sys.stdin)["hosts"]))')"
+echo "its input" >&7; exec 7>&-
+wait $RP || { echo "   THE TASK STARTED BEFORE THE ROTATION FAILED"; cat "$W/rot.out"; exit 1; }
+cat "$W/rot.out"
 echo
 # A pilot job on a real Slurm (scripts/slurm-local.sh: slurmctld + 2 slurmd in network namespaces on this
 # machine), as on a cluster where Slurm owns the nodes: `up --slurm` asks Slurm for them, the agents run as
