@@ -127,7 +127,8 @@ def test_the_users_tasks_run_as_the_user_and_its_files_come_home_as_its_own(root
             p.kill()
     st = (home / "hers.txt").stat()
     assert (home / "hers.txt").read_text() == "hers\n"
-    assert (st.st_uid, st.st_gid) == (rootless["uid"], rootless["uid"])
+    # Its own: the user's uid and primary group (useradd -U makes the group, whose gid need not be the uid).
+    assert (st.st_uid, st.st_gid) == (rootless["uid"], pwd.getpwuid(rootless["uid"]).pw_gid)
 
 
 def test_a_job_runs(rootless, tmp_path):
