@@ -416,8 +416,38 @@ async fn accept_tls(acceptor: &TlsAcceptor, sock: TcpStream) -> Result<Option<(S
     Ok(Some((tls, Some(id))))
 }
 
-/// How often the head looks at the revocation list for changes.
-const REVOCATION_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+/// How often the head looks at the files it follows ([`WatchedFile`]) for changes.
+const WATCHED_FILE_POLL: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// A file the head follows (the CAs, the revocation list): commands change
+/// it on disk, and its modification time and length say when to read it again.
+struct WatchedFile {
+    path: std::path::PathBuf,
+    seen: Option<(Option<std::time::SystemTime>, u64)>,
+}
+
+impl WatchedFile {
+    fn new(path: std::path::PathBuf) -> WatchedFile {
+        let seen = Self::stamp(&path);
+        WatchedFile { path, seen }
+    }
+
+    fn stamp(path: &std::path::Path) -> Option<(Option<std::time::SystemTime>, u64)> {
+        std::fs::metadata(path).ok().map(|m| (m.modified().ok(), m.len()))
+    }
+
+    /// Return at the first poll that finds the file changed since the last return.
+    async fn changed(&mut self) {
+        loop {
+            tokio::time::sleep(WATCHED_FILE_POLL).await;
+            let now = Self::stamp(&self.path);
+            if now != self.seen {
+                self.seen = now;
+                return;
+            }
+        }
+    }
+}
 
 /// Who a certificate names, for the lines its holder is told.
 fn holder(id: &Identity) -> String {
@@ -659,16 +689,9 @@ impl Head {
     /// agent the new CAs (and a certificate of the current one), then use the new CAs.
     async fn watch_cas(self: Arc<Self>, dials_agents: bool) {
         let Some(auth) = self.auth.clone() else { return };
-        let path = auth.ca_cert();
-        let stamp = |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
-        let mut seen = stamp(&path);
+        let mut cas = WatchedFile::new(auth.ca_cert());
         loop {
-            tokio::time::sleep(REVOCATION_POLL).await;
-            let now = stamp(&path);
-            if now == seen {
-                continue;
-            }
-            seen = now;
+            cas.changed().await;
             let (tls, trust) = match (HeadTls::load(Some(&auth), dials_agents), auth.trust()) {
                 (Ok(tls), Ok(trust)) => (tls, trust),
                 (Err(e), _) | (_, Err(e)) => {
@@ -711,16 +734,9 @@ impl Head {
     /// revoked certificate end ([`Head::until_revoked`]).
     async fn watch_revocations(self: Arc<Self>) {
         let Some(auth) = self.auth.clone() else { return };
-        let path = auth.revoked_path();
-        let stamp = |p: &std::path::Path| std::fs::metadata(p).ok().map(|m| (m.modified().ok(), m.len()));
-        let mut seen = stamp(&path);
+        let mut revoked = WatchedFile::new(auth.revoked_path());
         loop {
-            tokio::time::sleep(REVOCATION_POLL).await;
-            let now = stamp(&path);
-            if now == seen {
-                continue;
-            }
-            seen = now;
+            revoked.changed().await;
             match auth.revoked() {
                 Ok(set) => {
                     log::info!("revocation list read again: {} certificate(s) revoked", set.len());
