@@ -620,6 +620,23 @@ fn wait_booted(pid: u32, log: &Path) -> Result<(), BootFailure> {
     }
 }
 
+/// The FUSE connections of the starling views mounted in the mount namespaces of `pids` other than ours (a
+/// host's; a process in ours would name views that may belong to anyone).
+fn fuse_views_of(pids: &BTreeSet<u32>) -> BTreeSet<u64> {
+    let mnt_ns = |pid: &str| std::fs::metadata(format!("/proc/{pid}/ns/mnt")).map(|m| m.ino()).ok();
+    let ours = mnt_ns("self");
+    let mut namespaces = BTreeSet::new();
+    let mut views = BTreeSet::new();
+    for pid in pids {
+        let Some(ns) = mnt_ns(&pid.to_string()) else { continue };
+        if Some(ns) == ours || !namespaces.insert(ns) {
+            continue;
+        }
+        views.extend(mounts::view_connections(&std::fs::read_to_string(format!("/proc/{pid}/mountinfo")).unwrap_or_default()));
+    }
+    views
+}
+
 /// Tear down the default-named cluster: see [`down_with`].
 pub fn down(run_dir: &Path, state_dir: &Path) -> Result<Removed> {
     down_with(run_dir, state_dir, &NetConfig::default())
@@ -695,6 +712,13 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
         let targets = procs::with_descendants(&table, &ours);
         if targets.is_empty() {
             break;
+        }
+        // The file views of the hosts' tasks go with their agents: aborted first, so that no process waits
+        // in one (a waiting FUSE request can hold it in uninterruptible sleep, past SIGKILL).
+        for n in fuse_views_of(&targets) {
+            if mounts::abort_fuse_connection(n) {
+                removed.0.push(Object::FuseConnection(n));
+            }
         }
         for p in table.iter().filter(|p| targets.contains(&p.pid)) {
             removed.0.push(Object::Process { pid: p.pid, argv: p.argv.clone() });
@@ -781,6 +805,8 @@ fn teardown(run_dir: &Path, state_dir: &Path, cfg: &NetConfig) -> Result<Removed
 pub enum Object {
     Process { pid: u32, argv: Vec<String> },
     Mount(PathBuf),
+    /// A FUSE connection of a host's file view (its number under `/sys/fs/fuse/connections`).
+    FuseConnection(u64),
     Netns(String),
     Veth(String),
     Bridge(String),
@@ -799,6 +825,7 @@ impl std::fmt::Display for Object {
         match self {
             Object::Process { pid, argv } => write!(f, "killed pid {pid} ({})", argv.join(" ")),
             Object::Mount(m) => write!(f, "unmounted {}", m.display()),
+            Object::FuseConnection(n) => write!(f, "aborted FUSE connection {n}"),
             Object::Netns(n) => write!(f, "deleted netns {n}"),
             Object::Veth(v) => write!(f, "deleted veth {v}"),
             Object::Bridge(b) => write!(f, "deleted bridge {b}"),

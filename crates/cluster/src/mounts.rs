@@ -4,9 +4,10 @@
 //! process. This is the safety net for anything that did land in ours (an older or interrupted boot, a manual
 //! mount while debugging).
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-use nix::mount::{umount2, MntFlags};
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 /// Mount points listed in a mountinfo file (`/proc/self/mountinfo` or `/proc/PID/mountinfo`).
 pub fn mount_points(mountinfo: &Path) -> Vec<PathBuf> {
@@ -63,6 +64,42 @@ pub fn detach_under(roots: &[PathBuf]) -> Vec<PathBuf> {
     detached
 }
 
+/// Where the kernel lists FUSE connections (the `fusectl` file system).
+const FUSE_CONNECTIONS: &str = "/sys/fs/fuse/connections";
+
+/// The FUSE connections of the starling file views mounted in a mountinfo text, by the number naming each
+/// under `/sys/fs/fuse/connections`: the kernel names a connection by its super block's device number, which
+/// mountinfo's third field gives as `major:minor` (encoded in the kernel as `major << 20 | minor`).
+pub fn view_connections(mountinfo: &str) -> BTreeSet<u64> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (mount, fs) = line.split_once(" - ")?;
+            let mut fs = fs.split(' ');
+            // The type is `fuse`, or `fuse.starling` where the mount helper applies the subtype.
+            let fstype = fs.next()?;
+            if !(fstype == "fuse" || fstype == "fuse.starling") || fs.next()? != "starling-view" {
+                return None;
+            }
+            let (major, minor) = mount.split(' ').nth(2)?.split_once(':')?;
+            Some((major.parse::<u64>().ok()? << 20) | minor.parse::<u64>().ok()?)
+        })
+        .collect()
+}
+
+/// Abort FUSE connection `n`: every request waiting on it fails at once, and so does every later one. A
+/// process waiting in a view whose agent is gone can otherwise stay in uninterruptible sleep, out of reach of
+/// SIGKILL, for as long as anything holds the connection open. Returns whether it was aborted (false if the
+/// connection is already gone).
+pub fn abort_fuse_connection(n: u64) -> bool {
+    let dir = Path::new(FUSE_CONNECTIONS);
+    if !dir.join(n.to_string()).exists() {
+        // fusectl may not be mounted yet; EBUSY (already mounted) and a missing connection are the same to us.
+        let _ = mount(Some("fusectl"), dir, Some("fusectl"), MsFlags::empty(), None::<&str>);
+    }
+    std::fs::write(dir.join(n.to_string()).join("abort"), "1").is_ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -72,6 +109,21 @@ mod tests {
         assert_eq!(unescape_octal(r"/tmp/a\040b\134c"), r"/tmp/a b\c");
         assert_eq!(unescape_octal(r"/plain"), "/plain");
         assert_eq!(unescape_octal(r"/trailing\04"), r"/trailing\04");
+    }
+
+    #[test]
+    fn names_the_connections_of_starling_views_only() {
+        let mountinfo = "\
+1203 1190 0:93 / /tmp/task-7/view rw,nosuid,nodev,relatime shared:600 - fuse.starling starling-view rw,user_id=0,group_id=0
+1204 1203 0:94 / /tmp/task-7/root rw,relatime - overlay overlay rw,lowerdir=/tmp/task-7/view
+1205 1190 0:95 / /mnt/other rw,relatime - fuse.sshfs host:/ rw,user_id=0,group_id=0
+1206 1190 1:3 / /tmp/task-8/view rw,relatime - fuse.starling starling-view rw,user_id=0,group_id=0
+1207 1190 0:96 / /tmp/task-9/view ro,nosuid,nodev,relatime - fuse starling-view ro,user_id=0,group_id=0
+1208 1190 0:97 / /mnt/fusefs rw,relatime - fuse somefs rw,user_id=0,group_id=0
+";
+        // 0:93 is connection 93; 1:3 is (1 << 20) | 3 = 1048579; the overlay, the sshfs mount and the other
+        // plain `fuse` mount are not ours.
+        assert_eq!(view_connections(mountinfo), BTreeSet::from([93, 96, 1_048_579]));
     }
 
     #[test]
