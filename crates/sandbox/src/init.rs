@@ -179,15 +179,22 @@ fn start_and_supervise(
     fcntl(report_read.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(|e| format!("fcntl: {e}"))?;
     let mut report = File::from(report_read);
     let mut record = Vec::new();
+    // Whether PID 1 may still write its report. Once its end is closed (PID 1
+    // is exiting) the pipe is left out of the poll: it would report POLLHUP
+    // on every call, and this loop would spin for as long as PID 1's exit
+    // takes (its mount namespace being torn down), until SIGCHLD.
+    let mut report_open = true;
 
     loop {
-        let mut fds = [
+        let mut fds = vec![
             PollFd::new(sigfd.as_fd(), PollFlags::POLLIN),
-            PollFd::new(report.as_fd(), PollFlags::POLLIN),
             // A pipe's write end reports POLLERR once no reader is left:
             // the agent has died or dropped its `Sandboxed`.
             PollFd::new(status_fd.as_fd(), PollFlags::empty()),
         ];
+        if report_open {
+            fds.push(PollFd::new(report.as_fd(), PollFlags::POLLIN));
+        }
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(e) => {
@@ -195,19 +202,20 @@ fn start_and_supervise(
                 return Err(format!("poll: {e}"));
             }
         }
-        let ready = |i: usize| fds[i].revents().unwrap_or(PollFlags::empty());
-        let (signals_ready, report_ready, agent_gone) = (
+        let ready = |i: usize| fds.get(i).and_then(|f| f.revents()).unwrap_or(PollFlags::empty());
+        let (signals_ready, agent_gone, report_ready) = (
             !ready(0).is_empty(),
-            !ready(1).is_empty(),
-            ready(2).intersects(PollFlags::POLLERR | PollFlags::POLLHUP),
+            ready(1).intersects(PollFlags::POLLERR | PollFlags::POLLHUP),
+            ready(2),
         );
         if agent_gone {
             let _ = kill(pid1, Signal::SIGKILL);
             let _ = waitpid(pid1, None);
             return Ok(None);
         }
-        if report_ready {
+        if !report_ready.is_empty() {
             drain(&mut report, &mut record);
+            report_open = !report_ready.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
         }
         if signals_ready {
             while let Ok(Some(info)) = sigfd.read_signal() {
