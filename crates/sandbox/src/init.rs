@@ -1,8 +1,8 @@
 //! The sandbox's side: the outer init, the reaper (PID 1) and the task (PID 2).
 //!
-//! Everything here runs in the freshly executed, single-threaded
-//! `__sandbox-init` process or in its forks, which is what makes `fork()`
-//! followed by ordinary Rust (allocation included) sound.
+//! Everything here runs in forks of the single-threaded `__sandbox-init`
+//! zygote, which is what makes `fork()` followed by ordinary Rust
+//! (allocation included) sound.
 
 use crate::program::ProgramWire;
 use crate::spawn::{SPEC_FD, STATUS_FD};
@@ -57,12 +57,18 @@ fn die(msg: impl std::fmt::Display) -> ! {
     std::process::exit(EXIT_SETUP_FAILED)
 }
 
-/// Entry point of `starling __sandbox-init`; never returns.
+/// Entry point of `starling __sandbox-init`, the zygote ([`crate::zygote`]);
+/// never returns. Call it first thing in `main`, before any thread exists.
+pub fn init_main() -> ! {
+    crate::zygote::zygote_main()
+}
+
+/// The outer init, in a child of the zygote; never returns.
 ///
 /// Reads the spec from fd 3, sets the namespaces up, supervises PID 1 and
 /// finally writes the task's status record to fd 4 and exits with the
 /// shell-style code (`n`, or `128 + signal`).
-pub fn init_main() -> ! {
+pub(crate) fn outer_init_main() -> ! {
     let status = outer_init();
     std::process::exit(status.shell_code())
 }
@@ -153,8 +159,8 @@ fn start_and_supervise(
 
     let (report_read, report_write) =
         nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("cannot create the report pipe: {e}"))?;
-    // SAFETY: this process is single-threaded (freshly executed, no thread
-    // was ever started), so the child may run arbitrary code.
+    // SAFETY: this process is single-threaded (a fork of the single-threaded
+    // zygote, which never starts a thread), so the child may run arbitrary code.
     let pid1 = match unsafe { fork() } {
         Err(e) => return Err(format!("cannot fork the sandbox's init: {e}")),
         Ok(ForkResult::Child) => {
