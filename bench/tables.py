@@ -103,7 +103,7 @@ CLIENT_STAGES = [("setup", "main() to launch start: config, head address, argv/e
 AGENT_STAGES = [("view_mount", "FUSE view mounted (its request threads started)"),
                 ("preload", "prethrown bindings and listings loaded into it"),
                 ("overlay", "overlayfs mounted over it"),
-                ("spawn", "sandbox init forked and exec'd"),
+                ("spawn", "sandbox's outer init started (an exec of the binary per task until issue 18's zygote; now forked by it)"),
                 ("pumps_start", "stdin/stdout/stderr pumps started"),
                 ("run", "namespaces, mounts, the program, until its exit"),
                 ("pumps_join", "output pumps drained"),

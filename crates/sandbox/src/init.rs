@@ -1,8 +1,8 @@
 //! The sandbox's side: the outer init, the reaper (PID 1) and the task (PID 2).
 //!
-//! Everything here runs in the freshly executed, single-threaded
-//! `__sandbox-init` process or in its forks, which is what makes `fork()`
-//! followed by ordinary Rust (allocation included) sound.
+//! Everything here runs in forks of the single-threaded `__sandbox-init`
+//! zygote, which is what makes `fork()` followed by ordinary Rust
+//! (allocation included) sound.
 
 use crate::program::ProgramWire;
 use crate::spawn::{SPEC_FD, STATUS_FD};
@@ -57,12 +57,18 @@ fn die(msg: impl std::fmt::Display) -> ! {
     std::process::exit(EXIT_SETUP_FAILED)
 }
 
-/// Entry point of `starling __sandbox-init`; never returns.
+/// Entry point of `starling __sandbox-init`, the zygote ([`crate::zygote`]);
+/// never returns. Call it first thing in `main`, before any thread exists.
+pub fn init_main() -> ! {
+    crate::zygote::zygote_main()
+}
+
+/// The outer init, in a child of the zygote; never returns.
 ///
 /// Reads the spec from fd 3, sets the namespaces up, supervises PID 1 and
 /// finally writes the task's status record to fd 4 and exits with the
 /// shell-style code (`n`, or `128 + signal`).
-pub fn init_main() -> ! {
+pub(crate) fn outer_init_main() -> ! {
     let status = outer_init();
     std::process::exit(status.shell_code())
 }
@@ -153,8 +159,8 @@ fn start_and_supervise(
 
     let (report_read, report_write) =
         nix::unistd::pipe2(OFlag::O_CLOEXEC).map_err(|e| format!("cannot create the report pipe: {e}"))?;
-    // SAFETY: this process is single-threaded (freshly executed, no thread
-    // was ever started), so the child may run arbitrary code.
+    // SAFETY: this process is single-threaded (a fork of the single-threaded
+    // zygote, which never starts a thread), so the child may run arbitrary code.
     let pid1 = match unsafe { fork() } {
         Err(e) => return Err(format!("cannot fork the sandbox's init: {e}")),
         Ok(ForkResult::Child) => {
@@ -179,15 +185,22 @@ fn start_and_supervise(
     fcntl(report_read.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK)).map_err(|e| format!("fcntl: {e}"))?;
     let mut report = File::from(report_read);
     let mut record = Vec::new();
+    // Whether PID 1 may still write its report. Once its end is closed (PID 1
+    // is exiting) the pipe is left out of the poll: it would report POLLHUP
+    // on every call, and this loop would spin for as long as PID 1's exit
+    // takes (its mount namespace being torn down), until SIGCHLD.
+    let mut report_open = true;
 
     loop {
-        let mut fds = [
+        let mut fds = vec![
             PollFd::new(sigfd.as_fd(), PollFlags::POLLIN),
-            PollFd::new(report.as_fd(), PollFlags::POLLIN),
             // A pipe's write end reports POLLERR once no reader is left:
             // the agent has died or dropped its `Sandboxed`.
             PollFd::new(status_fd.as_fd(), PollFlags::empty()),
         ];
+        if report_open {
+            fds.push(PollFd::new(report.as_fd(), PollFlags::POLLIN));
+        }
         match poll(&mut fds, PollTimeout::NONE) {
             Ok(_) | Err(Errno::EINTR) => {}
             Err(e) => {
@@ -195,19 +208,20 @@ fn start_and_supervise(
                 return Err(format!("poll: {e}"));
             }
         }
-        let ready = |i: usize| fds[i].revents().unwrap_or(PollFlags::empty());
-        let (signals_ready, report_ready, agent_gone) = (
+        let ready = |i: usize| fds.get(i).and_then(|f| f.revents()).unwrap_or(PollFlags::empty());
+        let (signals_ready, agent_gone, report_ready) = (
             !ready(0).is_empty(),
-            !ready(1).is_empty(),
-            ready(2).intersects(PollFlags::POLLERR | PollFlags::POLLHUP),
+            ready(1).intersects(PollFlags::POLLERR | PollFlags::POLLHUP),
+            ready(2),
         );
         if agent_gone {
             let _ = kill(pid1, Signal::SIGKILL);
             let _ = waitpid(pid1, None);
             return Ok(None);
         }
-        if report_ready {
+        if !report_ready.is_empty() {
             drain(&mut report, &mut record);
+            report_open = !report_ready.intersects(PollFlags::POLLHUP | PollFlags::POLLERR);
         }
         if signals_ready {
             while let Ok(Some(info)) = sigfd.read_signal() {

@@ -16,17 +16,22 @@
 //!   `ExitStatus::Signal(SIGINT)` stay distinct: the status travels on a side
 //!   channel, not only as an exit code).
 //!
-//! # Why a re-executed helper process
+//! # Why a helper process, forked by a zygote
 //!
 //! The agent is a multi-threaded tokio daemon. A process that unshares a PID
 //! namespace cannot create threads afterwards, and code running in a
 //! `fork()`ed child of a multi-threaded process may not allocate (another
-//! thread may have held the allocator's lock). So [`spawn`] re-executes the
-//! starling binary as `starling __sandbox-init`, a fresh single-threaded
-//! process whose entry point is [`init_main`]. The process tree is:
+//! thread may have held the allocator's lock). So the first [`spawn`]
+//! executes the starling binary as `starling __sandbox-init`, a
+//! single-threaded process whose entry point is [`init_main`]: the *zygote*.
+//! For every sandbox it forks an outer init (as a child of the agent, with
+//! `CLONE_PARENT`), which executing the binary per task used to be, at the
+//! cost of forking the whole agent and starting a 100 MiB binary each time
+//! (see `zygote.rs`). The process tree is:
 //!
 //! ```text
-//! agent ── outer init (`__sandbox-init`, root PID ns)
+//! agent ─┬ zygote (`__sandbox-init`, serves spawn requests on a socket)
+//!        └ outer init (forked by the zygote, root PID ns)
 //!             └── reaper (PID 1 of the new PID ns: mounts /proc and /dev, chroots)
 //!                    └── task (PID 2: drops credentials, execs argv)
 //! ```
@@ -97,6 +102,7 @@ pub mod program;
 mod spawn;
 mod status;
 pub mod terminal;
+mod zygote;
 
 use serde::{Deserialize, Serialize};
 use std::io;

@@ -1,29 +1,26 @@
-//! The agent's side: start `exe __sandbox-init`, then signal, poll and wait.
+//! The agent's side: have the zygote start the outer init, then signal, poll and wait.
 
-use crate::program::{TaskProgram, PROGRAM_FD};
-use crate::{status, ExitStatus, SandboxSpec, INIT_SUBCOMMAND};
+use crate::program::TaskProgram;
+use crate::{status, ExitStatus, SandboxSpec};
 use nix::fcntl::{fcntl, FcntlArg, OFlag};
 use nix::sys::memfd::{memfd_create, MemFdCreateFlag};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::Pid;
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
 
 /// Descriptor numbers the outer init finds its inputs at.
 pub(crate) const SPEC_FD: RawFd = 3;
 pub(crate) const STATUS_FD: RawFd = 4;
 
-/// Lowest number the inherited descriptors are parked at before the child
-/// moves them to [`SPEC_FD`]/[`STATUS_FD`], so neither move clobbers the other.
-const PARK_FD_MIN: RawFd = 10;
-
 /// A running sandbox. Dropping it without [`Sandboxed::wait`] kills the
 /// sandbox (the outer init's lifeline closes) and reaps it.
 #[derive(Debug)]
 pub struct Sandboxed {
-    child: Child,
+    /// The outer init: a child of this process (see [`crate::zygote`]).
+    pid: u32,
     /// Read end of the status pipe (non-blocking): one record from the outer init.
     status_read: File,
     pidfd: Option<OwnedFd>,
@@ -32,10 +29,12 @@ pub struct Sandboxed {
 
 /// Start `spec` in a sandbox.
 ///
-/// `exe` is the starling binary (the agent passes `/proc/self/exe`'s target);
-/// it is run as `exe __sandbox-init`, its stdio being `stdin`, `stdout` and
-/// `stderr`, the spec in a memfd at fd 3 and the status pipe at fd 4. The
-/// outer init starts a new session, so the task has no controlling terminal.
+/// `exe` is the starling binary (the agent passes `/proc/self/exe`'s target).
+/// The first call starts `exe __sandbox-init`, the zygote, which then forks
+/// the outer init of this and every later sandbox as a child of this process
+/// ([`crate::zygote`]): its stdio being `stdin`, `stdout` and `stderr`, the
+/// spec in a memfd at fd 3 and the status pipe at fd 4. The outer init
+/// starts a new session, so the task has no controlling terminal.
 pub fn spawn(exe: &Path, spec: &SandboxSpec, stdin: OwnedFd, stdout: OwnedFd, stderr: OwnedFd) -> io::Result<Sandboxed> {
     spawn_inner(exe, spec, None, stdin, stdout, stderr)
 }
@@ -77,18 +76,7 @@ fn spawn_inner(
     // after reaping, the record is either already in the pipe or never coming.
     fcntl(status_read.as_raw_fd(), FcntlArg::F_SETFL(OFlag::O_NONBLOCK))?;
 
-    let spec_parked = park(spec_file.as_fd())?;
-    let status_parked = park(status_write.as_fd())?;
-    let (spec_raw, status_raw) = (spec_parked.as_raw_fd(), status_parked.as_raw_fd());
-    // Program extension: parked like the others, moved to PROGRAM_FD, PROGRAM_FD+1, ...
-    let extra_parked: Vec<OwnedFd> = match &program {
-        Some(p) => p.sources().into_iter().map(|fd| park(unsafe_borrow(fd))).collect::<io::Result<_>>()?,
-        None => Vec::new(),
-    };
-    let extra_raw: Vec<RawFd> = extra_parked.iter().map(|f| f.as_raw_fd()).collect();
-
-    // Placement: the cgroup files are opened here (the child only writes), the
-    // oom_score_adj text is made here (the child opens its own /proc/self file).
+    // Placement: the cgroup files are opened here (the child only writes).
     let cgroup_files: Vec<File> = spec
         .placement
         .cgroup_procs
@@ -100,61 +88,22 @@ fn spawn_inner(
                 .map_err(|e| io::Error::new(e.kind(), format!("joining the guest cgroup {}: {e}", p.display())))
         })
         .collect::<io::Result<_>>()?;
-    let cgroup_raw: Vec<RawFd> = cgroup_files.iter().map(AsRawFd::as_raw_fd).collect();
-    let sched_idle = spec.placement.sched_idle;
-    let oom_adj: Option<Vec<u8>> = spec.placement.oom_score_adj.map(|v| v.to_string().into_bytes());
+    let program_fds: Vec<RawFd> = program.as_ref().map(TaskProgram::sources).unwrap_or_default();
+    let handoff = crate::zygote::Handoff {
+        spec: spec_file.as_fd(),
+        status: status_write.as_fd(),
+        stdio: [stdin.as_fd(), stdout.as_fd(), stderr.as_fd()],
+        cgroups: cgroup_files.iter().map(AsFd::as_fd).collect(),
+        program: program_fds.iter().map(|&fd| unsafe_borrow(fd)).collect(),
+        sched_idle: spec.placement.sched_idle,
+        oom_score_adj: spec.placement.oom_score_adj.map(|v| v.to_string().into_bytes()),
+    };
+    let pid = crate::zygote::start_outer_init(exe, &handoff)?;
+    drop(handoff);
+    drop((status_write, spec_file, program, cgroup_files, stdin, stdout, stderr));
 
-    let mut cmd = Command::new(exe);
-    cmd.arg(INIT_SUBCOMMAND)
-        .env_clear()
-        .current_dir("/")
-        .stdin(Stdio::from(stdin))
-        .stdout(Stdio::from(stdout))
-        .stderr(Stdio::from(stderr));
-    // SAFETY: the closure runs in the forked child before exec and calls only
-    // async-signal-safe functions (write, open, close, sched_setscheduler,
-    // dup2, setsid) on descriptors that stay open in the parent until `spawn`
-    // returns and on buffers made before the fork; it allocates nothing.
-    unsafe {
-        cmd.pre_exec(move || {
-            // Join the guest cgroup(s) first: everything after runs there.
-            for &fd in &cgroup_raw {
-                if libc::write(fd, b"0".as_ptr().cast(), 1) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if sched_idle {
-                let param = libc::sched_param { sched_priority: 0 };
-                if libc::sched_setscheduler(0, libc::SCHED_IDLE, &raw const param) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if let Some(text) = &oom_adj {
-                let fd = libc::open(c"/proc/self/oom_score_adj".as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 || libc::write(fd, text.as_ptr().cast(), text.len()) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                libc::close(fd);
-            }
-            if libc::dup2(spec_raw, SPEC_FD) < 0 || libc::dup2(status_raw, STATUS_FD) < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            for (i, &fd) in extra_raw.iter().enumerate() {
-                if libc::dup2(fd, PROGRAM_FD + crate::program::fd_count(i)) < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-            }
-            if libc::setsid() < 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let child = cmd.spawn()?;
-    drop((spec_parked, status_parked, status_write, spec_file, extra_parked, program, cgroup_files));
-
-    let pidfd = pidfd_open(child.id()).ok();
-    Ok(Sandboxed { child, status_read: File::from(status_read), pidfd, result: None })
+    let pidfd = pidfd_open(pid).ok();
+    Ok(Sandboxed { pid, status_read: File::from(status_read), pidfd, result: None })
 }
 
 /// Borrow a raw descriptor owned by a live `OwnedFd` of the caller.
@@ -162,13 +111,6 @@ fn unsafe_borrow<'a>(fd: RawFd) -> BorrowedFd<'a> {
     // SAFETY: only called on numbers of `OwnedFd`s in the `TaskProgram`,
     // which `spawn_inner` keeps alive until the child has been started.
     unsafe { BorrowedFd::borrow_raw(fd) }
-}
-
-/// A close-on-exec duplicate at or above [`PARK_FD_MIN`].
-fn park(fd: BorrowedFd<'_>) -> io::Result<OwnedFd> {
-    let raw = fcntl(fd.as_raw_fd(), FcntlArg::F_DUPFD_CLOEXEC(PARK_FD_MIN))?;
-    // SAFETY: F_DUPFD_CLOEXEC just returned this new descriptor; we own it.
-    Ok(unsafe { OwnedFd::from_raw_fd(raw) })
 }
 
 fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
@@ -239,7 +181,7 @@ fn parent_of(pid: i32) -> Option<i32> {
 impl Sandboxed {
     /// Pid of the outer `__sandbox-init` process (in the agent's PID namespace).
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.pid
     }
 
     /// Send `signo` towards the task. SIGKILL kills the whole sandbox at once
@@ -256,11 +198,11 @@ impl Sandboxed {
             return Err(io::Error::from_raw_os_error(libc::ESRCH));
         }
         if signo == libc::SIGKILL {
-            return kill_sandbox(self.child.id());
+            return kill_sandbox(self.pid);
         }
         // SAFETY: kill takes plain integers; the pid is our unreaped child,
         // so it cannot have been reused by another process.
-        if unsafe { libc::kill(self.child.id().cast_signed(), signo) } < 0 {
+        if unsafe { libc::kill(self.pid.cast_signed(), signo) } < 0 {
             return Err(io::Error::last_os_error());
         }
         Ok(())
@@ -278,7 +220,7 @@ impl Sandboxed {
         if let Some(st) = self.result {
             return Ok(st);
         }
-        let raw = self.child.wait()?;
+        let raw = self.reap(None)?;
         Ok(self.finish(raw))
     }
 
@@ -287,11 +229,25 @@ impl Sandboxed {
         if let Some(st) = self.result {
             return Ok(Some(st));
         }
-        Ok(self.child.try_wait()?.map(|raw| self.finish(raw)))
+        Ok(match self.reap(Some(WaitPidFlag::WNOHANG))? {
+            WaitStatus::StillAlive => None,
+            raw => Some(self.finish(raw)),
+        })
+    }
+
+    /// waitpid on the outer init (our child), retried on EINTR.
+    fn reap(&self, flags: Option<WaitPidFlag>) -> io::Result<WaitStatus> {
+        let pid = Pid::from_raw(self.pid.cast_signed());
+        loop {
+            match waitpid(pid, flags) {
+                Err(nix::errno::Errno::EINTR) => continue,
+                other => return other.map_err(io::Error::from),
+            }
+        }
     }
 
     /// Combine the outer init's own wait status with its status record.
-    fn finish(&mut self, raw: std::process::ExitStatus) -> ExitStatus {
+    fn finish(&mut self, raw: WaitStatus) -> ExitStatus {
         let mut record = [0u8; status::RECORD_LEN];
         let mut got = 0;
         while got < record.len() {
@@ -302,11 +258,11 @@ impl Sandboxed {
                 Err(_) => break, // WouldBlock: no record was written
             }
         }
-        let st = status::decode(&record[..got]).unwrap_or_else(|| match (raw.signal(), raw.code()) {
+        let st = status::decode(&record[..got]).unwrap_or(match raw {
             // Killed before it could report (e.g. `signal(SIGKILL)`).
-            (Some(sig), _) => ExitStatus::Signal(sig),
-            (None, Some(code)) => ExitStatus::Code(code),
-            (None, None) => ExitStatus::Code(crate::EXIT_SETUP_FAILED),
+            WaitStatus::Signaled(_, sig, _) => ExitStatus::Signal(sig as i32),
+            WaitStatus::Exited(_, code) => ExitStatus::Code(code),
+            _ => ExitStatus::Code(crate::EXIT_SETUP_FAILED),
         });
         self.result = Some(st);
         st
@@ -318,8 +274,10 @@ impl Drop for Sandboxed {
         if self.result.is_none() {
             // Killing the outer init takes the whole namespace down with it
             // (PDEATHSIG below it); then reap it so no zombie is left.
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+            // SAFETY: kill takes plain integers; the outer init is our
+            // unreaped child, so its pid cannot have been reused.
+            unsafe { libc::kill(self.pid.cast_signed(), libc::SIGKILL) };
+            let _ = self.reap(None);
         }
     }
 }

@@ -585,3 +585,45 @@ fn terminal_task_gets_a_pty_of_the_requested_size() {
         assert_eq!(wait_deadline(&mut sandbox, Duration::from_secs(120)), ExitStatus::Code(7));
     });
 }
+
+/// The zygote of this thread's mount namespace: the child of this process
+/// running `__sandbox-init` in the same mount namespace that has children of
+/// none of its own (outer inits are forked as this process's children).
+fn this_threads_zygote() -> Option<i32> {
+    use std::os::unix::fs::MetadataExt;
+    let ns = |p: &str| fs::metadata(p).map(|m| m.ino()).ok();
+    let ours = ns("/proc/thread-self/ns/mnt");
+    let me = std::process::id();
+    let children: String = fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| fs::read_to_string(t.unwrap().path().join("children")).ok())
+        .collect::<Vec<_>>()
+        .join(" ");
+    children.split_whitespace().filter_map(|c| c.parse::<i32>().ok()).find(|&pid| {
+        let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let ppid = stat.rsplit(')').next().and_then(|s| s.split_whitespace().nth(1)).and_then(|p| p.parse::<u32>().ok());
+        cmdline.windows(b"__sandbox-init".len()).any(|w| w == b"__sandbox-init")
+            && ppid == Some(me)
+            && ns(&format!("/proc/{pid}/ns/mnt")) == ours
+    })
+}
+
+#[test]
+fn each_sandbox_is_a_new_fork_and_a_killed_zygote_is_replaced() {
+    with_root(|root| {
+        // Two tasks in a row: each is PID 2 of its own namespace and finds
+        // nothing the other left in its (tmpfs) /dev/shm.
+        let first = sh(root, "echo $$; touch /dev/shm/left-behind");
+        assert_eq!((first.status, first.stdout.as_str()), (ExitStatus::Code(0), "2\n"), "stderr: {}", first.stderr);
+        let second = sh(root, "echo $$; ls /dev/shm");
+        assert_eq!((second.status, second.stdout.as_str()), (ExitStatus::Code(0), "2\n"), "stderr: {}", second.stderr);
+        let zygote = this_threads_zygote().expect("the sandboxes were started through a zygote, a child of this process");
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(zygote), nix::sys::signal::Signal::SIGKILL).unwrap();
+        // The next sandbox starts (through a new zygote) and runs normally.
+        let after = sh(root, "echo $$");
+        assert_eq!((after.status, after.stdout.as_str()), (ExitStatus::Code(0), "2\n"), "stderr: {}", after.stderr);
+        let replaced = this_threads_zygote().expect("a new zygote");
+        assert_ne!(replaced, zygote, "the killed zygote was not replaced");
+    })
+}
