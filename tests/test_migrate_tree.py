@@ -1,5 +1,9 @@
 """A task's whole process tree moves together (issue 9 part 4), on a real embedded cluster.
 
+tests/migrate/groups.c: a parent leading its session, a child leading a process group, a child
+leading a session of its own and a grandchild forked before that, in its aunt's group; each reports
+its session and group (as PIDs, which moves keep) after the parent signalled one group.
+
 tests/migrate/tree.c: a parent and its children each count in phases, printing a checksum of their
 own heap per step; between phases they wait at a gate (the parent reads a line of stdin, then
 signals each child), so the test moves the tree at known points without timing. Each moved run
@@ -23,6 +27,11 @@ from test_migrate import Task, cc, local, migrate, ps_row, refused_and_runs_on
 @pytest.fixture(scope="module")
 def tree_prog():
     return cc(ROOT / "tests/migrate/tree.c", "tree")
+
+
+@pytest.fixture(scope="module")
+def groups_prog():
+    return cc(ROOT / "tests/migrate/groups.c", "groups")
 
 
 def per_process(out):
@@ -150,3 +159,66 @@ def test_a_shell_pipeline_moves_mid_stream_with_bytes_in_flight(cluster, workdir
     assert ref.returncode == 5 and ref.stdout.endswith("end\n"), ref
     assert moved == ref.stdout, f"the consumer's output differs from an undisturbed run; stderr: {err}"
     assert rc == 5, f"the pipeline's exit status: {rc}; stderr: {err}"
+
+
+def groups_round(t, n, names):
+    """Ask groups.c for round `n` (a line of stdin) and read its four reports: name → fields, the
+    PIDs among them named as the ready line names them (p0, pA, pB, pC)."""
+    t.send("\n")
+    t.read_until(f"round {n} done")
+    out = {}
+    for line in t.lines[-5:-1]:
+        name, *fields = line.split()
+        kv = dict(f.split("=") for f in fields)
+        out[name] = {k: names.get(int(v), v) if k != "usr1" else int(v) for k, v in kv.items()}
+    return out
+
+
+def test_sessions_and_process_groups_move_twice_and_a_group_signal_reaches_exactly_that_group(cluster, groups_prog, workdir):
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task([groups_prog], hosts[0], workdir)
+    t.read_until("ready ")
+    names = {int(v): k for k, v in (kv.split("=") for kv in t.lines[-1].split()[1:])}
+    task = t.id("groups")
+
+    def expected(rounds):
+        # pA and pC are pA's group, which the parent signalled once per round; the parent's parent is
+        # the sandbox's PID 1 before a move and the restorer's after.
+        return {
+            "p0": {"pid": "p0", "ppid": "1", "sid": "p0", "pgid": "p0", "usr1": 0},
+            "pA": {"pid": "pA", "ppid": "p0", "sid": "p0", "pgid": "pA", "usr1": rounds},
+            "pB": {"pid": "pB", "ppid": "p0", "sid": "pB", "pgid": "pB", "usr1": 0},
+            "pC": {"pid": "pC", "ppid": "pB", "sid": "p0", "pgid": "pA", "usr1": rounds},
+        }
+
+    assert groups_round(t, 0, names) == expected(1), "before any move"
+    for n, host in enumerate(hosts[1:3], start=1):
+        report = migrate(task, host)
+        assert report["to"] == host and report["threads"] == 4, report
+        assert ps_row(task)["host"] == host
+        assert groups_round(t, n, names) == expected(n + 1), f"after move {n}"
+    rc, out, err = t.finish()
+    assert (rc, out.splitlines()[-1]) == (0, "end"), f"{out[-500:]}\nstderr: {err}"
+
+
+def test_a_process_group_whose_leader_ended_is_refused_and_the_task_runs_on(cluster, workdir):
+    # The parent makes a child a group leader and puts a second child in that group (both
+    # setpgid calls its own, so no child races it), then kills and reaps the leader.
+    prog = ("import os, signal, sys\n"
+            "a = os.fork()\n"
+            "if a == 0:\n"
+            "    signal.pause()\n"
+            "os.setpgid(a, a)\n"
+            "d = os.fork()\n"
+            "if d == 0:\n"
+            "    signal.pause()\n"
+            "os.setpgid(d, a)\n"
+            "os.kill(a, 9); os.waitpid(a, 0)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print('still here', flush=True)\n"
+            "os.kill(d, 9); os.waitpid(d, 0)\n")
+    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", "whose leader is not part of the task", workdir)
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (0, "ready\nstill here\n"), err
