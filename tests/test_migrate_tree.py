@@ -222,3 +222,67 @@ def test_a_process_group_whose_leader_ended_is_refused_and_the_task_runs_on(clus
     t.send("\n")
     rc, out, err = t.finish()
     assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+def running_with(tag):
+    """PIDs (as this host numbers them) of the python3 processes whose command line holds `tag` (not
+    the `starling exec` client naming it)."""
+    def cmdline(pid):
+        try:
+            return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            return b""
+    return [p for p in os.listdir("/proc") if p.isdigit() and cmdline(p).startswith(b"python3\0") and tag.encode() in cmdline(p)]
+
+
+# The root forks a child that would run for ever, waits for a line, says "bye" and exits 3 with
+# the child still running (never reaped).
+ROOT_EXITS_FIRST = ("import os, signal, sys\n"
+                    "if os.fork() == 0:\n"
+                    "    signal.pause()\n"
+                    "print('ready', flush=True)\n"
+                    "sys.stdin.readline()\n"
+                    "print('bye', flush=True)\n"
+                    "sys.exit(3)\n")
+
+
+@pytest.mark.parametrize("moves", [0, 1])
+def test_the_task_ends_with_its_root_and_its_other_processes_end_with_it_moved_or_not(cluster, workdir, moves):
+    hosts = [h["name"] for h in status()["hosts"]]
+    (workdir / "root_exits.py").write_text(ROOT_EXITS_FIRST)
+    tag = f"root-exits-{workdir.name}-{moves}"
+    t = Task(["python3", "root_exits.py", tag], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id(tag)
+    wait_for(lambda: len(running_with(tag)) == 2, "the root and its child to run")
+    for host in hosts[1:1 + moves]:
+        report = migrate(task, host)
+        assert report["to"] == host and report["threads"] == 2, report
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (3, "ready\nbye\n"), f"the task's status and output are its root's; stderr: {err}"
+    wait_for(lambda: ps_row(task) is None, "the task to leave ps")
+    wait_for(lambda: not running_with(tag), "the root's child to end with the task")
+
+
+def test_an_orphan_in_the_task_is_refused_and_the_task_runs_on(cluster, workdir):
+    # A child forks a grandchild and exits: the grandchild, adopted by the sandbox's PID 1, is not
+    # in the root's tree; moving the tree alone would leave it behind.
+    prog = ("import os, signal, sys\n"
+            "r, w = os.pipe()\n"
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    if os.fork() == 0:\n"
+            "        os.close(r); os.close(w)\n"
+            "        signal.pause()\n"
+            "    os._exit(0)\n"
+            "os.close(w)\n"
+            "os.waitpid(child, 0)\n"
+            "os.read(r, 1); os.close(r)\n"  # EOF: the grandchild has closed its copy
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print('still here', flush=True)\n")
+    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", "orphaned", workdir)
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (0, "ready\nstill here\n"), err

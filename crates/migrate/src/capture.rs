@@ -20,8 +20,9 @@
 //! the tree that leads it ([`sessions`]); the restorer starts and joins them again.
 //!
 //! What cannot move is refused before anything is frozen ([`precheck`]) and
-//! again at capture: a zombie or stopped process in the tree, a process
-//! group whose leader has ended or left it, a pipe shared
+//! again at capture: a zombie or stopped process in the tree, a process of
+//! the task outside it (an orphan), a process group whose leader has ended
+//! or left it, a pipe shared
 //! with a process outside it, more than `MAX_POSIX_TIMERS` POSIX
 //! timers or one on a clock the restorer cannot give back (their IDs,
 //! notifications and clocks come from `/proc/PID/timers`, their times from
@@ -136,6 +137,7 @@ pub fn tree(pid: i32) -> Result<Vec<Member>> {
         not_too_many(out.len())?;
         i += 1;
     }
+    no_orphans(&out)?;
     Ok(out)
 }
 
@@ -162,7 +164,29 @@ pub fn freeze_tree(pid: i32) -> Result<(Vec<Frozen>, Vec<Member>)> {
         not_too_many(members.len())?;
         i += 1;
     }
+    no_orphans(&members)?;
     Ok((frozen, members))
+}
+
+/// Refuse a process of the task's PID namespace outside its tree: an
+/// orphan, adopted by the namespace's init when a parent of it ended. Only
+/// the tree moves; left behind, it would end with the source, where before
+/// a move it runs until the task's first process ends.
+fn no_orphans(members: &[Member]) -> Result<()> {
+    let ns = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let task_ns = ns(members[0].pid).ok_or(MigrateError::Gone(members[0].pid))?;
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if members.iter().any(|m| m.pid == pid) || ns(pid).as_ref() != Some(&task_ns) {
+            continue;
+        }
+        // The namespace's init is the sandbox's (or the restorer's); one ended meanwhile is no orphan.
+        match ns_id(pid, pid) {
+            Ok(1) | Err(_) => {}
+            Ok(id) => return Err(MigrateError::Orphan(id)),
+        }
+    }
+    Ok(())
 }
 
 fn not_too_many(n: usize) -> Result<()> {
