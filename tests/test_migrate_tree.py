@@ -286,3 +286,67 @@ def test_an_orphan_in_the_task_is_refused_and_the_task_runs_on(cluster, workdir)
     t.send("\n")
     rc, out, err = t.finish()
     assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+# A parent and its child hold the same read end of a pipe (one open file description, so one set of
+# file status flags); the child makes it nonblocking. Per line of stdin the parent may clear or set
+# O_NONBLOCK on its own descriptor ("clear", "set"), then asks the child (SIGUSR1, answered on a
+# second pipe) to print what its descriptor says, then prints its own, and reads the empty pipe
+# where that cannot block (EAGAIN).
+SHARED_NONBLOCK = ("import fcntl, os, signal, sys\n"
+                   "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+                   "r, w = os.pipe()\n"
+                   "ack_r, ack_w = os.pipe()\n"
+                   "nonblocking = lambda: bool(fcntl.fcntl(r, fcntl.F_GETFL) & os.O_NONBLOCK)\n"
+                   "pid = os.fork()\n"
+                   "if pid == 0:\n"
+                   "    fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_NONBLOCK)\n"
+                   "    os.write(ack_w, b's')\n"
+                   "    while True:\n"
+                   "        signal.sigwait({signal.SIGUSR1})\n"
+                   "        print(f'child nonblock={nonblocking()}', flush=True)\n"
+                   "        os.write(ack_w, b'r')\n"
+                   "os.read(ack_r, 1)\n"
+                   "print('ready', flush=True)\n"
+                   "while cmd := sys.stdin.readline().strip():\n"
+                   "    flags = fcntl.fcntl(r, fcntl.F_GETFL)\n"
+                   "    if cmd == 'clear':\n"
+                   "        fcntl.fcntl(r, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)\n"
+                   "    elif cmd == 'set':\n"
+                   "        fcntl.fcntl(r, fcntl.F_SETFL, flags | os.O_NONBLOCK)\n"
+                   "    os.kill(pid, signal.SIGUSR1)\n"
+                   "    os.read(ack_r, 1)\n"
+                   "    got = ''\n"
+                   "    if nonblocking():\n"
+                   "        try:\n"
+                   "            os.read(r, 1); got = ' read=data'\n"
+                   "        except BlockingIOError:\n"
+                   "            got = ' read=EAGAIN'\n"
+                   "    print(f'parent nonblock={nonblocking()}{got}', flush=True)\n"
+                   "os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)\n"
+                   "print('end', flush=True)\n")
+
+
+def test_a_pipe_end_shared_by_a_parent_and_its_child_keeps_one_o_nonblock_through_two_moves(cluster, workdir):
+    hosts = [h["name"] for h in status()["hosts"]]
+    (workdir / "shared_nonblock.py").write_text(SHARED_NONBLOCK)
+    t = Task(["python3", "shared_nonblock.py"], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id("shared_nonblock.py")
+
+    def ask(cmd):
+        t.send(cmd + "\n")
+        t.read_until("parent ")
+        return t.lines[-2:]
+
+    on = ["child nonblock=True\n", "parent nonblock=True read=EAGAIN\n"]
+    off = ["child nonblock=False\n", "parent nonblock=False\n"]
+    assert ask("report") == on, "the child's O_NONBLOCK is the parent's too, before any move"
+    assert migrate(task, hosts[1])["to"] == hosts[1]
+    assert ask("report") == on, "after a move"
+    assert ask("clear") == off, "the parent clearing it clears it for the child: still one description"
+    assert migrate(task, hosts[2])["to"] == hosts[2]
+    assert ask("report") == off, "after a second move"
+    assert ask("set") == on, "and setting it sets it for both"
+    rc, out, err = t.finish()
+    assert (rc, out.splitlines()[-1]) == (0, "end"), f"{out[-500:]}\nstderr: {err}"
