@@ -1,5 +1,9 @@
 """A task's whole process tree moves together (issue 9 part 4), on a real embedded cluster.
 
+tests/migrate/groups.c: a parent leading its session, a child leading a process group, a child
+leading a session of its own and a grandchild forked before that, in its aunt's group; each reports
+its session and group (as PIDs, which moves keep) after the parent signalled one group.
+
 tests/migrate/tree.c: a parent and its children each count in phases, printing a checksum of their
 own heap per step; between phases they wait at a gate (the parent reads a line of stdin, then
 signals each child), so the test moves the tree at known points without timing. Each moved run
@@ -23,6 +27,11 @@ from test_migrate import Task, cc, local, migrate, ps_row, refused_and_runs_on
 @pytest.fixture(scope="module")
 def tree_prog():
     return cc(ROOT / "tests/migrate/tree.c", "tree")
+
+
+@pytest.fixture(scope="module")
+def groups_prog():
+    return cc(ROOT / "tests/migrate/groups.c", "groups")
 
 
 def per_process(out):
@@ -150,3 +159,194 @@ def test_a_shell_pipeline_moves_mid_stream_with_bytes_in_flight(cluster, workdir
     assert ref.returncode == 5 and ref.stdout.endswith("end\n"), ref
     assert moved == ref.stdout, f"the consumer's output differs from an undisturbed run; stderr: {err}"
     assert rc == 5, f"the pipeline's exit status: {rc}; stderr: {err}"
+
+
+def groups_round(t, n, names):
+    """Ask groups.c for round `n` (a line of stdin) and read its four reports: name → fields, the
+    PIDs among them named as the ready line names them (p0, pA, pB, pC)."""
+    t.send("\n")
+    t.read_until(f"round {n} done")
+    out = {}
+    for line in t.lines[-5:-1]:
+        name, *fields = line.split()
+        kv = dict(f.split("=") for f in fields)
+        out[name] = {k: names.get(int(v), v) if k != "usr1" else int(v) for k, v in kv.items()}
+    return out
+
+
+def test_sessions_and_process_groups_move_twice_and_a_group_signal_reaches_exactly_that_group(cluster, groups_prog, workdir):
+    hosts = [h["name"] for h in status()["hosts"]]
+    t = Task([groups_prog], hosts[0], workdir)
+    t.read_until("ready ")
+    names = {int(v): k for k, v in (kv.split("=") for kv in t.lines[-1].split()[1:])}
+    task = t.id("groups")
+
+    def expected(rounds):
+        # pA and pC are pA's group, which the parent signalled once per round; the parent's parent is
+        # the sandbox's PID 1 before a move and the restorer's after.
+        return {
+            "p0": {"pid": "p0", "ppid": "1", "sid": "p0", "pgid": "p0", "usr1": 0},
+            "pA": {"pid": "pA", "ppid": "p0", "sid": "p0", "pgid": "pA", "usr1": rounds},
+            "pB": {"pid": "pB", "ppid": "p0", "sid": "pB", "pgid": "pB", "usr1": 0},
+            "pC": {"pid": "pC", "ppid": "pB", "sid": "p0", "pgid": "pA", "usr1": rounds},
+        }
+
+    assert groups_round(t, 0, names) == expected(1), "before any move"
+    for n, host in enumerate(hosts[1:3], start=1):
+        report = migrate(task, host)
+        assert report["to"] == host and report["threads"] == 4, report
+        assert ps_row(task)["host"] == host
+        assert groups_round(t, n, names) == expected(n + 1), f"after move {n}"
+    rc, out, err = t.finish()
+    assert (rc, out.splitlines()[-1]) == (0, "end"), f"{out[-500:]}\nstderr: {err}"
+
+
+def test_a_process_group_whose_leader_ended_is_refused_and_the_task_runs_on(cluster, workdir):
+    # The parent makes a child a group leader and puts a second child in that group (both
+    # setpgid calls its own, so no child races it), then kills and reaps the leader.
+    prog = ("import os, signal, sys\n"
+            "a = os.fork()\n"
+            "if a == 0:\n"
+            "    signal.pause()\n"
+            "os.setpgid(a, a)\n"
+            "d = os.fork()\n"
+            "if d == 0:\n"
+            "    signal.pause()\n"
+            "os.setpgid(d, a)\n"
+            "os.kill(a, 9); os.waitpid(a, 0)\n"
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print('still here', flush=True)\n"
+            "os.kill(d, 9); os.waitpid(d, 0)\n")
+    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", "whose leader is not part of the task", workdir)
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+def running_with(tag):
+    """PIDs (as this host numbers them) of the python3 processes whose command line holds `tag` (not
+    the `starling exec` client naming it)."""
+    def cmdline(pid):
+        try:
+            return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:  # ended meanwhile
+            return b""
+    return [p for p in os.listdir("/proc") if p.isdigit() and cmdline(p).startswith(b"python3\0") and tag.encode() in cmdline(p)]
+
+
+# The root forks a child that would run for ever, waits for a line, says "bye" and exits 3 with
+# the child still running (never reaped).
+ROOT_EXITS_FIRST = ("import os, signal, sys\n"
+                    "if os.fork() == 0:\n"
+                    "    signal.pause()\n"
+                    "print('ready', flush=True)\n"
+                    "sys.stdin.readline()\n"
+                    "print('bye', flush=True)\n"
+                    "sys.exit(3)\n")
+
+
+@pytest.mark.parametrize("moves", [0, 1])
+def test_the_task_ends_with_its_root_and_its_other_processes_end_with_it_moved_or_not(cluster, workdir, moves):
+    hosts = [h["name"] for h in status()["hosts"]]
+    (workdir / "root_exits.py").write_text(ROOT_EXITS_FIRST)
+    tag = f"root-exits-{workdir.name}-{moves}"
+    t = Task(["python3", "root_exits.py", tag], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id(tag)
+    wait_for(lambda: len(running_with(tag)) == 2, "the root and its child to run")
+    for host in hosts[1:1 + moves]:
+        report = migrate(task, host)
+        assert report["to"] == host and report["threads"] == 2, report
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (3, "ready\nbye\n"), f"the task's status and output are its root's; stderr: {err}"
+    wait_for(lambda: ps_row(task) is None, "the task to leave ps")
+    wait_for(lambda: not running_with(tag), "the root's child to end with the task")
+
+
+def test_an_orphan_in_the_task_is_refused_and_the_task_runs_on(cluster, workdir):
+    # A child forks a grandchild and exits: the grandchild, adopted by the sandbox's PID 1, is not
+    # in the root's tree; moving the tree alone would leave it behind.
+    prog = ("import os, signal, sys\n"
+            "r, w = os.pipe()\n"
+            "child = os.fork()\n"
+            "if child == 0:\n"
+            "    if os.fork() == 0:\n"
+            "        os.close(r); os.close(w)\n"
+            "        signal.pause()\n"
+            "    os._exit(0)\n"
+            "os.close(w)\n"
+            "os.waitpid(child, 0)\n"
+            "os.read(r, 1); os.close(r)\n"  # EOF: the grandchild has closed its copy
+            "print('ready', flush=True)\n"
+            "sys.stdin.readline()\n"
+            "print('still here', flush=True)\n")
+    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", "orphaned", workdir)
+    t.send("\n")
+    rc, out, err = t.finish()
+    assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+# A parent and its child hold the same read end of a pipe (one open file description, so one set of
+# file status flags); the child makes it nonblocking. Per line of stdin the parent may clear or set
+# O_NONBLOCK on its own descriptor ("clear", "set"), then asks the child (SIGUSR1, answered on a
+# second pipe) to print what its descriptor says, then prints its own, and reads the empty pipe
+# where that cannot block (EAGAIN).
+SHARED_NONBLOCK = ("import fcntl, os, signal, sys\n"
+                   "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+                   "r, w = os.pipe()\n"
+                   "ack_r, ack_w = os.pipe()\n"
+                   "nonblocking = lambda: bool(fcntl.fcntl(r, fcntl.F_GETFL) & os.O_NONBLOCK)\n"
+                   "pid = os.fork()\n"
+                   "if pid == 0:\n"
+                   "    fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | os.O_NONBLOCK)\n"
+                   "    os.write(ack_w, b's')\n"
+                   "    while True:\n"
+                   "        signal.sigwait({signal.SIGUSR1})\n"
+                   "        print(f'child nonblock={nonblocking()}', flush=True)\n"
+                   "        os.write(ack_w, b'r')\n"
+                   "os.read(ack_r, 1)\n"
+                   "print('ready', flush=True)\n"
+                   "while cmd := sys.stdin.readline().strip():\n"
+                   "    flags = fcntl.fcntl(r, fcntl.F_GETFL)\n"
+                   "    if cmd == 'clear':\n"
+                   "        fcntl.fcntl(r, fcntl.F_SETFL, flags & ~os.O_NONBLOCK)\n"
+                   "    elif cmd == 'set':\n"
+                   "        fcntl.fcntl(r, fcntl.F_SETFL, flags | os.O_NONBLOCK)\n"
+                   "    os.kill(pid, signal.SIGUSR1)\n"
+                   "    os.read(ack_r, 1)\n"
+                   "    got = ''\n"
+                   "    if nonblocking():\n"
+                   "        try:\n"
+                   "            os.read(r, 1); got = ' read=data'\n"
+                   "        except BlockingIOError:\n"
+                   "            got = ' read=EAGAIN'\n"
+                   "    print(f'parent nonblock={nonblocking()}{got}', flush=True)\n"
+                   "os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)\n"
+                   "print('end', flush=True)\n")
+
+
+def test_a_pipe_end_shared_by_a_parent_and_its_child_keeps_one_o_nonblock_through_two_moves(cluster, workdir):
+    hosts = [h["name"] for h in status()["hosts"]]
+    (workdir / "shared_nonblock.py").write_text(SHARED_NONBLOCK)
+    t = Task(["python3", "shared_nonblock.py"], hosts[0], workdir)
+    t.read_until("ready")
+    task = t.id("shared_nonblock.py")
+
+    def ask(cmd):
+        t.send(cmd + "\n")
+        t.read_until("parent ")
+        return t.lines[-2:]
+
+    on = ["child nonblock=True\n", "parent nonblock=True read=EAGAIN\n"]
+    off = ["child nonblock=False\n", "parent nonblock=False\n"]
+    assert ask("report") == on, "the child's O_NONBLOCK is the parent's too, before any move"
+    assert migrate(task, hosts[1])["to"] == hosts[1]
+    assert ask("report") == on, "after a move"
+    assert ask("clear") == off, "the parent clearing it clears it for the child: still one description"
+    assert migrate(task, hosts[2])["to"] == hosts[2]
+    assert ask("report") == off, "after a second move"
+    assert ask("set") == on, "and setting it sets it for both"
+    rc, out, err = t.finish()
+    assert (rc, out.splitlines()[-1]) == (0, "end"), f"{out[-500:]}\nstderr: {err}"

@@ -113,10 +113,11 @@ impl LiveTask {
             match kids.as_slice() {
                 [one] => pid = *one,
                 [] => return Err("the task has ended".into()),
+                // The task's first process and an orphan of it, adopted by the sandbox's init.
                 many => {
                     return Err(format!(
-                        "the task runs {} processes: moving process trees is not supported yet",
-                        many.len()
+                        "{} processes of the task run outside its first process's tree (orphaned: a parent of theirs ended); only that tree moves",
+                        many.len() - 1
                     ))
                 }
             }

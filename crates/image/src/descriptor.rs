@@ -13,7 +13,7 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 6;
+pub const DESCRIPTOR_VERSION: u32 = 7;
 /// Most processes one descriptor carries (a process and its descendants).
 pub const MAX_TREE_PROCESSES: usize = crate::abi::plan::MAX_TREE_PLANS;
 /// Upper bound accepted by [`Descriptor::decode`].
@@ -32,6 +32,113 @@ pub enum DescriptorError {
     Version(u32),
     #[error("malformed descriptor: {0}")]
     Invalid(String),
+    #[error("the tree's sessions and process groups: {0}")]
+    Sessions(#[from] SessionError),
+}
+
+/// Why a tree's sessions and process groups cannot be made again by the
+/// restorer (see [`check_sessions`]). PIDs are as the task sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum SessionError {
+    #[error("process {pid} is in session {sid}, which no process of the task leads")]
+    NoSessionLeader { pid: u64, sid: u64 },
+    #[error("process {pid} is in session {sid}, which it did not get from its parent")]
+    SessionNotInherited { pid: u64, sid: u64 },
+    #[error("process {pid} leads its session but is in process group {pgid}")]
+    SessionLeaderInOtherGroup { pid: u64, pgid: u64 },
+    #[error("process {pid} is in process group {pgid}, which no process of the task leads (its leader has ended or left it)")]
+    NoGroupLeader { pid: u64, pgid: u64 },
+    #[error("process {pid} is in process group {pgid}, which is another session's")]
+    GroupOfAnotherSession { pid: u64, pgid: u64 },
+    #[error("process {pid} is in the sandbox's process group but in session {sid}")]
+    SandboxGroupOtherSession { pid: u64, sid: u64 },
+}
+
+/// A process of a tree as sessions and process groups go: its parent's
+/// index (None: the root) and its PID, session and group
+/// ([`ProcessCore::sid`], [`ProcessCore::pgid`]: 0 is the restorer's).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SessionIds {
+    pub parent: Option<usize>,
+    pub pid: u64,
+    pub sid: u64,
+    pub pgid: u64,
+}
+
+/// Whether the restorer makes a tree's sessions and groups again, the
+/// parents before their children (`tree` in that order). Each restored
+/// process first forks its children that must stay in the session it was
+/// forked in ([`forked_before_parent_setsid`]), then starts its session if
+/// it leads one (`setsid`), then forks the rest; only then does it start
+/// the group it leads (`setpgid(0, 0)`) or join the group another process
+/// of the tree leads (waiting for that group to exist). The restorer's
+/// group cannot be named from inside the PID namespace (its leader is
+/// outside) and is only inherited, which being in the restorer's session
+/// guarantees; any other group needs its leader in the tree, in it, in the
+/// same session. Every state a real tree reaches passes but a group whose
+/// leader has ended or left it (no process may take its ID).
+pub fn check_sessions(tree: &[SessionIds]) -> Result<(), SessionError> {
+    let by_pid = |pid: u64| tree.iter().find(|p| p.pid == pid);
+    for p in tree {
+        let (pid, sid, pgid) = (p.pid, p.sid, p.pgid);
+        if sid != 0 && by_pid(sid).is_none_or(|l| l.sid != sid) {
+            return Err(SessionError::NoSessionLeader { pid, sid });
+        }
+        if sid == pid && pgid != pid {
+            return Err(SessionError::SessionLeaderInOtherGroup { pid, pgid });
+        }
+        if pgid == 0 && sid != 0 {
+            return Err(SessionError::SandboxGroupOtherSession { pid, sid });
+        }
+        if pgid != 0 && pgid != pid {
+            let leader = by_pid(pgid).filter(|l| l.pgid == pgid).ok_or(SessionError::NoGroupLeader { pid, pgid })?;
+            if leader.sid != sid {
+                return Err(SessionError::GroupOfAnotherSession { pid, pgid });
+            }
+        }
+    }
+    forked_before_parent_setsid(tree).map(|_| ())
+}
+
+/// For each process of a tree (as [`check_sessions`] takes it): whether its
+/// parent, which leads a session, forks it before starting that session, so
+/// that it stays in the session its parent was forked in. A session is only
+/// inherited at a fork: a process not leading one must be forked in it, and
+/// one that leads a session must be forked in the session its own early
+/// children are in. A tree where that cannot be is refused.
+pub fn forked_before_parent_setsid(tree: &[SessionIds]) -> Result<Vec<bool>, SessionError> {
+    let n = tree.len();
+    // The session each process must be forked in, where anything says
+    // (children after their parents: computed from the last up).
+    let mut needs: Vec<Option<u64>> = std::vec![None; n];
+    for i in (0..n).rev() {
+        let p = tree[i];
+        if p.sid != p.pid {
+            needs[i] = Some(p.sid);
+            continue;
+        }
+        for (j, c) in tree.iter().enumerate().filter(|(_, c)| c.parent == Some(i)) {
+            if let Some(s) = needs[j].filter(|&s| s != p.pid) {
+                if needs[i].is_some_and(|t| t != s) {
+                    return Err(SessionError::SessionNotInherited { pid: c.pid, sid: s });
+                }
+                needs[i] = Some(s);
+            }
+        }
+    }
+    let mut forked_in = std::vec![0u64; n];
+    let mut early = std::vec![false; n];
+    for (i, p) in tree.iter().enumerate() {
+        if let Some(parent) = p.parent.filter(|&j| j < i) {
+            let leads = tree[parent].sid == tree[parent].pid;
+            early[i] = leads && needs[i].is_some_and(|s| s != tree[parent].pid);
+            forked_in[i] = if leads && !early[i] { tree[parent].pid } else { forked_in[parent] };
+        }
+        if let Some(sid) = needs[i].filter(|&s| s != forked_in[i]) {
+            return Err(SessionError::SessionNotInherited { pid: p.pid, sid });
+        }
+    }
+    Ok(early)
 }
 
 /// How a restored process obtains one page.
@@ -182,9 +289,6 @@ pub struct ProcessState {
     pub groups: Vec<u32>,
     /// Signals queued for the process (shared queue).
     pub pending: Vec<SigInfo>,
-    /// It leads a process group of its own (`setpgid(0, 0)` on restore; a
-    /// moved tree's root keeps the group its restorer gives it).
-    pub leads_group: bool,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -242,6 +346,14 @@ impl Descriptor {
         core::iter::once((None, self)).chain(self.descendants.iter().map(|(p, d)| (Some(*p as usize), d))).collect()
     }
 
+    /// The tree's processes as sessions and process groups go.
+    pub fn session_ids(&self) -> Vec<SessionIds> {
+        self.processes()
+            .iter()
+            .map(|(parent, d)| SessionIds { parent: *parent, pid: d.process.core.pid, sid: d.process.core.sid, pgid: d.process.core.pgid })
+            .collect()
+    }
+
     /// Structural checks the plan and the restorer rely on, for the whole
     /// tree: every process's own, at most [`MAX_TREE_PROCESSES`], no PID twice.
     pub fn validate(&self) -> Result<(), DescriptorError> {
@@ -275,6 +387,7 @@ impl Descriptor {
         if ids.windows(2).any(|w| w[0] == w[1]) {
             return bad("duplicate thread or process ids in the tree".to_string());
         }
+        check_sessions(&self.session_ids())?;
         procs.iter().try_for_each(|(_, d)| d.validate_process())
     }
 

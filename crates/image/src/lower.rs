@@ -83,12 +83,14 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     // The tree's pipes' ends wait above every fd of every process.
     let max_fd = processes.iter().flat_map(|(_, p)| p.fds.iter().map(|f| u64::try_from(f.fd).unwrap_or(0))).max().unwrap_or(0);
     let tree = Tree { pipes: d.pipes.len() as u64, pipe_fd_base: (max_fd + 1).max(MIN_PIPE_FD_BASE) };
+    // Validated descriptors always have an order; a tree that has none keeps the default one.
+    let early = crate::descriptor::forked_before_parent_setsid(&d.session_ids()).unwrap_or_else(|_| std::vec![false; processes.len()]);
     let mut out = Vec::new();
     for (i, (parent, p)) in processes.into_iter().enumerate() {
         out.resize(usize::try_from(align_fpu(out.len() as u64)).expect("plan fits memory"), 0);
         let index = u32::try_from(i).expect("a tree has few processes");
         let own = PlanOptions { clone_id: opts.clone_id + index, ..opts };
-        out.extend_from_slice(&lower_process(p, own, parent.map_or(NO_PARENT, |p| p as u64), tree));
+        out.extend_from_slice(&lower_process(p, own, parent.map_or(NO_PARENT, |p| p as u64), early[i], tree));
     }
     out
 }
@@ -101,7 +103,7 @@ struct Tree {
 }
 
 /// The plan of one process (`parent`: its parent's plan index).
-fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, tree: Tree) -> Vec<u8> {
+fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_setsid: bool, tree: Tree) -> Vec<u8> {
     let mut blob = Blob::default();
     // FPU areas first: their alignment then costs no padding between strings.
     let threads: Vec<PlanThread> =
@@ -187,8 +189,8 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, tree: Tree) -> 
     if opts.terminal && parent == NO_PARENT {
         flags |= PLAN_FLAG_TERMINAL;
     }
-    if d.process.leads_group && parent != NO_PARENT {
-        flags |= PLAN_FLAG_GROUP_LEADER;
+    if before_parent_setsid {
+        flags |= PLAN_FLAG_BEFORE_PARENT_SETSID;
     }
     let header = PlanHeader {
         magic: PLAN_MAGIC,

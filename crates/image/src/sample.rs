@@ -57,7 +57,6 @@ pub fn descriptor(threads: &[u64]) -> Descriptor {
             cwd: "/home/u".to_string(),
             groups: vec![100, 27],
             pending: vec![SigInfo(info)],
-            leads_group: false,
         },
         descendants: vec![],
         pipes: vec![],

@@ -5,6 +5,7 @@
 
 use crate::abi::counters::{CloneCounter, CloneCounters};
 use crate::abi::plan::*;
+use crate::abi::process::ProcessCore;
 use crate::*;
 use std::vec::Vec;
 
@@ -177,12 +178,15 @@ fn counters_by_index_follow_the_c_abi() {
 #[test]
 fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     let mut root = crate::sample::descriptor(&[42, 43]);
+    // The root leads its session; the child its own group in it, which the grandchild joins.
+    root.process.core.sid = 42;
+    root.process.core.pgid = 42;
     let mut child = crate::sample::descriptor(&[50]);
-    child.process.leads_group = true;
-    let grandchild = crate::sample::descriptor(&[51]);
+    (child.process.core.sid, child.process.core.pgid) = (42, 50);
+    let mut grandchild = crate::sample::descriptor(&[51]);
+    (grandchild.process.core.sid, grandchild.process.core.pgid) = (42, 50);
     // A pipe from the child (fd 12, nonblocking) to the grandchild (fd 0).
     child.fds.push(FdEntry { fd: 12, kind: FdKind::TreePipe { pipe: 0, write: true, flags: 0o4001 } });
-    let mut grandchild = grandchild;
     grandchild.fds.insert(0, FdEntry { fd: 0, kind: FdKind::TreePipe { pipe: 0, write: false, flags: 0 } });
     root.pipes = std::vec![PipeImage { capacity: 65536, data: b"in flight".to_vec() }];
     root.descendants = std::vec![(0, child), (1, grandchild)];
@@ -197,9 +201,9 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     assert!(offsets[..n].iter().all(|o| o % 64 == 0), "each plan aligned for its FPU areas: {offsets:?}");
     let got: std::vec::Vec<(u64, u64, u64)> = headers.iter().map(|h| (h.process.pid, h.parent, h.clone_id)).collect();
     assert_eq!(got, [(42, NO_PARENT, 0), (50, 0, 1), (51, 1, 2)]);
-    assert_eq!(headers[0].flags & (PLAN_FLAG_TERMINAL | PLAN_FLAG_GROUP_LEADER), PLAN_FLAG_TERMINAL, "the root takes the terminal");
-    assert_eq!(headers[1].flags & (PLAN_FLAG_TERMINAL | PLAN_FLAG_GROUP_LEADER), PLAN_FLAG_GROUP_LEADER);
-    assert_eq!(headers[2].flags & PLAN_FLAG_GROUP_LEADER, 0);
+    assert_eq!(headers.iter().map(|h| h.flags & PLAN_FLAG_TERMINAL).collect::<std::vec::Vec<_>>(), [PLAN_FLAG_TERMINAL, 0, 0], "the root takes the terminal");
+    let ids: std::vec::Vec<(u64, u64)> = headers.iter().map(|h| (h.process.sid, h.process.pgid)).collect();
+    assert_eq!(ids, [(42, 42), (42, 50), (42, 50)]);
     // The pipes: the root's table, every plan's count and fd base above every fd of the tree.
     let got: std::vec::Vec<(u64, u64, u64)> = headers.iter().map(|h| (h.tree_pipes, h.n_pipes, h.pipe_fd_base)).collect();
     assert_eq!(got, [(1, 1, 13), (1, 0, 13), (1, 0, 13)]);
@@ -227,9 +231,40 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     let mut bad = root.clone();
     bad.descendants[0].1.descendants = std::vec![(0, crate::sample::descriptor(&[60]))];
     assert!(bad.validate().is_err(), "nested descendants");
+    // A group whose leader is not in the tree is refused by the restorer's check too.
+    let mut raw = plan.clone();
+    let at = usize::try_from(offsets[1]).unwrap() + core::mem::offset_of!(PlanHeader, process) + core::mem::offset_of!(ProcessCore, pgid);
+    raw[at..at + 8].copy_from_slice(&42u64.to_le_bytes());
+    assert!(crate::abi::plan::validate_tree(&raw, &mut offsets).is_err(), "the grandchild's group has lost its leader");
     // A plan whose parent index is not before it is refused by the restorer's check.
     let mut raw = plan.clone();
     let at = usize::try_from(offsets[2]).unwrap() + core::mem::offset_of!(PlanHeader, parent);
     raw[at..at + 8].copy_from_slice(&5u64.to_le_bytes());
     assert!(crate::abi::plan::validate_tree(&raw, &mut offsets).is_err());
+}
+
+#[test]
+fn sessions_and_groups_a_tree_can_reach_are_restorable_and_others_named() {
+    let p = |parent: Option<usize>, pid: u64, sid: u64, pgid: u64| SessionIds { parent, pid, sid, pgid };
+    // The sandbox's task (2) leads its session; a child leads a group in it, another child a
+    // session; a grandchild forked before its parent's setsid stays in the old session and joins
+    // its aunt's group; one forked after is in the new session.
+    let ok = [p(None, 2, 2, 2), p(Some(0), 3, 2, 3), p(Some(0), 4, 4, 4), p(Some(2), 5, 2, 3), p(Some(2), 6, 4, 4)];
+    assert_eq!(check_sessions(&ok), Ok(()));
+    assert_eq!(forked_before_parent_setsid(&ok), Ok(std::vec![false, false, false, true, false]), "5 before 4's setsid");
+    // A moved clone: everything in the restorer's session and group, or groups of the tree in it.
+    assert_eq!(check_sessions(&[p(None, 7, 0, 0), p(Some(0), 8, 0, 8), p(Some(1), 9, 0, 0)]), Ok(()));
+    let err = |tree: &[SessionIds]| check_sessions(tree).unwrap_err();
+    // Group 3's leader has left it (or ended): nobody may take its ID.
+    assert_eq!(err(&[p(None, 2, 2, 2), p(Some(0), 3, 2, 2), p(Some(1), 5, 2, 3)]), SessionError::NoGroupLeader { pid: 5, pgid: 3 });
+    // A group of another session cannot be joined.
+    assert_eq!(err(&[p(None, 2, 2, 2), p(Some(0), 4, 4, 4), p(Some(0), 3, 2, 4)]), SessionError::GroupOfAnotherSession { pid: 3, pgid: 4 });
+    // A session is inherited from the parent, before or after the parent started its own: a
+    // child of a process still in the restorer's session cannot be in a session of the tree.
+    let early_twice = [p(None, 2, 2, 2), p(Some(0), 4, 4, 4), p(Some(1), 5, 0, 0)];
+    assert_eq!(forked_before_parent_setsid(&early_twice), Ok(std::vec![false, true, true]));
+    assert_eq!(err(&[p(None, 2, 2, 2), p(Some(0), 3, 0, 0), p(Some(1), 5, 2, 2)]), SessionError::SessionNotInherited { pid: 5, sid: 2 });
+    assert_eq!(err(&[p(None, 2, 0, 0), p(Some(0), 3, 9, 9)]), SessionError::NoSessionLeader { pid: 3, sid: 9 });
+    assert_eq!(err(&[p(None, 2, 2, 0)]), SessionError::SessionLeaderInOtherGroup { pid: 2, pgid: 0 });
+    assert_eq!(err(&[p(None, 2, 2, 2), p(Some(0), 3, 2, 0)]), SessionError::SandboxGroupOtherSession { pid: 3, sid: 2 });
 }

@@ -16,8 +16,13 @@
 //! are `FdKind::TreePipe`s at their fd numbers; the task's stdio pipes stay
 //! where the agent gives them (fds 0-2).
 //!
+//! Sessions and process groups: each process's, named by the process of
+//! the tree that leads it ([`sessions`]); the restorer starts and joins them again.
+//!
 //! What cannot move is refused before anything is frozen ([`precheck`]) and
-//! again at capture: a zombie or stopped process in the tree, a pipe shared
+//! again at capture: a zombie or stopped process in the tree, a process of
+//! the task outside it (an orphan), a process group whose leader has ended
+//! or left it, a pipe shared
 //! with a process outside it, more than `MAX_POSIX_TIMERS` POSIX
 //! timers or one on a clock the restorer cannot give back (their IDs,
 //! notifications and clocks come from `/proc/PID/timers`, their times from
@@ -35,7 +40,7 @@ use starling_image::abi::process::{
 use starling_image::abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FP_XSTATE_MAGIC2, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
 use starling_image::abi::signal::{Sigaction, SigactionTable};
 use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
-use starling_image::{Descriptor, FdEntry, FdKind, PipeImage, ProcessState, RegionKind, ThreadState, DESCRIPTOR_VERSION};
+use starling_image::{check_sessions, Descriptor, FdEntry, FdKind, PipeImage, ProcessState, RegionKind, SessionIds, ThreadState, DESCRIPTOR_VERSION};
 use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -132,6 +137,7 @@ pub fn tree(pid: i32) -> Result<Vec<Member>> {
         not_too_many(out.len())?;
         i += 1;
     }
+    no_orphans(&out)?;
     Ok(out)
 }
 
@@ -158,7 +164,29 @@ pub fn freeze_tree(pid: i32) -> Result<(Vec<Frozen>, Vec<Member>)> {
         not_too_many(members.len())?;
         i += 1;
     }
+    no_orphans(&members)?;
     Ok((frozen, members))
+}
+
+/// Refuse a process of the task's PID namespace outside its tree: an
+/// orphan, adopted by the namespace's init when a parent of it ended. Only
+/// the tree moves; left behind, it would end with the source, where before
+/// a move it runs until the task's first process ends.
+fn no_orphans(members: &[Member]) -> Result<()> {
+    let ns = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
+    let task_ns = ns(members[0].pid).ok_or(MigrateError::Gone(members[0].pid))?;
+    for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if members.iter().any(|m| m.pid == pid) || ns(pid).as_ref() != Some(&task_ns) {
+            continue;
+        }
+        // The namespace's init is the sandbox's (or the restorer's); one ended meanwhile is no orphan.
+        match ns_id(pid, pid) {
+            Ok(1) | Err(_) => {}
+            Ok(id) => return Err(MigrateError::Orphan(id)),
+        }
+    }
+    Ok(())
 }
 
 fn not_too_many(n: usize) -> Result<()> {
@@ -188,11 +216,40 @@ fn process_state(pid: i32) -> Option<char> {
     stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
 }
 
-/// Whether `pid` leads a process group of its own.
-fn leads_group(pid: i32) -> bool {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let pgrp = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(2)?.parse::<i32>().ok());
-    pgrp == Some(pid)
+/// A process's parent, process group and session (`/proc/PID/stat`
+/// fields 4-6, as this host numbers them).
+fn stat_ids(pid: i32) -> Result<[i32; 3]> {
+    let path = format!("/proc/{pid}/stat");
+    let stat = read(&path)?;
+    let fields: Vec<i32> = stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().skip(1).take(3).filter_map(|v| v.parse().ok()).collect()).unwrap_or_default();
+    fields.try_into().map_err(|_| MigrateError::Proc { path, source: std::io::Error::from(std::io::ErrorKind::InvalidData) })
+}
+
+/// Each process's session and process group (`ProcessCore::sid`, `pgid`),
+/// named by the PID the task sees of the process of the tree that leads
+/// it, 0 for the sandbox's (the root's parent's, which the restorer runs
+/// in); refused where the restorer cannot make them again
+/// (`starling_image::check_sessions`): a group whose leader has ended or
+/// left it.
+pub fn sessions(members: &[Member]) -> Result<Vec<(u64, u64)>> {
+    let stats = members.iter().map(|m| stat_ids(m.pid)).collect::<Result<Vec<_>>>()?;
+    let ns = members.iter().map(|m| ns_id(m.pid, m.pid)).collect::<Result<Vec<_>>>()?;
+    let [_, outside_group, outside_session] = stat_ids(stats[0][0])?;
+    let name = |i: usize, what: &'static str, host_id: i32, outside: i32| -> Result<u64> {
+        match members.iter().position(|m| m.pid == host_id) {
+            Some(leader) => Ok(ns[leader]),
+            None if host_id == outside => Ok(0),
+            None => Err(MigrateError::LeaderOutside { pid: ns[i], what, host_id }),
+        }
+    };
+    let mut tree = Vec::with_capacity(members.len());
+    for (i, (m, [_, group, session])) in members.iter().zip(&stats).enumerate() {
+        let sid = name(i, "session", *session, outside_session)?;
+        let pgid = name(i, "process group", *group, outside_group)?;
+        tree.push(SessionIds { parent: m.parent, pid: ns[i], sid, pgid });
+    }
+    check_sessions(&tree)?;
+    Ok(tree.iter().map(|p| (p.sid, p.pgid)).collect())
 }
 
 /// The task's stdio pipes (`pipe:[N]` of fds 0-2 of its root): the only
@@ -208,6 +265,7 @@ pub fn stdio_pipes(pid: i32) -> Vec<(i32, String)> {
 /// `pid` is the root of, each of its processes' timers and descriptors.
 pub fn precheck(pid: i32, root: &Path) -> Result<Vec<Member>> {
     let members = tree(pid)?;
+    sessions(&members)?;
     let mut ctx = TreeFds::new(&members);
     for m in &members {
         listed_timers(m.pid)?;
@@ -695,8 +753,10 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
 pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> Result<Descriptor> {
     let mut ctx = TreeFds::new(members);
     let mut images = Vec::with_capacity(frozen.len());
-    for f in frozen {
-        images.push(capture_process(f, opts, &mut ctx)?);
+    for (f, (sid, pgid)) in frozen.iter().zip(sessions(members)?) {
+        let mut d = capture_process(f, opts, &mut ctx)?;
+        (d.process.core.sid, d.process.core.pgid) = (sid, pgid);
+        images.push(d);
     }
     let mut images = images.into_iter();
     let mut root = images.next().ok_or(MigrateError::Gone(0))?;
@@ -743,7 +803,7 @@ fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds) -> Resu
         fds,
         threads: inside_state.threads,
         sigactions: inside_state.sigactions,
-        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)?, leads_group: leads_group(pid) },
+        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)? },
         descendants: Vec::new(),
         pipes: Vec::new(),
     };

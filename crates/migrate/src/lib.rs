@@ -53,6 +53,12 @@ pub enum MigrateError {
     Unmovable(String),
     #[error("cannot move: fd {fd} ({target}) is {what}")]
     UnmovableFd { fd: i32, target: String, what: String },
+    #[error("cannot move: {0}")]
+    Sessions(#[from] starling_image::SessionError),
+    #[error("cannot move: process {0} of the task was orphaned (a parent of it ended): only the first process and its descendants move, and it would end with the source")]
+    Orphan(u64),
+    #[error("cannot move: process {pid} of the task is in {what} {host_id} (as this host numbers it), whose leader is not part of the task (it has ended or is outside it)")]
+    LeaderOutside { pid: u64, what: &'static str, host_id: i32 },
     #[error(transparent)]
     Fork(#[from] starling_fork::ForkError),
     #[error(transparent)]

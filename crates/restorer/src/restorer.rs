@@ -17,7 +17,8 @@
 //! namespace of its own), and the process with `set_tid` = its PID (PID 1 forks
 //! several for a hierarchical clone ticket; for a process tree — one plan
 //! per process — each restored process first forks its children with their
-//! PIDs, which then restore themselves from their own plans); (2) move off the kernel-made
+//! PIDs, which then restore themselves from their own plans, starting the
+//! sessions and process groups they led and joining the others'); (2) move off the kernel-made
 //! stack onto a static one, unmap it, move vDSO/vvar to the image's
 //! addresses; (3) map every region at its exact address; (4) create a
 //! userfaultfd, register the regions with data to fetch, pass it to the
@@ -62,6 +63,7 @@ mod nr {
     pub const IOCTL: usize = 16;
     pub const MREMAP: usize = 25;
     pub const DUP2: usize = 33;
+    pub const NANOSLEEP: usize = 35;
     pub const SETITIMER: usize = 38;
     pub const GETPID: usize = 39;
     pub const KILL: usize = 62;
@@ -74,6 +76,7 @@ mod nr {
     pub const SETPGID: usize = 109;
     pub const DUP3: usize = 292;
     pub const SETSID: usize = 112;
+    pub const GETSID: usize = 124;
     pub const SETGROUPS: usize = 116;
     pub const SETRESUID: usize = 117;
     pub const SETRESGID: usize = 119;
@@ -486,34 +489,101 @@ fn create_tree_pipes() {
 /// their parent) with their PIDs; each child then forks its own. This runs
 /// before anything process-specific is restored, so every process then
 /// restores itself from its own plan (memory, fds, threads), and each
-/// parent's `wait` reaps its children as before the move.
+/// parent's `wait` reaps its children as before the move. Sessions are
+/// only inherited: a process that leads one forks the children that stay
+/// in the session it was forked in (`PLAN_FLAG_BEFORE_PARENT_SETSID`),
+/// starts its own ([`start_session`]), then forks the rest.
 fn fork_descendants() {
     let n = TREE_LEN.load(Ordering::Relaxed);
     let mut me = 0u64;
-    for next in 1..n {
-        let off = TREE[next].load(Ordering::Relaxed) as usize;
-        // SAFETY: `validate_tree` checked a whole header at every offset it
-        // returned; the buffer is page aligned and every offset 64-aligned.
-        let h = unsafe { &*(plan_buffer().as_ptr().add(off) as *const PlanHeader) };
-        if h.parent != me {
-            continue;
-        }
-        let child = fork_process(Some(h.process.pid));
-        if child < 0 {
-            die(RestorerExit::PidNamespace, "clone3 set_tid child pid", h.process.pid, child);
-        }
-        if child == 0 {
-            PLAN_BASE.store(off, Ordering::Relaxed);
-            me = next as u64;
-            if h.flags & PLAN_FLAG_GROUP_LEADER != 0 {
-                // SAFETY: setpgid with integer arguments, for ourselves.
-                let r = unsafe { sys!(nr::SETPGID, 0, 0) };
-                if r < 0 {
-                    die(RestorerExit::PidNamespace, "setpgid", h.process.pid, r);
+    'process: loop {
+        for early in [true, false] {
+            if !early {
+                start_session();
+            }
+            for next in 1..n {
+                let off = TREE[next].load(Ordering::Relaxed) as usize;
+                // SAFETY: `validate_tree` checked a whole header at every offset it
+                // returned; the buffer is page aligned and every offset 64-aligned.
+                let h = unsafe { &*(plan_buffer().as_ptr().add(off) as *const PlanHeader) };
+                if h.parent != me || (h.flags & PLAN_FLAG_BEFORE_PARENT_SETSID != 0) != early {
+                    continue;
+                }
+                let child = fork_process(Some(h.process.pid));
+                if child < 0 {
+                    die(RestorerExit::PidNamespace, "clone3 set_tid child pid", h.process.pid, child);
+                }
+                if child == 0 {
+                    PLAN_BASE.store(off, Ordering::Relaxed);
+                    me = next as u64;
+                    continue 'process;
                 }
             }
         }
+        return;
     }
+}
+
+/// A process that leads its session starts it, and takes the terminal as
+/// its controlling one if it had it (`PLAN_FLAG_TERMINAL`): then its
+/// process group is the terminal's foreground one, and the children it
+/// forks next have the terminal too.
+fn start_session() {
+    const TIOCSCTTY: usize = 0x540E;
+    let h = header();
+    if h.process.sid != h.process.pid || h.process.sid == 0 {
+        return;
+    }
+    // SAFETY: setsid/getsid/getpid take no pointers. setsid fails only for a
+    // group leader: a process restored without a PID namespace is the
+    // sandbox's task, which already leads its session.
+    unsafe {
+        let r = sys!(nr::SETSID);
+        if r < 0 && sys!(nr::GETSID, 0) != sys!(nr::GETPID) {
+            die(RestorerExit::PidNamespace, "setsid", h.process.pid, r);
+        }
+    }
+    if h.flags & PLAN_FLAG_TERMINAL != 0 {
+        // The new pty's slave the sandbox left on fd 0: no session holds it,
+        // so nothing is stolen.
+        // SAFETY: TIOCSCTTY takes an int by value (0: do not steal).
+        let r = unsafe { sys!(nr::IOCTL, 0, TIOCSCTTY, 0) };
+        if r < 0 {
+            die(RestorerExit::Fd, "TIOCSCTTY on fd", 0, r);
+        }
+    }
+}
+
+/// How long a process waits for another process of its tree to start the
+/// group it joins (1 ms a try): that one does so right after its forks.
+const GROUP_WAIT_TRIES: u32 = 60_000;
+
+/// Once every process of the tree is forked: a process leading its group
+/// (not its session: `setsid` made that) starts it, one in a group another
+/// process of the tree leads joins it as soon as it exists. Children forked
+/// before got the group their parent was forked in, as sessions go.
+fn take_group() {
+    const EPERM: isize = -1;
+    let p = &header().process;
+    if p.pgid == 0 || p.sid == p.pid {
+        return;
+    }
+    let own = p.pgid == p.pid;
+    for _ in 0..GROUP_WAIT_TRIES {
+        // SAFETY: setpgid with integer arguments, for ourselves.
+        let r = unsafe { sys!(nr::SETPGID, 0, if own { 0 } else { p.pgid }) };
+        if r == 0 {
+            return;
+        }
+        // EPERM: no such group in our session yet.
+        if r != EPERM || own {
+            die(RestorerExit::PidNamespace, "setpgid", p.pgid, r);
+        }
+        let wait = [0u64, 1_000_000]; // struct timespec: 1 ms
+        // SAFETY: nanosleep reads a timespec on our stack; no remainder asked for.
+        unsafe { sys!(nr::NANOSLEEP, wait.as_ptr(), 0) };
+    }
+    die(RestorerExit::PidNamespace, "process group never started", p.pgid, 0)
 }
 
 /// A plan string copied into PATHBUF with a terminating NUL (leader only,
@@ -1165,24 +1235,6 @@ fn restore_fds(keep_above: i32) {
     }
 }
 
-/// A moved terminal task: its own session again, whose controlling terminal
-/// is the new pty's slave the sandbox left on fd 0 (no session holds it, so
-/// TIOCSCTTY needs no stealing). The kernel makes our process group the
-/// terminal's foreground group, as it was on the source (a terminal task is
-/// moved only as its session's leader).
-fn take_terminal() {
-    const TIOCSCTTY: usize = 0x540E;
-    // SAFETY: setsid takes no arguments; we are not a group leader (a fork
-    // of the PID namespace's init, or the sandbox's task after its setsid,
-    // in which case EPERM is harmless: TIOCSCTTY below reports a real failure).
-    unsafe { sys!(nr::SETSID) };
-    // SAFETY: TIOCSCTTY takes an int by value (0: do not steal).
-    let r = unsafe { sys!(nr::IOCTL, 0, TIOCSCTTY, 0) };
-    if r < 0 {
-        die(RestorerExit::Fd, "TIOCSCTTY on fd", 0, r);
-    }
-}
-
 fn restore_process_state() {
     let h = header();
     if h.cwd.len > 0 {
@@ -1659,14 +1711,11 @@ extern "C" fn restorer_main() -> ! {
     if h.flags & PLAN_FLAG_NEW_PIDNS != 0 {
         enter_pid_namespace(h.process.pid, h.clone_count);
     }
-    // From here on we are the process being restored.
-    if h.flags & PLAN_FLAG_TERMINAL != 0 {
-        take_terminal();
-    }
-    // Its children join its session (and the terminal) as forks of it, and
-    // inherit the tree's pipes.
+    // From here on we are the process being restored. Its children inherit
+    // the tree's pipes, and their sessions (and the terminal) as forks of it.
     create_tree_pipes();
     fork_descendants();
+    take_group();
     let max_fd = fds().iter().map(|f| f.fd).max().unwrap_or(2) as i32;
     let keep_above = (max_fd + 1).max(10);
     let handler_sock = move_fd_above(HANDLER_FD, keep_above);

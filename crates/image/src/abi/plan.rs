@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 9;
+pub const PLAN_VERSION: u64 = 10;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -38,13 +38,15 @@ pub const PLAN_FLAG_NEW_PIDNS: u64 = 1;
 pub const PLAN_FLAG_CLONE_ID_IN_RAX: u64 = 2;
 /// Plan flag: the process had a controlling terminal. The restorer got the
 /// new pty's slave on fd 0 (no session holds it); the restored process
-/// starts its own session with it as controlling terminal (setsid +
-/// TIOCSCTTY), which makes its process group the terminal's foreground one.
+/// leads its own session (`ProcessCore::sid`) and takes the pty as that
+/// session's controlling terminal (TIOCSCTTY) before it forks its children,
+/// which makes its process group the terminal's foreground one.
 pub const PLAN_FLAG_TERMINAL: u64 = 4;
 
-/// Plan flag: the process leads a process group of its own (a moved
-/// tree's descendant): it calls `setpgid(0, 0)` right after its fork.
-pub const PLAN_FLAG_GROUP_LEADER: u64 = 8;
+/// Plan flag: the process's parent leads a session (`ProcessCore::sid`)
+/// and forks it before it starts that session: it stays in the session its
+/// parent was forked in (`starling_image::forked_before_parent_setsid`).
+pub const PLAN_FLAG_BEFORE_PARENT_SETSID: u64 = 8;
 
 /// Most plans (processes) in one process tree.
 pub const MAX_TREE_PLANS: usize = 64;
@@ -311,6 +313,16 @@ pub fn validate_tree(bytes: &[u8], out: &mut [u64]) -> Result<usize, PlanInvalid
     if n == 0 {
         return Err(PlanInvalid { what: "empty plan", value: 0 });
     }
+    // A process joining a group of the tree waits for it: its leader must
+    // be there, in it, and in the same session (`check_sessions` checks the
+    // rest when the descriptor is decoded).
+    let header_at = |i: usize| record::<PlanHeader>(bytes, out[i], 0).process;
+    for i in 0..n {
+        let p = header_at(i);
+        if p.pgid != 0 && p.pgid != p.pid && !(0..n).map(header_at).any(|l| l.pid == p.pgid && l.pgid == p.pgid && l.sid == p.sid) {
+            return Err(PlanInvalid { what: "process group without its leader in the tree", value: p.pgid });
+        }
+    }
     Ok(n)
 }
 
@@ -376,6 +388,13 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
         || (several && (h.flags & PLAN_FLAG_NEW_PIDNS == 0 || h.n_threads != 1))
     {
         return invalid("clone count", h.clone_count);
+    }
+    // Forks of one plan share its session and group: the restorer's.
+    if several && (h.process.sid != 0 || h.process.pgid != 0) {
+        return invalid("session of clones", h.process.sid);
+    }
+    if h.flags & PLAN_FLAG_TERMINAL != 0 && h.process.sid != h.process.pid {
+        return invalid("a terminal's process does not lead its session", h.process.sid);
     }
     let blob_ok = |r: BlobRef| r.off.checked_add(r.len).is_some_and(|e| e <= h.blob_len);
     if !blob_ok(h.seccomp) || !h.seccomp.len.is_multiple_of(8) || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {

@@ -221,6 +221,12 @@ impl PosixTimers {
 pub struct ProcessCore {
     /// The process ID as it sees itself (innermost PID namespace).
     pub pid: u64,
+    /// The session it is in: the PID (as the tree's processes see it) of
+    /// the process of its tree that leads it; 0: the session the restorer
+    /// runs in, which no process of the tree leads (the sandbox's).
+    pub sid: u64,
+    /// Its process group, named the same way (0: the restorer's group).
+    pub pgid: u64,
     pub umask: u64,
     pub creds: Creds,
     pub rlimits: [Rlimit; N_RLIMITS],
