@@ -6,13 +6,15 @@ control on (a cookie in an Xauthority file of its own): a program on a host reac
 starling swapped its stand-in cookie for the real one, which never leaves this machine. Every wait
 polls for an event (a window in the server's tree, a process's end); timeouts only bound a hang.
 """
+import hashlib
+import json
 import os
 import secrets
 import subprocess
 
 import pytest
 
-from conftest import STARLING, require_tool, sh, terminate, wait_for
+from conftest import ROOT, STARLING, require_tool, sh, starling, terminate, wait_for
 
 WIDTH, HEIGHT = 1234, 567
 
@@ -108,3 +110,62 @@ def test_without_a_display_the_task_runs_and_says_so(cluster, xserver):
     assert r.returncode == 0, r.stderr
     assert "X11 forwarding is off: DISPLAY is not set" in r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def ps():
+    return json.loads(starling("ps", "--json").stdout)
+
+
+def xprop_ticks(env, wid):
+    """The window's STARLING_TICKS (bumped by its program every 100 ms), or None."""
+    r = subprocess.run(["xprop", "-id", wid, "STARLING_TICKS"], env=env, capture_output=True, text=True)
+    tail = r.stdout.rpartition("=")[2].strip()
+    return int(tail) if r.returncode == 0 and tail.isdigit() else None
+
+
+def window_image(env, wid):
+    """The window's pixels as the X server holds them (xwd), hashed."""
+    r = subprocess.run(["xwd", "-id", wid, "-silent"], env=env, capture_output=True)
+    assert r.returncode == 0, r.stderr
+    return hashlib.sha256(r.stdout).hexdigest()
+
+
+def ticking(env, wid, after):
+    """Wait until the program has bumped its property past `after`: its X connection works."""
+    return wait_for(lambda: (t := xprop_ticks(env, wid)) is not None and t > after + 3 and t, "the window's ticks to advance")
+
+
+def test_a_window_survives_its_program_moving_between_hosts(cluster, xserver, workdir):
+    """The real X connection never moves: the program's leg is re-attached on each new host, so its
+    window, its id and its pixels stay, and its requests go on reaching the server."""
+    require_tool("xprop", "x11-utils")
+    require_tool("xwd", "x11-apps")
+    require_tool("gcc", "gcc")
+    env, _ = xserver
+    prog = workdir / "ticker"
+    r = sh("gcc", "-O1", "-Wall", "-o", str(prog), str(ROOT / "tests/x11/ticker.c"), "-lX11", check=False)
+    assert r.returncode == 0, f"building the Xlib program (libx11-dev): {r.stderr}"
+    title = f"starling-move-{secrets.token_hex(4)}"
+    p = subprocess.Popen([STARLING, "exec", "--x11", "-T", "--host", "h1", "--", str(prog), title], env=env, cwd=workdir,
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("window 0x"), f"{line!r} {p.stderr.read() if p.poll() is not None else ''}"
+        wid = line.split()[1]
+        task = wait_for(lambda: next((r["task"] for r in ps() if str(prog) in r["command"]), None), "the task in ps")
+        ticks = ticking(env, wid, 0)
+        image = window_image(env, wid)
+        for to in ["h2", "h3"]:
+            r = starling("migrate", str(task), "--to", to, "--json", check=False, timeout=300)
+            assert r.returncode == 0, f"migrate to {to}: {r.stdout}\n{r.stderr}"
+            assert next(r["host"] for r in ps() if r["task"] == task) == to
+            ticks = ticking(env, wid, ticks)
+            tree = sh("xwininfo", "-root", "-tree", env=env).stdout
+            assert tree.count(f'"{title}"') == 1 and wid in tree, "the same window, under the same id"
+            assert window_image(env, wid) == image, f"the window's pixels after the move to {to}"
+        assert p.poll() is None, p.communicate()
+        p.send_signal(2)
+        assert p.wait(timeout=120) == 130, p.communicate()
+        wait_for(lambda: title not in sh("xwininfo", "-root", "-tree", env=env).stdout, "the window gone with its program")
+    finally:
+        terminate(p)
