@@ -135,7 +135,20 @@ def ticking(env, wid, after):
     return wait_for(lambda: (t := xprop_ticks(env, wid)) is not None and t > after + 3 and t, "the window's ticks to advance")
 
 
-def test_a_window_survives_its_program_moving_between_hosts(cluster, xserver, workdir):
+# A roaming profile with no rules: the task stays where it is put (moves are by hand).
+STILL = """
+initial = "here"
+[states.here]
+site = "home"
+"""
+
+
+@pytest.mark.parametrize("how, start, moves", [
+    ("exec", ["--host", "h1"], ["h2", "h3"]),
+    # Snowbird's trip: started at home (this machine), out to the cluster and back.
+    ("roam", ["--roam", "--profile", "PROFILE"], ["h2", "home"]),
+])
+def test_a_window_survives_its_program_moving_between_hosts(cluster, xserver, workdir, how, start, moves):
     """The real X connection never moves: the program's leg is re-attached on each new host, so its
     window, its id and its pixels stay, and its requests go on reaching the server."""
     require_tool("xprop", "x11-utils")
@@ -146,16 +159,19 @@ def test_a_window_survives_its_program_moving_between_hosts(cluster, xserver, wo
     r = sh("gcc", "-O1", "-Wall", "-o", str(prog), str(ROOT / "tests/x11/ticker.c"), "-lX11", check=False)
     assert r.returncode == 0, f"building the Xlib program (libx11-dev): {r.stderr}"
     title = f"starling-move-{secrets.token_hex(4)}"
-    p = subprocess.Popen([STARLING, "exec", "--x11", "-T", "--host", "h1", "--", str(prog), title], env=env, cwd=workdir,
+    (workdir / "still.toml").write_text(STILL)
+    start = [str(workdir / "still.toml") if a == "PROFILE" else a for a in start]
+    p = subprocess.Popen([STARLING, "exec", "--x11", "-T", *start, "--", str(prog), title], env=env, cwd=workdir,
                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = p.stdout.readline()
         assert line.startswith("window 0x"), f"{line!r} {p.stderr.read() if p.poll() is not None else ''}"
         wid = line.split()[1]
         task = wait_for(lambda: next((r["task"] for r in ps() if str(prog) in r["command"]), None), "the task in ps")
+        assert next(r["host"] for r in ps() if r["task"] == task) == ("home" if how == "roam" else "h1")
         ticks = ticking(env, wid, 0)
         image = window_image(env, wid)
-        for to in ["h2", "h3"]:
+        for to in moves:
             r = starling("migrate", str(task), "--to", to, "--json", check=False, timeout=300)
             assert r.returncode == 0, f"migrate to {to}: {r.stdout}\n{r.stderr}"
             assert next(r["host"] for r in ps() if r["task"] == task) == to
