@@ -467,7 +467,8 @@ struct ExecArgs {
     /// Forward X11, as `ssh -X`: the command gets a DISPLAY served by its host (a socket in its
     /// own /tmp/.X11-unix, and an XAUTHORITY with a cookie made for this task only), and each X
     /// connection it opens is relayed to your X server ($DISPLAY) through the task's channel; your
-    /// real cookie stays here. With --roam the display follows the task when it moves.
+    /// real cookie stays here. The display follows the task when it moves (`starling migrate`, --roam): its
+    /// X connections are re-attached on the new host, your X server's stays open.
     #[arg(short = 'X', long = "x11")]
     x11: bool,
     /// Send file contents and messages uncompressed (for measurements).
