@@ -19,6 +19,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target" / "release" / "starling")
 
 
+def build_with_shared_libstarling(src, bin_dir, name):
+    """Compile C program `src` (`-O2`) into `bin_dir/name`, linked against a private copy of
+    libstarling.so in `bin_dir`: a rebuild of target/release during the tests must not replace the
+    file the program (and its clones) map. Returns the program's path."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(ROOT / "target/release/libstarling.so", bin_dir / "libstarling.so")
+    exe = bin_dir / name
+    r = subprocess.run(["cc", "-O2", "-Wall", "-I", str(ROOT / "include"), str(src), "-L", str(bin_dir), "-lstarling",
+                        f"-Wl,-rpath,{bin_dir}", "-o", str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(exe)
+
+
 def sh(*args, check=True, timeout=300, **kw):
     """Run a command, return CompletedProcess (text mode); with `check`, a failure says what the
     command printed on stderr."""

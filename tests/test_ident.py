@@ -9,6 +9,7 @@ as the README tells an administrator to do on real hosts:
 * an enrolled host's certificate registers as that host only, and the shared agent certificate
   cannot register as an enrolled host;
 * `starling host revoke` drops the host's live connection and its agent is refused with one line;
+  the other hosts, which serve each other chunks, refuse it too (the head tells them the list);
 * a client holding `starling user add NAME --uid 1000`'s certificate, run by root (its spec says
   uid 0), runs tasks as 1000; `starling user revoke` refuses it from then on;
 * `user add --groups` puts supplementary groups in the certificate: the user's tasks run with exactly
@@ -18,6 +19,8 @@ import os
 import pathlib
 import re
 import shutil
+import socket
+import ssl
 import subprocess
 import time
 
@@ -202,6 +205,48 @@ def test_a_revoked_host_is_dropped_and_refused(head):
     # Revoking what was never issued is an error.
     r = admin("host", "revoke", "nobody")
     assert r.returncode != 0 and "no host named nobody" in r.stderr, r.stderr
+
+
+def peer_port(head, name):
+    """The port host `name` serves chunks to other hosts on (from its log)."""
+    found = []
+    wait_for(lambda: found.extend(re.findall(r"serving chunks to other hosts on port (\d+)", head.log(name))) or found,
+             f"{name} to listen for other hosts", timeout=120)
+    return int(found[0])
+
+
+def talk_to_host(port, creds):
+    """Open a mutual-TLS connection to a host's chunk port with the agent certificate in `creds`, send
+    bytes that are no starling greeting, and return everything the host sends until it closes."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_verify_locations(AUTH / "ca.pem")
+    ctx.load_cert_chain(creds / "agent.pem", creds / "agent.key")
+    with socket.create_connection((AGENT_IP, port), timeout=60) as raw, \
+            ctx.wrap_socket(raw, server_hostname="agent.role.starling") as tls:
+        tls.sendall(b"not a greeting\n" * 4)
+        got = b""
+        try:
+            while chunk := tls.recv(65536):
+                got += chunk
+        except (ConnectionError, ssl.SSLError):
+            pass
+        return got
+
+
+def test_hosts_refuse_a_revoked_host_their_chunks(head):
+    """Hosts serve each other chunks: once a host's certificate is revoked, the others refuse it too."""
+    enrolled(head, "share1")
+    port = peer_port(head, "share1")
+    creds = enrolled(head, "share2")
+    head.stop("share2")
+    # Not revoked: its certificate is accepted (the host then closes on the bad greeting, saying nothing).
+    assert b"was revoked" not in talk_to_host(port, creds)
+    r = admin("host", "revoke", "share2")
+    assert r.returncode == 0, r.stderr
+    # share1 hears of it from the head and refuses share2 with one line.
+    wait_for(lambda: b"the certificate of host share2" in talk_to_host(port, creds), "share1 to refuse share2", timeout=120)
+    assert re.search(r"the certificate of host share2 \(serial [0-9a-f]+\) was revoked by this cluster's administrator; "
+                     r"this host refuses it", head.log("share1")), head.log("share1")[-3000:]
 
 
 def test_a_user_certificate_runs_as_its_uid_only(head):

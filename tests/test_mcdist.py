@@ -23,13 +23,12 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 import time
 
 import pytest
 
-from conftest import cores_by_host, instance_env, require, require_root, require_tool
+from conftest import build_with_shared_libstarling, cores_by_host, instance_env, require, require_root, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -103,16 +102,7 @@ def clones(cluster):
 
 @pytest.fixture(scope="module")
 def work(cluster):
-    BIN.mkdir(parents=True, exist_ok=True)
-    # A private copy of the library: a rebuild of target/release during the
-    # tests must not replace the file the clones map.
-    shutil.copy2(ROOT / "target/release/libstarling.so", BIN / "libstarling.so")
-    exe = BIN / "mcdist_work"
-    r = subprocess.run(["cc", "-O2", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "bench/c/mcdist_work.c"),
-                        "-L", str(BIN), "-lstarling", f"-Wl,-rpath,{BIN}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    return str(exe)
+    return build_with_shared_libstarling(ROOT / "bench/c/mcdist_work.c", BIN, "mcdist_work")
 
 
 def kv(line):

@@ -16,12 +16,11 @@ import json
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 
 import pytest
 
-from conftest import cores_by_host, instance_env, require, require_root
+from conftest import build_with_shared_libstarling, cores_by_host, instance_env, require, require_root
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -64,15 +63,7 @@ def cluster_links():
 def work():
     require_root("an embedded cluster")
     require(pathlib.Path(STARLING).exists(), "build it: cargo build --release")
-    BIN.mkdir(parents=True, exist_ok=True)
-    # A private copy of the library: a rebuild of target/release must not replace what clones map.
-    shutil.copy2(ROOT / "target/release/libstarling.so", BIN / "libstarling.so")
-    exe = BIN / "mcdist_work"
-    r = subprocess.run(["cc", "-O2", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "bench/c/mcdist_work.c"),
-                        "-L", str(BIN), "-lstarling", f"-Wl,-rpath,{BIN}", "-o", str(exe)],
-                       capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    yield str(exe)
+    yield build_with_shared_libstarling(ROOT / "bench/c/mcdist_work.c", BIN, "mcdist_work")
     starling("down")
 
 

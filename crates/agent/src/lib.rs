@@ -380,6 +380,11 @@ impl Agent {
                 }
                 Msg::Committed { .. } | Msg::Pong { .. } => {}
                 Msg::Credentials { certificate, ca } => self.install_credentials(certificate.as_deref(), &ca),
+                Msg::Revoked { serials } => {
+                    if let Some((peers, _)) = &self.peers {
+                        peers.set_revoked(serials);
+                    }
+                }
                 // The head ends the connection after an error of no task (e.g. a revoked certificate).
                 Msg::Error { task: None, message } => return Err(ProtoError::Refused(message)),
                 Msg::Error { message, .. } => log::warn!("head says: {message}"),

@@ -7,7 +7,10 @@
 //! `FileRequest { GetChunks }` answered by `FileResponse { Chunks }` listing
 //! the chunks this host has, in the order asked (those it has not are left
 //! out). With `--auth` the connection is mutual TLS and both sides must show
-//! an agent certificate of the cluster's CA.
+//! an agent certificate of the cluster's CA that is not revoked: the head
+//! sends each agent the revocation list (`Msg::Revoked`) when it registers
+//! and at every change; a host then refuses a revoked peer's connections,
+//! drops the live ones, and dials it no more.
 //!
 //! A host referred to a peer that is still fetching the chunk itself (it
 //! asked the head first, a moment ago) waits for it: the peer answers once
@@ -28,7 +31,7 @@ use starling_auth::Role as AuthRole;
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{ChunkData, FileReq, FileResp, Hash, Msg, ProtoError, Role, TaskId};
 use starling_store::HostCache;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
@@ -106,6 +109,17 @@ struct PeerConn {
     received: Arc<AtomicU64>,
     /// The task reading the peer's answers (aborted to drop a stalled peer).
     reader: tokio::task::AbortHandle,
+    /// The serial of the peer's certificate (with `--auth`): dropped if it is revoked.
+    serial: Option<String>,
+}
+
+impl PeerConn {
+    /// End the connection: every request waiting on it ends at once.
+    fn close(&self) {
+        self.closed.store(true, Ordering::SeqCst);
+        self.reader.abort();
+        self.waiters.fail_all();
+    }
 }
 
 /// A request to a peer: its answer comes on `rx` (dropped without one if
@@ -130,6 +144,8 @@ pub(crate) struct Peers {
     stall: Duration,
     /// Peers dropped for stalling (or not answering a dial), and when.
     shunned: Mutex<HashMap<String, Instant>>,
+    /// Serials of revoked certificates, as the head last sent them.
+    revoked: watch::Sender<Arc<HashSet<String>>>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -144,6 +160,14 @@ enum PeerError {
     NotAnAgentCertificate,
     #[error("no answer to the connection's greeting within {0:?}")]
     Silent(Duration),
+    #[error("{0}")]
+    Revoked(String),
+}
+
+/// The one line a host whose certificate was revoked is told, and logged.
+fn revoked_line(id: &starling_auth::Identity) -> String {
+    let who = id.host.as_deref().map_or_else(|| "the shared agent certificate".to_string(), |h| format!("host {h}"));
+    format!("the certificate of {who} (serial {}) was revoked by this cluster's administrator; this host refuses it", id.serial)
 }
 
 impl Peers {
@@ -161,7 +185,27 @@ impl Peers {
             rt: tokio::runtime::Handle::current(),
             stall,
             shunned: Mutex::default(),
+            revoked: watch::Sender::new(Arc::default()),
         })
+    }
+
+    /// The head's revocation list, new or changed: drop every connection to a peer on it (those from
+    /// one end as they see the change; [`Peers::serve_one`]).
+    pub(crate) fn set_revoked(&self, serials: Vec<String>) {
+        let revoked: HashSet<String> = serials.into_iter().collect();
+        self.conns.lock().unwrap().retain(|addr, c| {
+            let keep = !c.serial.as_ref().is_some_and(|s| revoked.contains(s));
+            if !keep {
+                log::warn!("peer {addr}: its certificate was revoked; dropping it");
+                c.close();
+            }
+            keep
+        });
+        self.revoked.send_replace(Arc::new(revoked));
+    }
+
+    fn is_revoked(&self, id: Option<&starling_auth::Identity>) -> Option<String> {
+        id.filter(|id| self.revoked.borrow().contains(&id.serial)).map(revoked_line)
     }
 
     /// Use the credentials now in `auth` for the next connections.
@@ -220,9 +264,7 @@ impl Peers {
     /// at once) and dial it no more for [`SHUN`].
     fn drop_stalled(&self, addr: &str, conn: &Arc<PeerConn>) {
         self.shunned.lock().unwrap().insert(addr.to_string(), Instant::now());
-        conn.closed.store(true, Ordering::SeqCst);
-        conn.reader.abort();
-        conn.waiters.fail_all();
+        conn.close();
         let mut conns = self.conns.lock().unwrap();
         if conns.get(addr).is_some_and(|c| Arc::ptr_eq(c, conn)) {
             conns.remove(addr);
@@ -274,15 +316,19 @@ impl Peers {
         let _ = sock.set_nodelay(true);
         let tls = self.tls.read().unwrap().clone();
         match &tls {
-            None => self.start(sock).await,
+            None => self.start(sock, None).await,
             Some((c, _)) => {
                 let s = c.connect(starling_auth::server_name(AuthRole::Agent), sock).await.map_err(PeerError::Connect)?;
-                self.start(s).await
+                let id = starling_auth::ident::server_identity(&s);
+                if let Some(why) = self.is_revoked(id.as_ref()) {
+                    return Err(PeerError::Revoked(why));
+                }
+                self.start(s, id.map(|id| id.serial)).await
             }
         }
     }
 
-    async fn start<S>(&self, sock: S) -> Result<Arc<PeerConn>, PeerError>
+    async fn start<S>(&self, sock: S, serial: Option<String>) -> Result<Arc<PeerConn>, PeerError>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -315,7 +361,7 @@ impl Peers {
             closed.store(true, Ordering::SeqCst);
             waiters.fail_all();
         });
-        Ok(Arc::new(PeerConn { tx, waiters, closed, received, reader: reader.abort_handle() }))
+        Ok(Arc::new(PeerConn { tx, waiters, closed, received, reader: reader.abort_handle(), serial }))
     }
 
     /// Serve other hosts' requests on `listener` until the agent ends.
@@ -334,9 +380,18 @@ impl Peers {
             let tls = me.tls.read().unwrap().clone();
             tokio::spawn(async move {
                 let res = match &tls {
-                    None => me.clone().serve_one(sock).await,
+                    None => me.clone().serve_one(sock, None).await,
                     Some((_, a)) => match a.accept(sock).await {
-                        Ok(s) if starling_auth::client_role(&s) == Some(AuthRole::Agent) => me.clone().serve_one(s).await,
+                        Ok(mut s) if starling_auth::client_role(&s) == Some(AuthRole::Agent) => {
+                            let id = starling_auth::ident::client_identity(&s);
+                            match me.is_revoked(id.as_ref()) {
+                                Some(why) => {
+                                    let _ = starling_proto::write_frame(&mut s, &Msg::Error { task: None, message: why.clone() }).await;
+                                    Err(PeerError::Revoked(why))
+                                }
+                                None => me.clone().serve_one(s, id).await,
+                            }
+                        }
                         Ok(_) => Err(PeerError::NotAnAgentCertificate),
                         Err(e) => Err(PeerError::Connect(e)),
                     },
@@ -348,16 +403,34 @@ impl Peers {
         }
     }
 
-    async fn serve_one<S>(self: Arc<Self>, sock: S) -> Result<(), PeerError>
+    /// Serve one peer (`id`: its certificate, with `--auth`) until it leaves or its certificate is revoked.
+    async fn serve_one<S>(self: Arc<Self>, sock: S, id: Option<starling_auth::Identity>) -> Result<(), PeerError>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
         let (r, w) = tokio::io::split(sock);
-        let (peer, mut incoming, tx) = establish(r, w, Role::Agent, &self.name).await?;
+        let (peer, incoming, tx) = establish(r, w, Role::Agent, &self.name).await?;
         if peer.role != Role::Agent {
             let _ = tx.send(Msg::Error { task: None, message: "only agents fetch chunks from agents".into() }).await;
             return Err(PeerError::NotAnAgent(peer.role));
         }
+        let Some(id) = id else { return self.serve_requests(incoming, tx).await };
+        let mut revoked = self.revoked.subscribe();
+        tokio::select! {
+            res = self.clone().serve_requests(incoming, tx.clone()) => res,
+            Ok(()) = async { revoked.wait_for(|set| set.contains(&id.serial)).await.map(|_| ()) } => {
+                let why = revoked_line(&id);
+                let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
+                Err(PeerError::Revoked(why))
+            }
+        }
+    }
+
+    /// Answer a peer's chunk requests until it leaves.
+    async fn serve_requests<R>(self: Arc<Self>, mut incoming: starling_proto::conn::Incoming<R>, tx: Outgoing) -> Result<(), PeerError>
+    where
+        R: tokio::io::AsyncRead + Unpin + Send,
+    {
         loop {
             match incoming.recv().await {
                 Ok(Msg::FileRequest { task, id, req: FileReq::GetChunks { hashes } }) => {

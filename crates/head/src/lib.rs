@@ -561,6 +561,12 @@ impl Head {
                     }
                 }
                 let served = self.serve_agent(conn, &mut incoming, tx.clone(), bound.as_deref());
+                let served = async {
+                    tokio::select! {
+                        res = served => res,
+                        () = self.send_revocations(&tx), if cert.is_some() => unreachable!("send_revocations never returns"),
+                    }
+                };
                 let res = self.until_revoked(cert.as_ref(), &tx, served).await;
                 self.agent_certs.lock().unwrap().remove(&conn);
                 self.agent_gone(conn, &res).await;
@@ -652,6 +658,19 @@ impl Head {
                 log::warn!("dropping a connection: {why}");
                 let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
                 Err(ProtoError::Refused(why))
+            }
+        }
+    }
+
+    /// Keep a certified agent told the revocation list (now, then at each change): hosts serve each
+    /// other chunks, and each refuses a host whose certificate is on it (`agent::peers`). Never
+    /// returns; ends with the connection's future.
+    async fn send_revocations(&self, tx: &Outgoing) {
+        let mut revoked = self.revoked.subscribe();
+        loop {
+            let serials: Vec<String> = revoked.borrow_and_update().iter().cloned().collect();
+            if tx.send(Msg::Revoked { serials }).await.is_err() || revoked.changed().await.is_err() {
+                return std::future::pending().await;
             }
         }
     }

@@ -1,9 +1,11 @@
 //! Sealed multicast on loopback: datagrams not sealed with the ticket's key
 //! never reach a clone, and a receiver without the key gets no page.
 
+mod common;
+use common::{page_byte, Image};
 use starling_mcdist::wire::{self, DataHeader};
 use starling_proto::SecretKey;
-use starling_mcdist::{Fetched, McdistError, PageSink, PageSource, Receiver, ReceiverConfig, Sender, SenderConfig, SourcePage};
+use starling_mcdist::{Fetched, McdistError, PageSink, Receiver, ReceiverConfig, Sender, SenderConfig};
 use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
@@ -11,25 +13,6 @@ use std::time::{Duration, Instant};
 
 const BASE: u64 = 0x7000_0000;
 const PAGES: u64 = 4;
-
-/// Page i is filled with the byte i + 1.
-struct Image {
-    regions: Vec<(u64, u64)>,
-}
-
-impl PageSource for Image {
-    fn regions(&self) -> &[(u64, u64)] {
-        &self.regions
-    }
-
-    fn read(&mut self, addrs: &[u64]) -> Vec<SourcePage> {
-        addrs.iter().map(|a| SourcePage::Data(vec![page_byte(*a); wire::PAGE])).collect()
-    }
-}
-
-fn page_byte(addr: u64) -> u8 {
-    u8::try_from((addr - BASE) / wire::PAGE as u64 + 1).expect("a few pages")
-}
 
 /// Records every page the receiver offers the clone unasked.
 #[derive(Default)]
@@ -59,7 +42,7 @@ fn forged_datagrams_are_dropped_and_a_receiver_without_the_key_gets_nothing() {
     let key = SecretKey::random();
     let mut cfg = SenderConfig::new(ticket, key, group, lo);
     cfg.mtu = 65_535;
-    let image = Image { regions: vec![(BASE, BASE + PAGES * wire::PAGE as u64)] };
+    let image = Image::new(BASE, PAGES);
     let mut sender = Sender::start(cfg, Box::new(image)).expect("sender on loopback");
 
     let sink = Arc::new(Recorder::default());
@@ -114,7 +97,7 @@ fn forged_datagrams_are_dropped_and_a_receiver_without_the_key_gets_nothing() {
     let pages = rx.fetch(&addrs).expect("fetch");
     for (a, p) in addrs.iter().zip(pages) {
         match p {
-            Fetched::Data(d) => assert!(d.iter().all(|&b| b == page_byte(*a)), "page {a:#x} is not the image's"),
+            Fetched::Data(d) => assert!(d.iter().all(|&b| b == page_byte(BASE, *a)), "page {a:#x} is not the image's"),
             other => panic!("page {a:#x}: {other:?}"),
         }
     }

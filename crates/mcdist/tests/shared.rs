@@ -3,8 +3,10 @@
 //! clone is still fetched for another, `present` pages are not asked for,
 //! and the sender counts joined receivers by their request sockets.
 
+mod common;
+use common::{page_byte, Image};
 use starling_mcdist::wire;
-use starling_mcdist::{Fetched, PageSink, PageSource, Receiver, ReceiverConfig, Sender, SenderConfig, SenderStats, SourcePage};
+use starling_mcdist::{Fetched, PageSink, Receiver, ReceiverConfig, Sender, SenderConfig, SenderStats};
 use starling_proto::SecretKey;
 use std::net::Ipv4Addr;
 use std::sync::{Arc, Mutex};
@@ -12,25 +14,6 @@ use std::sync::{Arc, Mutex};
 const BASE: u64 = 0x7100_0000;
 const PAGES: u64 = 8;
 const PAGE: u64 = wire::PAGE as u64;
-
-/// Page i is filled with the byte i + 1.
-struct Image {
-    regions: Vec<(u64, u64)>,
-}
-
-impl PageSource for Image {
-    fn regions(&self) -> &[(u64, u64)] {
-        &self.regions
-    }
-
-    fn read(&mut self, addrs: &[u64]) -> Vec<SourcePage> {
-        addrs.iter().map(|a| SourcePage::Data(vec![page_byte(*a); wire::PAGE])).collect()
-    }
-}
-
-fn page_byte(addr: u64) -> u8 {
-    u8::try_from((addr - BASE) / PAGE + 1).expect("a few pages")
-}
 
 /// A clone that takes every page offered (says it installed it) and keeps it.
 #[derive(Default)]
@@ -47,7 +30,7 @@ fn assert_image(addrs: &[u64], pages: &[Fetched]) {
     assert_eq!(addrs.len(), pages.len());
     for (a, p) in addrs.iter().zip(pages) {
         match p {
-            Fetched::Data(d) => assert!(d.iter().all(|&b| b == page_byte(*a)), "page {a:#x} is not the image's"),
+            Fetched::Data(d) => assert!(d.iter().all(|&b| b == page_byte(BASE, *a)), "page {a:#x} is not the image's"),
             other => panic!("page {a:#x}: {other:?}"),
         }
     }
@@ -60,7 +43,7 @@ fn setup(offset: u64) -> (Sender, ReceiverConfig) {
     let key = SecretKey::random();
     let mut cfg = SenderConfig::new(ticket, key, group, lo);
     cfg.mtu = 65_535;
-    let image = Image { regions: vec![(BASE, BASE + PAGES * PAGE)] };
+    let image = Image::new(BASE, PAGES);
     let sender = Sender::start(cfg, Box::new(image)).expect("sender on loopback");
     let rcfg = ReceiverConfig::new(ticket, key, group, lo, sender.request_addr(), 1);
     (sender, rcfg)

@@ -250,6 +250,12 @@ pub enum Msg {
     /// its next connections; this one goes on (`starling_auth::rotate`).
     Credentials { certificate: Option<String>, ca: String },
 
+    // ---- revocation reaches the hosts (appended: variants are encoded by index)
+    /// Head → agent, over their mutual-TLS connection, when the agent registers and whenever the
+    /// revocation list changes: the serials of every revoked certificate. Hosts also serve each
+    /// other (chunk sharing), so each must refuse, and drop, a host whose certificate was revoked.
+    Revoked { serials: Vec<String> },
+
     // ---- X11 forwarding (`exec --x11`; appended: variants are encoded by index)
     /// Agent → client: the task opened X connection `stream` on the display its host serves it;
     /// the client connects to its own X server for it.
@@ -412,6 +418,10 @@ impl Msg {
             Msg::Credentials { certificate, ca } => {
                 check_bytes("certificate", certificate.as_ref().map_or(0, String::len), 64 << 10)?;
                 check_bytes("CA bundle", ca.len(), 64 << 10)
+            }
+            Msg::Revoked { serials } => {
+                check_bytes("revoked serials", serials.len(), 1 << 16)?;
+                serials.iter().try_for_each(|s| check_bytes("serial", s.len(), 128))
             }
             Msg::MigrateOut { to_host, to_addr, .. } => {
                 check_bytes("host name", to_host.len(), 256)?;
