@@ -4,7 +4,7 @@
 //! `cargo +nightly run --manifest-path fuzz/Cargo.toml --example seeds`.
 use starling_image::*;
 use starling_migrate::wire::{self as migrate_wire, ToSource, ToTarget};
-use starling_proto::{Msg, TaskSpec, WirePath};
+use starling_proto::{Msg, TaskId, TaskSpec, WirePath, X11Forward};
 use std::path::Path;
 
 fn put(dir: &Path, name: &str, bytes: &[u8]) {
@@ -41,7 +41,14 @@ fn main() {
     abi::plan::validate_tree(&plan, &mut [0; abi::plan::MAX_TREE_PLANS]).expect("the seed tree plan is valid");
     put(&corpus.join("plan"), "tree-migrate", &plan);
     let spec = TaskSpec { env: vec![(b"A".to_vec(), b"1".to_vec())], ..TaskSpec::new(vec![b"cc".to_vec(), b"-c".to_vec(), b"x.c".to_vec()], WirePath::new(b"/home/u".to_vec()).expect("path")) };
-    let frames = [("launch", Msg::Launch { spec, reference: 7 })];
+    let x11 = TaskSpec { x11: Some(X11Forward { auth_name: "MIT-MAGIC-COOKIE-1".into(), auth_data: vec![7; 16] }), ..spec.clone() };
+    let frames = [
+        ("launch", Msg::Launch { spec, reference: 7 }),
+        ("launch-x11", Msg::Launch { spec: x11, reference: 8 }),
+        ("x11-open", Msg::X11Open { task: TaskId(9), stream: 0 }),
+        ("x11-data", Msg::X11Data { task: TaskId(9), stream: 0, data: b"l\0\x0b\0\0\0\x12\0\x10\0\0\0MIT-MAGIC-COOKIE-1\0\0".to_vec() }),
+        ("x11-close", Msg::X11Close { task: TaskId(9), stream: 0 }),
+    ];
     for (name, msg) in frames {
         for compress in [false, true] {
             let bytes = starling_proto::frame::encode_with(&msg, compress).expect("encode");

@@ -21,6 +21,7 @@ mod migrate;
 mod peers;
 mod remote;
 mod task;
+mod x11;
 
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{HostInfo, Msg, ProtoError, Role, TaskId};
@@ -59,6 +60,8 @@ pub enum AgentError {
     RootlessClone(std::io::Error),
     #[error("the task's terminal: {0}")]
     Terminal(#[source] starling_sandbox::TerminalError),
+    #[error("no free X display number for the task (tried :10 to :1009)")]
+    X11NoDisplay,
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;
@@ -81,6 +84,8 @@ pub enum Step {
     PrepareRestore,
     StartControlThread,
     Signals,
+    /// Serving the task's X display (`exec --x11`).
+    X11,
 }
 
 impl std::fmt::Display for Step {
@@ -101,6 +106,7 @@ impl std::fmt::Display for Step {
             Step::PrepareRestore => f.write_str("preparing the clone's restore"),
             Step::StartControlThread => f.write_str("starting the clone's control thread"),
             Step::Signals => f.write_str("installing the SIGTERM handler"),
+            Step::X11 => f.write_str("serving the task's X display"),
         }
     }
 }
@@ -180,6 +186,8 @@ pub(crate) struct Agent {
     pub linger: linger::Linger,
     /// Chunk sharing with the other hosts, and the port this host serves them on.
     pub peers: Option<(Arc<peers::Peers>, u16)>,
+    /// The X displays of the tasks started with `exec --x11`.
+    pub displays: Mutex<HashMap<TaskId, x11::Display>>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -349,6 +357,8 @@ impl Agent {
                         let _ = t.stdin.send(io::StdinMsg::Resize(rows, cols));
                     }
                 }
+                Msg::X11Data { task, stream, data } => x11::deliver(self, task, stream, Some(data)),
+                Msg::X11Close { task, stream } => x11::deliver(self, task, stream, None),
                 Msg::Signal { task, signo } => {
                     if let Some(t) = self.tasks.lock().unwrap().get(&task) {
                         t.pending_signal.store(signo, Ordering::SeqCst);
@@ -524,6 +534,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         incoming: Mutex::new(HashMap::new()),
         linger,
         peers,
+        displays: Mutex::new(HashMap::new()),
     });
     // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
     {

@@ -84,6 +84,9 @@ struct Handover {
     /// new pty gets them (`stdin` is then what was typed and not read yet,
     /// put back into the new pty's input queue without a second echo).
     terminal: Option<starling_proto::TerminalSize>,
+    /// An X11-forwarded task's display: its number and connections, and what each
+    /// connection's program is owed (`crate::x11`).
+    display: Option<crate::x11::DisplayHandover>,
 }
 
 fn encode<T: Serialize>(v: &T) -> Result<Vec<u8>, String> {
@@ -170,7 +173,7 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
         s
     };
     let local_ip = stream.local_addr().map_err(|e| e.to_string())?.ip();
-    let mut opts = SourceOptions::new(CaptureOptions { root: live.root.clone(), heuristics: agent.cfg.fork.heuristics }, local_ip);
+    let mut opts = SourceOptions::new(CaptureOptions { root: live.root.clone(), heuristics: agent.cfg.fork.heuristics, reconnect: crate::x11::reconnect(agent, task) }, local_ip);
     opts.stop_and_copy = how.stop_and_copy;
     opts.key = how.key;
     opts.encrypt = agent.cfg.fork.encrypt;
@@ -291,6 +294,8 @@ impl Source {
 
     /// The move failed before the switch: the task goes on here.
     fn undo(&mut self) {
+        // Its X connections go on here.
+        crate::x11::thaw(&self.agent, self.task, &self.tx);
         let Some(saved) = self.saved.take() else { return };
         for (stream, fd) in saved.outputs {
             match OutputPump::start(self.task, stream, fd, self.tx.clone()) {
@@ -384,6 +389,10 @@ impl SourceHooks for Source {
             _ => None,
         };
         let stdin_closed = stdin.as_ref().is_none_or(|s| s.writer.is_none());
+        // 4. Its X connections: what the program sent goes to the client now, what it was sent
+        // and has not read travels.
+        let pids = starling_migrate::capture::tree(self.pid).map(|t| t.iter().map(|m| m.pid).collect()).unwrap_or_else(|_| vec![self.pid]);
+        let display = crate::x11::freeze(&self.agent, self.task, &pids);
         let handover = Handover {
             bindings: self.live.view.bindings().into_iter().collect(),
             listings: self.live.view.listings(),
@@ -392,6 +401,7 @@ impl SourceHooks for Source {
             stdin: unread.clone(),
             stdin_closed,
             terminal,
+            display,
         };
         self.saved = Some(Saved { stdin, unread, outputs });
         let bytes = encode(&handover)?;
@@ -554,6 +564,7 @@ fn receive(
     match restore_here(agent, tx, task, dir, &incoming, prepared) {
         Ok(()) => Ok(()),
         Err((e, resumed)) => {
+            crate::x11::close(agent, task);
             if !resumed {
                 incoming.failed(&e.to_string());
                 return gave_up(e.to_string());
@@ -580,6 +591,10 @@ fn restore_here(
     view.preload_listings(h.listings);
     let overlay = starling_view::Overlay::mount(&dir.join("view"), dir).map_err(|e| early(io_step(Step::MountOverlay)(e)))?;
     apply_upper(overlay.root(), h.upper).map_err(|e| early(AgentError::Migration(format!("writing the task's files: {e}"))))?;
+    // Its display, before the restorer re-attaches the connections to it.
+    if let Some(d) = &h.display {
+        crate::x11::reopen(agent, task, d, overlay.root(), tx).map_err(early)?;
+    }
     let t_files = Instant::now();
 
     // From here the task is this host's: register it before the head lets

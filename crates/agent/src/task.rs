@@ -46,6 +46,8 @@ pub(crate) async fn supervise(
         let _ = tx.send(Msg::Error { task: Some(task), message: format!("host {}: {message}", agent.cfg.name) }).await;
     }
     let t = Instant::now();
+    // A task that failed before its end still had its display open.
+    crate::x11::close(&agent, task);
     agent.tasks.lock().unwrap().remove(&task);
     let _ = std::fs::remove_dir_all(&dir);
     agent.running.fetch_sub(1, Ordering::Relaxed);
@@ -182,6 +184,9 @@ fn run_blocking(
     let [(stdin_r, stdin_w), (stdout_r, stdout_w), (stderr_r, stderr_w)] = stdio_pipes()?;
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
     sb.rootless = agent.cfg.rootless;
+    if let Some(x) = spec.x11.as_ref().filter(|_| spec.clone.is_none()) {
+        crate::x11::open(agent, task, x, overlay.root(), spec.uid, spec.gid, tx)?.apply(&mut sb.env);
+    }
     // A terminal task's stdin is the line its sandbox sends the pty's master on.
     let (line, stdin_r) = match &sb.terminal {
         Some(_) => {
@@ -334,6 +339,8 @@ pub(crate) fn end_task(
     for pump in std::mem::take(&mut *live.outputs.lock().unwrap()) {
         pump.join();
     }
+    // Its display's socket and files go before the scan: they are never the task's changes.
+    crate::x11::close(agent, task);
     stamp("pumps_join");
     if life.moved.load(Ordering::SeqCst) {
         log::info!("task {task} moved away; nothing of it is left here");

@@ -464,6 +464,13 @@ struct ExecArgs {
     /// Never a terminal: stdin, stdout and stderr stay pipes (stdout and stderr apart).
     #[arg(short = 'T', long = "no-tty")]
     no_tty: bool,
+    /// Forward X11, as `ssh -X`: the command gets a DISPLAY served by its host (a socket in its
+    /// own /tmp/.X11-unix, and an XAUTHORITY with a cookie made for this task only), and each X
+    /// connection it opens is relayed to your X server ($DISPLAY) through the task's channel; your
+    /// real cookie stays here. The display follows the task when it moves (`starling migrate`, --roam): its
+    /// X connections are re-attached on the new host, your X server's stays open.
+    #[arg(short = 'X', long = "x11")]
+    x11: bool,
     /// Send file contents and messages uncompressed (for measurements).
     #[arg(long)]
     no_compress: bool,
@@ -745,7 +752,7 @@ fn run(cli: Cli) -> Result<i32> {
             } else {
                 (a.host, None)
             };
-            let opts = starling_client::exec::ExecOptions { host, job: a.job, terminal, roam };
+            let opts = starling_client::exec::ExecOptions { host, job: a.job, terminal, roam, x11: a.x11 };
             Ok(rt.block_on(starling_client::exec::run(&ctx, spec, opts))?)
         }
         Cmd::Run(a) => {

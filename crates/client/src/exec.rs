@@ -17,6 +17,8 @@ pub struct ExecOptions {
     pub terminal: TerminalMode,
     /// `exec --roam`: start at home (`host` is the home site) under a migration manager.
     pub roam: Option<Roam>,
+    /// `exec --x11`: the task gets a display relayed to ours (`crate::x11`).
+    pub x11: bool,
 }
 
 /// A roaming task's profile (`exec --roam [--profile FILE]`).
@@ -107,6 +109,17 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     spec.job = opts.job.clone();
     spec.terminal = crate::terminal::decide(opts.terminal, opts.job.is_some());
     let on_terminal = spec.terminal.is_some();
+    let display = match opts.x11.then(crate::x11::prepare) {
+        Some(Ok((display, stand_in))) => {
+            spec.x11 = Some(stand_in);
+            Some(display)
+        }
+        Some(Err(e)) => {
+            eprintln!("starling: X11 forwarding is off: {e}");
+            None
+        }
+        None => None,
+    };
     let mut winch = signal(SignalKind::window_change()).map_err(ClientError::Signals)?;
     // SIGPIPE would kill us mid-commit if our stdout goes away; handle EPIPE instead.
     // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety implications.
@@ -138,6 +151,7 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     }
     // From here what is typed goes to the task's pty as it is (Ctrl-C
     // included: the remote line discipline makes it a SIGINT there).
+    let mut x11 = display.map(|d| crate::x11::Forwarder::new(d, handle.task, handle.sender()));
     let mut raw = if on_terminal { RawMode::enter() } else { None };
     let interaction = opts.roam.as_ref().map(|_| crate::roam::InteractionLog::default());
     stdin_pump(&handle, interaction.clone());
@@ -203,6 +217,11 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
                 }
                 log::info!("task {} ended {status:?}; {:?}", handle.task, session.files().stats());
                 return Ok(status.shell_code());
+            }
+            Some(TaskEvent::X11(ev)) => {
+                if let Some(f) = x11.as_mut() {
+                    f.handle(ev);
+                }
             }
             Some(TaskEvent::Started { .. }) | Some(TaskEvent::CloneStats { .. }) => {}
             Some(TaskEvent::Refused(why)) | Some(TaskEvent::Lost(why)) => {

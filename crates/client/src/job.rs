@@ -241,7 +241,7 @@ impl JobView {
                 }
                 self.ends[idx] = Some(if ok { End::Exit(status) } else { End::Failed });
             }
-            TaskEvent::CloneStats { .. } => {}
+            TaskEvent::CloneStats { .. } | TaskEvent::X11(_) => {}
             TaskEvent::Refused(why) | TaskEvent::Lost(why) => {
                 self.flush_lines(idx);
                 self.say(|| eprintln!("starling: task {idx}: {why}"));

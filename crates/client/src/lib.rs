@@ -18,6 +18,7 @@ pub mod launch;
 pub mod roam;
 pub mod shadow;
 pub mod terminal;
+pub mod x11;
 
 use starling_config::ClientSettings;
 use starling_session::discover::Target;

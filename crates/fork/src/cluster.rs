@@ -309,7 +309,7 @@ async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<
                 end = CloneState::Lost(why);
                 break;
             }
-            TaskEvent::Started { .. } => {}
+            TaskEvent::Started { .. } | TaskEvent::X11(_) => {}
         }
     }
     let mut slots = shared.slots.lock().unwrap();

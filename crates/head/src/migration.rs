@@ -320,7 +320,12 @@ impl Head {
                     None => ClientMsgRoute::Consumed,
                 }
             }
-            Msg::Stdin { .. } | Msg::StdinEof { .. } | Msg::Signal { .. } | Msg::Resize { .. } => match r.moving.as_mut() {
+            Msg::Stdin { .. }
+            | Msg::StdinEof { .. }
+            | Msg::Signal { .. }
+            | Msg::Resize { .. }
+            | Msg::X11Data { .. }
+            | Msg::X11Close { .. } => match r.moving.as_mut() {
                 Some(mv) if mv.holding => {
                     mv.held_input.push(m);
                     ClientMsgRoute::Consumed

@@ -13,7 +13,8 @@ use std::string::{String, ToString};
 use std::vec::Vec;
 use std::format;
 
-pub const DESCRIPTOR_VERSION: u32 = 7;
+/// 7: sessions and process groups (`ProcessCore::sid`/`pgid`); 8: `FdKind::Reconnect` (X display connections).
+pub const DESCRIPTOR_VERSION: u32 = 8;
 /// Most processes one descriptor carries (a process and its descendants).
 pub const MAX_TREE_PROCESSES: usize = crate::abi::plan::MAX_TREE_PLANS;
 /// Upper bound accepted by [`Descriptor::decode`].
@@ -250,6 +251,12 @@ pub enum FdKind {
     /// An end of a pipe between processes of the tree (`Descriptor::pipes`
     /// of the tree's root, by index), with the descriptor's flags.
     TreePipe { pipe: u32, write: bool, flags: u32 },
+    /// A Unix stream socket connected to a proxy of the task's host that
+    /// serves it again on the target (the task's X display, `exec --x11`):
+    /// reconnected to the socket at `path` (inside the task's root), which
+    /// is first told `hello` (4 bytes, little-endian: which of the proxy's
+    /// connections this one is); the descriptor gets `flags`' `O_NONBLOCK`.
+    Reconnect { path: String, hello: u32, flags: u32 },
     Socket,
     /// Character/block device, anon inode (eventfd, epoll…), deleted file.
     Other { target: String },
@@ -455,9 +462,15 @@ impl Descriptor {
             if f.fd <= prev_fd || f.fd >= 1 << 20 {
                 return bad(format!("fd {} out of order/range", f.fd));
             }
-            if let FdKind::Reopen { path, .. } = &f.kind {
+            if let FdKind::Reopen { path, .. } | FdKind::Reconnect { path, .. } = &f.kind {
                 if path.contains('\0') || path.len() >= 4096 {
                     return bad(format!("fd {} path", f.fd));
+                }
+            }
+            if let FdKind::Reconnect { path, .. } = &f.kind {
+                // It must fit a `sockaddr_un` (108 bytes, NUL included).
+                if path.len() >= 108 || !path.starts_with('/') {
+                    return bad(format!("fd {} socket path", f.fd));
                 }
             }
             if let FdKind::Stream { of } = f.kind {

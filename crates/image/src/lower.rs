@@ -142,6 +142,12 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
                     e.offset = u64::from(*pipe);
                     e.open_flags = u64::from(*flags & libc_o_nonblock()) | u64::from(*write);
                 }
+                FdKind::Reconnect { path, hello, flags } => {
+                    e.kind = FdRestore::Connect as u64;
+                    e.offset = u64::from(*hello);
+                    e.open_flags = u64::from(*flags & libc_o_nonblock());
+                    e.path = blob.add(path.as_bytes());
+                }
                 _ if f.fd <= 2 => e.kind = FdRestore::Inherit as u64,
                 FdKind::Reopen { path, flags, offset } => {
                     e.kind = FdRestore::Reopen as u64;

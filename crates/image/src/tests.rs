@@ -268,3 +268,26 @@ fn sessions_and_groups_a_tree_can_reach_are_restorable_and_others_named() {
     assert_eq!(err(&[p(None, 2, 2, 0)]), SessionError::SessionLeaderInOtherGroup { pid: 2, pgid: 0 });
     assert_eq!(err(&[p(None, 2, 2, 2), p(Some(0), 3, 2, 0)]), SessionError::SandboxGroupOtherSession { pid: 3, sid: 2 });
 }
+
+#[test]
+fn a_display_connection_lowers_to_a_connect_that_names_its_stream() {
+    let mut d = crate::sample::descriptor(&[42]);
+    let path = "/tmp/.X11-unix/.starling-X10-reattach";
+    d.fds.push(FdEntry { fd: 20, kind: FdKind::Reconnect { path: path.into(), hello: 7, flags: 0o4002 } });
+    d.validate().expect("valid");
+    assert_eq!(Descriptor::decode(&d.encode()).expect("round trip"), d);
+    let opts = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false };
+    let plan = lower(&d, opts);
+    validate(&plan).expect("a valid plan");
+    let h: PlanHeader = read(&plan, 0);
+    let f = (0..h.n_fds).map(|i| read::<PlanFd>(&plan, h.fds_off + i * FD_SIZE as u64)).find(|f| f.fd == 20).expect("fd 20");
+    let at = (h.blob_off + f.path.off) as usize;
+    assert_eq!((f.kind, f.offset, f.open_flags), (FdRestore::Connect as u64, 7, 0o4000), "its stream, and only O_NONBLOCK of its flags");
+    assert_eq!(&plan[at..at + f.path.len as usize], path.as_bytes());
+    // A path that does not fit a sockaddr_un, or is not absolute, is refused.
+    for bad_path in ["x".repeat(108), "tmp/.X11-unix/X10".into()] {
+        let mut bad = d.clone();
+        bad.fds[4].kind = FdKind::Reconnect { path: bad_path.clone(), hello: 7, flags: 0 };
+        assert!(bad.validate().is_err(), "{bad_path:?}");
+    }
+}

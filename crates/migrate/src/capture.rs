@@ -54,6 +54,20 @@ pub struct CaptureOptions {
     pub root: PathBuf,
     /// Fetch-avoidance heuristics for the page classes.
     pub heuristics: bool,
+    /// Unix sockets that a proxy of the host serves again on the target.
+    pub reconnect: Option<Reconnect>,
+}
+
+/// Which of a task's Unix sockets (by inode) are connections of a proxy of its host that the
+/// target re-attaches (its X display, `exec --x11`): the path to reconnect to (inside the
+/// task's root) and the hello that names the connection to the proxy ([`FdKind::Reconnect`]).
+#[derive(Clone)]
+pub struct Reconnect(pub std::sync::Arc<dyn Fn(u64) -> Option<(String, u32)> + Send + Sync>);
+
+impl std::fmt::Debug for Reconnect {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Reconnect(..)")
+    }
 }
 
 /// Devices a task sandbox provides in its `/dev` (name, major, minor): a
@@ -263,13 +277,14 @@ pub fn stdio_pipes(pid: i32) -> Vec<(i32, String)> {
 
 /// Refuse what cannot move, without stopping anything: the process tree
 /// `pid` is the root of, each of its processes' timers and descriptors.
-pub fn precheck(pid: i32, root: &Path) -> Result<Vec<Member>> {
+pub fn precheck(pid: i32, opts: &CaptureOptions) -> Result<Vec<Member>> {
     let members = tree(pid)?;
     sessions(&members)?;
     let mut ctx = TreeFds::new(&members);
+    ctx.reconnect.clone_from(&opts.reconnect);
     for m in &members {
         listed_timers(m.pid)?;
-        classify_fds(m.pid, root, &mut ctx)?;
+        classify_fds(m.pid, &opts.root, &mut ctx)?;
     }
     Ok(members)
 }
@@ -285,6 +300,8 @@ pub struct TreeFds {
     holders: std::collections::HashMap<String, Vec<i32>>,
     /// The tree's pipes by index: `pipe:[N]` and a descriptor on it.
     pub pipes: Vec<(String, String)>,
+    /// Sockets a proxy of the host serves again on the target.
+    pub reconnect: Option<Reconnect>,
 }
 
 impl TreeFds {
@@ -294,6 +311,7 @@ impl TreeFds {
             members: members.iter().map(|m| m.pid).collect(),
             holders: pipe_holders(),
             pipes: Vec::new(),
+            reconnect: None,
         }
     }
 
@@ -516,7 +534,11 @@ pub fn classify_fds(pid: i32, root: &Path, ctx: &mut TreeFds) -> Result<Vec<FdEn
                 FdKind::TreePipe { pipe: ctx.pipe(&target, &link), write, flags }
             }
         } else if target.starts_with("socket:") {
-            return refuse("a socket: network connections cannot move");
+            let inode = target.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']')).and_then(|n| n.parse::<u64>().ok());
+            match inode.zip(ctx.reconnect.as_ref()).and_then(|(ino, r)| (r.0)(ino)) {
+                Some((path, hello)) => FdKind::Reconnect { path, hello, flags },
+                None => return refuse("a socket: network connections cannot move"),
+            }
         } else if target.ends_with(" (deleted)") {
             return refuse("a deleted file");
         } else {
@@ -752,6 +774,7 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
 /// process `members[i]`, as [`tree`] lists them).
 pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> Result<Descriptor> {
     let mut ctx = TreeFds::new(members);
+    ctx.reconnect.clone_from(&opts.reconnect);
     let mut images = Vec::with_capacity(frozen.len());
     for (f, (sid, pgid)) in frozen.iter().zip(sessions(members)?) {
         let mut d = capture_process(f, opts, &mut ctx)?;

@@ -198,7 +198,7 @@ fn arm(pid: i32, region_opts: RegionOptions) -> Result<DirtyTracker> {
 pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn SourceHooks) -> Result<SourceReport> {
     let start = Instant::now();
     let mut report = SourceReport::default();
-    let members = precheck(pid, &opts.capture.root)?;
+    let members = precheck(pid, &opts.capture)?;
     let (mut reader, mut w) = conn;
     let payload = hooks.prepare().map_err(|reason| MigrateError::Hook { stage: "prepare", reason })?;
     wire::send(&mut w, &ToTarget::Prepare { payload })?;

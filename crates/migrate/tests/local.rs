@@ -152,7 +152,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         }
         Ok((status, outcomes))
     });
-    let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
+    let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true, reconnect: None }, "127.0.0.1".parse().unwrap());
     opts.key = key;
     let report = migrate_out(p.pid, connect_proven(addr, &key, true).unwrap(), &opts, &mut NoHooks);
     (report, target.join().unwrap())
@@ -301,7 +301,7 @@ fn target_lost_mid_migration_leaves_the_process_running_here() {
         let _ = r.read_exact(&mut buf);
         drop((r, w));
     });
-    let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true }, "127.0.0.1".parse().unwrap());
+    let mut opts = SourceOptions::new(CaptureOptions { root: "/".into(), heuristics: true, reconnect: None }, "127.0.0.1".parse().unwrap());
     opts.key = key;
     let r = migrate_out(p.pid, connect_proven(addr, &key, true).unwrap(), &opts, &mut NoHooks);
     target.join().unwrap();

@@ -255,6 +255,21 @@ pub enum Msg {
     /// revocation list changes: the serials of every revoked certificate. Hosts also serve each
     /// other (chunk sharing), so each must refuse, and drop, a host whose certificate was revoked.
     Revoked { serials: Vec<String> },
+
+    // ---- X11 forwarding (`exec --x11`; appended: variants are encoded by index)
+    /// Agent → client: the task opened X connection `stream` on the display its host serves it;
+    /// the client connects to its own X server for it.
+    X11Open { task: TaskId, stream: u32 },
+    /// Either way: bytes of X connection `stream`, in order.
+    X11Data {
+        task: TaskId,
+        stream: u32,
+        #[serde(with = "serde_bytes")]
+        data: Vec<u8>,
+    },
+    /// Either way: the sender's end of X connection `stream` closed (the program's, or the X
+    /// server's); the receiver closes its end.
+    X11Close { task: TaskId, stream: u32 },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -292,7 +307,10 @@ impl Msg {
             | Msg::Finished { task, .. }
             | Msg::CloneStats { task, .. }
             | Msg::CloneProgress { task, .. }
-            | Msg::Committed { task, .. } => Some(*task),
+            | Msg::Committed { task, .. }
+            | Msg::X11Open { task, .. }
+            | Msg::X11Data { task, .. }
+            | Msg::X11Close { task, .. } => Some(*task),
             _ => None,
         }
     }

@@ -497,6 +497,31 @@ pub struct TaskSpec {
     /// What happens to this task when its host's owner becomes active
     /// (`exec/run --policy`); `None`: the host's own policy.
     pub policy: Option<GuestPolicy>,
+    /// `exec --x11`: the task gets a `DISPLAY` served by its host, each X connection relayed to
+    /// the client's own X server (as `ssh -X`). `None`: no display.
+    pub x11: Option<X11Forward>,
+}
+
+/// An X11-forwarded task's display: the authorization its programs must present (written
+/// into the task's Xauthority on its host). It is a stand-in made by the client for this task
+/// only: the client checks it in each connection's setup and puts the real server's cookie in
+/// its place, so the real one never leaves the user's machine (as `ssh -X` does).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct X11Forward {
+    /// The authorization protocol (`MIT-MAGIC-COOKIE-1`).
+    pub auth_name: String,
+    /// The stand-in cookie.
+    #[serde(with = "serde_bytes")]
+    pub auth_data: Vec<u8>,
+}
+
+/// Longest authorization name and data an [`X11Forward`] carries.
+pub const X11_AUTH_MAX: usize = 256;
+
+impl std::fmt::Debug for X11Forward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "X11Forward({}, ..)", self.auth_name)
+    }
 }
 
 /// The Linger-Longer policies (the seed's ch. 3): what a guest does when
@@ -630,6 +655,13 @@ pub const TASK_INDEX_ENV: &str = "STARLING_TASK";
 /// The variable a job's task finds the job's number of tasks in.
 pub const TASK_COUNT_ENV: &str = "STARLING_TASKS";
 
+fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
+    if len > max {
+        return Err(Invalid::TooLarge { what, len, max }.into());
+    }
+    Ok(())
+}
+
 impl TaskSpec {
     /// `argv` in `cwd` as root with umask 022, and nothing else: no
     /// environment, limits, host, job, bindings, clone, terminal or policy.
@@ -652,6 +684,7 @@ impl TaskSpec {
             clone: None,
             terminal: None,
             policy: None,
+            x11: None,
         }
     }
 
@@ -696,6 +729,10 @@ impl TaskSpec {
             if t.modes.as_ref().is_some_and(|m| m.cc.len() > TERMINAL_CC_LEN) {
                 return Err(Invalid::TerminalModes.into());
             }
+        }
+        if let Some(x) = &self.x11 {
+            check_len("X11 authorization name", x.auth_name.len(), X11_AUTH_MAX)?;
+            check_len("X11 authorization data", x.auth_data.len(), X11_AUTH_MAX)?;
         }
         for (p, entries) in &self.listings {
             p.validate()?;

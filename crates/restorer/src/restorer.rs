@@ -55,6 +55,8 @@ mod nr {
     pub const OPEN: usize = 2;
     pub const CLOSE: usize = 3;
     pub const LSEEK: usize = 8;
+    pub const SOCKET: usize = 41;
+    pub const CONNECT: usize = 42;
     pub const MMAP: usize = 9;
     pub const MUNMAP: usize = 11;
     pub const RT_SIGACTION: usize = 13;
@@ -1210,6 +1212,7 @@ fn restore_fds(keep_above: i32) {
                     r
                 }
             }
+            Some(FdRestore::Connect) => connect_unix(&f),
             None => die(RestorerExit::BadPlan, "unknown fd kind", f.kind, 0),
         };
         if opened < 0 {
@@ -1233,6 +1236,43 @@ fn restore_fds(keep_above: i32) {
             }
         }
     }
+}
+
+/// A Unix stream socket connected to the plan's path, which is told the
+/// fd's hello (4 bytes, little-endian) first: a connection of a proxy of the
+/// task's host (its X display) that the proxy re-attaches to the same stream.
+fn connect_unix(f: &PlanFd) -> isize {
+    const AF_UNIX: usize = 1;
+    const SOCK_STREAM: usize = 1;
+    const F_SETFL: usize = 4;
+    let path = blob(f.path);
+    // struct sockaddr_un: sa_family_t, then the path (validated: < 108 bytes).
+    let mut addr = [0u8; 2 + SOCKET_PATH_MAX as usize];
+    addr[0] = AF_UNIX as u8;
+    addr[2..2 + path.len()].copy_from_slice(path);
+    // SAFETY: socket(2) takes no pointers.
+    let s = unsafe { sys!(nr::SOCKET, AF_UNIX, SOCK_STREAM, 0) };
+    if s < 0 {
+        return s;
+    }
+    // SAFETY: connect reads `2 + len + 1` bytes of the live local address.
+    let r = unsafe { sys!(nr::CONNECT, s, addr.as_ptr(), 2 + path.len() + 1) };
+    if r < 0 {
+        return r;
+    }
+    let hello = (f.offset as u32).to_le_bytes();
+    let mut sent = 0;
+    while sent < hello.len() {
+        // SAFETY: write reads the rest of the live local array.
+        let n = unsafe { sys!(nr::WRITE, s, hello.as_ptr().add(sent), hello.len() - sent) };
+        if n < 0 {
+            return n;
+        }
+        sent += n as usize;
+    }
+    // SAFETY: fcntl(F_SETFL) on the socket we made.
+    unsafe { sys!(nr::FCNTL, s, F_SETFL, f.open_flags & 0o4000) };
+    s
 }
 
 fn restore_process_state() {

@@ -22,4 +22,4 @@ pub mod prethrow;
 mod session;
 pub mod spec;
 
-pub use session::{connect, Grant, Pending, Session, SessionError, SessionOptions, TaskEvent, TaskHandle};
+pub use session::{connect, Grant, Pending, Session, SessionError, SessionOptions, TaskEvent, TaskHandle, X11Event};

@@ -72,6 +72,19 @@ pub enum TaskEvent {
     /// One clone of a clone task ended (clone tasks only, before `Finished`):
     /// its status if its restorer reported one, and its fault-handler counters.
     CloneStats { clone_id: u32, status: Option<ExitStatus>, counters: starling_proto::CloneCounters },
+    /// An X connection of an X11-forwarded task (`exec --x11`), on the task's side.
+    X11(X11Event),
+}
+
+/// What happened to one X connection of a task (`stream`: its number within the task).
+#[derive(Debug)]
+pub enum X11Event {
+    /// The task's program connected to its display.
+    Open(u32),
+    /// It sent these bytes to its X server.
+    Data(u32, Vec<u8>),
+    /// It closed the connection.
+    Close(u32),
 }
 
 impl TaskEvent {
@@ -418,6 +431,9 @@ impl Session {
                 Msg::Error { task: None, message } => break Closed::Protocol(Arc::new(ProtoError::Refused(message))),
                 Msg::Error { task: Some(task), message } => self.emit(task, TaskEvent::Lost(message)),
                 Msg::Output { task, stream, data } => self.emit(task, TaskEvent::Output(stream, data)),
+                Msg::X11Open { task, stream } => self.emit(task, TaskEvent::X11(X11Event::Open(stream))),
+                Msg::X11Data { task, stream, data } => self.emit(task, TaskEvent::X11(X11Event::Data(stream, data))),
+                Msg::X11Close { task, stream } => self.emit(task, TaskEvent::X11(X11Event::Close(stream))),
                 Msg::CloneStats { task, clone_id, status, counters } => {
                     self.emit(task, TaskEvent::CloneStats { clone_id, status, counters })
                 }

@@ -58,6 +58,7 @@ pub fn capture(argv: Vec<OsString>) -> Result<TaskSpec, SpecError> {
         launch_ns: now_ns(),
         clone: None,
         policy: None,
+        x11: None,
         terminal: None,
     })
 }

@@ -206,7 +206,14 @@ pub enum FdRestore {
     /// write end if `open_flags` is `O_WRONLY`, else its read end; the
     /// descriptor gets `open_flags`' `O_NONBLOCK`.
     TreePipe = 6,
+    /// A Unix stream socket connected to `path`, which is first sent
+    /// `offset` as 4 bytes (little-endian); the descriptor gets
+    /// `open_flags`' `O_NONBLOCK`.
+    Connect = 7,
 }
+
+/// Longest socket path of an [`FdRestore::Connect`] (a `sockaddr_un`'s `sun_path`, NUL included).
+pub const SOCKET_PATH_MAX: u64 = 108;
 
 impl FdRestore {
     pub const fn from_u64(v: u64) -> Option<FdRestore> {
@@ -217,6 +224,7 @@ impl FdRestore {
             4 => FdRestore::PipeWriteEpipe,
             5 => FdRestore::Dup,
             6 => FdRestore::TreePipe,
+            7 => FdRestore::Connect,
             _ => return None,
         })
     }
@@ -439,6 +447,10 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
         }
         if f.restore_kind() == Some(FdRestore::TreePipe) && (f.offset >= h.tree_pipes || f.fd >= h.pipe_fd_base) {
             return invalid("fd of a tree pipe", f.fd);
+        }
+        // A socket path fits a `sockaddr_un` (108 bytes, NUL included); the hello is 4 bytes.
+        if f.restore_kind() == Some(FdRestore::Connect) && (f.path.len >= SOCKET_PATH_MAX || f.offset > u64::from(u32::MAX)) {
+            return invalid("fd of a socket", f.fd);
         }
     }
     Ok(())
