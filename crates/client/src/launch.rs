@@ -44,7 +44,7 @@ pub struct Prediction {
 impl Prediction {
     /// After the run: learn the profile, and remember what the head now holds.
     pub fn finish(&mut self, files: &FileServer, accessed: &[WirePath]) {
-        self.profile.record(accessed, &self.sent);
+        self.profile.record(accessed, &self.sent, &self.temp_dirs);
         self.profile.save();
         if let Some(j) = self.job_paths.as_mut() {
             j.record(accessed, &self.temp_dirs);
