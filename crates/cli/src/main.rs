@@ -654,6 +654,14 @@ fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("tokio runtime")
 }
 
+/// `exec`'s runtime: one thread. A task's client only passes a few messages,
+/// its output and its file answers (those on blocking threads): worker
+/// threads would cost more to start than they save, for every compile of a
+/// `make -j CC='starling exec gcc'` (issue 18).
+fn exec_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread().enable_all().build().expect("tokio runtime")
+}
+
 /// The daemons (head, agent, link relay) write to connections whose other end
 /// may close at any moment: that must fail the write on that connection
 /// (EPIPE), not end the process. `main` gives every command SIGPIPE's
@@ -744,7 +752,7 @@ fn run(cli: Cli) -> Result<i32> {
                 (_, true) => starling_client::terminal::TerminalMode::Never,
                 _ => starling_client::terminal::TerminalMode::Auto,
             };
-            let rt = runtime();
+            let rt = exec_runtime();
             let (host, roam) = if a.roam {
                 let roam = roam_profile(a.profile.as_deref())?;
                 rt.block_on(ensure_home(&cfg, &ctx.target))?;
@@ -753,7 +761,11 @@ fn run(cli: Cli) -> Result<i32> {
                 (a.host, None)
             };
             let opts = starling_client::exec::ExecOptions { host, job: a.job, terminal, roam, x11: a.x11 };
-            Ok(rt.block_on(starling_client::exec::run(&ctx, spec, opts))?)
+            let code = rt.block_on(starling_client::exec::run(&ctx, spec, opts))?;
+            // The process exits next and its threads end with it: shutting the
+            // runtime down first would only wake each blocking thread to join it.
+            std::mem::forget(rt);
+            Ok(code)
         }
         Cmd::Run(a) => {
             init_logging(cfg.log.as_deref(), "warn");

@@ -44,7 +44,7 @@ pub struct Prediction {
 impl Prediction {
     /// After the run: learn the profile, and remember what the head now holds.
     pub fn finish(&mut self, files: &FileServer, accessed: &[WirePath]) {
-        self.profile.record(accessed, &self.sent);
+        self.profile.record(accessed, &self.sent, &self.temp_dirs);
         self.profile.save();
         if let Some(j) = self.job_paths.as_mut() {
             j.record(accessed, &self.temp_dirs);
@@ -57,19 +57,35 @@ impl Prediction {
     }
 }
 
-/// Wall time of each stage of one launch, in order (for `client.stats_file`).
+/// Wall time and process CPU time of each stage of one launch, in order
+/// (for `client.stats_file`). The first stage's CPU counts from the
+/// process's start, so it includes exec and the dynamic loader.
 #[derive(Default, Debug)]
-pub struct Stages(Vec<(&'static str, std::time::Duration)>);
+pub struct Stages(Vec<(&'static str, std::time::Duration, std::time::Duration)>);
+
+/// CPU time of this process (all its threads) since it started.
+fn process_cpu() -> std::time::Duration {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into memory we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &raw mut ts) };
+    std::time::Duration::new(u64::try_from(ts.tv_sec).unwrap_or(0), u32::try_from(ts.tv_nsec).unwrap_or(0))
+}
 
 impl Stages {
     /// Record stage `name` as lasting from `from` to `to`; returns `to`.
     pub fn stamp(&mut self, name: &'static str, from: std::time::Instant, to: std::time::Instant) -> std::time::Instant {
-        self.0.push((name, to.saturating_duration_since(from)));
+        let cpu = process_cpu();
+        let before: std::time::Duration = self.0.iter().map(|s| s.2).sum();
+        self.0.push((name, to.saturating_duration_since(from), cpu.saturating_sub(before)));
         to
     }
 
     fn to_json(&self) -> serde_json::Value {
-        self.0.iter().map(|(k, d)| ((*k).to_string(), serde_json::json!(d.as_secs_f64() * 1000.0))).collect::<serde_json::Map<_, _>>().into()
+        self.0.iter().map(|(k, d, _)| ((*k).to_string(), serde_json::json!(d.as_secs_f64() * 1000.0))).collect::<serde_json::Map<_, _>>().into()
+    }
+
+    fn cpu_json(&self) -> serde_json::Value {
+        self.0.iter().map(|(k, _, c)| ((*k).to_string(), serde_json::json!(c.as_secs_f64() * 1000.0))).collect::<serde_json::Map<_, _>>().into()
     }
 }
 
@@ -113,6 +129,7 @@ pub fn write_stats(
         "job_predicted": prediction.map_or(0, |p| p.job_predicted),
         "push_held_skipped": prediction.map_or(0, |p| p.held_skipped),
         "stages_ms": stages.map(Stages::to_json),
+        "stages_cpu_ms": stages.map(Stages::cpu_json),
         "since_main_ms": ctx.started.elapsed().as_secs_f64() * 1000.0,
         "cpu_user_ms": cpu_user_ms,
         "cpu_sys_ms": cpu_sys_ms,

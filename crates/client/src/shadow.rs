@@ -219,12 +219,10 @@ impl JobPaths {
     /// directory: its names are new every run, and its listing travels
     /// with every launch anyway).
     pub fn record(&mut self, accessed: &[WirePath], skip: &[WirePath]) {
-        let under = |p: &WirePath, d: &WirePath| {
-            let (p, d) = (p.as_bytes(), d.as_bytes());
-            d != b"/" && p.len() > d.len() && p.starts_with(d) && p[d.len()] == b'/'
-        };
-        let new: Vec<&WirePath> =
-            accessed.iter().filter(|p| !self.known.contains(*p) && !skip.iter().any(|d| under(p, d))).collect();
+        let new: Vec<&WirePath> = accessed
+            .iter()
+            .filter(|p| !self.known.contains(*p) && !skip.iter().any(|d| starling_session::prethrow::is_under(p, d)))
+            .collect();
         if new.is_empty() {
             return;
         }

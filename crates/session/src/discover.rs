@@ -52,6 +52,13 @@ impl Target {
         Err(DiscoverError::NoCluster)
     }
 
+    /// Whether we reach the head over its own local socket, with no network
+    /// between us (an embedded cluster without an emulated link, `up
+    /// --slurm`'s head): frames are then not worth compressing.
+    pub fn head_is_local(&self) -> bool {
+        self.record.as_ref().is_some_and(|r| r.link.is_none()) && self.socket.as_ref().is_some_and(|p| p.exists())
+    }
+
     /// A head given by address.
     pub fn named(addr: &str) -> Target {
         Target {

@@ -6,7 +6,11 @@
 //! launch, so the task finds them without asking back across the link.
 //! A prediction is only a hint: a wrong one costs speed, never correctness,
 //! because every binding is computed from the file as it is at launch
-//! (never a stale prethrow). Entries reported unused expire.
+//! (never a stale prethrow). Entries reported unused expire. Names in the
+//! task's temp directory are not learned (they are new every run, and the
+//! directory's listing travels with every launch anyway). A profile is
+//! rewritten only when what it predicts or expires changed: a warm
+//! program's launches leave it as it is.
 //!
 //! The profile key is the resolved program, plus the script for
 //! interpreters (all Python programs would otherwise share one profile).
@@ -18,7 +22,8 @@ use std::collections::BTreeMap;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-/// A path used in at least this many past runs is prethrown.
+/// A path used in at least this many past runs is prethrown (`seen` counts
+/// no further: a predicted path's profile entry stays as it is).
 const MIN_SEEN: u32 = 2;
 /// A prethrown path the task did not use this many times in a row is dropped.
 const EXPIRE_UNUSED: u32 = 2;
@@ -37,10 +42,12 @@ struct Entry {
 #[derive(Serialize, Deserialize, Default)]
 pub struct Profile {
     key: String,
-    runs: u32,
     entries: BTreeMap<String, Entry>,
     #[serde(skip)]
     file: PathBuf,
+    /// Changed since loaded: [`Profile::save`] writes it.
+    #[serde(skip)]
+    changed: bool,
 }
 
 fn find_in_path(prog: &[u8], spec: &TaskSpec) -> Option<PathBuf> {
@@ -101,25 +108,37 @@ impl Profile {
             .collect()
     }
 
-    /// Learn from one finished run: what it accessed, and what we had prethrown.
-    pub fn record(&mut self, accessed: &[WirePath], prethrown: &[WirePath]) {
-        self.runs += 1;
+    /// Learn from one finished run: what it accessed, and what we had
+    /// prethrown. New names under `temp_dirs` are not learned.
+    pub fn record(&mut self, accessed: &[WirePath], prethrown: &[WirePath], temp_dirs: &[WirePath]) {
         let used: std::collections::HashSet<&[u8]> = accessed.iter().map(|p| p.as_bytes()).collect();
         for p in accessed {
-            let e = self.entries.entry(String::from_utf8_lossy(p.as_bytes()).into_owned()).or_default();
-            e.seen = e.seen.saturating_add(1);
-            e.unused = 0;
+            let key = String::from_utf8_lossy(p.as_bytes());
+            let e = match self.entries.get_mut(&*key) {
+                Some(e) => e,
+                None if temp_dirs.iter().any(|d| is_under(p, d)) => continue,
+                None => {
+                    self.changed = true;
+                    self.entries.entry(key.into_owned()).or_default()
+                }
+            };
+            if e.seen < MIN_SEEN || e.unused != 0 {
+                e.seen = e.seen.saturating_add(1).min(MIN_SEEN);
+                e.unused = 0;
+                self.changed = true;
+            }
         }
         for p in prethrown {
             if !used.contains(p.as_bytes()) {
                 if let Some(e) = self.entries.get_mut(&*String::from_utf8_lossy(p.as_bytes())) {
                     e.unused += 1;
+                    self.changed = true;
                 }
             }
         }
         self.entries.retain(|_, e| e.unused < EXPIRE_UNUSED);
         if self.entries.len() > MAX_ENTRIES {
-            // Keep the most used.
+            // Keep the predicted ones.
             let mut v: Vec<(String, Entry)> = std::mem::take(&mut self.entries).into_iter().collect();
             v.sort_by_key(|e| std::cmp::Reverse(e.1.seen));
             v.truncate(MAX_ENTRIES);
@@ -127,8 +146,12 @@ impl Profile {
         }
     }
 
-    /// Save (atomically; concurrent runs of one program may race: last wins, it's a hint).
-    pub fn save(&self) {
+    /// Save if changed (atomically; concurrent runs of one program may race:
+    /// last wins, it's a hint).
+    pub fn save(&mut self) {
+        if !std::mem::take(&mut self.changed) {
+            return;
+        }
         if let Some(dir) = self.file.parent() {
             let _ = std::fs::create_dir_all(dir);
         }
@@ -221,6 +244,12 @@ pub fn list(files: &FileServer, dirs: &[WirePath]) -> Vec<(WirePath, Vec<starlin
         .collect()
 }
 
+/// Whether `p` is strictly below directory `dir` (`/` counts as no directory).
+pub fn is_under(p: &WirePath, dir: &WirePath) -> bool {
+    let (p, d) = (p.as_bytes(), dir.as_bytes());
+    d != b"/" && p.len() > d.len() && p.starts_with(d) && p[d.len()] == b'/'
+}
+
 /// Lexically normalise an absolute path (no symlink resolution: the task
 /// resolves symlinks itself, through bindings).
 pub fn normalise(p: &Path) -> Option<WirePath> {
@@ -257,18 +286,44 @@ mod tests {
     fn paths_seen_twice_are_predicted_and_unused_ones_expire() {
         let dir = tempfile::tempdir().unwrap();
         let mut p = Profile::load(dir.path(), "/usr/bin/gcc");
-        p.record(&[wp("/a"), wp("/tmp/cc1.s")], &[]);
+        p.record(&[wp("/a"), wp("/b")], &[], &[]);
         assert!(p.predicted().is_empty(), "one run predicts nothing");
-        p.record(&[wp("/a"), wp("/tmp/cc2.s")], &[]);
+        p.record(&[wp("/a")], &[], &[]);
         assert_eq!(p.predicted(), vec![wp("/a")], "only paths seen in more than one run");
         p.save();
         let mut q = Profile::load(dir.path(), "/usr/bin/gcc");
         assert_eq!(q.predicted(), vec![wp("/a")], "persisted");
-        q.record(&[], &[wp("/a")]);
+        q.record(&[], &[wp("/a")], &[]);
         assert_eq!(q.predicted(), vec![wp("/a")], "one unused report keeps it");
-        q.record(&[], &[wp("/a")]);
+        q.record(&[], &[wp("/a")], &[]);
         assert!(q.predicted().is_empty(), "reported unused twice: expired");
         assert!(Profile::load(dir.path(), "/usr/bin/cc").predicted().is_empty(), "profiles are per program");
+    }
+
+    #[test]
+    fn temp_names_are_not_learned_and_a_warm_profile_is_not_rewritten() {
+        let dir = tempfile::tempdir().unwrap();
+        let tmp = [wp("/tmp")];
+        let mut p = Profile::load(dir.path(), "/usr/bin/gcc");
+        for s in ["/tmp/cc1.s", "/tmp/cc2.s"] {
+            p.record(&[wp("/a"), wp(s)], &[], &tmp);
+        }
+        p.save();
+        let file = dir.path().join(format!("{}.json", &blake3::hash(b"/usr/bin/gcc").to_hex()[..32]));
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(!text.contains("/tmp/"), "no temp name in the profile: {text}");
+        assert!(text.contains("\"/a\""), "the path it used: {text}");
+        // A run that uses what was predicted changes nothing: no rewrite.
+        std::fs::write(&file, b"{\"key\":\"/usr/bin/gcc\",\"entries\":{\"/a\":{\"seen\":2,\"unused\":0}},\"marker\":1}").unwrap();
+        let mut q = Profile::load(dir.path(), "/usr/bin/gcc");
+        q.record(&[wp("/a"), wp("/tmp/cc3.s")], &[wp("/a")], &tmp);
+        q.save();
+        assert!(std::fs::read_to_string(&file).unwrap().contains("marker"), "unchanged profile rewritten");
+        // A new path is learned and saved.
+        q.record(&[wp("/a"), wp("/c")], &[wp("/a")], &tmp);
+        q.save();
+        let text = std::fs::read_to_string(&file).unwrap();
+        assert!(text.contains("\"/c\"") && !text.contains("marker"), "{text}");
     }
 
     #[test]

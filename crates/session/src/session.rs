@@ -176,7 +176,8 @@ pub struct Session {
 }
 
 pub struct SessionOptions {
-    /// zstd on chunk transfers and on frames over the link.
+    /// zstd on chunk transfers and on frames over the link (frames on the
+    /// head's own local socket never are: see [`Target::head_is_local`]).
     pub compress: bool,
     /// Where the recipe cache lives (`client.cache_dir`).
     pub cache_dir: PathBuf,
@@ -252,8 +253,9 @@ impl Session {
         // Pipelined: the launch can follow our hello in the same flight.
         let sock = dial(target).await?;
         let (r, w) = tokio::io::split(sock);
+        let compress_frames = opts.compress && !target.head_is_local();
         let (incoming, tx) =
-            open_pipelined(r, w, Role::Client, "client", opts.compress).await.map_err(SessionError::Handshake)?;
+            open_pipelined(r, w, Role::Client, "client", compress_frames).await.map_err(SessionError::Handshake)?;
         let session = Session {
             head_addr: target.head_addr.clone(),
             cluster_id: target.cluster_id.clone(),
