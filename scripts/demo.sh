@@ -3,7 +3,8 @@
 # through `starling exec`, timed against the same build done locally, outputs compared;
 # then a remote fork: a running C program cloned onto every core of the cluster;
 # then a live migration: a running program moved between three hosts, and a process tree; then Snowbird (a program started
-# at home with `exec --roam`, moved to a host and back); then Linger-Longer (a guest
+# at home with `exec --roam`, moved to a host and back); then VMGL (an X11 window stays on your display while its
+# program moves); then Linger-Longer (a guest
 # under an active owner, an IE rerun); then a CA rotation under a running task; then a Slurm pilot job (`up --slurm`) on a local Slurm.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -179,6 +180,44 @@ if [ "$rc" = 7 ] && cmp -s "$W/home.bin" "$W/roamed.bin"; then
     echo "   the file it wrote at home, on h2 and at home again, and its exit status, are those of an undisturbed run"
 else
     echo "   ROAMED RUN DIFFERS (exit $rc)"; exit 1
+fi
+echo
+if command -v Xvfb >/dev/null && command -v xauth >/dev/null && command -v xdpyinfo >/dev/null \
+   && command -v xwininfo >/dev/null && command -v xprop >/dev/null && [ -f /usr/include/X11/Xlib.h ]; then
+    echo "== VMGL: the display stays with you. Your X server (an Xvfb here, 1234x567, admitting only its cookie)"
+    echo "   is used by programs on the hosts through \`exec -X\` (as ssh -X: the real cookie never leaves);"
+    echo "   an Xlib program's window stays up while the program moves h1 -> h2 -> h3"
+    xauthf="$W/Xauthority"; : > "$xauthf"
+    exec {xfd}> >(cat > "$W/xvfb.display")
+    Xvfb -displayfd "$xfd" -screen 0 1234x567x24 -auth "$xauthf" -nolisten tcp 2> "$W/xvfb.log" &
+    XVFB_PID=$!
+    exec {xfd}>&-
+    for _ in $(seq 100); do [ -s "$W/xvfb.display" ] && break; sleep 0.1; done
+    xdisplay=":$(head -1 "$W/xvfb.display")"
+    xauth -f "$xauthf" add "$xdisplay" MIT-MAGIC-COOKIE-1 "$(od -An -N16 -tx1 /dev/urandom | tr -d ' \n')"
+    export DISPLAY="$xdisplay" XAUTHORITY="$xauthf"
+    $S exec -X -T --host h2 -- xdpyinfo | grep dimensions | sed 's/^ */   on h2, xdpyinfo: /'
+    gcc -O1 -o "$W/ticker" tests/x11/ticker.c -lX11
+    coproc TICKER { cd "$W" && exec "$S" exec -X -T --host h1 -- ./ticker starling-demo-window 2>&1; }
+    read -r _ wid <&"${TICKER[0]}"
+    xtask=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "./ticker" in r["command"]))')
+    ticks() { xprop -id "$wid" STARLING_TICKS | sed 's/.*= //'; }
+    echo "   window $wid made on h1; its program has bumped a property $(ticks) times"
+    for to in h2 h3; do
+        $S migrate "$xtask" --to "$to" | sed 's/^/   /'
+        before=$(ticks); sleep 1
+        if xwininfo -root -tree | grep -q "$wid \"starling-demo-window\"" && [ "$(ticks)" -gt "$before" ]; then
+            echo "   on $to: the same window $wid, and its program's requests still reach the server ($(ticks) bumps)"
+        else
+            echo "   THE WINDOW DID NOT SURVIVE THE MOVE TO $to"; exit 1
+        fi
+    done
+    kill -INT "$TICKER_PID" 2>/dev/null || true
+    wait "$TICKER_PID" 2>/dev/null || true
+    kill "$XVFB_PID"; wait "$XVFB_PID" 2>/dev/null || true
+    unset DISPLAY XAUTHORITY
+else
+    echo "== (skipping the VMGL display step: it needs Debian's xvfb, xauth, x11-utils and libx11-dev, as .ci/run installs)"
 fi
 echo
 echo "== Linger-Longer: a guest on h1 while h1's owner burns every core (guest at cpu.idle)"
