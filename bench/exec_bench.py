@@ -184,6 +184,7 @@ def measure(cmd, env, cwd, timeout=None, check=True):
         for k in ("bytes_up", "bytes_down", "flights_up", "connections"):
             res[k] = after[k] - before[k]
     res["launches"] = len(lines)
+    res["lines"] = lines
     res["tasks"] = sum(l.get("tasks", 1) for l in lines)
     if lines:
         res["file_requests"] = sum(l["file_requests"] for l in lines)
