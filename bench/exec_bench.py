@@ -145,6 +145,22 @@ def settled_counters():
     return last
 
 
+def guest_cpu_s():
+    """CPU time (s) the instance's emulated hosts' cgroups have used (cpuacct; None without it)."""
+    total = None
+    for f in pathlib.Path("/sys/fs/cgroup/cpuacct/starling").glob(f"starling{INSTANCE}-h*/cpuacct.usage"):
+        try:
+            total = (total or 0) + int(f.read_text()) / 1e9
+        except (OSError, ValueError):
+            pass
+    return total
+
+
+def children_cpu_s():
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def measure(cmd, env, cwd, timeout=None, check=True):
     """Run `cmd` once; return wall time, the link bytes/flights it caused and
     the client's per-launch stats (STARLING_STATS_FILE lines it appended)."""
@@ -152,6 +168,7 @@ def measure(cmd, env, cwd, timeout=None, check=True):
     stats = pathlib.Path(tempfile.mktemp(prefix="starling-stats-", dir="/tmp"))
     env = dict(env, STARLING_STATS_FILE=str(stats))
     before = settled_counters()
+    cpu0, guest0 = children_cpu_s(), guest_cpu_s()
     t0 = time.monotonic()
     # Own session, so that on a timeout the whole tree we started (make, its
     # starling clients) can be stopped by its process group id.
@@ -165,6 +182,7 @@ def measure(cmd, env, cwd, timeout=None, check=True):
         raise RuntimeError(f"{cmd} timed out after {timeout} s")
     r = subprocess.CompletedProcess(cmd, p.returncode, out, err)
     wall = time.monotonic() - t0
+    guest1 = guest_cpu_s()
     after = settled_counters()
     if check and r.returncode:
         raise RuntimeError(f"{cmd} failed (rc={r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
@@ -179,11 +197,16 @@ def measure(cmd, env, cwd, timeout=None, check=True):
         if bad:
             print(f"  warning: {bad} unreadable STARLING_STATS_FILE lines", flush=True)
         stats.unlink()
-    res = {"wall_s": wall, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr}
+    res = {"wall_s": wall, "rc": r.returncode, "stdout": r.stdout, "stderr": r.stderr,
+           # CPU of what ran here (a local build's compiles; starling's clients), and of the cluster's tasks
+           # and agents (the emulated hosts' cgroups), over the command.
+           "local_cpu_s": children_cpu_s() - cpu0,
+           "guest_cpu_s": None if guest0 is None or guest1 is None else guest1 - guest0}
     if before is not None and after is not None:
         for k in ("bytes_up", "bytes_down", "flights_up", "connections"):
             res[k] = after[k] - before[k]
     res["launches"] = len(lines)
+    res["lines"] = lines
     res["tasks"] = sum(l.get("tasks", 1) for l in lines)
     if lines:
         res["file_requests"] = sum(l["file_requests"] for l in lines)

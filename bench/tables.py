@@ -407,16 +407,23 @@ def render_predict(doc):
     rows = []
     for k in ("build1", "build2", "build3", "edit"):
         r = doc["results"][k]
-        rows.append([names[k], f"{r['wall_s']:.2f}", dash(r["launches"]), dash(r["file_requests"]),
+        cores = r["guest_cpu_s"] / r["wall_s"] if r.get("guest_cpu_s") is not None else None
+        rows.append([names[k], f"{r['wall_s']:.2f}", dash(r.get("load")), dash(r.get("guest_cpu_s"), "{:.1f}"),
+                     dash(cores, "{:.2f}"), dash(r["launches"]), dash(r["file_requests"]),
                      dash(r["requests_per_launch"], "{:.2f}"), fmt_bytes(r["bytes_up"]), fmt_bytes(r["pushed_bytes"]),
                      dash(r["prethrow_bytes_per_launch"], "{:.0f} B")])
-    head = ["case", "wall s", "launches", "file requests", "per launch", "WAN up", "pushed", "prediction sent per launch"]
+    head = ["case", "wall s", "load", "hosts' CPU s", "hosts' cores", "launches", "file requests", "per launch", "WAN up", "pushed", "prediction sent per launch"]
     v = doc["verdicts"]
     yes = lambda k: "met" if v[k] else "NOT met"  # noqa: E731
+    local = f"Local: build {loc['build_wall_s']:.2f} s, edit {loc['edit_wall_s']:.2f} s"
+    if "build_cpu_s" in loc:
+        local += f" (build {loc['build_cpu_s']:.1f} s CPU; load {loc['load']})"
     out = [provenance_line(doc), "",
            f"Lua, `make -j{doc['jobs']} CC='starling exec --job J gcc'`, {doc['link']}, `{doc['config']}`, {doc['hosts']} hosts "
-           f"(emulated, sharing the machine's cores; under load). Local: build {loc['build_wall_s']:.2f} s, "
-           f"edit {loc['edit_wall_s']:.2f} s.", "", table(head, rows), "",
+           f"(emulated, sharing the machine's cores). load = 1-minute load average during the case; hosts' CPU = what "
+           f"the emulated hosts' cgroups used (their tasks run at idle CPU priority: on a busy machine they get what "
+           f"its other work leaves, and wall times measure that). {local}.", "",
+           table(head, rows), "",
            f"* second build ≤ 1 file request per launch: {yes('second_build_le_1_request_per_launch')}",
            f"* second build ≤ 1.3 × local wall: {yes('second_build_le_1_3_local')}",
            f"* edit ≤ 1.5 × local wall: {yes('edit_le_1_5_local')}",

@@ -131,6 +131,9 @@ pub fn write_stats(
         "stages_ms": stages.map(Stages::to_json),
         "stages_cpu_ms": stages.map(Stages::cpu_json),
         "since_main_ms": ctx.started.elapsed().as_secs_f64() * 1000.0,
+        // Wall-clock end of this launch (Unix ms): with since_main_ms and the
+        // stages, when concurrent launches (make -j) started, waited and ran.
+        "ended_unix_ms": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64() * 1000.0),
         "cpu_user_ms": cpu_user_ms,
         "cpu_sys_ms": cpu_sys_ms,
     });
