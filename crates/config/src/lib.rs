@@ -591,7 +591,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_STATS_FILE"),
         flag: "",
         default: "none",
-        meaning: "append one JSON line of client-side counters per launch (benchmarks); `starling exec` adds its stage times (`stages_ms`: setup, connect, prepare, launch, run_commit, learn) and the process CPU each took (`stages_cpu_ms`; setup's from the process's start), `since_main_ms` and its own CPU (`cpu_user_ms`, `cpu_sys_ms`)",
+        meaning: "append one JSON line of client-side counters per launch (benchmarks); `starling exec` adds its stage times (`stages_ms`: setup, connect, prepare, launch, run_commit, learn) and the process CPU each took (`stages_cpu_ms`; setup's from the process's start), `since_main_ms`, when it ended (`ended_unix_ms`: with `since_main_ms`, when each launch of a build ran) and its own CPU (`cpu_user_ms`, `cpu_sys_ms`)",
         apply: |c, v| {
             c.client.stats_file = Some(v.text()?.into());
             Ok(())
