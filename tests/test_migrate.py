@@ -201,16 +201,20 @@ def refused_and_runs_on(argv, ready, ident, reason, workdir):
     return t
 
 
-def test_a_listening_socket_is_refused_and_the_task_runs_on(cluster, workdir):
-    prog = ("import socket, sys\n"
-            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
-            "print('listening', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "print('still here', flush=True)\n")
-    t = refused_and_runs_on(["python3", "-c", prog], "listening", "socket", "socket", workdir)
+def refused_then_runs_to_its_end(setup, reason, workdir, after=""):
+    """A python3 program that runs `setup` (which imports sys), says `ready` and waits for a line: the
+    move is refused naming `reason` (see `refused_and_runs_on`), and the program then ends normally,
+    with all its output, after running `after`."""
+    prog = setup + "print('ready', flush=True)\nsys.stdin.readline()\nprint('still here', flush=True)\n" + after
+    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", reason, workdir)
     t.send("\n")
     rc, out, err = t.finish()
-    assert (rc, out) == (0, "listening\nstill here\n"), err
+    assert (rc, out) == (0, "ready\nstill here\n"), err
+
+
+def test_a_listening_socket_is_refused_and_the_task_runs_on(cluster, workdir):
+    refused_then_runs_to_its_end("import socket, sys\ns = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n",
+                                 "socket", workdir)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import termios
 import pytest
 
 from conftest import ROOT, status, wait_for
-from test_migrate import Task, cc, local, migrate, ps_row, refused_and_runs_on
+from test_migrate import Task, cc, local, migrate, ps_row, refused_then_runs_to_its_end
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +92,8 @@ def test_a_tree_with_a_zombie_or_a_socket_is_refused_and_runs_on(cluster, workdi
             "os.close(w)\n"
             "os.read(r, 1); os.close(r)\n"
             "while open(f'/proc/{pid}/stat').read().rsplit(')', 1)[1].split()[0] not in 'ZS':\n"
-            "    time.sleep(0.01)\n"
-            "print('ready', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "print('still here', flush=True)\n"
-            "os.kill(pid, 9); os.waitpid(pid, 0)\n")
-    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", reason, workdir)
-    t.send("\n")
-    rc, out, err = t.finish()
-    assert (rc, out) == (0, "ready\nstill here\n"), err
+            "    time.sleep(0.01)\n")
+    refused_then_runs_to_its_end(prog, reason, workdir, after="os.kill(pid, 9); os.waitpid(pid, 0)\n")
 
 
 PRODUCER = ("import sys\n"
@@ -213,15 +206,8 @@ def test_a_process_group_whose_leader_ended_is_refused_and_the_task_runs_on(clus
             "if d == 0:\n"
             "    signal.pause()\n"
             "os.setpgid(d, a)\n"
-            "os.kill(a, 9); os.waitpid(a, 0)\n"
-            "print('ready', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "print('still here', flush=True)\n"
-            "os.kill(d, 9); os.waitpid(d, 0)\n")
-    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", "whose leader is not part of the task", workdir)
-    t.send("\n")
-    rc, out, err = t.finish()
-    assert (rc, out) == (0, "ready\nstill here\n"), err
+            "os.kill(a, 9); os.waitpid(a, 0)\n")
+    refused_then_runs_to_its_end(prog, "whose leader is not part of the task", workdir, after="os.kill(d, 9); os.waitpid(d, 0)\n")
 
 
 def running_with(tag):
@@ -278,14 +264,8 @@ def test_an_orphan_in_the_task_is_refused_and_the_task_runs_on(cluster, workdir)
             "    os._exit(0)\n"
             "os.close(w)\n"
             "os.waitpid(child, 0)\n"
-            "os.read(r, 1); os.close(r)\n"  # EOF: the grandchild has closed its copy
-            "print('ready', flush=True)\n"
-            "sys.stdin.readline()\n"
-            "print('still here', flush=True)\n")
-    t = refused_and_runs_on(["python3", "-c", prog], "ready", "python3", "orphaned", workdir)
-    t.send("\n")
-    rc, out, err = t.finish()
-    assert (rc, out) == (0, "ready\nstill here\n"), err
+            "os.read(r, 1); os.close(r)\n")  # EOF: the grandchild has closed its copy
+    refused_then_runs_to_its_end(prog, "orphaned", workdir)
 
 
 # A parent and its child hold the same read end of a pipe (one open file description, so one set of
