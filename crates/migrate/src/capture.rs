@@ -189,6 +189,11 @@ pub fn freeze_tree(pid: i32) -> Result<(Vec<Frozen>, Vec<Member>)> {
 fn no_orphans(members: &[Member]) -> Result<()> {
     let ns = |pid: i32| std::fs::read_link(format!("/proc/{pid}/ns/pid")).ok();
     let task_ns = ns(members[0].pid).ok_or(MigrateError::Gone(members[0].pid))?;
+    if std::fs::read_link("/proc/self/ns/pid").ok().as_ref() == Some(&task_ns) {
+        // A process moved from our own PID namespace (a local move, no sandbox): no init of its own
+        // adopts anything, and every other process of ours is simply not the task's.
+        return Ok(());
+    }
     for p in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let Some(pid) = p.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
         if members.iter().any(|m| m.pid == pid) || ns(pid).as_ref() != Some(&task_ns) {
