@@ -355,6 +355,28 @@ def cluster_cpu():
     return {"head": tree_cpu(t, st["head_pid"]), **{h["name"]: tree_cpu(t, h["boot_pid"]) for h in st["hosts"]}}
 
 
+def thread_cpu_s(pid):
+    """CPU time so far of the live threads of process `pid`, in seconds, to the nanosecond
+    (`/proc/PID/task/*/schedstat`; `/proc/PID/stat` counts 10 ms ticks)."""
+    total = 0
+    for t in pathlib.Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            total += int((t / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def idle_background(seconds):
+    """CPU per second the head and the agents use while no task runs (timers, the owner monitor, file
+    watches), measured over `seconds` of idleness: what each run's CPU includes for its wall time."""
+    st = json.loads((RUN_DIR / "cluster.json").read_text())
+    pids = {"head": [st["head_pid"]], "agents": [h["boot_pid"] for h in st["hosts"]]}
+    before = {k: sum(thread_cpu_s(p) for p in v) for k, v in pids.items()}
+    time.sleep(seconds)
+    return {k: round((sum(thread_cpu_s(p) for p in v) - before[k]) * 1000 / seconds, 3) for k, v in pids.items()}
+
+
 def host_ips():
     st = json.loads((RUN_DIR / "cluster.json").read_text())
     return [(h["name"], h["netns"], h["ip"]) for h in st["hosts"]]
@@ -435,6 +457,15 @@ def run_batch(cmd, env, cwd, n, check_rc=0):
     }
 
 
+def less_idle(batch, idle):
+    """The batch's CPU per run less what the head and the agents would have used idle for as long
+    (`idle`: ms per second, from `idle_background`)."""
+    per_run_s = batch["span_s"] / batch["runs"]
+    head = batch["cpu_ms"]["head"] - idle["head"] * per_run_s
+    agents = batch["cpu_ms"]["agents"] - idle["agents"] * per_run_s
+    return {"head": round(head, 2), "agents": round(agents, 2), "total": round(batch["cpu_ms"]["client"] + head + agents, 2)}
+
+
 TINY_C = "int tiny(int x) { return x * 3 + 1; }\n"
 
 
@@ -453,6 +484,9 @@ def breakdown(repeat, work):
                       ("gcc_c", [STARLING, "exec", "--", "gcc", "-c", "tiny.c", "-o", "tiny.o"])):
         run_batch(cmd, env, d, 3)  # warm the caches and profiles
         out[name] = run_batch(cmd, env, d, repeat)
+    out["idle_ms_per_s"] = idle = idle_background(10)
+    for name in ("exec_true", "gcc_c"):
+        out[name]["cpu_ms_less_idle"] = less_idle(out[name], idle)
     local = []
     for _ in range(repeat):
         t0 = time.monotonic()

@@ -130,6 +130,11 @@ def render_breakdown(bd):
     for k, what in (("client", "the starling process (rusage)"), ("head", "head process"),
                     ("agents", "agents and their sandboxes (/proc, children included)"), ("total", "machine CPU per run")):
         rows.append(["CPU", k, what, f"{a['cpu_ms'][k]:.1f}", f"{b['cpu_ms'][k]:.1f}"])
+    idle = bd.get("idle_ms_per_s")
+    if idle and "cpu_ms_less_idle" in a:
+        rows.append(["CPU", "total, less idle", f"less the head's and agents' idle background for the run's wall time "
+                     f"({idle['head']:.2f} and {idle['agents']:.2f} ms per s, measured idle)",
+                     f"{a['cpu_ms_less_idle']['total']:.1f}", f"{b['cpu_ms_less_idle']['total']:.1f}"])
     out = [f"Where a warm launch goes (issue 18), lan, {a['runs']} runs each (median wall per stage; CPU averaged "
            f"over the runs; load average at the start {bd.get('loadavg')}, the machine is shared):", "",
            table(["where", "stage", "what", "`exec -- true` ms", "tiny `gcc -c` ms"], rows, list("lllrr"))]
