@@ -355,26 +355,15 @@ def cluster_cpu():
     return {"head": tree_cpu(t, st["head_pid"]), **{h["name"]: tree_cpu(t, h["boot_pid"]) for h in st["hosts"]}}
 
 
-def thread_cpu_s(pid):
-    """CPU time so far of the live threads of process `pid`, in seconds, to the nanosecond
-    (`/proc/PID/task/*/schedstat`; `/proc/PID/stat` counts 10 ms ticks)."""
-    total = 0
-    for t in pathlib.Path(f"/proc/{pid}/task").glob("*"):
-        try:
-            total += int((t / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
-
-
 def idle_background(seconds):
     """CPU per second the head and the agents use while no task runs (timers, the owner monitor, file
-    watches), measured over `seconds` of idleness: what each run's CPU includes for its wall time."""
-    st = json.loads((RUN_DIR / "cluster.json").read_text())
-    pids = {"head": [st["head_pid"]], "agents": [h["boot_pid"] for h in st["hosts"]]}
-    before = {k: sum(thread_cpu_s(p) for p in v) for k, v in pids.items()}
+    watches), counted as the runs' CPU is (`cluster_cpu`) over `seconds` of idleness: what each run's
+    CPU includes for its wall time. (10 ms ticks: `seconds` long enough for a few per process.)"""
+    before = cluster_cpu()
     time.sleep(seconds)
-    return {k: round((sum(thread_cpu_s(p) for p in v) - before[k]) * 1000 / seconds, 3) for k, v in pids.items()}
+    after = cluster_cpu()
+    agents = sum(after[h] - before[h] for h in after if h != "head")
+    return {"head": round((after["head"] - before["head"]) * 1000 / seconds, 3), "agents": round(agents * 1000 / seconds, 3)}
 
 
 def host_ips():
@@ -484,7 +473,7 @@ def breakdown(repeat, work):
                       ("gcc_c", [STARLING, "exec", "--", "gcc", "-c", "tiny.c", "-o", "tiny.o"])):
         run_batch(cmd, env, d, 3)  # warm the caches and profiles
         out[name] = run_batch(cmd, env, d, repeat)
-    out["idle_ms_per_s"] = idle = idle_background(10)
+    out["idle_ms_per_s"] = idle = idle_background(30)
     for name in ("exec_true", "gcc_c"):
         out[name]["cpu_ms_less_idle"] = less_idle(out[name], idle)
     local = []

@@ -133,7 +133,7 @@ def render_breakdown(bd):
     idle = bd.get("idle_ms_per_s")
     if idle and "cpu_ms_less_idle" in a:
         rows.append(["CPU", "total, less idle", f"less the head's and agents' idle background for the run's wall time "
-                     f"({idle['head']:.2f} and {idle['agents']:.2f} ms per s, measured idle)",
+                     f"({idle['head']:.2f} and {idle['agents']:.2f} ms per s, measured over 30 s idle)",
                      f"{a['cpu_ms_less_idle']['total']:.1f}", f"{b['cpu_ms_less_idle']['total']:.1f}"])
     out = [f"Where a warm launch goes (issue 18), lan, {a['runs']} runs each (median wall per stage; CPU averaged "
            f"over the runs; load average at the start {bd.get('loadavg')}, the machine is shared):", "",
