@@ -21,17 +21,10 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "say.h"
+
 static int ack[2];
 
-static void say(const char *line) {
-    size_t n = strlen(line);
-    while (n > 0) {
-        ssize_t w = write(1, line, n);
-        if (w <= 0) _exit(99);
-        line += w;
-        n -= (size_t)w;
-    }
-}
 
 static void report(const char *name, int usr1) {
     char line[160];

@@ -19,15 +19,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static void say(const char *line) {
-    size_t n = strlen(line);
-    while (n > 0) {
-        ssize_t w = write(1, line, n);
-        if (w <= 0) _exit(99);
-        line += w;
-        n -= (size_t)w;
-    }
-}
+#include "say.h"
 
 static int children, phases, steps, sleep_ms;
 static pid_t pids[16];
