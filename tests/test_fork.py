@@ -271,9 +271,21 @@ def sandboxes():
                 net = os.stat(p / "ns" / "net").st_ino
             except OSError:
                 continue
-            if len(cmd) > 1 and cmd[1] == b"__sandbox-init" and net in ours:
+            if len(cmd) > 1 and cmd[1] == b"__sandbox-init" and net in ours and not is_sandbox_zygote(p):
                 out.append(int(p.name))
     return out
+
+
+def is_sandbox_zygote(proc):
+    """Whether /proc/PID `proc` is an agent's sandbox zygote (crates/sandbox/src/zygote.rs): it runs
+    `__sandbox-init` too, but idles for the agent's whole life and never makes a PID namespace. Every
+    sandbox's outer init has made one for its children, and their PID 1 lives in it."""
+    try:
+        ns = os.readlink(proc / "ns" / "pid")
+        ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[1]
+        return ns == os.readlink(proc / "ns" / "pid_for_children") == os.readlink(f"/proc/{ppid}/ns/pid")
+    except OSError:
+        return False
 
 
 def start_linger(progs, n, secs):
