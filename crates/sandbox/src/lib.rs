@@ -127,7 +127,11 @@ pub const EXIT_NOT_EXECUTABLE: i32 = 126;
 pub const EXIT_NOT_FOUND: i32 = 127;
 
 /// Everything needed to start one task in a sandbox.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+///
+/// `Default` is a task of uid 0 with no environment in `/`, for tests and
+/// tools that set the few fields they care about; the agent sets every field
+/// from the task's authenticated spec and never starts from it.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, Eq)]
 pub struct SandboxSpec {
     /// Directory to chroot into, already populated (a view of the client's
     /// `/`). It must contain the mount points `proc` and `dev`.

@@ -51,15 +51,7 @@ fn memfd_program_gets_its_extra_fds_at_fixed_numbers_only() {
             env: vec![(b"PATH".to_vec(), b"/usr/bin:/bin".to_vec())],
             cwd: b"/".to_vec(),
             umask: 0o022,
-            uid: 0,
-            gid: 0,
-            groups: vec![],
-            rlimits: vec![],
-            hostname: None,
-            rootless: false,
-            placement: Default::default(),
-            confinement: starling_sandbox::Confinement::Task,
-            terminal: None,
+            ..Default::default()
         };
         // Seek the extra memfd to 0 through a clone of it (shared offset).
         {
@@ -110,15 +102,7 @@ fn program_extension_refuses_bad_targets() {
         env: vec![],
         cwd: b"/".to_vec(),
         umask: 0,
-        uid: 0,
-        gid: 0,
-        groups: vec![],
-        rlimits: vec![],
-        hostname: None,
-        rootless: false,
-        placement: Default::default(),
-        confinement: starling_sandbox::Confinement::Task,
-        terminal: None,
+        ..Default::default()
     };
     let null = || -> OwnedFd { fs::File::open("/dev/null").unwrap().into() };
     let err = spawn_program(Path::new(EXE), &spec, TaskProgram { program, fds: vec![(3, a), (3, b)] }, null(), null(), null())

@@ -77,15 +77,7 @@ fn spec(root: &Path, argv: &[&str]) -> SandboxSpec {
         env: vec![(b"PATH".to_vec(), b"/usr/local/bin:/usr/bin:/bin".to_vec()), (b"LC_ALL".to_vec(), b"C".to_vec())],
         cwd: b"/".to_vec(),
         umask: 0o022,
-        uid: 0,
-        gid: 0,
-        groups: vec![],
-        rlimits: vec![],
-        hostname: None,
-        rootless: false,
-        placement: Default::default(),
-        confinement: starling_sandbox::Confinement::Task,
-        terminal: None,
+        ..Default::default()
     }
 }
 
@@ -620,6 +612,14 @@ fn each_sandbox_is_a_new_fork_and_a_killed_zygote_is_replaced() {
         assert_eq!((second.status, second.stdout.as_str()), (ExitStatus::Code(0), "2\n"), "stderr: {}", second.stderr);
         let zygote = this_threads_zygote().expect("the sandboxes were started through a zygote, a child of this process");
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(zygote), nix::sys::signal::Signal::SIGKILL).unwrap();
+        // Wait until it is dead (a zombie: the library reaps it). A request
+        // sent while the kill is still pending may be read by the dying
+        // zygote and then fail: replacing it is for a zygote already gone.
+        let t0 = Instant::now();
+        while !fs::read_to_string(format!("/proc/{zygote}/stat")).is_ok_and(|s| s.rsplit(')').next().is_some_and(|r| r.trim_start().starts_with('Z'))) {
+            assert!(t0.elapsed() < Duration::from_secs(120), "the killed zygote did not die");
+            std::thread::sleep(Duration::from_millis(5));
+        }
         // The next sandbox starts (through a new zygote) and runs normally.
         let after = sh(root, "echo $$");
         assert_eq!((after.status, after.stdout.as_str()), (ExitStatus::Code(0), "2\n"), "stderr: {}", after.stderr);

@@ -29,15 +29,7 @@ fn hold(root: PathBuf, argv: Vec<Vec<u8>>) {
         env: vec![(b"PATH".to_vec(), b"/usr/bin:/bin".to_vec())],
         cwd: b"/".to_vec(),
         umask: 0o022,
-        uid: 0,
-        gid: 0,
-        groups: vec![],
-        rlimits: vec![],
-        hostname: None,
-        rootless: false,
-        placement: Default::default(),
-        confinement: starling_sandbox::Confinement::Task,
-        terminal: None,
+        ..Default::default()
     };
     let null = || -> OwnedFd { std::fs::File::options().read(true).write(true).open("/dev/null").expect("open /dev/null").into() };
     let exe = std::env::current_exe().expect("current_exe");
