@@ -102,6 +102,19 @@ impl Prediction {
 }
 
 impl Prediction {
+    /// The head took the launch (`job_fresh`: it held no bindings for the
+    /// job until then). Only now does the job's record say what the head
+    /// holds, so later launches of the job may send a delta against it.
+    pub fn launched(&mut self, job_fresh: bool) {
+        let Some(j) = self.job.as_mut() else { return };
+        if job_fresh && j.had_record {
+            // We sent a delta the head could not apply; next time, everything.
+            j.forget();
+        } else {
+            j.save();
+        }
+    }
+
     /// After the run: learn the profile, and remember what the head now holds.
     pub fn finish(&mut self, files: &FileServer, accessed: &[WirePath]) {
         self.profile.record(accessed, &self.sent, &self.temp_dirs);
@@ -260,12 +273,12 @@ pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec, job_pool:
         None => (Vec::new(), Vec::new()),
     };
     let total = bindings.len();
+    // The job's record is saved once the head has taken the launch
+    // ([`Prediction::launched`]), not here: a concurrent launch (make -j)
+    // that read it earlier could reach the head first and run with only a
+    // delta against bindings the head does not hold yet.
     spec.prethrow = match job.as_mut() {
-        Some(j) => {
-            let d = j.delta(bindings);
-            j.save();
-            d
-        }
+        Some(j) => j.delta(bindings),
         None => bindings,
     };
     log::info!(
