@@ -311,7 +311,7 @@ def run_predict(a, work, ran_on):
     build("edit", f"predict-edit-{os.getpid()}")
     keep = ("wall_s", "load", "guest_cpu_s", "local_cpu_s", "bytes_up", "bytes_down", "launches", "file_requests", "pushed_bytes", "prethrow_bytes",
             "prethrow_bindings", "job_predicted", "rt_per_launch_max")
-    res = {k: {f: v.get(f) for f in keep} | {"per_launch": timeline(v["lines"])} for k, v in rows.items()}
+    res = {k: {f: v.get(f) for f in keep} | {"per_launch": timeline(v["lines"])} | asked(v["lines"]) for k, v in rows.items()}
     for r in res.values():
         n = r["launches"] or 0
         r["requests_per_launch"] = (r["file_requests"] or 0) / n if n else None
@@ -333,16 +333,31 @@ def run_predict(a, work, ran_on):
                             "emulated host of every instance shares one idle group), so on a busy machine they get "
                             "the CPU its other work leaves: guest_cpu_s is what the hosts' cgroups used during the "
                             "case (cores = guest_cpu_s / wall_s), local_cpu_s what ran here (clients; the local build)",
-                     "per_launch": "[start s, end s, file requests, prediction bytes, pushed bytes] per launch"}}
+                     "per_launch": "[start s, end s, file requests, prediction bytes, pushed bytes] per launch",
+                     "requests_why": "the requests answered, by kind and why the prediction missed them (the client's "
+                                     "`Miss` classes in crates/client/src/launch.rs; each launch logs its first 64)",
+                     "requests_asked": "[kind, why, path] of every logged request, in launch order"}}
     doc["binary"] = a.binary or "target/release/starling"
     (OUT / a.json).write_text(json.dumps(doc, indent=2) + "\n")
     for k, r in res.items():
         print(f"{k:<7} wall {r['wall_s']:.2f} s, launches {r['launches']}, file requests {r['file_requests']} "
               f"({dash_f(r['requests_per_launch'])}/launch), up {fmt_bytes(r['bytes_up'])}, pushed {fmt_bytes(r['pushed_bytes'])}, "
               f"prediction {dash_f(r['prethrow_bytes_per_launch'], '{:.0f}')} B/launch", flush=True)
+    for k, r in res.items():
+        print(f"{k:<7} requests by why: {r['requests_why']}", flush=True)
     for k, v in verdicts.items():
         print(f"{k}: {'met' if v else 'NOT met'}")
     print(f"wrote {OUT / a.json} (python3 bench/tables.py puts predict.json into bench/README.md)")
+
+
+def asked(lines):
+    """The requests a build's launches answered (each stats line's `asked`): counted by kind and why, and listed."""
+    every = [a for l in lines for a in l.get("asked", [])]
+    why = {}
+    for kind, reason, _ in every:
+        key = f"{kind}/{reason}"
+        why[key] = why.get(key, 0) + 1
+    return {"requests_why": dict(sorted(why.items(), key=lambda kv: -kv[1])), "requests_asked": every}
 
 
 def timeline(lines):

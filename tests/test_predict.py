@@ -42,10 +42,10 @@ def env(cache, stats):
     return e
 
 
-def make(d, cc, e, job=None):
+def make(d, cc, e, job=None, jobs=4):
     if job:
         cc = f"{STARLING} exec --job {job} {cc}"
-    r = subprocess.run(["make", "-s", "-j4", f"CC={cc}"], cwd=d, env=e, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(["make", "-s", f"-j{jobs}", f"CC={cc}"], cwd=d, env=e, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"make failed:\n{r.stdout}\n{r.stderr}"
 
 
@@ -134,3 +134,25 @@ def test_fresh_client_cache_does_not_push_what_the_cluster_holds(cluster, workdi
         ["md5sum", str(big)], capture_output=True, text=True, check=True).stdout.split()[0]
     assert a["pushed_bytes"] > 128 << 10, f"the first client cache pushes the new file: {a}"
     assert b["pushed_bytes"] == 0 and b["push_held_skipped"] > 0, f"the second asked and pushed nothing: {b}"
+
+
+def test_second_build_all_at_once_answers_no_request(cluster, workdir, tmp_path):
+    """Every compile of an unchanged second build uses only paths the first build's compiles used (the
+    same sources, headers and compiler), so with all of them launched at once under a new job name none
+    answers a request: the first wave is bound the last build's paths, and a launch that sends only a
+    delta against the job's bindings never reaches the head before the launch that sent them (the
+    client records what the head holds only once the head has taken a launch)."""
+    d = workdir / "proj"
+    write_project(d)
+    cache, stats = tmp_path / "cache", tmp_path / "stats.jsonl"
+    e = env(cache, stats)
+    make(d, "gcc", e, job="wave-a", jobs=N_SOURCES)
+    launches(stats)
+    for job in ("wave-b", "wave-c"):
+        shutil.rmtree(d / "obj")
+        make(d, "gcc", e, job=job, jobs=N_SOURCES)
+        got = launches(stats)
+        assert len(got) == N_SOURCES, got
+        asked = [a for l in got for a in l["asked"]]
+        assert sum(l["file_requests"] for l in got) == 0 and not asked, f"{job}: requests answered: {asked}"
+    assert objects(d) == local_objects(d), "objects differ from a local build"

@@ -141,13 +141,8 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     };
     t = stages.stamp("launch", t, std::time::Instant::now());
     log::info!("task {} started on {}", handle.task, handle.host);
-    if handle.job_fresh {
-        if let Some(j) = prediction.as_mut().and_then(|p| p.job.as_mut()) {
-            if j.had_record {
-                // We sent a delta the head could not apply; next time, everything.
-                j.forget();
-            }
-        }
+    if let Some(p) = prediction.as_mut() {
+        p.launched(handle.job_fresh);
     }
     // From here what is typed goes to the task's pty as it is (Ctrl-C
     // included: the remote line discipline makes it a SIGINT there).

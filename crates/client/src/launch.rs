@@ -5,13 +5,14 @@
 
 use crate::shadow::{JobBindings, JobPaths, Shadow};
 use crate::{ClientError, Context, Result};
-use starling_session::files::FileServer;
+use starling_session::files::{Asked, AskedKind, FileServer};
 use starling_session::prethrow::{self, Profile};
 use starling_session::Session;
 use starling_proto::{ChunkData, Recipe, TaskSpec, WirePath};
 use starling_proto::Hash;
 use std::collections::HashSet;
 use std::io::Write;
+use std::os::unix::fs::MetadataExt;
 
 /// A planned push of at least this many bytes first asks the head what it
 /// holds (one round trip; on a slow link 16 KiB take longer than that).
@@ -39,9 +40,81 @@ pub struct Prediction {
     pub job_predicted: usize,
     /// Planned pushes the head turned out to hold (recipes and chunks).
     pub held_skipped: usize,
+    /// Directories whose listings went with the launch.
+    pub listed: Vec<WirePath>,
+    /// When the bindings were made: a file changed since was not bound as it is now.
+    pub bound_at: std::time::SystemTime,
+}
+
+/// Why a request reached the client although the launch carried a prediction
+/// (for the stats line: which class of request a better prediction would cut).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Miss {
+    /// The path was bound at launch and asked all the same.
+    Bound,
+    /// A name in the task's temp directory (its listing went with the launch).
+    Temp,
+    /// The path does not exist (a negative lookup nothing predicted).
+    Absent,
+    /// The file was created or changed after the launch was bound (by an
+    /// earlier or concurrent task of the build, e.g. an output another compile wrote).
+    ChangedSinceLaunch,
+    /// It exists and its directory's listing went with the launch, but it was not bound.
+    ListedNotBound,
+    /// It exists and no earlier run of the program (nor task of its jobs) used it.
+    Unpredicted,
+    /// A directory listing that did not go with the launch.
+    Listing,
+    /// Content (a recipe or chunks) the cluster did not hold.
+    Content,
 }
 
 impl Prediction {
+    /// Why `asked` reached the client, as far as this client can tell now.
+    pub fn classify(&self, asked: &Asked) -> Miss {
+        let path = match (asked.kind, &asked.path) {
+            (AskedKind::Recipe | AskedKind::Chunks, _) => return Miss::Content,
+            (AskedKind::Readdir, _) => return Miss::Listing,
+            (AskedKind::Lookup, None) => return Miss::Unpredicted,
+            (AskedKind::Lookup, Some(p)) => p,
+        };
+        if self.sent.binary_search(path).is_ok() {
+            return Miss::Bound;
+        }
+        if self.temp_dirs.iter().any(|d| prethrow::is_under(path, d)) {
+            return Miss::Temp;
+        }
+        let Ok(meta) = std::fs::symlink_metadata(path.as_path()) else { return Miss::Absent };
+        let changed = std::time::UNIX_EPOCH + std::time::Duration::new(
+            u64::try_from(meta.ctime()).unwrap_or(0),
+            u32::try_from(meta.ctime_nsec()).unwrap_or(0),
+        );
+        if changed >= self.bound_at {
+            return Miss::ChangedSinceLaunch;
+        }
+        let parent = path.as_path().parent().and_then(prethrow::normalise);
+        if parent.is_some_and(|d| self.listed.contains(&d)) {
+            return Miss::ListedNotBound;
+        }
+        Miss::Unpredicted
+    }
+}
+
+impl Prediction {
+    /// The head took the launch (`job_fresh`: it held no bindings for the
+    /// job until then). Only now does the job's record say what the head
+    /// holds, so later launches of the job may send a delta against it.
+    pub fn launched(&mut self, job_fresh: bool) {
+        let Some(j) = self.job.as_mut() else { return };
+        if job_fresh && j.had_record {
+            // We sent a delta the head could not apply; next time, everything.
+            j.forget();
+        } else {
+            j.save();
+        }
+    }
+
     /// After the run: learn the profile, and remember what the head now holds.
     pub fn finish(&mut self, files: &FileServer, accessed: &[WirePath]) {
         self.profile.record(accessed, &self.sent, &self.temp_dirs);
@@ -128,6 +201,12 @@ pub fn write_stats(
         "prethrow_bytes": prediction.map_or(0, |p| p.prethrow_bytes),
         "job_predicted": prediction.map_or(0, |p| p.job_predicted),
         "push_held_skipped": prediction.map_or(0, |p| p.held_skipped),
+        // The first requests answered, as [kind, why, path] (why: see `Miss`).
+        "asked": files.asked().iter().map(|a| serde_json::json!([
+            a.kind,
+            prediction.map(|p| p.classify(a)),
+            a.path.as_ref().map(|p| p.to_string()),
+        ])).collect::<Vec<_>>(),
         "stages_ms": stages.map(Stages::to_json),
         "stages_cpu_ms": stages.map(Stages::cpu_json),
         "since_main_ms": ctx.started.elapsed().as_secs_f64() * 1000.0,
@@ -182,8 +261,10 @@ pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec, job_pool:
     }
     paths.sort();
     paths.dedup();
+    let bound_at = std::time::SystemTime::now();
     let bindings = prethrow::bind(files, &paths);
     spec.listings = prethrow::list(files, &prethrow::listing_dirs(spec));
+    let listed: Vec<WirePath> = spec.listings.iter().map(|(d, _)| d.clone()).collect();
     let temp_dirs = prethrow::temp_dirs(spec);
     let push_on = ctx.settings.push && ctx.target.relay_cache;
     let mut shadow = push_on.then(|| Shadow::load(&cache_dir.join("shadow"), cluster_id));
@@ -192,12 +273,12 @@ pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec, job_pool:
         None => (Vec::new(), Vec::new()),
     };
     let total = bindings.len();
+    // The job's record is saved once the head has taken the launch
+    // ([`Prediction::launched`]), not here: a concurrent launch (make -j)
+    // that read it earlier could reach the head first and run with only a
+    // delta against bindings the head does not hold yet.
     spec.prethrow = match job.as_mut() {
-        Some(j) => {
-            let d = j.delta(bindings);
-            j.save();
-            d
-        }
+        Some(j) => j.delta(bindings),
         None => bindings,
     };
     log::info!(
@@ -222,6 +303,8 @@ pub fn predict(ctx: &Context, files: &FileServer, spec: &mut TaskSpec, job_pool:
         prethrow_bytes,
         job_predicted,
         held_skipped: 0,
+        listed,
+        bound_at,
     }
 }
 

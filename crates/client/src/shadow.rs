@@ -195,7 +195,13 @@ impl JobPaths {
     /// The paths of `program`'s tasks in jobs of kind `pool` run from `cwd`.
     pub fn load(dir: &Path, pool: &str, program: &str, cwd: &str) -> JobPaths {
         let file = dir.join(format!("{}.paths", key_name(&[pool, program, cwd])));
-        let bytes = std::fs::read(&file).unwrap_or_default();
+        let (known, records) = JobPaths::read(&file);
+        JobPaths { file, known, records }
+    }
+
+    /// The distinct paths in `file`, and how many records it holds.
+    fn read(file: &Path) -> (std::collections::BTreeSet<WirePath>, usize) {
+        let bytes = std::fs::read(file).unwrap_or_default();
         let mut known = std::collections::BTreeSet::new();
         let mut records = 0;
         let mut rest = &bytes[..];
@@ -208,7 +214,7 @@ impl JobPaths {
             records += 1;
             rest = &rest[4 + len..];
         }
-        JobPaths { file, known, records }
+        (known, records)
     }
 
     pub fn paths(&self) -> Vec<WirePath> {
@@ -229,6 +235,19 @@ impl JobPaths {
         if let Some(d) = self.file.parent() {
             let _ = std::fs::create_dir_all(d);
         }
+        // Writers take turns (a lock file beside the record, since compacting
+        // replaces the record's inode): compacting rewrites the record from
+        // what it holds now, so it never drops what a concurrent task of the
+        // build appended since this one loaded it (a make -j's first wave
+        // would otherwise lose all but one task's paths). Unlocked if the
+        // lock can't be had: it is a hint.
+        let _turn = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(self.file.with_extension("lock"))
+            .ok()
+            .and_then(|f| nix::fcntl::Flock::lock(f, nix::fcntl::FlockArg::LockExclusive).ok());
         let compact = self.records > 4 * (self.known.len() + new.len()) || self.known.len() + new.len() > MAX_JOB_PATHS;
         let mut buf = Vec::new();
         let mut put = |p: &WirePath| {
@@ -242,6 +261,8 @@ impl JobPaths {
             self.known.insert((*p).clone());
         }
         if compact {
+            let (now, _) = JobPaths::read(&self.file);
+            self.known.extend(now);
             while self.known.len() > MAX_JOB_PATHS {
                 self.known.pop_first();
             }
@@ -305,6 +326,27 @@ mod tests {
         assert!(JobPaths::load(dir.path(), "run", "/usr/bin/gcc", "/src").paths().is_empty(), "per kind of job");
         assert!(JobPaths::load(dir.path(), "job", "/usr/bin/ld", "/src").paths().is_empty(), "per program");
         assert!(JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/elsewhere").paths().is_empty(), "per directory");
+    }
+
+    #[test]
+    fn compacting_job_paths_keeps_what_a_concurrent_task_appended() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = |s: &str| WirePath::new(s.as_bytes().to_vec()).unwrap();
+        let mut first = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        first.record(&[w("/x")], &[]);
+        // Many duplicate records (concurrent first-wave tasks all appending the
+        // same headers): the next task to learn something compacts the record.
+        let mut f = std::fs::OpenOptions::new().append(true).open(&first.file).unwrap();
+        for _ in 0..20 {
+            f.write_all(&[2, 0, 0, 0, b'/', b'x']).unwrap();
+        }
+        let mut a = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        let mut b = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        b.record(&[w("/b")], &[]);
+        a.record(&[w("/a")], &[]);
+        let c = JobPaths::load(dir.path(), "job", "/usr/bin/gcc", "/src");
+        assert_eq!(c.records, 3, "compacted");
+        assert_eq!(c.paths(), vec![w("/a"), w("/b"), w("/x")], "the path b appended after a loaded is kept");
     }
 
     #[test]

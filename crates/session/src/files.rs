@@ -62,6 +62,26 @@ pub struct ServeStats {
     pub files_hashed: u64,
 }
 
+/// One request answered, for the stats line: what kind, about which path
+/// (for content requests, the file that holds the content).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Asked {
+    pub kind: AskedKind,
+    pub path: Option<WirePath>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AskedKind {
+    Lookup,
+    Readdir,
+    Recipe,
+    Chunks,
+}
+
+/// Most requests one process remembers (the stats line stays bounded).
+pub const MAX_ASKED: usize = 64;
+
 pub struct FileServer {
     recipes: RecipeCache,
     compress: bool,
@@ -69,6 +89,8 @@ pub struct FileServer {
     by_name: Mutex<HashMap<Hash, (PathBuf, Recipe)>>,
     by_chunk: Mutex<HashMap<Hash, Hash>>,
     stats: Mutex<ServeStats>,
+    /// The first [`MAX_ASKED`] requests answered (which paths the prediction missed).
+    asked: Mutex<Vec<Asked>>,
     /// Recipe and chunk names handed to the cluster (its relay cache now holds them).
     served: Mutex<Vec<Hash>>,
     /// Where to append the names in `served` as they are served (the
@@ -86,6 +108,7 @@ impl FileServer {
             by_name: Mutex::new(HashMap::new()),
             by_chunk: Mutex::new(HashMap::new()),
             stats: Mutex::new(ServeStats::default()),
+            asked: Mutex::new(Vec::new()),
             served: Mutex::new(Vec::new()),
             served_log: Mutex::new(None),
             fresh: Mutex::new(std::collections::HashSet::new()),
@@ -136,8 +159,31 @@ impl FileServer {
         *self.stats.lock().unwrap()
     }
 
+    /// The first [`MAX_ASKED`] requests answered so far.
+    pub fn asked(&self) -> Vec<Asked> {
+        self.asked.lock().unwrap().clone()
+    }
+
+    fn note_asked(&self, req: &FileReq) {
+        if self.asked.lock().unwrap().len() >= MAX_ASKED {
+            return;
+        }
+        let path_of = |name: &Hash| self.by_name.lock().unwrap().get(name).and_then(|(p, _)| WirePath::new(p.as_os_str().as_bytes().to_vec()).ok());
+        let a = match req {
+            FileReq::Lookup { path } => Asked { kind: AskedKind::Lookup, path: Some(path.clone()) },
+            FileReq::ReadDir { path } => Asked { kind: AskedKind::Readdir, path: Some(path.clone()) },
+            FileReq::GetRecipe { name } => Asked { kind: AskedKind::Recipe, path: path_of(name) },
+            FileReq::GetChunks { hashes } | FileReq::FindChunks { hashes } => {
+                let file = hashes.first().and_then(|h| self.by_chunk.lock().unwrap().get(h).copied());
+                Asked { kind: AskedKind::Chunks, path: file.as_ref().and_then(path_of) }
+            }
+        };
+        self.asked.lock().unwrap().push(a);
+    }
+
     pub fn answer(&self, req: &FileReq) -> FileResp {
         self.stats.lock().unwrap().requests += 1;
+        self.note_asked(req);
         match req {
             FileReq::Lookup { path } => {
                 self.stats.lock().unwrap().lookups += 1;
