@@ -584,6 +584,7 @@ impl FaultHandler {
                 }
                 return Err(ForkError::errno("poll userfaultfd"));
             }
+            crate::trace::mark("poll");
             if fds[1].revents != 0 {
                 return Ok(());
             }
@@ -627,6 +628,7 @@ impl FaultHandler {
                     Err(e) => return Err(ForkError::io("read userfaultfd event", e)),
                 };
                 if let Event::Pagefault { addr } = ev {
+                    crate::trace::mark("ev");
                     drop(moved);
                     self.stats.faults.fetch_add(1, Ordering::Relaxed);
                     let page = addr & !(PAGE_SIZE - 1);
@@ -635,6 +637,7 @@ impl FaultHandler {
                         self.parked.push(page);
                     } else {
                         self.stats.service_us.record(started.elapsed());
+                        crate::trace::mark("done");
                     }
                 } else {
                     self.handle_event(ev, &mut moved);
@@ -860,6 +863,7 @@ impl FaultHandler {
             let dst = addr + (tmpl_addrs[k] - tmpl_base);
             let done = self.install_fetched(dst, tmpl_addrs[k], ri, *p, reply)?;
             if k == 0 {
+                crate::trace::mark("first");
                 faulting = done;
             }
             // Counted where a page becomes present, so that pages the
@@ -1034,6 +1038,7 @@ fn benign(errno: i32) -> bool {
 }
 impl Drop for FaultHandler {
     fn drop(&mut self) {
+        crate::trace::dump("handler");
         let s = &self.stats;
         log::debug!(
             "fault handler done: {:?} unsolicited={} mode={}",
