@@ -38,8 +38,6 @@ pub mod stream;
 pub mod template;
 pub mod template_hook;
 pub mod uffd;
-#[allow(clippy::all, warnings)]
-pub mod trace;
 
 /// The process image this crate fills (dump) and restores (plan, restorer).
 pub use starling_image as image;

@@ -617,10 +617,8 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
     // dynamic mmap threshold), for connections that mostly ask for little.
     let mut data: Vec<u8> = Vec::new();
     loop {
-        let req = read_request(&mut rd);
-        crate::trace::mark("s_in");
-        let addrs = match req? {
-            None => { crate::trace::dump("server"); return Ok(()) }
+        let addrs = match read_request(&mut rd)? {
+            None => return Ok(()),
             Some(PageRequest::McdistInfo) => {
                 let reply = encode_mcdist(info);
                 wr.write_all(&reply).and_then(|_| wr.flush()).map_err(|e| ForkError::io("write reply", e))?;
@@ -639,7 +637,6 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
         }
         let mut reply_bytes = 8u64;
         let ok = image.read(&addrs, &mut data[..addrs.len() * PAGE]);
-        crate::trace::mark("s_read");
         let count = u32::try_from(addrs.len()).expect("at most MAX_BATCH");
         wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
             .map_err(|e| ForkError::io("write reply", e))?;
@@ -658,7 +655,6 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
             res.map_err(|e| ForkError::io("write reply", e))?;
         }
         wr.flush().map_err(|e| ForkError::io("write reply", e))?;
-        crate::trace::mark("s_out");
         stats.bytes_wire.fetch_add(tcp_wire_bytes(reply_bytes), Ordering::Relaxed);
     }
 }
@@ -800,10 +796,7 @@ impl PageClient {
             self.wr.write_all(&a.to_le_bytes()).map_err(io)?;
         }
         self.wr.flush().map_err(io)?;
-        crate::trace::mark("req");
-        let r = read_reply(&mut self.rd, addrs.len());
-        crate::trace::mark("rep");
-        r
+        read_reply(&mut self.rd, addrs.len())
     }
 }
 
