@@ -889,12 +889,7 @@ impl FaultHandler {
     /// one page (bench/README.md, fork_bench "fault service"). A walk pays
     /// one single-page fault before its read-ahead starts.
     fn read_ahead(&self, addr: u64) -> usize {
-        let span = self.prefetch as u64 * PAGE_SIZE;
-        if addr >= self.walk_next && addr - self.walk_next < span {
-            self.prefetch
-        } else {
-            1
-        }
+        read_ahead_window(self.walk_next, addr, self.prefetch)
     }
 
     /// Install one fetched page at `dst` (template page `tmpl`, page `pi` of
@@ -1054,6 +1049,17 @@ pub(crate) fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc
     }
 }
 
+/// [`FaultHandler::read_ahead`] for a fault at `addr` after a fetch that
+/// ended at `walk_next`.
+fn read_ahead_window(walk_next: u64, addr: u64, prefetch: usize) -> usize {
+    let span = prefetch as u64 * PAGE_SIZE;
+    if addr >= walk_next && addr - walk_next < span {
+        prefetch
+    } else {
+        1
+    }
+}
+
 /// Errors that mean "nothing to do": page already present (EEXIST), range
 /// gone (ENOENT, after munmap), clone gone (ESRCH).
 fn benign(errno: i32) -> bool {
@@ -1071,5 +1077,24 @@ impl Drop for FaultHandler {
         if let Some((rx, _)) = &self.mc {
             log::debug!("mcdist receiver (this host's): {:?}", rx.stats());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_ahead_window;
+
+    const P: u64 = 4096;
+
+    #[test]
+    fn read_ahead_only_for_faults_that_continue_a_walk() {
+        let end = 0x7f00_0000_0000 + 16 * P; // a fetch of 16 pages ended here
+        assert_eq!(read_ahead_window(end, end, 16), 16, "the next page");
+        assert_eq!(read_ahead_window(end, end + 15 * P, 16), 16, "past a few zero or present pages");
+        assert_eq!(read_ahead_window(end, end + 16 * P, 16), 1, "too far ahead: a stride");
+        assert_eq!(read_ahead_window(end, end + 64 * P, 16), 1, "fork_bench's stride");
+        assert_eq!(read_ahead_window(end, end - P, 16), 1, "behind the walk");
+        assert_eq!(read_ahead_window(0, 0x7f00_0000_0000, 16), 1, "the first fault");
+        assert_eq!(read_ahead_window(end, end, 1), 1, "fork.prefetch = 1");
     }
 }
