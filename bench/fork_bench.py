@@ -271,6 +271,9 @@ def main():
                     help="before each run wait (up to --quiet-timeout s) until the machine's load is below this")
     ap.add_argument("--quiet-timeout", type=float, default=10.0)
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
+    ap.add_argument("--out", default="fork",
+                    help="results go to bench/out/OUT.json and OUT.png (e.g. --out faults_after for a one-clone "
+                         "fault-service run that must not replace the full table's fork.json)")
     ap.add_argument("--note", default="",
                     help="recorded with the results, e.g. 'machine shared with other builds: not a clean figure'")
     a = ap.parse_args()
@@ -381,9 +384,10 @@ def main():
            "ratio_32_over_1": ratios.get("spread", next(iter(ratios.values()), None)),
            "ratio_32_over_1_by_mode": ratios,
            "critical_path_stages": [{"stage": n, "from": f, "to": t, "where": w} for n, f, t, w in STAGES],
-           "projection_32": projections, "note": a.note}
-    (OUT / "fork.json").write_text(json.dumps(doc, indent=2) + "\n")
-    print(f"wrote {OUT / 'fork.json'} (python3 bench/tables.py puts it into bench/README.md)")
+           "projection_32": projections, "note": a.note,
+           "loadavg_after": pathlib.Path("/proc/loadavg").read_text().split()[:3]}
+    (OUT / f"{a.out}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {OUT / f'{a.out}.json'} (python3 bench/tables.py puts it into bench/README.md)")
     plot(rows, modes, a)
 
 
@@ -416,8 +420,8 @@ def plot(rows, modes, a):
     ax[1].set_ylabel("µs")
     ax[1].set_title("page-fault service time (in the clone, after settle)")
     fig.tight_layout()
-    fig.savefig(OUT / "fork.png", dpi=100)
-    print(f"wrote {OUT / 'fork.png'}")
+    fig.savefig(OUT / f"{a.out}.png", dpi=100)
+    print(f"wrote {OUT / f'{a.out}.png'}")
 
 
 if __name__ == "__main__":

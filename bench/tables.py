@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (predict, exec, exec_breakdown, data, ucop, fork, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth). Each starts with what the run was made on: the
+the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -226,6 +226,25 @@ def render_fork(doc):
                    f"{big['cores']} cores needs at least {big['cpu_floor_ms']:.0f} ms: a CPU-bound floor of "
                    f"{big['cpu_floor_ms'] / one['clone_time_ms']:.2f} for the ratio")
     return "\n".join(out)
+
+
+def render_faults(doc):
+    """A one-clone fork_bench run (--out faults_before / faults_after): the fork table, its note and load."""
+    load = doc.get("loadavg_after")
+    tail = [f"* note: {doc['note']}"] if doc.get("note") else []
+    if load:
+        tail.append(f"* load average just after the run (1, 5, 15 min): {', '.join(load)} on {doc['cores']} cores")
+    return "\n".join([render_fork(doc)] + tail)
+
+
+def render_faults_breakdown(doc):
+    out = [provenance_line(doc), "", doc["method"], "", f"Load: {doc['load']}.", ""]
+    for part in ("before", "after"):
+        d = doc[part]
+        out += [f"**{part}** ({d['note']}):", "",
+                table(["stage", "median us", "p90 us", "n"],
+                      [[s["stage"], f"{s['median_us']:.1f}", f"{s['p90_us']:.1f}", s["n"]] for s in d["stages"]]), ""]
+    return "\n".join(out).rstrip()
 
 
 def render_mcdist(doc):
@@ -484,7 +503,8 @@ def render_data(doc):
 
 
 RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": render_exec_breakdown, "exec_breakdown_before": render_exec_breakdown,
-             "data": render_data, "ucop": render_ucop, "fork": render_fork, "mcdist": render_mcdist, "migrate": render_migrate,
+             "data": render_data, "ucop": render_ucop, "fork": render_fork, "faults_before": render_faults,
+             "faults_after": render_faults, "faults_breakdown": render_faults_breakdown, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth,
              "linger_sim": render_linger_sim, "linger_policy": render_linger_policy}
 

@@ -667,7 +667,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_FORK_PREFETCH"),
         flag: "",
         default: "16",
-        meaning: "pages fetched per fault (the faulting page and following unserved ones; 1..=1024), by the hosts' fault handlers",
+        meaning: "most pages fetched per fault (the faulting page and following unserved ones, when faults walk memory in order; else 1; 1..=1024), by the hosts' fault handlers",
         apply: |c, v| {
             c.fork.prefetch = usize::try_from(v.number()?).ok().filter(|n| (1..=1024).contains(n)).ok_or("a number from 1 to 1024")?;
             Ok(())

@@ -5,8 +5,9 @@
 //! page up in the descriptor:
 //! * `Zero` → `UFFDIO_ZEROPAGE`;
 //! * `File` → read from the host's copy of the mapped file, `UFFDIO_COPY`;
-//! * `Fetch` → one batched request to the page server for the page and its
-//!   not-yet-served `Fetch` neighbours (prefetch), each installed with
+//! * `Fetch` → one request to the page server for the page, and, when the
+//!   clone walks its memory in order, its not-yet-served `Fetch` neighbours
+//!   (read-ahead, see [`FaultHandler::read_ahead`]), each installed with
 //!   `UFFDIO_COPY` (EEXIST — already present — is fine).
 //!
 //! With mcdist (see `starling-mcdist`; switch `STARLING_MCDIST=off|on|push`,
@@ -230,8 +231,9 @@ pub struct FaultOptions {
     pub mcdist: Switch,
     /// How long to listen for the sender's probe before falling back.
     pub probe_timeout: std::time::Duration,
-    /// Pages fetched per fault: the faulting page and following unserved
-    /// `Fetch` pages of its region (`fork.prefetch`, default
+    /// Most pages fetched per fault: the faulting page and following unserved
+    /// `Fetch` pages of its region, when the faults are sequential (see
+    /// `FaultHandler::read_ahead`; `fork.prefetch`, default
     /// [`DEFAULT_PREFETCH`]; 1..=`MAX_BATCH`).
     pub prefetch: usize,
     /// Take pages only encrypted (`fork.encrypt`): page-server connections
@@ -263,6 +265,10 @@ pub struct FaultHandler {
     mc: Option<(Arc<Receiver>, Member)>,
     stats: Arc<FaultStats>,
     prefetch: usize,
+    /// The clone address just past the last page fetched by a fault: a fault
+    /// at or shortly after it is the next step of a sequential walk (see
+    /// [`FaultHandler::read_ahead`]).
+    walk_next: u64,
     /// (clone start, len, template start) after REMAP events, latest last; a template start of
     /// `None` marks the range a REMAP moved away from (the kernel then sends an UNMAP for it,
     /// which must not discard the moved pages).
@@ -506,7 +512,7 @@ impl FaultHandler {
             }
         };
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
-        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, remaps: vec![], parked: vec![], drained: None, materialize: None }
+        FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, walk_next: 0, remaps: vec![], parked: vec![], drained: None, materialize: None }
     }
 
     /// Serve pages held here (see [`LocalPages`]) without asking the page server.
@@ -843,7 +849,8 @@ impl FaultHandler {
         }
         let mut pages = vec![pi];
         let mut j = pi + 1;
-        while pages.len() < self.prefetch
+        let window = self.read_ahead(addr);
+        while pages.len() < window
             && j < region.state.len()
             && region.state[j].load(Ordering::Acquire) == ST_FETCH
             && !self.shared.held().contains_key(&(region.start + j as u64 * PAGE_SIZE))
@@ -852,6 +859,7 @@ impl FaultHandler {
             j += 1;
         }
         let tmpl_addrs: Vec<u64> = pages.iter().map(|&p| region.start + p as u64 * PAGE_SIZE).collect();
+        self.walk_next = addr + pages.len() as u64 * PAGE_SIZE;
         let replies = self.fetch(&tmpl_addrs)?;
         self.stats.fetch_requests.fetch_add(1, Ordering::Relaxed);
         let mut fetched = 0;
@@ -868,6 +876,20 @@ impl FaultHandler {
         }
         self.stats.add_fetched(fetched);
         Ok(faulting)
+    }
+
+    /// How many pages to fetch for a fault at `addr` (the faulting one
+    /// included): `prefetch` when the fault continues a sequential walk — it
+    /// lands at most `prefetch` pages past the last page fetched (pages in
+    /// between may have been zero or present) — else 1. A page fetched ahead
+    /// costs a read at the page server, its bytes on the wire (sealed and
+    /// opened when encrypted) and a `UFFDIO_COPY`, all before the faulting
+    /// thread runs again: ~10 µs per page on this machine, so 16 pages made
+    /// every fault of a random or strided walk several times slower than
+    /// one page (bench/README.md, fork_bench "fault service"). A walk pays
+    /// one single-page fault before its read-ahead starts.
+    fn read_ahead(&self, addr: u64) -> usize {
+        read_ahead_window(self.walk_next, addr, self.prefetch)
     }
 
     /// Install one fetched page at `dst` (template page `tmpl`, page `pi` of
@@ -1027,6 +1049,17 @@ pub(crate) fn join_group(client: &mut PageClient, opts: &FaultOptions, sink: Arc
     }
 }
 
+/// [`FaultHandler::read_ahead`] for a fault at `addr` after a fetch that
+/// ended at `walk_next`.
+fn read_ahead_window(walk_next: u64, addr: u64, prefetch: usize) -> usize {
+    let span = prefetch as u64 * PAGE_SIZE;
+    if addr >= walk_next && addr - walk_next < span {
+        prefetch
+    } else {
+        1
+    }
+}
+
 /// Errors that mean "nothing to do": page already present (EEXIST), range
 /// gone (ENOENT, after munmap), clone gone (ESRCH).
 fn benign(errno: i32) -> bool {
@@ -1044,5 +1077,24 @@ impl Drop for FaultHandler {
         if let Some((rx, _)) = &self.mc {
             log::debug!("mcdist receiver (this host's): {:?}", rx.stats());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::read_ahead_window;
+
+    const P: u64 = 4096;
+
+    #[test]
+    fn read_ahead_only_for_faults_that_continue_a_walk() {
+        let end = 0x7f00_0000_0000 + 16 * P; // a fetch of 16 pages ended here
+        assert_eq!(read_ahead_window(end, end, 16), 16, "the next page");
+        assert_eq!(read_ahead_window(end, end + 15 * P, 16), 16, "past a few zero or present pages");
+        assert_eq!(read_ahead_window(end, end + 16 * P, 16), 1, "too far ahead: a stride");
+        assert_eq!(read_ahead_window(end, end + 64 * P, 16), 1, "fork_bench's stride");
+        assert_eq!(read_ahead_window(end, end - P, 16), 1, "behind the walk");
+        assert_eq!(read_ahead_window(0, 0x7f00_0000_0000, 16), 1, "the first fault");
+        assert_eq!(read_ahead_window(end, end, 1), 1, "fork.prefetch = 1");
     }
 }
