@@ -249,6 +249,27 @@ def test_hosts_refuse_a_revoked_host_their_chunks(head):
                      r"this host refuses it", head.log("share1")), head.log("share1")[-3000:]
 
 
+def test_a_restarted_host_refuses_a_revoked_host_before_it_reaches_the_head(head):
+    """A host keeps the last revocation list its head sent: started again while the head is out of
+    reach, it refuses a revoked host's certificate on its chunk port from the start."""
+    enrolled(head, "keep1")
+    revoked_creds = enrolled(head, "keep2")
+    head.stop("keep2")
+    r = admin("host", "revoke", "keep2")
+    assert r.returncode == 0, r.stderr
+    port = peer_port(head, "keep1")
+    wait_for(lambda: b"the certificate of host keep2" in talk_to_host(port, revoked_creds), "keep1 to hear of it", timeout=120)
+    kept = BASE / "creds-keep1" / "revoked-seen"
+    assert kept.stat().st_mode & 0o777 == 0o600, oct(kept.stat().st_mode)
+    # keep1 again, with a head address nobody answers at: it never registers, and still refuses keep2.
+    head.stop("keep1")
+    head.start("keep1-alone", agent_argv("keep1", "--head", f"{HEAD_IP}:1", "--auth", str(BASE / "creds-keep1")))
+    port = peer_port(head, "keep1-alone")
+    assert "keep1" not in hosts()
+    assert b"the certificate of host keep2" in talk_to_host(port, revoked_creds), head.log("keep1-alone")[-3000:]
+    head.stop("keep1-alone")
+
+
 def test_a_user_certificate_runs_as_its_uid_only(head):
     if not hosts():
         enrolled(head, "node6")

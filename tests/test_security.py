@@ -13,12 +13,13 @@
 """
 import os
 import platform
+import re
 import shutil
 import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, as_user, require_tool, sh, status
+from conftest import ROOT, STARLING, as_user, require_tool, sh, status, wait_for
 from test_exec import exec_, readline_within
 from test_migrate import Task, migrate
 from test_user import user  # noqa: F401  (the fixture: a user and group made for the test)
@@ -238,3 +239,73 @@ def test_a_non_root_users_clones_have_no_capabilities(cluster, user):  # noqa: F
             assert int(c[caps], 16) == 0, f"clone {i}: Cap{caps} {c[caps]}"
         assert (c["seccomp"], c["nnp"]) == ("2", "1"), f"clone {i} is not filtered: {c}"
         assert (c["ptrace"], c["ptrace_errno"]) == ("-1", "1"), f"clone {i}: ptrace {c}"
+
+
+def host_netns(name):
+    """The network namespace of embedded host `name` on this instance (`starling up`'s naming)."""
+    return f"starling{os.environ.get('STARLING_INSTANCE', '').strip() or '0'}-{name}"
+
+
+def ticket_tables(netns):
+    """The per-ticket nftables tables (`starling_AGENT_tTICKET`) in a host's namespace."""
+    r = sh("ip", "netns", "exec", netns, "nft", "list", "tables", "inet")
+    return [line.split()[-1] for line in r.stdout.splitlines() if re.fullmatch(r"starling_\w+_t\d+", line.split()[-1])]
+
+
+LISTENER = ("import socket, sys\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+            "s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(64); print('ready', flush=True)\n"
+            "while True:\n    c, _ = s.accept(); c.close()\n")
+
+
+def run_ticketnet(exe, targets, **env_extra):
+    env = dict(os.environ, **env_extra)
+    env.pop("STARLING_FORK_BACKEND", None)
+    r = subprocess.run([str(exe), "17391", *targets], capture_output=True, text=True, timeout=600, env=env, cwd="/var/tmp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "STATUS 1 0" in r.stdout and "STATUS 2 0" in r.stdout, r.stdout + r.stderr
+    reach = dict(line.split()[1:3] for line in r.stdout.splitlines() if line.startswith("REACH "))
+    selves = {line.split()[2] for line in r.stdout.splitlines() if line.startswith("SELF ")}
+    return reach, selves
+
+
+def test_a_tickets_clones_reach_each_other_and_their_parent_only(cluster, workdir):
+    """SnowFlock's network per ticket: two spread clones reach their parent and each other; from a clone,
+    a listener on a host outside the ticket and a host's chunk port are refused, unless the job turns
+    fork.isolate_network off; nothing of the ticket's rules is left once it ended."""
+    require_tool("nft", "nftables")
+    hosts = {h["name"]: h for h in cluster["hosts"]}
+    assert len(hosts) >= 3, "needs a host outside a 2-clone ticket"
+    exe = workdir / "ticketnet"
+    lib = ROOT / "target/release/libstarling.a"
+    sh("cc", "-O1", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "tests/fork/ticketnet.c"), str(lib),
+       "-lpthread", "-ldl", "-lm", "-o", str(exe))
+    port = 17392
+    listeners = [subprocess.Popen(["ip", "netns", "exec", host_netns(n), "python3", "-c", LISTENER, str(port)],
+                                  stdout=subprocess.PIPE, text=True) for n in hosts]
+    try:
+        for p in listeners:
+            assert p.stdout.readline().strip() == "ready"
+        chunk = {h["address"]: h["peer"] for h in hosts.values() if h.get("peer")}
+        assert chunk, "the hosts serve chunks to each other (agent.peers on): " + str(hosts)
+        targets = [f"{h['address']}:{port}" for h in hosts.values()] + list(chunk.values())
+
+        reach, members = run_ticketnet(exe, targets)
+        assert len(members) == 2, f"two spread clones on two hosts: {members}"
+        assert (reach.get("parent"), reach.get("clone1")) == ("ok", "ok"), reach
+        for h in hosts.values():
+            want_ok = h["address"] in members
+            got = reach[f"{h['address']}:{port}"]
+            assert (got == "ok") == want_ok, f"{h['name']} ({'in' if want_ok else 'outside'} the ticket): {got}; {reach}"
+        for addr, peer in chunk.items():
+            assert reach[peer] != "ok", f"a clone reached the chunk port {peer} of {addr}: {reach}"
+        # The ticket's rules go with it, on every host.
+        wait_for(lambda: not any(ticket_tables(host_netns(n)) for n in hosts), "the ticket tables to be removed", timeout=120)
+
+        # The job's opt-out: the same clones reach everything.
+        reach, _ = run_ticketnet(exe, targets, STARLING_FORK_ISOLATE_NETWORK="off")
+        assert all(v == "ok" for v in reach.values()), reach
+        assert not any(ticket_tables(host_netns(n)) for n in hosts)
+    finally:
+        for p in listeners:
+            p.kill()
+            p.wait()

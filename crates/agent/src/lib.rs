@@ -21,6 +21,7 @@ mod migrate;
 mod peers;
 mod remote;
 mod task;
+mod ticket_net;
 mod x11;
 
 use starling_proto::conn::{establish, Outgoing};
@@ -62,6 +63,8 @@ pub enum AgentError {
     Terminal(#[source] starling_sandbox::TerminalError),
     #[error("no free X display number for the task (tried :10 to :1009)")]
     X11NoDisplay,
+    #[error("the clone's ticket network: {0}")]
+    TicketNet(#[from] ticket_net::TicketNetError),
 }
 
 pub type Result<T, E = AgentError> = std::result::Result<T, E>;
@@ -188,6 +191,8 @@ pub(crate) struct Agent {
     pub peers: Option<(Arc<peers::Peers>, u16)>,
     /// The X displays of the tasks started with `exec --x11`.
     pub displays: Mutex<HashMap<TaskId, x11::Display>>,
+    /// The fork tickets' own networks (nftables + a cgroup per ticket with clones here).
+    pub ticket_nets: Arc<ticket_net::TicketNets>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -381,6 +386,13 @@ impl Agent {
                 Msg::Committed { .. } | Msg::Pong { .. } => {}
                 Msg::Credentials { certificate, ca } => self.install_credentials(certificate.as_deref(), &ca),
                 Msg::Revoked { serials } => {
+                    // Kept for the next start: a restarted agent refuses revoked peers before it
+                    // reaches the head again.
+                    if let Some(dir) = &self.cfg.settings.auth {
+                        if let Err(e) = starling_auth::AuthDir::new(dir).save_seen_revocations(&serials) {
+                            log::warn!("keeping the revocation list: {e}");
+                        }
+                    }
                     if let Some((peers, _)) = &self.peers {
                         peers.set_revoked(serials);
                     }
@@ -496,6 +508,9 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     clean_stale_tasks(state);
     let cache = Arc::new(HostCache::open(&state.join("cache"), cfg.settings.cache_mib << 20).map_err(io_step(Step::OpenCache))?);
     let linger = if cfg.home { linger::Linger::none() } else { linger::Linger::start(&cfg.settings, &cfg.name, cores()) };
+    let ticket_nets = Arc::new(ticket_net::TicketNets::new(cfg.settings.cgroup.as_deref().unwrap_or(&cfg.name)));
+    // A killed agent's ticket tables and groups are still here.
+    ticket_nets.sweep();
     let auth = cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
     // Other hosts fetch the chunks this one holds here (announced to the head).
     // Home (the user's own machine) is no cluster host: it serves no one.
@@ -509,6 +524,16 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
                 let port = l.local_addr().map_err(io_step(Step::Accept))?.port();
                 let stall = std::time::Duration::from_secs(cfg.settings.peer_stall_s);
                 let p = Arc::new(peers::Peers::new(cache.clone(), cfg.name.clone(), auth.as_ref(), stall)?);
+                // The last list the head sent, before any peer is served: the head may be out of
+                // reach, and until it answers this host would otherwise trust every certificate.
+                match auth.as_ref().map(starling_auth::AuthDir::seen_revocations).transpose() {
+                    Ok(Some(serials)) if !serials.is_empty() => {
+                        log::info!("agent {}: {} revoked certificates known from before this start", cfg.name, serials.len());
+                        p.set_revoked(serials);
+                    }
+                    Ok(_) => {}
+                    Err(e) => log::warn!("agent {}: the revocation list kept from before: {e}", cfg.name),
+                }
                 tokio::spawn(p.clone().serve(l));
                 log::info!("agent {}: serving chunks to other hosts on port {port}", cfg.name);
                 Some((p, port))
@@ -535,6 +560,7 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         linger,
         peers,
         displays: Mutex::new(HashMap::new()),
+        ticket_nets,
     });
     // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
     {
@@ -547,7 +573,12 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             }
             log::info!("agent {} stopping", me.cfg.name);
             me.kill_all();
-            tokio::task::spawn_blocking(move || me.linger.remove()).await.ok();
+            tokio::task::spawn_blocking(move || {
+                me.ticket_nets.sweep();
+                me.linger.remove()
+            })
+            .await
+            .ok();
             std::process::exit(0);
         });
     }

@@ -196,9 +196,17 @@ fn run_blocking(
         None => (None, stdin_r),
     };
     // A clone (remote fork) runs the restorer instead of argv: see crate::clone.
+    let mut ticket_net = None;
     let (child, mut clone_run) = match &spec.clone {
         None => (starling_sandbox::spawn(&agent.cfg.exe, &sb, stdin_r, stdout_w, stderr_w), None),
         Some(c) => {
+            // Its ticket's own network: held until the clones ended (the last hold removes it).
+            if let Some(n) = &c.network {
+                let parent = c.page_server.parse::<std::net::SocketAddr>().map_err(|_| AgentError::PageServerAddress(c.page_server.clone()))?.ip();
+                let hold = agent.ticket_nets.join(c.ticket, parent, n)?;
+                sb.placement.cgroup_procs.push(hold.procs.clone());
+                ticket_net = Some(hold);
+            }
             let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.host_tickets, &agent.cfg.fork, agent.cfg.rootless)?;
             // The restorer drops to the template's credentials itself, after
             // the steps that need root (PID namespace, set_tid, userfaultfd).
@@ -270,6 +278,7 @@ fn run_blocking(
         }
         run.finish(task, tx, life.moved.load(Ordering::SeqCst), &host_stamps);
     }
+    drop(ticket_net);
     end_task(agent, task, tx, &life, &live, overlay, status, Some(stages))
 }
 

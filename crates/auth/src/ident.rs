@@ -430,6 +430,30 @@ impl AuthDir {
         Ok(latest)
     }
 
+    /// On a host: the revocation list its head last sent (`Msg::Revoked`), serials one a line,
+    /// so a restarted agent refuses revoked peers before it reaches the head.
+    pub fn seen_revocations_path(&self) -> PathBuf {
+        self.dir.join("revoked-seen")
+    }
+
+    /// Keep `serials` as the last revocation list seen (replaced at once, mode 0600, in this
+    /// root-only directory).
+    pub fn save_seen_revocations(&self, serials: &[String]) -> Result<(), IdentError> {
+        let text: String = serials.iter().filter(|s| !s.is_empty() && !s.contains(char::is_whitespace)).map(|s| format!("{s}\n")).collect();
+        crate::replace_file(&self.seen_revocations_path(), text.as_bytes(), 0o600)?;
+        Ok(())
+    }
+
+    /// The last revocation list seen (empty if none was ever saved).
+    pub fn seen_revocations(&self) -> Result<Vec<String>, IdentError> {
+        let path = self.seen_revocations_path();
+        match std::fs::read_to_string(&path) {
+            Ok(text) => Ok(text.lines().map(str::trim).filter(|l| !l.is_empty()).map(str::to_string).collect()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+            Err(source) => Err(IdentError::Io { path, source }),
+        }
+    }
+
     /// The serials of revoked certificates.
     pub fn revoked(&self) -> Result<HashSet<String>, IdentError> {
         let path = self.revoked_path();
@@ -455,6 +479,19 @@ pub(crate) fn write_credentials(dir: &Path, role: Role, ca_pem: &[u8], cert_pem:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_seen_revocation_list_survives_and_is_replaced_whole() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let a = AuthDir::new(tmp.path());
+        assert!(a.seen_revocations().unwrap().is_empty(), "nothing saved yet");
+        a.save_seen_revocations(&["0a1b".into(), "ff02".into()]).unwrap();
+        assert_eq!(a.seen_revocations().unwrap(), ["0a1b", "ff02"]);
+        assert_eq!(std::fs::metadata(a.seen_revocations_path()).unwrap().permissions().mode() & 0o777, 0o600);
+        a.save_seen_revocations(&["ff02".into()]).unwrap();
+        assert_eq!(a.seen_revocations().unwrap(), ["ff02"], "a later list replaces the earlier one");
+    }
 
     fn leaf(pem: &str) -> CertificateDer<'static> {
         use rustls::pki_types::pem::PemObject;

@@ -133,6 +133,9 @@ pub struct ForkSettings {
     /// Encrypt fork and migration traffic (page server, multicast pages,
     /// migration stream); a side that sets it gets it whatever its peer's.
     pub encrypt: bool,
+    /// A ticket's clones reach only each other, their parent and loopback
+    /// (the parent's side: it asks for it in each clone's launch).
+    pub isolate_network: bool,
 }
 
 /// Where a ticket's clones run.
@@ -243,7 +246,7 @@ pub enum OwnerKind {
 
 impl Default for ForkSettings {
     fn default() -> Self {
-        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true }
+        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true, isolate_network: true }
     }
 }
 
@@ -637,6 +640,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "encrypt remote-fork and migration traffic (page-server connections, multicast pages, the migration stream: AES-256-GCM under the ticket's or move's key); a connection is encrypted when either end asks, and a host that asks takes no multicast pages in clear (`docs/SECURITY.md`)",
         apply: |c, v| {
             c.fork.encrypt = v.switch()?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.isolate_network",
+        env: Some("STARLING_FORK_ISOLATE_NETWORK"),
+        flag: "",
+        default: "on",
+        meaning: "a ticket's clones reach only each other, their parent and loopback, never the head's or agents' ports (nftables on each host); off: the job's clones get their hosts' whole network (the parent's setting, per job)",
+        apply: |c, v| {
+            c.fork.isolate_network = v.switch()?;
             Ok(())
         },
     },

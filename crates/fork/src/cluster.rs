@@ -86,6 +86,8 @@ pub struct ClusterLink {
     session: Session,
     /// This machine's address as the hosts reach it (the page server binds here).
     pub parent_ip: IpAddr,
+    /// `fork.isolate_network`: clones ask for their ticket's own network.
+    isolate_network: bool,
 }
 
 static LINK: OnceLock<Mutex<Option<Arc<ClusterLink>>>> = OnceLock::new();
@@ -140,7 +142,7 @@ impl ClusterLink {
         let opts =
             SessionOptions { compress: false, cache_dir: config.client.cache_dir.clone(), chunking: config.client.chunking };
         let session = rt.block_on(Session::connect(&target, opts))?;
-        let link = Arc::new(ClusterLink { rt, session, parent_ip });
+        let link = Arc::new(ClusterLink { rt, session, parent_ip, isolate_network: config.fork.isolate_network });
         *g = Some(link.clone());
         Ok(link)
     }
@@ -239,6 +241,7 @@ struct TicketPlan<'a> {
     ticket: u64,
     hierarchical: bool,
     parent_ip: IpAddr,
+    isolate_network: bool,
     descriptor_hash: starling_proto::Hash,
     descriptor_len: u32,
     page_server: SocketAddr,
@@ -272,6 +275,7 @@ impl TicketPlan<'_> {
                     page_key: self.page_key,
                     local_forks: count - 1,
                     placed_ns: 0,
+                    network: self.isolate_network.then(starling_proto::TicketNetwork::default),
                 });
                 out.push(CloneTask { ids: id..id + count, host: host.clone(), spec });
             }
@@ -370,6 +374,7 @@ impl ClusterClones {
             ticket,
             hierarchical,
             parent_ip: link.parent_ip,
+            isolate_network: link.isolate_network,
             descriptor_hash: starling_proto::Hash::of(encoded),
             descriptor_len: u32::try_from(encoded.len()).map_err(|_| ForkError::DescriptorTooLarge(encoded.len()))?,
             page_server,

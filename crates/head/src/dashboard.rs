@@ -427,6 +427,7 @@ mod tests {
             page_key: starling_proto::SecretKey([0; 32]),
             local_forks: 0,
             placed_ns: 0,
+            network: None,
         };
         TaskSpec { clone: Some(clone), ..spec(None, None) }
     }

@@ -110,6 +110,9 @@ pub(crate) struct State {
     pub(crate) recent_migrations: std::collections::VecDeque<starling_proto::MigrationReport>,
     /// `starling ps` requests waiting for the agents' usage replies.
     pub(crate) usage_waiters: HashMap<u64, tokio::sync::mpsc::UnboundedSender<Vec<starling_proto::TaskUsage>>>,
+    /// Fork tickets granted and their hosts, by (client connection, ticket): a clone's
+    /// ticket network is its grant's hosts (forgotten when the client goes).
+    pub(crate) grants: HashMap<(u64, u64), Vec<String>>,
 }
 
 impl State {
@@ -143,6 +146,9 @@ pub struct Head {
     pub(crate) groups: Mutex<dashboard::Groups>,
     next_conn: AtomicU64,
     listen: String,
+    /// TCP ports of the head's own listener and of the agents it dials: no clone of an
+    /// isolated ticket may connect to them (`TicketNetwork::refused_ports`).
+    control_ports: Vec<u16>,
     facts: Vec<(String, String)>,
     /// The LL policy's episodes and what it is doing per host.
     pub(crate) lingering: Mutex<linger::Lingering>,
@@ -276,6 +282,7 @@ pub async fn run(settings: HeadSettings) -> Result<(), HeadError> {
         groups: Mutex::new(dashboard::Groups::default()),
         next_conn: AtomicU64::new(1),
         listen: settings.listen.clone(),
+        control_ports: control_ports(&settings.listen, &settings.agents),
         facts,
         lingering: Mutex::new(linger::Lingering::default()),
         root_tasks: settings.root_tasks,
@@ -477,6 +484,15 @@ fn retired_line(id: &Identity) -> String {
 const HANDSHAKE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Microseconds since the epoch.
+/// The ports of the head's listener and of the agents it dials (addresses that do not parse
+/// as `IP:PORT` name none).
+fn control_ports(listen: &str, agents: &[String]) -> Vec<u16> {
+    std::iter::once(listen)
+        .chain(agents.iter().map(String::as_str))
+        .filter_map(|a| a.parse::<std::net::SocketAddr>().ok().map(|a| a.port()))
+        .collect()
+}
+
 fn now_us() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -844,6 +860,7 @@ impl Head {
         let orphans: Vec<(TaskId, Option<Outgoing>)> = {
             let mut st = self.state.lock().unwrap();
             st.queue.retain(|q| q.conn != conn);
+            st.grants.retain(|(c, _), _| *c != conn);
             let st = &mut *st;
             // Reruns waiting in the queue have nothing to kill: they end here.
             st.routes.retain(|_, r| r.client_conn != conn || r.host != eviction::QUEUED_FOR_RERUN);

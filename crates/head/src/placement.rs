@@ -82,6 +82,25 @@ fn load(h: &Host) -> f64 {
     f64::from(h.cores_busy) / f64::from(h.info.cores.max(1))
 }
 
+/// Where a clone of `ticket` (launched by client connection `conn`, placed on `host`) may
+/// connect: the hosts of its grant (and `host`, should the launch name one outside it), by the
+/// address each registered from; refused everywhere: `control_ports` (the head's, the agents' it
+/// dials) and every host's chunk port. The parent's machine is added by the agent (the page
+/// server's address).
+pub(crate) fn ticket_network(st: &crate::State, conn: u64, ticket: u64, host: &str, control_ports: &[u16]) -> starling_proto::TicketNetwork {
+    let granted = st.grants.get(&(conn, ticket));
+    let names = granted.into_iter().flatten().map(String::as_str).chain(std::iter::once(host));
+    let mut members: Vec<std::net::IpAddr> =
+        names.filter_map(|n| st.hosts.get(n)).filter_map(|h| h.info.addr.parse().ok()).collect();
+    members.sort();
+    members.dedup();
+    let chunk_ports = st.hosts.values().filter_map(|h| h.info.peer.as_deref()?.parse::<std::net::SocketAddr>().ok()).map(|a| a.port());
+    let mut refused_ports: Vec<u16> = control_ports.iter().copied().chain(chunk_ports).collect();
+    refused_ports.sort_unstable();
+    refused_ports.dedup();
+    starling_proto::TicketNetwork { members, refused_ports }
+}
+
 /// A fork ticket's grant: up to `n` clones by free cores (cores minus
 /// tasks placed there). Hierarchical tickets fill each host's cores before
 /// moving on (one restore per host, then local forks); others spread

@@ -60,6 +60,10 @@ impl Head {
     async fn start(&self, mut q: Queued, (host, host_tx, host_conn): Placed) {
         if let Some(c) = q.spec.clone.as_mut() {
             c.placed_ns = starling_proto::realtime_ns();
+            if c.network.is_some() {
+                let st = self.state.lock().unwrap();
+                c.network = Some(crate::placement::ticket_network(&st, q.conn, c.ticket, &host, &self.control_ports));
+            }
         }
         if let Some(task) = q.rerun {
             self.rerun_started(task, host.clone(), host_conn, &host_tx).await;

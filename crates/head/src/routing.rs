@@ -169,7 +169,14 @@ impl Head {
                 }
                 Msg::TicketRequest { n, hierarchical } => {
                     let ticket = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let granted = crate::placement::grant(&self.state.lock().unwrap().hosts, n, hierarchical).map_err(|e| e.to_string());
+                    let granted = {
+                        let mut st = self.state.lock().unwrap();
+                        let granted = crate::placement::grant(&st.hosts, n, hierarchical).map_err(|e| e.to_string());
+                        if let Ok(g) = &granted {
+                            st.grants.insert((conn, ticket), g.iter().map(|(host, _)| host.clone()).collect());
+                        }
+                        granted
+                    };
                     let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
                 }
                 Msg::RoamNote { task, decision } => self.roam_note(conn, task, decision),

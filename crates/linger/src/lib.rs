@@ -25,6 +25,7 @@
 
 pub mod cgroup;
 pub mod guest;
+pub mod nft;
 pub mod owner;
 pub mod policy;
 pub mod window;

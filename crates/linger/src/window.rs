@@ -21,9 +21,9 @@
 //! disk rules go with the guest group.
 
 use crate::cgroup::{CgroupError, Controller, Group};
-use std::io;
+use crate::nft::{delete_inet_table, inet_tables, program, run, CommandError, Nft};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 /// The htb qdisc's handle (`0x5354`, "ST") on each interface.
 pub const NET_QDISC: &str = "5354:";
@@ -45,10 +45,8 @@ pub enum WindowError {
     NoBlkio,
     #[error("network window: no cgroup2 mount, so the guests' sockets cannot be told apart")]
     NoUnified,
-    #[error("network window: running {program}: {source}")]
-    Spawn { program: String, #[source] source: io::Error },
-    #[error("network window: `{command}` failed: {stderr}")]
-    Failed { command: String, stderr: String },
+    #[error("network window: {0}")]
+    Command(#[from] CommandError),
 }
 
 /// What the hysteresis says to do now.
@@ -182,47 +180,15 @@ pub struct NetWindow {
     pub bps: u64,
     /// The nftables table (`inet` family).
     pub table: String,
-    /// The cgroup2 mount and the guest group below it.
-    unified: PathBuf,
+    /// `nft` resolving the guest group below the cgroup2 mount.
+    nft: Nft,
     guest_rel: PathBuf,
-}
-
-/// `tc` and `nft` live in sbin, which a daemon's PATH may lack.
-fn program(name: &str) -> PathBuf {
-    for dir in ["/usr/sbin", "/sbin", "/usr/bin", "/bin"] {
-        let p = Path::new(dir).join(name);
-        if p.exists() {
-            return p;
-        }
-    }
-    PathBuf::from(name)
-}
-
-fn run(mut cmd: Command, input: Option<&str>) -> Result<String, WindowError> {
-    let shown = format!("{} {}", cmd.get_program().to_string_lossy(), cmd.get_args().map(|a| a.to_string_lossy()).collect::<Vec<_>>().join(" "));
-    cmd.stdin(if input.is_some() { Stdio::piped() } else { Stdio::null() }).stdout(Stdio::piped()).stderr(Stdio::piped());
-    let spawn_err = |source| WindowError::Spawn { program: shown.clone(), source };
-    let mut child = cmd.spawn().map_err(spawn_err)?;
-    if let (Some(text), Some(mut stdin)) = (input, child.stdin.take()) {
-        use std::io::Write;
-        stdin.write_all(text.as_bytes()).map_err(spawn_err)?;
-    }
-    let out = child.wait_with_output().map_err(spawn_err)?;
-    if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr).trim().to_string();
-        let command = match input {
-            Some(text) => format!("{shown} <<< {}", text.replace('\n', "; ")),
-            None => shown,
-        };
-        return Err(WindowError::Failed { command, stderr });
-    }
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn tc(args: &[&str]) -> Result<String, WindowError> {
     let mut c = Command::new(program("tc"));
     c.args(args);
-    run(c, None)
+    Ok(run(c, None)?)
 }
 
 /// The network interfaces of this namespace but `lo` (asked of `ip`: `/sys/class/net` shows the
@@ -280,37 +246,7 @@ impl NetWindow {
     /// (the agent's cgroup name) names the nftables table.
     pub fn new(bps: u64, unified: &Path, guest_rel: &Path, name: &str) -> NetWindow {
         let table = format!("starling_{}", name.chars().map(|c| if c.is_ascii_alphanumeric() { c } else { '_' }).collect::<String>());
-        NetWindow { bps, table, unified: unified.to_path_buf(), guest_rel: guest_rel.to_path_buf() }
-    }
-
-    /// nftables resolves a `socket cgroupv2` path below `/sys/fs/cgroup`; where the cgroup2 mount
-    /// is elsewhere (a v1 machine's `/sys/fs/cgroup/unified`), `nft` runs in a mount namespace of
-    /// its own with the cgroup2 mount bound over `/sys/fs/cgroup`.
-    fn nft(&self, script: &str) -> Result<String, WindowError> {
-        let mut c = Command::new(program("nft"));
-        c.args(["-f", "-"]);
-        if self.unified != Path::new("/sys/fs/cgroup") {
-            let source = std::ffi::CString::new(self.unified.as_os_str().as_encoded_bytes()).map_err(|_| WindowError::NoUnified)?;
-            use std::os::unix::process::CommandExt;
-            // SAFETY: the closure runs in the forked child before exec and makes only raw system
-            // calls (unshare, mount) on C strings made before the fork; it allocates nothing.
-            unsafe {
-                c.pre_exec(move || {
-                    if libc::unshare(libc::CLONE_NEWNS) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    // Private first, so the bind does not propagate to the agent's namespace.
-                    if libc::mount(std::ptr::null(), c"/".as_ptr(), std::ptr::null(), libc::MS_REC | libc::MS_PRIVATE, std::ptr::null()) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    if libc::mount(source.as_ptr(), c"/sys/fs/cgroup".as_ptr(), std::ptr::null(), libc::MS_BIND, std::ptr::null()) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
-        }
-        run(c, Some(script))
+        NetWindow { bps, table, nft: Nft::new(unified), guest_rel: guest_rel.to_path_buf() }
     }
 
     /// Shape the guests' sends on every interface but `lo`; returns the interfaces.
@@ -334,15 +270,13 @@ impl NetWindow {
             t = self.table,
             rel = self.guest_rel.display(),
         );
-        self.nft(&script)?;
+        self.nft.apply(&script)?;
         Ok(ifaces)
     }
 
     /// Remove the table and every interface's htb of ours (nothing there is fine).
     pub fn remove(&self) -> Result<(), WindowError> {
-        if self.has_table()? {
-            self.nft(&format!("delete table inet {}\n", self.table))?;
-        }
+        delete_inet_table(&self.table)?;
         for i in interfaces()? {
             // An interface that went away meanwhile has nothing left to remove.
             let Ok(show) = tc(&["qdisc", "show", "dev", &i]) else { continue };
@@ -358,9 +292,7 @@ impl NetWindow {
 
     /// Whether this namespace holds the table.
     pub fn has_table(&self) -> Result<bool, WindowError> {
-        let mut c = Command::new(program("nft"));
-        c.args(["list", "tables", "inet"]);
-        Ok(run(c, None)?.lines().any(|l| l.split_whitespace().last() == Some(self.table.as_str())))
+        Ok(inet_tables()?.contains(&self.table))
     }
 }
 

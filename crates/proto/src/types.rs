@@ -648,7 +648,27 @@ pub struct CloneSpec {
     /// 0 from the client): the clone's critical-path stamp, sent back in
     /// its `CloneStats`.
     pub placed_ns: u64,
+    /// The ticket's own network (SnowFlock's virtual network per impromptu
+    /// cluster): `Some` (empty from the client) when the clone may reach only
+    /// its ticket's members; the head fills it in at placement. `None`: the
+    /// job asked for its hosts' whole network (`fork.isolate_network` off).
+    pub network: Option<TicketNetwork>,
 }
+
+/// Where a clone of an isolated ticket may connect (filled in by the head,
+/// enforced by each host's agent with nftables).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TicketNetwork {
+    /// The ticket's hosts (the grant's) and the parent's machine.
+    pub members: Vec<std::net::IpAddr>,
+    /// TCP ports refused to the clone on every address, members' included:
+    /// the head's and the agents' control and chunk ports.
+    pub refused_ports: Vec<u16>,
+}
+
+/// Members and refused ports of a [`TicketNetwork`] at most (a ticket's
+/// hosts are a cluster's; each port is one host's or the head's).
+pub const MAX_TICKET_NETWORK: usize = 4096;
 
 /// The variable a job's task finds its index in (0..n).
 pub const TASK_INDEX_ENV: &str = "STARLING_TASK";
@@ -720,6 +740,10 @@ impl TaskSpec {
             // 255 further clones at most: the restorer's MAX_CLONES_PER_RESTORE.
             if c.clone_id == 0 || c.page_server.len() > 256 || c.local_forks > 255 || c.clone_id.checked_add(c.local_forks).is_none() {
                 return Err(Invalid::CloneSpec.into());
+            }
+            if let Some(n) = &c.network {
+                check_len("a ticket network's members", n.members.len(), MAX_TICKET_NETWORK)?;
+                check_len("a ticket network's refused ports", n.refused_ports.len(), MAX_TICKET_NETWORK)?;
             }
         }
         if self.umask > 0o777 {

@@ -1,0 +1,180 @@
+/* What a ticket's clones can reach (issue 12, SnowFlock's network per
+ * ticket). Two spread clones; the parent listens on an ephemeral port and
+ * answers each connection's first line:
+ *   "1 IP PORT"  clone 1 says where it listens (IP: its host's address as
+ *                seen on its connection to the parent); answered "P"
+ *   "2"          clone 2 asks where clone 1 listens; answered "IP PORT"
+ * Clone 1 accepts one connection on PORT and answers it "C1". Clone 2 then
+ * connects to clone 1 and to each TARGET (IP:PORT) of the command line, and
+ * prints one line per attempt:
+ *   REACH parent|clone1|IP:PORT ok|ERRNO
+ * Each clone prints "SELF id IP" (its host's address). Usage:
+ *   ticketnet CLONE1_PORT [TARGET...]   (also prints "STATUS id s") */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+#include "starling.h"
+
+/* Bounds on waiting for a peer that should answer; a refused connection fails at once. */
+#define WAIT_MS 120000
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t known = PTHREAD_COND_INITIALIZER;
+static char clone1[64];
+
+static int read_line(int fd, char *buf, size_t n) {
+    size_t got = 0;
+    while (got + 1 < n) {
+        struct pollfd p = {fd, POLLIN, 0};
+        if (poll(&p, 1, WAIT_MS) <= 0) return -1;
+        ssize_t r = read(fd, buf + got, 1);
+        if (r <= 0) return -1;
+        if (buf[got] == '\n') break;
+        got++;
+    }
+    buf[got] = 0;
+    return (int)got;
+}
+
+static void *serve(void *arg) {
+    int c = (int)(long)arg;
+    char line[128];
+    if (read_line(c, line, sizeof line) >= 0) {
+        if (line[0] == '1') {
+            pthread_mutex_lock(&lock);
+            snprintf(clone1, sizeof clone1, "%s", line + 2);
+            pthread_cond_broadcast(&known);
+            pthread_mutex_unlock(&lock);
+            (void)!write(c, "P\n", 2);
+        } else {
+            pthread_mutex_lock(&lock);
+            while (!clone1[0]) pthread_cond_wait(&known, &lock);
+            char out[80];
+            int n = snprintf(out, sizeof out, "%s\n", clone1);
+            pthread_mutex_unlock(&lock);
+            (void)!write(c, out, (size_t)n);
+        }
+    }
+    close(c);
+    return NULL;
+}
+
+static void *accept_loop(void *arg) {
+    int l = (int)(long)arg;
+    for (;;) {
+        int c = accept(l, NULL, NULL);
+        if (c < 0) continue;
+        pthread_t t;
+        pthread_create(&t, NULL, serve, (void *)(long)c);
+        pthread_detach(t);
+    }
+    return NULL;
+}
+
+/* Connect to ip:port; the socket, or -errno. */
+static int dial(const char *ip, int port) {
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port)};
+    if (inet_pton(AF_INET, ip, &a.sin_addr) != 1) return -EINVAL;
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (s < 0) return -errno;
+    int fl = fcntl(s, F_GETFL);
+    fcntl(s, F_SETFL, fl | O_NONBLOCK);
+    if (connect(s, (struct sockaddr *)&a, sizeof a) < 0 && errno != EINPROGRESS) { int e = errno; close(s); return -e; }
+    struct pollfd p = {s, POLLOUT, 0};
+    if (poll(&p, 1, WAIT_MS) <= 0) { close(s); return -ETIMEDOUT; }
+    int err = 0;
+    socklen_t len = sizeof err;
+    getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (err) { close(s); return -err; }
+    fcntl(s, F_SETFL, fl);
+    return s;
+}
+
+static void say(const char *what, int rc) {
+    if (rc >= 0) printf("REACH %s ok\n", what);
+    else printf("REACH %s %d\n", what, -rc);
+    fflush(stdout);
+}
+
+static int self_ip(int s, char *out, size_t n) {
+    struct sockaddr_in a;
+    socklen_t len = sizeof a;
+    if (getsockname(s, (struct sockaddr *)&a, &len) < 0) return -1;
+    inet_ntop(AF_INET, &a.sin_addr, out, (socklen_t)n);
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) { fprintf(stderr, "usage: ticketnet CLONE1_PORT [IP:PORT...]\n"); return 2; }
+    int port1 = atoi(argv[1]);
+    int l = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in any = {.sin_family = AF_INET};
+    if (l < 0 || bind(l, (struct sockaddr *)&any, sizeof any) < 0 || listen(l, 16) < 0) { perror("parent listener"); return 2; }
+    socklen_t len = sizeof any;
+    getsockname(l, (struct sockaddr *)&any, &len);
+    int parent_port = ntohs(any.sin_port);
+    sf_ticket_t *t = sf_request_ticket(2, false);
+    if (!t) { fprintf(stderr, "ticket: %s\n", sf_last_error()); return 2; }
+    int m = sf_ticket_allocation(t);
+    int id = sf_clone(t);
+    if (id < 0) { fprintf(stderr, "sf_clone: %s\n", sf_last_error()); return 2; }
+    if (id > 0) {
+        const char *parent = sf_parent_host();
+        char me[64] = "?", line[128];
+        int p = dial(parent, parent_port);
+        say("parent", p);
+        if (p < 0) sf_exit(3);
+        self_ip(p, me, sizeof me);
+        printf("SELF %d %s\n", id, me);
+        fflush(stdout);
+        if (id == 1) {
+            int s = socket(AF_INET, SOCK_STREAM, 0);
+            int one = 1;
+            setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+            struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port1)};
+            if (bind(s, (struct sockaddr *)&a, sizeof a) < 0 || listen(s, 4) < 0) { perror("clone 1 listener"); sf_exit(4); }
+            int n = snprintf(line, sizeof line, "1 %s %d\n", me, port1);
+            (void)!write(p, line, (size_t)n);
+            read_line(p, line, sizeof line);
+            struct pollfd pf = {s, POLLIN, 0};
+            if (poll(&pf, 1, WAIT_MS) > 0) {
+                int c = accept(s, NULL, NULL);
+                if (c >= 0) { (void)!write(c, "C1\n", 3); close(c); }
+            }
+            sf_exit(0);
+        }
+        (void)!write(p, "2\n", 2);
+        char ip[64];
+        int port = 0;
+        if (read_line(p, line, sizeof line) < 0 || sscanf(line, "%63s %d", ip, &port) != 2) sf_exit(5);
+        int c = dial(ip, port);
+        if (c >= 0 && (read_line(c, line, sizeof line) < 0 || strcmp(line, "C1") != 0)) c = -EPROTO;
+        say("clone1", c);
+        for (int i = 2; i < argc; i++) {
+            char target[64];
+            snprintf(target, sizeof target, "%s", argv[i]);
+            char *colon = strchr(target, ':');
+            if (!colon) continue;
+            *colon = 0;
+            int s = dial(target, atoi(colon + 1));
+            say(argv[i], s);
+            if (s >= 0) close(s);
+        }
+        sf_exit(0);
+    }
+    pthread_t th;
+    pthread_create(&th, NULL, accept_loop, (void *)(long)l);
+    int rc = sf_join(t);
+    for (int i = 1; i <= m; i++) printf("STATUS %d %d\n", i, sf_clone_status(t, i));
+    if (rc != 0) fprintf(stderr, "join: %s\n", sf_last_error());
+    return rc ? 1 : 0;
+}
