@@ -113,7 +113,7 @@ pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descr
         fds: dump_fds(pid, i32::try_from(record.freeze_fd).map_err(|_| ForkError::Malformed { what: "template freeze fd", detail: record.freeze_fd.to_string() })?)?,
         threads: vec![ThreadState { core: thread, fpu: record.fpu.0.to_vec(), pending: vec![] }],
         sigactions: record.sigactions,
-        process: ProcessState { core: ProcessCore { pid: thread.tid, ..core }, cwd, groups, pending: vec![] },
+        process: ProcessState { core: ProcessCore { pid: thread.tid, ..core }, cwd, groups, pending: vec![], exe: String::new(), auxv: vec![] },
         descendants: Vec::new(),
         pipes: Vec::new(),
     };

@@ -178,6 +178,9 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
     let group_bytes: Vec<u8> = d.process.groups.iter().flat_map(|g| g.to_le_bytes()).collect();
     let groups = blob.add(&group_bytes);
     let seccomp = blob.add(opts.seccomp);
+    let exe = blob.add(d.process.exe.as_bytes());
+    let auxv_bytes: Vec<u8> = d.process.auxv.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let auxv = blob.add_aligned(&auxv_bytes);
 
     let threads_off = HEADER_SIZE as u64;
     let regions_off = threads_off + (threads.len() * THREAD_SIZE) as u64;
@@ -223,6 +226,8 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
         cwd,
         groups,
         seccomp,
+        exe,
+        auxv,
         process: d.process.core,
         sigactions: d.sigactions,
     };

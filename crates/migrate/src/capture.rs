@@ -825,13 +825,18 @@ fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds) -> Resu
     core.itimers = inside_state.itimers;
     core.timers = inside_state.timers;
     let cwd = inside(&opts.root, &cwd);
+    let proc_err = |path: String| move |source| MigrateError::Proc { path, source };
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).map_err(proc_err(format!("/proc/{pid}/exe")))?;
+    let exe = inside(&opts.root, &exe.to_string_lossy());
+    let auxv = std::fs::read(format!("/proc/{pid}/auxv")).map_err(proc_err(format!("/proc/{pid}/auxv")))?;
+    let auxv = auxv.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().expect("chunks of 8"))).collect();
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
         regions,
         fds,
         threads: inside_state.threads,
         sigactions: inside_state.sigactions,
-        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)? },
+        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)?, exe, auxv },
         descendants: Vec::new(),
         pipes: Vec::new(),
     };

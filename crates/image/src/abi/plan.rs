@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 10;
+pub const PLAN_VERSION: u64 = 11;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -53,6 +53,10 @@ pub const MAX_TREE_PLANS: usize = 64;
 
 /// [`PlanHeader::parent`] of a tree's root (and of a single process).
 pub const NO_PARENT: u64 = u64::MAX;
+
+/// Largest [`PlanHeader::auxv`]: the kernel's `saved_auxv` (AT_VECTOR_SIZE
+/// = 2 × (20 + 2 + 28) words on x86-64).
+pub const MAX_AUXV_BYTES: u64 = 50 * 2 * 8;
 
 /// Most instructions of [`PlanHeader::seccomp`] (the kernel's BPF_MAXINSNS).
 pub const MAX_SECCOMP_INSNS: u64 = 4096;
@@ -116,6 +120,14 @@ pub struct PlanHeader {
     /// resumes; empty: none (a remote-fork clone; a moved `exec` task gets
     /// the sandbox's task filter back).
     pub seccomp: BlobRef,
+    /// The program's executable as the process sees it (`/proc/PID/exe`):
+    /// the restorer makes it the process's exe link (`PR_SET_MM_MAP`'s
+    /// `exe_fd`) so `ps`, `top` and the program itself name the program,
+    /// not the restorer. Empty: left as it is (a remote-fork clone).
+    pub exe: BlobRef,
+    /// The kernel's saved auxiliary vector (`/proc/PID/auxv`: `u64` pairs
+    /// ending with AT_NULL), at most [`MAX_AUXV_BYTES`]; empty: not set.
+    pub auxv: BlobRef,
     pub process: ProcessCore,
     pub sigactions: SigactionTable,
 }
@@ -410,6 +422,9 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
     }
     if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || !h.groups.len.is_multiple_of(4) {
         return invalid("cwd/groups out of bounds", 0);
+    }
+    if !blob_ok(h.exe) || h.exe.len >= 4095 || !blob_ok(h.auxv) || !h.auxv.len.is_multiple_of(16) || h.auxv.len > MAX_AUXV_BYTES {
+        return invalid("exe/auxv out of bounds", h.auxv.len);
     }
     for i in 0..h.n_threads {
         let t: PlanThread = record(plan, h.threads_off, i);
