@@ -327,6 +327,7 @@ pub fn dump_process(pid: i32, brk: u64) -> Result<(ProcessCore, String, Vec<u32>
         // capture names the tree's own).
         sid: 0,
         pgid: 0,
+        tpgid: 0,
         umask,
         creds: Creds { ruid, euid, suid, rgid, egid, sgid },
         rlimits,

@@ -401,6 +401,14 @@ impl Descriptor {
             return bad("duplicate thread or process ids in the tree".to_string());
         }
         check_sessions(&self.session_ids())?;
+        let root = &self.process.core;
+        let tpgid = root.tpgid;
+        if tpgid != 0 && !procs.iter().skip(1).any(|(_, d)| d.process.core.pid == tpgid && d.process.core.pgid == tpgid && d.process.core.sid == root.pid) {
+            return bad(format!("the terminal's foreground group {tpgid} is not led by a process of the root's session"));
+        }
+        if procs.iter().skip(1).any(|(_, d)| d.process.core.tpgid != 0) {
+            return bad("a terminal's foreground group named by a process other than the root".to_string());
+        }
         procs.iter().try_for_each(|(_, d)| d.validate_process())
     }
 

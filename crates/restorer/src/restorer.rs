@@ -578,6 +578,9 @@ fn take_group() {
         // SAFETY: setpgid with integer arguments, for ourselves.
         let r = unsafe { sys!(nr::SETPGID, 0, if own { 0 } else { p.pgid }) };
         if r == 0 {
+            if header().flags & PLAN_FLAG_TERMINAL_FOREGROUND != 0 {
+                take_foreground(p.pgid);
+            }
             return;
         }
         // EPERM: no such group in our session yet.
@@ -589,6 +592,20 @@ fn take_group() {
         unsafe { sys!(nr::NANOSLEEP, wait.as_ptr(), 0) };
     }
     die(RestorerExit::PidNamespace, "process group never started", p.pgid, 0)
+}
+
+/// Make our group the foreground one of the terminal we inherited on fd 0
+/// from the session's leader (who took it as its controlling terminal
+/// before forking us). Every signal is blocked, so the kernel lets a
+/// background group do this without SIGTTOU.
+fn take_foreground(pgid: u64) {
+    const TIOCSPGRP: usize = 0x5410;
+    let group = pgid as i32;
+    // SAFETY: TIOCSPGRP reads a pid_t on our stack.
+    let r = unsafe { sys!(nr::IOCTL, 0, TIOCSPGRP, &group as *const i32) };
+    if r < 0 {
+        die(RestorerExit::Fd, "TIOCSPGRP (the terminal's foreground group)", pgid, r);
+    }
 }
 
 /// A plan string copied into PATHBUF with a terminating NUL (leader only,

@@ -48,6 +48,13 @@ pub const PLAN_FLAG_TERMINAL: u64 = 4;
 /// parent was forked in (`starling_image::forked_before_parent_setsid`).
 pub const PLAN_FLAG_BEFORE_PARENT_SETSID: u64 = 8;
 
+/// Plan flag: the process leads the process group that was its terminal's
+/// foreground one (the root's `ProcessCore::tpgid`: a shell put a job
+/// there with `tcsetpgrp`). Once it has started its group it makes it the
+/// foreground group again (TIOCSPGRP on the terminal it inherited on fd 0),
+/// before any process of the tree resumes.
+pub const PLAN_FLAG_TERMINAL_FOREGROUND: u64 = 16;
+
 /// Most plans (processes) in one process tree.
 pub const MAX_TREE_PLANS: usize = 64;
 
@@ -412,6 +419,10 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
     // Forks of one plan share its session and group: the restorer's.
     if several && (h.process.sid != 0 || h.process.pgid != 0) {
         return invalid("session of clones", h.process.sid);
+    }
+    let foreground = h.flags & PLAN_FLAG_TERMINAL_FOREGROUND != 0;
+    if foreground && (h.parent == NO_PARENT || h.process.pgid != h.process.pid || h.process.sid == h.process.pid) {
+        return invalid("a terminal's foreground group not led by a child in its session", h.process.pgid);
     }
     if h.flags & PLAN_FLAG_TERMINAL != 0 && h.process.sid != h.process.pid {
         return invalid("a terminal's process does not lead its session", h.process.sid);
