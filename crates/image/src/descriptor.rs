@@ -441,7 +441,7 @@ impl Descriptor {
         if !exe.is_empty() && (!exe.starts_with('/') || exe.contains('\0') || exe.len() >= 4095) {
             return bad(format!("executable path {exe:?}"));
         }
-        if self.process.auxv.len() % 2 != 0 || self.process.auxv.len() as u64 * 8 > MAX_AUXV_BYTES {
+        if !self.process.auxv.len().is_multiple_of(2) || self.process.auxv.len() as u64 * 8 > MAX_AUXV_BYTES {
             return bad(format!("auxv of {} words", self.process.auxv.len()));
         }
         if self.threads.is_empty() || self.threads.len() as u64 > MAX_THREADS {
