@@ -854,7 +854,11 @@ fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds) -> Resu
     let cwd = inside(&opts.root, &cwd);
     let proc_err = |path: String| move |source| MigrateError::Proc { path, source };
     let exe = std::fs::read_link(format!("/proc/{pid}/exe")).map_err(proc_err(format!("/proc/{pid}/exe")))?;
-    let exe = inside(&opts.root, &exe.to_string_lossy());
+    // An executable without a path is not set again: a remote-fork clone's
+    // is its restorer's memfd (a program whose file was deleted has a
+    // mapping of it, which the region dump refuses).
+    let exe = exe.to_string_lossy();
+    let exe = if exe.ends_with(" (deleted)") { String::new() } else { inside(&opts.root, &exe) };
     let auxv = std::fs::read(format!("/proc/{pid}/auxv")).map_err(proc_err(format!("/proc/{pid}/auxv")))?;
     let auxv = auxv.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().expect("chunks of 8"))).collect();
     let d = Descriptor {
