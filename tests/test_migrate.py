@@ -5,7 +5,8 @@ The programs are unmodified binaries (not linked against libstarling): tests/mig
 work in phases, a file written block by block, a line of stdin between phases, so a test moves it at
 a known point without timing), crates/migrate/tests/c/{workers,state}.c (4 pthreads with mutexes and
 condition variables; open file offset, interval timer, altstack handler, mask, umask, cwd),
-tests/migrate/posix_timers.c (POSIX timers: periodic, one-shot, thread-directed, a disarmed one) and
+tests/migrate/posix_timers.c (POSIX timers: periodic, one-shot, thread-directed, a disarmed one),
+tests/migrate/identity.c (what /proc/self/exe, cmdline and environ say) and
 crates/migrate/tests/numpy_work.py. Each moved run must print exactly what an undisturbed local run
 prints.
 """
@@ -40,6 +41,7 @@ def progs():
         "state": cc(MIGRATE_C / "state.c", "state"),
         "vector_regs": cc(ROOT / "tests/migrate/vector_regs.c", "vector_regs"),
         "posix_timers": cc(ROOT / "tests/migrate/posix_timers.c", "posix_timers"),
+        "identity": cc(ROOT / "tests/migrate/identity.c", "identity"),
     }
 
 
@@ -394,3 +396,24 @@ def test_posix_timers_that_cannot_move_are_refused_and_the_task_runs_on(cluster,
     t.read_until("report ")
     rc, _, err = t.finish()
     assert rc == 0, err
+
+
+def test_proc_exe_cmdline_and_environ_name_the_program_after_two_moves(cluster, progs, workdir):
+    """/proc/PID/exe, cmdline and environ (what ps, top and the program itself read) are the
+    program's before and after two moves, not the restorer's (which runs every moved process)."""
+    hosts = [h["name"] for h in status()["hosts"]]
+    prog = progs["identity"]
+    t = Task([prog, "an arg", "2"], hosts[0], workdir)
+    t.send("\n")
+    t.read_until("round 1 done")
+    before = t.lines[-3:-1]
+    assert before[0] == f"exe={prog} cmdline={prog}|an arg|2|\n", before
+    task = t.id(prog)
+    for n, to in enumerate([hosts[1], hosts[2]], start=2):
+        report = migrate(task, to)
+        assert report["to"] == to, report
+        t.send("\n")
+        t.read_until(f"round {n} done")
+        assert t.lines[-3:-1] == before, f"after move {n - 1} (to {to})"
+    rc, out, err = t.finish()
+    assert rc == 0 and out.endswith("round 3 done\nend\n"), (rc, out[-500:], err)

@@ -206,6 +206,41 @@ def test_a_terminal_task_moves_twice_and_keeps_its_terminal(term):
         assert len(re.findall(rf"^key {key} on", s, re.M)) == 1, s
 
 
+def test_ctrl_c_reaches_the_foreground_job_only_after_two_moves(term):
+    # A shell-like program (tests/terminal/foreground.py) put its child's process group in the
+    # terminal's foreground with tcsetpgrp: Ctrl-C, sent into the relayed pty, reaches that group and
+    # not the parent's, before and after each of two moves (the restorer gives the group the terminal
+    # back); when the child ends the parent takes the terminal back.
+    import json
+    hosts = [h["name"] for h in status()["hosts"]]
+    prog = pathlib.Path(__file__).parent / "terminal" / "foreground.py"
+    term.start(f"{STARLING} exec -t --host {hosts[0]} -- /usr/bin/python3 {prog}")
+    term.wait(r"^child ready fg=True\s*$", "the child to be the terminal's foreground job")
+    term.key("C-c")
+    term.wait(rf"^(\^C)?child sigint 1 on {hosts[0]} fg=True", "Ctrl-C to reach the child before any move")
+
+    def find():
+        rows = json.loads(subprocess.run([STARLING, "ps", "--json"], capture_output=True, text=True).stdout)
+        return next((r for r in rows if "foreground.py" in r["command"]), None)
+    task = wait_for(find, "the task's ps row")["task"]
+    for n, host in ((2, hosts[1]), (3, hosts[2])):
+        r = subprocess.run([STARLING, "migrate", str(task), "--to", host], capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr
+        assert find()["host"] == host
+        # What is typed reaches the moved program once a line comes back from it (a ^C typed before
+        # that can still meet the old host's pty, where its SIGINT is lost with the frozen source).
+        term.type(f"moved{n}")
+        term.wait(rf"^line moved{n} on {host}", f"a line typed after move {n - 1} to reach the child")
+        term.key("C-c")
+        term.wait(rf"^(\^C)?child sigint {n} on {host} fg=True", f"Ctrl-C to reach the child after move {n - 1}")
+    term.type("q")
+    assert term.finished("the program to end once its child read q") == 0
+    s = term.screen()
+    assert re.search(r"^child ended 0, parent on the terminal again fg=True", s, re.M), s
+    assert "parent sigint" not in s, s
+
+
 def test_less_keeps_paging_after_it_moves(term, workdir):
     # less reads its keys from /dev/tty, not stdin: after `starling migrate` its /dev/tty must be the
     # new host's pty, in the modes less set, so the keys typed in the same pane still page it.

@@ -216,17 +216,17 @@ fn process_lives(pid: i32) -> bool {
     !matches!(state, None | Some("Z" | "X" | "x"))
 }
 
-/// A terminal task moves as its session's leader in the foreground of its
-/// terminal (as `exec -t` starts it): the target recreates exactly that.
+/// A terminal task moves as its session's leader (as `exec -t` starts it):
+/// the target recreates that session on a new pty, with the foreground
+/// group it had (its own, or a group of its tree: `capture::foreground_group`).
 fn terminal_movable(pid: i32) -> Result<(), String> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).map_err(|e| format!("reading the task's state: {e}"))?;
-    // After the command: state, ppid, pgrp, session, tty_nr, tpgid.
-    let fields: Vec<i64> =
-        stat.rsplit_once(')').map(|(_, r)| r.split_whitespace().skip(2).take(4).filter_map(|f| f.parse().ok()).collect()).unwrap_or_default();
-    let [pgrp, session, _, tpgid] = fields[..] else { return Err("unreadable /proc stat of the task".into()) };
-    if session != i64::from(pid) || tpgid != pgrp {
+    // After the command: state, ppid, pgrp, session.
+    let session: Option<i64> = stat.rsplit_once(')').and_then(|(_, r)| r.split_whitespace().nth(3)?.parse().ok());
+    let Some(session) = session else { return Err("unreadable /proc stat of the task".into()) };
+    if session != i64::from(pid) {
         return Err(format!(
-            "the task runs on a terminal but is not its session's leader in the foreground (pid {pid}, session {session}, foreground group {tpgid}): only such a terminal task can move"
+            "the task runs on a terminal but does not lead its session (pid {pid}, session {session}): only such a terminal task can move"
         ));
     }
     Ok(())

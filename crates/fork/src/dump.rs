@@ -113,7 +113,7 @@ pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descr
         fds: dump_fds(pid, i32::try_from(record.freeze_fd).map_err(|_| ForkError::Malformed { what: "template freeze fd", detail: record.freeze_fd.to_string() })?)?,
         threads: vec![ThreadState { core: thread, fpu: record.fpu.0.to_vec(), pending: vec![] }],
         sigactions: record.sigactions,
-        process: ProcessState { core: ProcessCore { pid: thread.tid, ..core }, cwd, groups, pending: vec![] },
+        process: ProcessState { core: ProcessCore { pid: thread.tid, ..core }, cwd, groups, pending: vec![], exe: String::new(), auxv: vec![] },
         descendants: Vec::new(),
         pipes: Vec::new(),
     };
@@ -327,6 +327,7 @@ pub fn dump_process(pid: i32, brk: u64) -> Result<(ProcessCore, String, Vec<u32>
         // capture names the tree's own).
         sid: 0,
         pgid: 0,
+        tpgid: 0,
         umask,
         creds: Creds { ruid, euid, suid, rgid, egid, sgid },
         rlimits,

@@ -6,7 +6,7 @@ use crate::abi::process::ProcessCore;
 use crate::abi::regs::{FP_XSTATE_MAGIC1, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
 use crate::abi::signal::{SigInfo, SigactionTable};
 use crate::abi::thread::ThreadCore;
-use crate::abi::plan::MAX_THREADS;
+use crate::abi::plan::{MAX_AUXV_BYTES, MAX_THREADS};
 use crate::PAGE_SIZE;
 use serde::{Deserialize, Serialize};
 use std::string::{String, ToString};
@@ -14,7 +14,7 @@ use std::vec::Vec;
 use std::format;
 
 /// 7: sessions and process groups (`ProcessCore::sid`/`pgid`); 8: `FdKind::Reconnect` (X display connections).
-pub const DESCRIPTOR_VERSION: u32 = 8;
+pub const DESCRIPTOR_VERSION: u32 = 9;
 /// Most processes one descriptor carries (a process and its descendants).
 pub const MAX_TREE_PROCESSES: usize = crate::abi::plan::MAX_TREE_PLANS;
 /// Upper bound accepted by [`Descriptor::decode`].
@@ -296,6 +296,12 @@ pub struct ProcessState {
     pub groups: Vec<u32>,
     /// Signals queued for the process (shared queue).
     pub pending: Vec<SigInfo>,
+    /// Its executable as it sees it (`/proc/PID/exe`); empty: the
+    /// restorer's stays (a remote-fork clone, which the plan names nothing for).
+    pub exe: String,
+    /// The kernel's saved auxiliary vector (`/proc/PID/auxv`, as `u64`s);
+    /// empty: the restorer's stays.
+    pub auxv: Vec<u64>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
@@ -395,6 +401,14 @@ impl Descriptor {
             return bad("duplicate thread or process ids in the tree".to_string());
         }
         check_sessions(&self.session_ids())?;
+        let root = &self.process.core;
+        let tpgid = root.tpgid;
+        if tpgid != 0 && !procs.iter().skip(1).any(|(_, d)| d.process.core.pid == tpgid && d.process.core.pgid == tpgid && d.process.core.sid == root.pid) {
+            return bad(format!("the terminal's foreground group {tpgid} is not led by a process of the root's session"));
+        }
+        if procs.iter().skip(1).any(|(_, d)| d.process.core.tpgid != 0) {
+            return bad("a terminal's foreground group named by a process other than the root".to_string());
+        }
         procs.iter().try_for_each(|(_, d)| d.validate_process())
     }
 
@@ -422,6 +436,13 @@ impl Descriptor {
                 }
             }
             prev_end = r.end;
+        }
+        let exe = &self.process.exe;
+        if !exe.is_empty() && (!exe.starts_with('/') || exe.contains('\0') || exe.len() >= 4095) {
+            return bad(format!("executable path {exe:?}"));
+        }
+        if !self.process.auxv.len().is_multiple_of(2) || self.process.auxv.len() as u64 * 8 > MAX_AUXV_BYTES {
+            return bad(format!("auxv of {} words", self.process.auxv.len()));
         }
         if self.threads.is_empty() || self.threads.len() as u64 > MAX_THREADS {
             return bad(format!("{} threads", self.threads.len()));

@@ -82,7 +82,8 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
     let processes = d.processes();
     // The tree's pipes' ends wait above every fd of every process.
     let max_fd = processes.iter().flat_map(|(_, p)| p.fds.iter().map(|f| u64::try_from(f.fd).unwrap_or(0))).max().unwrap_or(0);
-    let tree = Tree { pipes: d.pipes.len() as u64, pipe_fd_base: (max_fd + 1).max(MIN_PIPE_FD_BASE) };
+    let foreground = if opts.terminal { d.process.core.tpgid } else { 0 };
+    let tree = Tree { pipes: d.pipes.len() as u64, pipe_fd_base: (max_fd + 1).max(MIN_PIPE_FD_BASE), foreground };
     // Validated descriptors always have an order; a tree that has none keeps the default one.
     let early = crate::descriptor::forked_before_parent_setsid(&d.session_ids()).unwrap_or_else(|_| std::vec![false; processes.len()]);
     let mut out = Vec::new();
@@ -100,6 +101,8 @@ pub fn lower(d: &Descriptor, opts: PlanOptions) -> Vec<u8> {
 struct Tree {
     pipes: u64,
     pipe_fd_base: u64,
+    /// The terminal's foreground group (a moved terminal task's), 0: the root's own.
+    foreground: u64,
 }
 
 /// The plan of one process (`parent`: its parent's plan index).
@@ -178,6 +181,9 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
     let group_bytes: Vec<u8> = d.process.groups.iter().flat_map(|g| g.to_le_bytes()).collect();
     let groups = blob.add(&group_bytes);
     let seccomp = blob.add(opts.seccomp);
+    let exe = blob.add(d.process.exe.as_bytes());
+    let auxv_bytes: Vec<u8> = d.process.auxv.iter().flat_map(|w| w.to_le_bytes()).collect();
+    let auxv = blob.add_aligned(&auxv_bytes);
 
     let threads_off = HEADER_SIZE as u64;
     let regions_off = threads_off + (threads.len() * THREAD_SIZE) as u64;
@@ -197,6 +203,9 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
     }
     if before_parent_setsid {
         flags |= PLAN_FLAG_BEFORE_PARENT_SETSID;
+    }
+    if tree.foreground != 0 && parent != NO_PARENT && d.process.core.pid == tree.foreground {
+        flags |= PLAN_FLAG_TERMINAL_FOREGROUND;
     }
     let header = PlanHeader {
         magic: PLAN_MAGIC,
@@ -223,6 +232,8 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
         cwd,
         groups,
         seccomp,
+        exe,
+        auxv,
         process: d.process.core,
         sigactions: d.sigactions,
     };

@@ -57,6 +57,8 @@ pub fn descriptor(threads: &[u64]) -> Descriptor {
             cwd: "/home/u".to_string(),
             groups: vec![100, 27],
             pending: vec![SigInfo(info)],
+            exe: "/usr/bin/sample".to_string(),
+            auxv: vec![6, 4096, 0, 0],
         },
         descendants: vec![],
         pipes: vec![],

@@ -217,6 +217,27 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     let (w, r) = (fd_of(1, 12), fd_of(2, 0));
     assert_eq!((w.kind, w.offset, w.open_flags), (FdRestore::TreePipe as u64, 0, 0o4001), "write end, nonblocking");
     assert_eq!((r.kind, r.offset, r.open_flags), (FdRestore::TreePipe as u64, 0, 0), "a pipe at fd 0 is not the inherited stdin");
+    // The child's group in the terminal's foreground (a shell's job): only its plan takes it, and
+    // only a group a child of the root's session leads can be named.
+    let mut fg = root.clone();
+    fg.process.core.tpgid = 50;
+    fg.validate().expect("a foreground job");
+    let plan = lower(&fg, opts);
+    let n = crate::abi::plan::validate_tree(&plan, &mut offsets).expect("a valid tree plan");
+    let flags: std::vec::Vec<u64> = offsets[..n].iter().map(|&o| read::<PlanHeader>(&plan, o).flags & PLAN_FLAG_TERMINAL_FOREGROUND).collect();
+    assert_eq!(flags, [0, PLAN_FLAG_TERMINAL_FOREGROUND, 0]);
+    let plan = lower(&fg, PlanOptions { terminal: false, ..opts });
+    let n = crate::abi::plan::validate_tree(&plan, &mut offsets).expect("a valid tree plan");
+    assert!(offsets[..n].iter().all(|&o| read::<PlanHeader>(&plan, o).flags & PLAN_FLAG_TERMINAL_FOREGROUND == 0), "no terminal, no foreground");
+    for (tpgid, on_child) in [(51, false), (77, false), (50, true)] {
+        let mut bad = root.clone();
+        if on_child {
+            bad.descendants[0].1.process.core.tpgid = tpgid;
+        } else {
+            bad.process.core.tpgid = tpgid;
+        }
+        assert!(bad.validate().is_err(), "foreground group {tpgid} (named by the child: {on_child})");
+    }
     let mut bad = root.clone();
     bad.pipes.clear();
     assert!(bad.validate().is_err(), "an fd naming a pipe the tree does not have");

@@ -271,6 +271,31 @@ pub fn sessions(members: &[Member]) -> Result<Vec<(u64, u64)>> {
     Ok(tree.iter().map(|p| (p.sid, p.pgid)).collect())
 }
 
+/// The foreground process group of the terminal the root controls
+/// (`/proc/PID/stat` field 8, `tpgid`), as the task numbers it
+/// (`ProcessCore::tpgid`): 0 if it has no terminal or its own group is in
+/// the foreground (taking the terminal back makes it so again). A group no
+/// process of the task leads is refused: Ctrl-C would reach nobody after a move.
+pub fn foreground_group(members: &[Member]) -> Result<u64> {
+    let root = members[0].pid;
+    let path = format!("/proc/{root}/stat");
+    let stat = read(&path)?;
+    // After the ")" closing comm: state ppid pgrp session tty_nr tpgid.
+    let tpgid: i32 = stat
+        .rsplit_once(')')
+        .and_then(|(_, r)| r.split_whitespace().nth(5)?.parse().ok())
+        .ok_or_else(|| MigrateError::Proc { path, source: std::io::Error::from(std::io::ErrorKind::InvalidData) })?;
+    if tpgid <= 0 || tpgid == root {
+        return Ok(0);
+    }
+    match members.iter().find(|m| m.pid == tpgid) {
+        Some(m) => ns_id(m.pid, m.pid),
+        None => Err(MigrateError::Unmovable(format!(
+            "the terminal's foreground process group {tpgid} (as this host numbers it) is not led by a process of the task"
+        ))),
+    }
+}
+
 /// The task's stdio pipes (`pipe:[N]` of fds 0-2 of its root): the only
 /// pipes at fds 0-2 a process of its tree may hold (at the same fd).
 pub fn stdio_pipes(pid: i32) -> Vec<(i32, String)> {
@@ -285,6 +310,7 @@ pub fn stdio_pipes(pid: i32) -> Vec<(i32, String)> {
 pub fn precheck(pid: i32, opts: &CaptureOptions) -> Result<Vec<Member>> {
     let members = tree(pid)?;
     sessions(&members)?;
+    foreground_group(&members)?;
     let mut ctx = TreeFds::new(&members);
     ctx.reconnect.clone_from(&opts.reconnect);
     for m in &members {
@@ -788,6 +814,7 @@ pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> 
     }
     let mut images = images.into_iter();
     let mut root = images.next().ok_or(MigrateError::Gone(0))?;
+    root.process.core.tpgid = foreground_group(members)?;
     root.descendants = members
         .iter()
         .skip(1)
@@ -825,13 +852,22 @@ fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds) -> Resu
     core.itimers = inside_state.itimers;
     core.timers = inside_state.timers;
     let cwd = inside(&opts.root, &cwd);
+    let proc_err = |path: String| move |source| MigrateError::Proc { path, source };
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).map_err(proc_err(format!("/proc/{pid}/exe")))?;
+    // An executable without a path is not set again: a remote-fork clone's
+    // is its restorer's memfd (a program whose file was deleted has a
+    // mapping of it, which the region dump refuses).
+    let exe = exe.to_string_lossy();
+    let exe = if exe.ends_with(" (deleted)") { String::new() } else { inside(&opts.root, &exe) };
+    let auxv = std::fs::read(format!("/proc/{pid}/auxv")).map_err(proc_err(format!("/proc/{pid}/auxv")))?;
+    let auxv = auxv.chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().expect("chunks of 8"))).collect();
     let d = Descriptor {
         version: DESCRIPTOR_VERSION,
         regions,
         fds,
         threads: inside_state.threads,
         sigactions: inside_state.sigactions,
-        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)? },
+        process: ProcessState { core, cwd, groups, pending: ptrace::pending(pid, true)?, exe, auxv },
         descendants: Vec::new(),
         pipes: Vec::new(),
     };

@@ -22,7 +22,9 @@
 //! stack onto a static one, unmap it, move vDSO/vvar to the image's
 //! addresses; (3) map every region at its exact address; (4) create a
 //! userfaultfd, register the regions with data to fetch, pass it to the
-//! handler; (5) restore fds, cwd, umask, rlimits, sigactions; (6) create the
+//! handler; (5) restore fds, cwd, umask, rlimits, the memory layout `/proc`
+//! shows (`PR_SET_MM_MAP`: arg/env areas, brk, auxv, and the exe link, once
+//! the image no longer maps our own executable), sigactions; (6) create the
 //! other threads with `clone3` `set_tid` = their TIDs; every thread restores
 //! its own name, fs/gs base, robust list, clear-tid address, rseq and credentials
 //! and queues its pending signals, then waits at a barrier while the leader
@@ -58,6 +60,7 @@ mod nr {
     pub const SOCKET: usize = 41;
     pub const CONNECT: usize = 42;
     pub const MMAP: usize = 9;
+    pub const MPROTECT: usize = 10;
     pub const MUNMAP: usize = 11;
     pub const RT_SIGACTION: usize = 13;
     pub const RT_SIGPROCMASK: usize = 14;
@@ -575,6 +578,9 @@ fn take_group() {
         // SAFETY: setpgid with integer arguments, for ourselves.
         let r = unsafe { sys!(nr::SETPGID, 0, if own { 0 } else { p.pgid }) };
         if r == 0 {
+            if header().flags & PLAN_FLAG_TERMINAL_FOREGROUND != 0 {
+                take_foreground(p.pgid);
+            }
             return;
         }
         // EPERM: no such group in our session yet.
@@ -586,6 +592,20 @@ fn take_group() {
         unsafe { sys!(nr::NANOSLEEP, wait.as_ptr(), 0) };
     }
     die(RestorerExit::PidNamespace, "process group never started", p.pgid, 0)
+}
+
+/// Make our group the foreground one of the terminal we inherited on fd 0
+/// from the session's leader (who took it as its controlling terminal
+/// before forking us). Every signal is blocked, so the kernel lets a
+/// background group do this without SIGTTOU.
+fn take_foreground(pgid: u64) {
+    const TIOCSPGRP: usize = 0x5410;
+    let group = pgid as i32;
+    // SAFETY: TIOCSPGRP reads a pid_t on our stack.
+    let r = unsafe { sys!(nr::IOCTL, 0, TIOCSPGRP, &group as *const i32) };
+    if r < 0 {
+        die(RestorerExit::Fd, "TIOCSPGRP (the terminal's foreground group)", pgid, r);
+    }
 }
 
 /// A plan string copied into PATHBUF with a terminating NUL (leader only,
@@ -858,6 +878,8 @@ fn mount_own_proc() {
 struct MapsLine<'a> {
     start: u64,
     end: u64,
+    /// PROT_* bits of its "rwxp" field.
+    prot: u64,
     name: &'a [u8],
 }
 
@@ -918,7 +940,9 @@ fn for_each_own_mapping(mut f: impl FnMut(&MapsLine)) {
             i += 1;
         }
         let name = if i <= line.len() { &line[i.min(line.len())..] } else { &[][..] };
-        f(&MapsLine { start, end, name });
+        let perms = &line[(sp + 1).min(line.len())..];
+        let prot = [b'r', b'w', b'x'].iter().enumerate().fold(0, |p, (bit, &c)| if perms.get(bit) == Some(&c) { p | 1 << bit } else { p });
+        f(&MapsLine { start, end, prot, name });
     }
 }
 
@@ -991,6 +1015,48 @@ fn fix_own_mappings() {
         let r = mremap_fixed(parked[i], e - s, ts);
         if r < 0 {
             die(RestorerExit::Vdso, "move vdso/vvar to template address", ts, r);
+        }
+    }
+}
+
+/// Replace each mapping of our own image that our executable backs with an
+/// anonymous copy at the same address. The kernel changes a process's exe
+/// link only while no mapping of the old executable is left
+/// (`replace_mm_exe_file`: EBUSY), and the image cannot move, as we run
+/// from it (CRIU's restorer blob is anonymous memory for the same reason).
+/// The copy is made, given the mapping's protection, then `mremap`ed over
+/// it in one step: the next instruction runs from identical bytes. Only
+/// this thread exists, and nothing between the copy and the move writes
+/// the image's file-backed data (the stack and the tables are bss, anonymous).
+fn detach_own_image() {
+    const MAP_PRIVATE_ANONYMOUS: u64 = 0x22;
+    let (own_start, own_end) =
+        (core::ptr::addr_of!(__executable_start) as u64 & !(PAGE - 1), (core::ptr::addr_of!(_end) as u64).next_multiple_of(PAGE));
+    let mut backed = [(0u64, 0u64, 0u64); 8];
+    let mut n = 0;
+    for_each_own_mapping(|m| {
+        if m.start >= own_start && m.end <= own_end && m.name.first().is_some_and(|&c| c != b'[') {
+            if n == backed.len() {
+                die(RestorerExit::Map, "too many file mappings of the restorer at", m.start, 0);
+            }
+            backed[n] = (m.start, m.end, m.prot);
+            n += 1;
+        }
+    });
+    for &(start, end, prot) in &backed[..n] {
+        let len = end - start;
+        // SAFETY: a fresh anonymous mapping wherever the kernel likes.
+        let copy = unsafe { sys!(nr::MMAP, 0, len, 3 /* PROT_READ | PROT_WRITE */, MAP_PRIVATE_ANONYMOUS, -1isize, 0) };
+        if copy < 0 {
+            die(RestorerExit::Map, "anonymous copy of the restorer at", start, copy);
+        }
+        // SAFETY: both ranges are mapped (ours, readable; the copy, writable) and disjoint.
+        unsafe { memcpy(copy as *mut u8, start as *const u8, len as usize) };
+        // SAFETY: mprotect of the mapping we just made.
+        let r = unsafe { sys!(nr::MPROTECT, copy, len, prot) };
+        let r = if r < 0 { r } else { mremap_fixed(copy as u64, len, start) };
+        if r < 0 {
+            die(RestorerExit::Map, "replace the restorer's file mapping at", start, r);
         }
     }
 }
@@ -1293,15 +1359,7 @@ fn restore_process_state() {
         // SAFETY: prlimit64(0 = self) reads a struct rlimit64 (two u64s).
         unsafe { sys!(nr::PRLIMIT64, 0, i, lim as *const abi::process::Rlimit, 0) };
     }
-    // Attempt the exact mm layout (brk, arg/env areas). Needs CAP_SYS_RESOURCE;
-    // without it glibc's malloc falls back to mmap when brk cannot grow.
-    let mm = &p.mm;
-    let mut map = [0u64; 13];
-    map[..11].copy_from_slice(&[mm.start_code, mm.end_code, mm.start_data, mm.end_data, mm.start_brk, mm.brk,
-        mm.start_stack, mm.arg_start, mm.arg_end, mm.env_start, mm.env_end]);
-    map[12] = (u32::MAX as u64) << 32; // auxv_size = 0, exe_fd = -1
-    // SAFETY: PR_SET_MM(35) / PR_SET_MM_MAP(14) reads a struct prctl_mm_map of 104 bytes.
-    unsafe { sys!(nr::PRCTL, 35, 14, map.as_ptr(), 104, 0) };
+    restore_mm();
     for (i, act) in h.sigactions.0.iter().enumerate() {
         let sig = i + 1;
         if sig == 9 || sig == 19 || act.handler == 0 && act.flags == 0 {
@@ -1310,6 +1368,42 @@ fn restore_process_state() {
         // SAFETY: rt_sigaction reads a kernel sigaction; handler addresses
         // point into the restored memory.
         unsafe { sys!(nr::RT_SIGACTION, sig, act as *const Sigaction, 0, 8) };
+    }
+}
+
+/// The process's memory layout as `/proc` shows it (code/data/brk, the
+/// argument and environment areas behind `cmdline` and `environ`, the
+/// saved auxv) and its exe link, in one `PR_SET_MM_MAP`.
+fn restore_mm() {
+    let h = header();
+    let exe_fd = if h.exe.len > 0 {
+        let fd = open_path(h.exe, 0);
+        if fd < 0 {
+            die(RestorerExit::ThreadState, "open the program's executable", 0, fd);
+        }
+        detach_own_image();
+        fd as u64
+    } else {
+        u32::MAX as u64
+    };
+    let mm = &h.process.mm;
+    let auxv = blob(h.auxv);
+    let mut map = [0u64; 13];
+    map[..11].copy_from_slice(&[mm.start_code, mm.end_code, mm.start_data, mm.end_data, mm.start_brk, mm.brk,
+        mm.start_stack, mm.arg_start, mm.arg_end, mm.env_start, mm.env_end]);
+    map[11] = if auxv.is_empty() { 0 } else { auxv.as_ptr() as u64 };
+    map[12] = auxv.len() as u64 | exe_fd << 32; // u32 auxv_size, u32 exe_fd
+    // SAFETY: PR_SET_MM(35) / PR_SET_MM_MAP(14) reads a struct prctl_mm_map of
+    // 104 bytes and `auxv_size` bytes at `auxv` (in the plan).
+    let r = unsafe { sys!(nr::PRCTL, 35, 14, map.as_ptr(), 104, 0) };
+    if exe_fd != u32::MAX as u64 {
+        // A moved process must not resume under the restorer's name: the
+        // move fails before the switch and the process runs on at its source.
+        if r < 0 {
+            die(RestorerExit::ThreadState, "PR_SET_MM_MAP (memory layout and exe link)", exe_fd, r);
+        }
+        // SAFETY: closing the fd we opened; the mm holds the file now.
+        unsafe { sys!(nr::CLOSE, exe_fd) };
     }
 }
 

@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 10;
+pub const PLAN_VERSION: u64 = 11;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -48,11 +48,22 @@ pub const PLAN_FLAG_TERMINAL: u64 = 4;
 /// parent was forked in (`starling_image::forked_before_parent_setsid`).
 pub const PLAN_FLAG_BEFORE_PARENT_SETSID: u64 = 8;
 
+/// Plan flag: the process leads the process group that was its terminal's
+/// foreground one (the root's `ProcessCore::tpgid`: a shell put a job
+/// there with `tcsetpgrp`). Once it has started its group it makes it the
+/// foreground group again (TIOCSPGRP on the terminal it inherited on fd 0),
+/// before any process of the tree resumes.
+pub const PLAN_FLAG_TERMINAL_FOREGROUND: u64 = 16;
+
 /// Most plans (processes) in one process tree.
 pub const MAX_TREE_PLANS: usize = 64;
 
 /// [`PlanHeader::parent`] of a tree's root (and of a single process).
 pub const NO_PARENT: u64 = u64::MAX;
+
+/// Largest [`PlanHeader::auxv`]: the kernel's `saved_auxv` (AT_VECTOR_SIZE
+/// = 2 × (20 + 2 + 28) words on x86-64).
+pub const MAX_AUXV_BYTES: u64 = 50 * 2 * 8;
 
 /// Most instructions of [`PlanHeader::seccomp`] (the kernel's BPF_MAXINSNS).
 pub const MAX_SECCOMP_INSNS: u64 = 4096;
@@ -116,6 +127,14 @@ pub struct PlanHeader {
     /// resumes; empty: none (a remote-fork clone; a moved `exec` task gets
     /// the sandbox's task filter back).
     pub seccomp: BlobRef,
+    /// The program's executable as the process sees it (`/proc/PID/exe`):
+    /// the restorer makes it the process's exe link (`PR_SET_MM_MAP`'s
+    /// `exe_fd`) so `ps`, `top` and the program itself name the program,
+    /// not the restorer. Empty: left as it is (a remote-fork clone).
+    pub exe: BlobRef,
+    /// The kernel's saved auxiliary vector (`/proc/PID/auxv`: `u64` pairs
+    /// ending with AT_NULL), at most [`MAX_AUXV_BYTES`]; empty: not set.
+    pub auxv: BlobRef,
     pub process: ProcessCore,
     pub sigactions: SigactionTable,
 }
@@ -401,6 +420,10 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
     if several && (h.process.sid != 0 || h.process.pgid != 0) {
         return invalid("session of clones", h.process.sid);
     }
+    let foreground = h.flags & PLAN_FLAG_TERMINAL_FOREGROUND != 0;
+    if foreground && (h.parent == NO_PARENT || h.process.pgid != h.process.pid || h.process.sid == h.process.pid) {
+        return invalid("a terminal's foreground group not led by a child in its session", h.process.pgid);
+    }
     if h.flags & PLAN_FLAG_TERMINAL != 0 && h.process.sid != h.process.pid {
         return invalid("a terminal's process does not lead its session", h.process.sid);
     }
@@ -410,6 +433,9 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
     }
     if !blob_ok(h.cwd) || h.cwd.len >= 4095 || !blob_ok(h.groups) || !h.groups.len.is_multiple_of(4) {
         return invalid("cwd/groups out of bounds", 0);
+    }
+    if !blob_ok(h.exe) || h.exe.len >= 4095 || !blob_ok(h.auxv) || !h.auxv.len.is_multiple_of(16) || h.auxv.len > MAX_AUXV_BYTES {
+        return invalid("exe/auxv out of bounds", h.auxv.len);
     }
     for i in 0..h.n_threads {
         let t: PlanThread = record(plan, h.threads_off, i);

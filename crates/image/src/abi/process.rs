@@ -227,6 +227,10 @@ pub struct ProcessCore {
     pub sid: u64,
     /// Its process group, named the same way (0: the restorer's group).
     pub pgid: u64,
+    /// The foreground process group of the terminal it controls (a
+    /// process leading a session with a terminal), named the same way; 0:
+    /// its own group, which taking the terminal makes the foreground one.
+    pub tpgid: u64,
     pub umask: u64,
     pub creds: Creds,
     pub rlimits: [Rlimit; N_RLIMITS],
