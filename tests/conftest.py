@@ -255,3 +255,47 @@ def pytest_runtest_makereport(item, call):
             continue
         lines = log.read_text(errors="replace").splitlines()[-40:]
         report.sections.append((f"{log.name}, last {len(lines)} lines", "\n".join(lines)))
+
+
+def kv(line):
+    """`KEY a=1 b=x` -> {"a": "1", "b": "x"}."""
+    return dict(re.findall(r"(\w+)=(\S+)", line))
+
+
+def _number(v):
+    try:
+        return int(v)
+    except ValueError:
+        return v
+
+
+class CloneReport:
+    """What the fork test programs print (bench/c/mcdist_work.c `verify`, tests/fork/shared_host.c),
+    one `KEY k=v ...` line per fact: PSUM (the parent's checksum of a memory chunk), CSUM (a clone's
+    of the same chunk), CLONE (where a clone ran), STAT (a clone's status and fault counters),
+    WIRE (the parent's page-server and multicast counters) and PARENT (the descriptor's size)."""
+
+    def __init__(self, out):
+        def lines(tag):
+            return [kv(line) for line in re.findall(rf"^{tag} .*$", out, re.M)]
+        self.out = out
+        self.parent = {m["chunk"]: m["sum"] for m in lines("PSUM")}
+        self.sums = {}
+        for m in lines("CSUM"):
+            self.sums.setdefault(int(m["id"]), {})[m["chunk"]] = m["sum"]
+        self.hosts = {int(m["id"]): m.get("host") for m in lines("CLONE")}
+        self.stats = {int(m["id"]): {k: _number(v) for k, v in m.items()} for m in lines("STAT")}
+        wire = lines("WIRE")
+        assert wire, f"no WIRE line in the program's output: {out[-2000:]}"
+        self.wire = {k: int(v) for k, v in wire[0].items()}
+        self.descriptor_pages = -(-int(lines("PARENT")[0]["descriptor_bytes"]) // 4096)
+
+    def assert_memory_identical(self, data_mib, ids):
+        """Clones `ids` each read every chunk of the parent's `data_mib` MiB (+ its globals) and
+        saw the parent's bytes in each."""
+        assert len(self.parent) == data_mib + 1, "parent checksums: every 1 MiB chunk + globals"
+        for i in ids:
+            sums = self.sums.get(i, {})
+            assert sums.keys() == self.parent.keys(), f"clone {i} read every chunk"
+            bad = [c for c in sums if sums[c] != self.parent[c]]
+            assert not bad, f"clone {i}: chunks {bad[:10]} differ from the parent's image"

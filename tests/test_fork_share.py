@@ -19,12 +19,11 @@ fails with the reason if a host has a single core (nothing would be shared).
 import collections
 import os
 import pathlib
-import re
 import subprocess
 
 import pytest
 
-from conftest import ROOT, cores_by_host, require, running_tasks, wait_for
+from conftest import ROOT, CloneReport, cores_by_host, require, running_tasks, wait_for
 
 LIB = ROOT / "target/release/libstarling.a"
 BIN = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}/share-bin")
@@ -44,10 +43,6 @@ def prog():
     return str(exe)
 
 
-def kv(line):
-    return dict(re.findall(r"(\w+)=(\S+)", line))
-
-
 def run(prog, n, hierarchical, victim, mcdist):
     # The grant must be every core: wait until the last test's clones have given theirs back.
     wait_for(lambda: running_tasks() == 0, "the cluster's cores to be free")
@@ -56,16 +51,7 @@ def run(prog, n, hierarchical, victim, mcdist):
     r = subprocess.run([prog, str(n), str(int(hierarchical)), str(victim), str(DATA_MIB)], capture_output=True,
                        text=True, timeout=600, env=env, cwd="/var/tmp")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    out = r.stdout
-    parent = {m["chunk"]: m["sum"] for m in map(kv, re.findall(r"^PSUM .*$", out, re.M))}
-    sums = collections.defaultdict(dict)
-    for m in map(kv, re.findall(r"^CSUM .*$", out, re.M)):
-        sums[int(m["id"])][m["chunk"]] = m["sum"]
-    hosts = {int(m["id"]): m["host"] for m in map(kv, re.findall(r"^CLONE .*$", out, re.M))}
-    stats = {int(m["id"]): {k: int(v) for k, v in m.items()} for m in map(kv, re.findall(r"^STAT .*$", out, re.M))}
-    wire = {k: int(v) for k, v in kv(re.search(r"^WIRE .*$", out, re.M).group(0)).items()}
-    desc_pages = -(-int(kv(re.search(r"^PARENT .*$", out, re.M).group(0))["descriptor_bytes"]) // 4096)
-    return parent, sums, hosts, stats, wire, desc_pages
+    return CloneReport(r.stdout)
 
 
 def clones_for(st):
@@ -74,22 +60,15 @@ def clones_for(st):
     return sum(cores.values())
 
 
-def assert_memory_identical(parent, sums, ids):
-    assert len(parent) == DATA_MIB + 1, "parent checksums: every 1 MiB chunk + globals"
-    for i in ids:
-        assert sums[i].keys() == parent.keys(), f"clone {i} read every chunk"
-        bad = [c for c in sums[i] if sums[i][c] != parent[c]]
-        assert not bad, f"clone {i}: chunks {bad[:10]} differ from the parent's image"
-
-
 @pytest.mark.parametrize("hierarchical,mcdist", [(False, "on"), (True, "on"), (False, "off")],
                          ids=["spread-multicast", "hierarchical-multicast", "spread-unicast"])
 def test_clones_of_a_host_share_the_descriptor_and_receiver(cluster, prog, hierarchical, mcdist):
     n = clones_for(cluster)
-    parent, sums, hosts, stats, wire, desc_pages = run(prog, n, hierarchical, 0, mcdist)
+    rep = run(prog, n, hierarchical, 0, mcdist)
+    hosts, stats, wire = rep.hosts, rep.stats, rep.wire
     assert sorted(stats) == list(range(1, n + 1)), "every clone granted reported"
     assert all(s["status"] == 0 for s in stats.values()), stats
-    assert_memory_identical(parent, sums, stats)
+    rep.assert_memory_identical(DATA_MIB, stats)
     per_host = collections.Counter(hosts.values())
     assert len(per_host) == len(cluster["hosts"]) and min(per_host.values()) >= 2, per_host
     h = len(per_host)
@@ -102,17 +81,18 @@ def test_clones_of_a_host_share_the_descriptor_and_receiver(cluster, prog, hiera
     else:
         assert {s["mode"] for s in stats.values()} == {UNICAST}, stats
         # Over TCP every fetch is sent in full: the descriptor's pages went out once per host.
-        assert wire["descriptor_pages_sent"] == h * desc_pages, (wire, desc_pages, per_host)
+        assert wire["descriptor_pages_sent"] == h * rep.descriptor_pages, (wire, rep.descriptor_pages, per_host)
 
 
 def test_a_clone_killed_leaves_its_host_siblings_correct(cluster, prog):
     n = clones_for(cluster)
     victim = 1
-    parent, sums, hosts, stats, wire, _ = run(prog, n, False, victim, "on")
+    rep = run(prog, n, False, victim, "on")
+    hosts, stats = rep.hosts, rep.stats
     siblings = [i for i, h in hosts.items() if h == hosts[victim] and i != victim]
     assert siblings, f"clone {victim} shared no host: {hosts}"
     assert stats[victim]["state"] == KILLED and stats[victim]["status"] == 128 + 9, stats[victim]
     others = [i for i in stats if i != victim]
     assert all(stats[i]["status"] == 0 for i in others), stats
-    assert_memory_identical(parent, sums, others)
+    rep.assert_memory_identical(DATA_MIB, others)
     assert {stats[i]["mode"] for i in others} == {MULTICAST}, "the siblings kept the host's receiver"

@@ -28,7 +28,7 @@ import time
 
 import pytest
 
-from conftest import build_with_shared_libstarling, cores_by_host, instance_env, require, require_root, require_tool
+from conftest import CloneReport, build_with_shared_libstarling, cores_by_host, instance_env, require, require_root, require_tool
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -105,51 +105,30 @@ def work(cluster):
     return build_with_shared_libstarling(ROOT / "bench/c/mcdist_work.c", BIN, "mcdist_work")
 
 
-def kv(line):
-    return dict(re.findall(r"(\w+)=(\S+)", line))
-
-
 def run_verify(exe, mcdist, n, timeout=600):
+    """mcdist_work `verify` with n clones: every clone reported and saw the parent's memory."""
     r = subprocess.run([exe, "verify", str(n), str(DATA_MIB), "4"], capture_output=True, text=True, timeout=timeout,
                        env=env(STARLING_MCDIST=mcdist), cwd="/var/tmp")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    out = r.stdout
-    parent = {m["chunk"]: m["sum"] for m in map(kv, re.findall(r"^PSUM .*$", out, re.M))}
-    clones = {}
-    for m in map(kv, re.findall(r"^CSUM .*$", out, re.M)):
-        clones.setdefault(m["id"], {})[m["chunk"]] = m["sum"]
-    stats = {m["id"]: m for m in map(kv, re.findall(r"^STAT .*$", out, re.M))}
-    wire = {k: int(v) for k, v in kv(re.search(r"^WIRE .*$", out, re.M).group(0)).items()}
-    return parent, clones, stats, wire, r
-
-
-def descriptor_pages(r):
-    """Pages of the encoded descriptor (hosts fetch it from the page server like pages)."""
-    return -(-int(kv(re.search(r"^PARENT .*$", r.stdout, re.M).group(0))["descriptor_bytes"]) // 4096)
-
-
-def assert_memory_identical(parent, clones, n):
-    assert len(parent) == DATA_MIB + 1, "parent checksums: every 1 MiB chunk + globals"
-    assert sorted(clones, key=int) == [str(i) for i in range(1, n + 1)], "every clone reported"
-    for cid, sums in clones.items():
-        assert sums.keys() == parent.keys(), f"clone {cid} read every chunk"
-        bad = [c for c in sums if sums[c] != parent[c]]
-        assert not bad, f"clone {cid}: chunks {bad[:10]} differ from the parent's image"
+    rep = CloneReport(r.stdout)
+    assert sorted(rep.sums) == list(range(1, n + 1)), "every clone reported"
+    rep.assert_memory_identical(DATA_MIB, range(1, n + 1))
+    return rep
 
 
 @pytest.mark.parametrize("mcdist,mode", [("on", MULTICAST), ("push", MULTICAST_PUSH)])
 def test_clone_memory_equals_parent_image(work, clones, mcdist, mode):
     n = clones
     nft_clear()
-    parent, clones, stats, wire, r = run_verify(work, mcdist, n)
-    assert_memory_identical(parent, clones, n)
+    rep = run_verify(work, mcdist, n)
+    stats, wire = rep.stats, rep.wire
     # The descriptor went to the group too: the hosts' requests for it were
     # answered by fewer transmissions than one per clone (unicast needs one each).
-    assert 0 < wire["descriptor_pages_sent"] < n * descriptor_pages(r), wire
-    assert all(s["status"] == "0" for s in stats.values()), stats
-    assert {int(s["mode"]) for s in stats.values()} == {mode}, "every clone used multicast"
+    assert 0 < wire["descriptor_pages_sent"] < n * rep.descriptor_pages, wire
+    assert all(s["status"] == 0 for s in stats.values()), stats
+    assert {s["mode"] for s in stats.values()} == {mode}, "every clone used multicast"
     # Clones installed pages other clones asked for: the multicast really was shared.
-    assert sum(int(s["unsolicited"]) for s in stats.values()) > 0
+    assert sum(s["unsolicited"] for s in stats.values()) > 0
     # n clones read 64 MiB each; the wire carried far less than n unicast copies.
     assert wire["bytes_multicast"] > 0 and wire["bytes_wire"] < 3 * (DATA_MIB << 20), wire
 
@@ -158,13 +137,13 @@ def test_loss_on_the_bridge_clones_correct_sender_backs_off(work, clones):
     n = clones
     nft_multicast_rule("numgen random mod 1000 < 50 counter drop")  # 5 % of multicast packets
     try:
-        parent, clones, stats, wire, _ = run_verify(work, "on", n)
+        rep = run_verify(work, "on", n)
         dropped = nft_dropped()
     finally:
         nft_clear()
     assert dropped > 100, f"the loss rule dropped only {dropped} frames"
-    assert_memory_identical(parent, clones, n)
-    assert {int(s["mode"]) for s in stats.values()} == {MULTICAST}, "loss must not push clones off multicast"
+    stats, wire = rep.stats, rep.wire
+    assert {s["mode"] for s in stats.values()} == {MULTICAST}, "loss must not push clones off multicast"
     assert wire["implicit_losses"] > 0 and wire["rate_cuts"] > 0, wire
     assert 0 < wire["rate_min"] < INITIAL_RATE, f"rate never backed off below the initial limit: {wire}"
 
@@ -175,15 +154,15 @@ def test_multicast_blocked_falls_back_to_unicast_and_says_so(work, clones):
     n = min(4, clones)  # over TCP: fewer clones keep it short
     nft_multicast_rule("counter drop")
     try:
-        parent, clones, stats, wire, r = run_verify(work, "on", n)
+        rep = run_verify(work, "on", n)
         dropped = nft_dropped()
     finally:
         nft_clear()
     assert dropped > 0, "multicast never reached the block"
-    assert_memory_identical(parent, clones, n)
-    assert {int(s["mode"]) for s in stats.values()} == {UNICAST_FALLBACK}, stats
+    stats, wire = rep.stats, rep.wire
+    assert {s["mode"] for s in stats.values()} == {UNICAST_FALLBACK}, stats
     assert wire["bytes_tcp"] > (DATA_MIB << 20) * n, "pages came over TCP"
-    assert wire["descriptor_pages_sent"] == n * descriptor_pages(r), "each host fetched the descriptor over TCP"
+    assert wire["descriptor_pages_sent"] == n * rep.descriptor_pages, "each host fetched the descriptor over TCP"
     # starling status: the hosts that ran clones say so (agents report every 2 s; wait for it).
     deadline = time.monotonic() + 120
     while True:

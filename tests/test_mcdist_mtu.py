@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-from conftest import build_with_shared_libstarling, cores_by_host, instance_env, require, require_root
+from conftest import CloneReport, build_with_shared_libstarling, cores_by_host, instance_env, require, require_root
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -77,35 +77,23 @@ def up(*extra):
     return clones
 
 
-def kv(line):
-    return dict(re.findall(r"(\w+)=(\S+)", line))
-
-
 def run_verify(exe, n):
+    """mcdist_work `verify` with n clones over multicast: every clone saw the parent's memory and ended well."""
     r = subprocess.run([exe, "verify", str(n), str(DATA_MIB), "1"], capture_output=True, text=True, timeout=600,
                        env=env(STARLING_MCDIST="on"), cwd="/var/tmp")
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
-    out = r.stdout
-    parent = {m["chunk"]: m["sum"] for m in map(kv, re.findall(r"^PSUM .*$", out, re.M))}
-    clones = {}
-    for m in map(kv, re.findall(r"^CSUM .*$", out, re.M)):
-        clones.setdefault(m["id"], {})[m["chunk"]] = m["sum"]
-    stats = {m["id"]: m for m in map(kv, re.findall(r"^STAT .*$", out, re.M))}
-    wire = {k: int(v) for k, v in kv(re.search(r"^WIRE .*$", out, re.M).group(0)).items()}
-    # Every clone read every chunk, and it was the parent's.
-    assert len(parent) == DATA_MIB + 1, "parent checksums: every 1 MiB chunk + globals"
-    assert sorted(clones, key=int) == [str(i) for i in range(1, n + 1)], out[-2000:]
-    for cid, sums in clones.items():
-        assert sums == parent, f"clone {cid}: chunks {[c for c in parent if sums.get(c) != parent[c]][:10]} differ"
-    assert all(s["status"] == "0" for s in stats.values()), stats
-    return stats, wire
+    rep = CloneReport(r.stdout)
+    assert sorted(rep.sums) == list(range(1, n + 1)), r.stdout[-2000:]
+    rep.assert_memory_identical(DATA_MIB, range(1, n + 1))
+    assert all(s["status"] == 0 for s in rep.stats.values()), rep.stats
+    return rep.stats, rep.wire
 
 
 def test_links_at_mtu_9000_carry_a_page_per_datagram(work):
     n = up()
     assert set(cluster_links().values()) == {9000}, cluster_links()
     stats, wire = run_verify(work, n)
-    assert {int(s["mode"]) for s in stats.values()} == {MULTICAST}, stats
+    assert {s["mode"] for s in stats.values()} == {MULTICAST}, stats
     assert wire["mc_mtu"] == 9000, wire
     # 16 MiB of data read by every clone: thousands of data pages multicast, each in one datagram.
     assert wire["mc_data_pages"] > 1000, wire
@@ -117,7 +105,7 @@ def test_mtu_1500_splits_pages_and_clones_stay_correct(work):
     assert set(cluster_links().values()) == {1500}, cluster_links()
     stats, wire = run_verify(work, n)
     assert wire["mc_mtu"] == 1500, wire
-    assert {int(s["mode"]) for s in stats.values()} == {MULTICAST}, stats
+    assert {s["mode"] for s in stats.values()} == {MULTICAST}, stats
     assert wire["mc_data_pages"] > 1000, wire
     # A 4 KiB page does not fit 1500 bytes: every multicast data page took 3 datagrams.
     assert wire["mc_data_datagrams"] == 3 * wire["mc_data_pages"], wire
