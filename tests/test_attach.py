@@ -46,6 +46,14 @@ def term(cluster):
     t.close()
 
 
+@pytest.fixture
+def other(cluster):
+    """A second terminal (a tmux server of its own: the user opened another terminal)."""
+    t = Tmux(require_tool("tmux", "tmux"), "starling-attach-test")
+    yield t
+    t.close()
+
+
 def rows():
     return json.loads(starling("ps", "--json").stdout)
 
@@ -86,23 +94,17 @@ def kill_client(term):
     return pid
 
 
-def new_window(term):
-    """A new window of the session (as a user opens another terminal); the helpers now act on it."""
-    r = term.run("new-window", "-t", "t:", "sh", check=False)
-    assert r.returncode == 0, r.stderr
-    term.marks += 100
-
-
-def test_killed_client_the_task_runs_on_and_attach_resumes_without_losing_a_byte(term, workdir):
+def test_killed_client_the_task_runs_on_and_attach_resumes_without_losing_a_byte(term, other, workdir):
     prog = workdir / "counter.py"
     prog.write_text(COUNTER)
-    term.start(f"{STARLING} exec -- python3 {prog}")
+    # After the client dies its shell sleeps: nothing it prints overwrites the client's last line.
+    term.type(f"clear; {STARLING} exec -- /usr/bin/python3 -S {prog}; exec sleep 100000")
     term.wait(r"^count 5\s*$", "the program to count")
     r = task_running(str(prog))
     tid, task = r["task"], f"t{r['task']}"
 
-    kill_client(term)
-    assert term.finished("the killed client's shell to get its status") == 128 + signal.SIGKILL
+    pid = kill_client(term)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), "the killed client to be gone")
     printed = pane_counts(term)
     last = printed[-1]
     assert printed == list(range(1, last + 1)), "the first client printed every count once, in order"
@@ -115,47 +117,41 @@ def test_killed_client_the_task_runs_on_and_attach_resumes_without_losing_a_byte
              "the detached task to go on running")
 
     # A second attach while one is attached is refused; an unknown task is refused.
-    new_window(term)
-    term.start(f"{STARLING} attach {task}")
-    term.wait(rf"^count {last + 40}\s*$", "the counter to go on in the attached terminal")
+    other.start(f"{STARLING} attach {task}")
+    other.wait(rf"^count {last + 40}\s*$", "the counter to go on in the attached terminal")
     again = starling("attach", task, check=False, stdin=open(os.devnull))
     assert again.returncode != 0 and "--force" in again.stderr, again.stderr
     unknown = starling("attach", "t1", check=False, stdin=open(os.devnull))
     assert unknown.returncode != 0 and "no task t1" in unknown.stderr, unknown.stderr
 
-    seen = pane_counts(term)
+    seen = pane_counts(other)
     assert seen[0] == last + 1, f"the attached terminal starts right after the last count the dead client printed ({last}): {seen[:5]}"
     assert seen == list(range(last + 1, seen[-1] + 1)), "no count lost, repeated or reordered"
     assert row(tid)["state"] == "running", "attached again"
 
-    term.key("C-c")
-    assert term.finished("the program to end on Ctrl-C through the attach") == 130
+    other.key("C-c")
+    assert other.finished("the program to end on Ctrl-C through the attach") == 130
     wait_for(lambda: row(tid) is None, f"{task} to be gone from ps")
 
 
-def test_force_takes_a_task_over_from_its_client(term, workdir):
+def test_force_takes_a_task_over_from_its_client(term, other, workdir):
     prog = workdir / "counter.py"
     prog.write_text(COUNTER)
-    term.start(f"{STARLING} exec -- python3 {prog}")
+    term.start(f"{STARLING} exec -- /usr/bin/python3 -S {prog}")
     term.wait(r"^count 3\s*$", "the program to count")
     task = f"t{task_running(str(prog))['task']}"
-    new_window(term)
-    term.start(f"{STARLING} attach --force {task}")
-    term.wait(r"^count \d+\s*$", "the counter in the terminal that took the task over")
-    term.run("select-window", "-t", "t:0")
-    term.marks -= 100
+    other.start(f"{STARLING} attach --force {task}")
+    other.wait(r"^count \d+\s*$", "the counter in the terminal that took the task over")
     assert term.finished("the first client to let go") == 255
     term.wait(r"another client took this task over", "the first client to say why it ended")
-    term.run("select-window", "-t", "t:1")
-    term.marks += 100
-    term.key("C-c")
-    assert term.finished("the program to end on Ctrl-C") == 130
+    other.key("C-c")
+    assert other.finished("the program to end on Ctrl-C") == 130
 
 
-def test_a_task_that_ends_while_detached_is_kept_for_attach(term, workdir):
+def test_a_task_that_ends_while_detached_is_kept_for_attach(term, other, workdir):
     prog, out = workdir / "waiter.py", workdir / "out.txt"
     prog.write_text(WAITER)
-    term.start(f"{STARLING} exec -- python3 {prog} {out}")
+    term.start(f"{STARLING} exec -- /usr/bin/python3 -S {prog} {out}")
     term.wait(r"^waiting\s*$", "the program to wait")
     tid = task_running(str(prog))["task"]
     kill_client(term)
@@ -163,10 +159,9 @@ def test_a_task_that_ends_while_detached_is_kept_for_attach(term, workdir):
     assert row(tid)["state"] == "detached", "the task outlived its client"
     wait_for(lambda: row(tid) is None, "the task to end while detached")
     assert not out.exists(), "nothing is committed with no client attached"
-    new_window(term)
-    term.start(f"{STARLING} attach t{tid}")
-    assert term.finished("the attach to get the ended task's status") == 5
-    term.wait(r"^bye\s*$", "the output it printed while detached")
+    other.start(f"{STARLING} attach t{tid}")
+    assert other.finished("the attach to get the ended task's status") == 5
+    other.wait(r"^bye\s*$", "the output it printed while detached")
     assert out.read_text() == "written before the client died\n", "its change was committed by the attach"
     gone = starling("attach", f"t{tid}", check=False, stdin=open(os.devnull))
     assert gone.returncode != 0 and "no task" in gone.stderr, gone.stderr
