@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth). Each starts with what the run was made on: the
+the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth, roam). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -303,6 +303,44 @@ def render_migrate(doc):
                       f"* bytes moved <= 1.15 x footprint at 10 MiB/s: {ok[t.get('bytes_le_1_15_footprint_at_10mib_s')]}"])
 
 
+def render_roam(doc):
+    ok = {True: "met", False: "NOT met", None: "not measured"}
+    f1 = lambda v: dash(v, "{:.1f}")
+    rows = []
+    for r in doc["rows"]:
+        for ph in r["phases"]:
+            inter = ph["kind"] == "interactive"
+            moves = [m for m in r["moves"] if m["phase"] == f"{ph['kind']} {ph['cycle']}"]
+            rows.append([r["link"], r["mode"], f"{ph['kind']} {ph['cycle'] + 1}", f"{ph['wall_s']:.2f}",
+                         f1(ph.get("latency_p50_ms")) if inter else "", f1(ph.get("latency_p95_ms")) if inter else "",
+                         "" if inter else f1(ph.get("longest_gap_ms")),
+                         ", ".join(f"{m['from']}→{m['to']}" for m in moves),
+                         ", ".join(f1(m["detect_s"]) for m in moves), ", ".join(dash(m["migrate_ms"], "{:.0f}") for m in moves),
+                         ", ".join(f1(m["pause_ms"]) for m in moves)])
+    totals = [[r["link"], r["mode"], f"{r['total_s']:.1f}", f"{r['crunch_s']:.1f}", dash(r.get("cpu_seconds"), "{:.1f}"),
+               len(r["moves"])] for r in doc["rows"]]
+    proj = [[p["link"], p["mode"], f"{p['cpu_per_crunch_s']:.1f}", f"{p['projected_crunch_s']:.1f}", f"{p['projected_total_s']:.1f}"]
+            for p in doc.get("projected_own_cores", [])]
+    prm = doc["params"]
+    out = [provenance_line(doc), "",
+           f"{doc['hosts']} emulated hosts; {prm['cycles']} cycles of {prm['keys']} keys ({prm['key_gap_s']} s apart) then a crunch "
+           f"({prm['rounds']:,} rounds); home = this machine, cluster = h1 over the link, roam = the shortened generic profile.", "",
+           table(["link", "run", "phase", "wall s", "key→echo p50 ms", "p95 ms", "longest gap ms", "moves", "detect s", "migrate ms",
+                  "pause ms"], rows, list("lll") + ["r"] * 8), "",
+           table(["link", "run", "total s", "crunch s", "CPU s", "moves"], totals, list("ll") + ["r"] * 4), ""]
+    for link, t in doc.get("targets", {}).items():
+        phases = t["roam_phase_within_10pct_of_best"]
+        lat = t["latency_p50_within_10pct_of_home"]
+        out += [f"* {link}: roaming phase within 10% of the best of home and cluster: {sum(phases)}/{len(phases)} phases; "
+                f"total: {ok[t['roam_total_within_10pct_of_best']]}; key latency p50 within 10% of home: {sum(lat)}/{len(lat)} "
+                f"interactive phases; pause <= 100 ms: {ok[t['pause_le_100ms']]}"]
+    if proj:
+        out += ["", f"Projected (not measured), for hosts with cores of their own {prm['speedup_assumed']}x as fast as home's: "
+                "each crunch takes its measured CPU seconds / that speedup on the cluster (home: its CPU seconds), plus each "
+                "move's measured pause; interactive phases as measured.", "",
+                table(["link", "run", "CPU s per crunch", "crunch s", "total s"], proj, list("ll") + ["r"] * 3)]
+    return "\n".join(out)
+
 
 def render_slurm(doc):
     rows = [[r["mode"], r["hosts"], f"{r['registered_s']:.2f}", f"{r['up_s']:.2f}", f"{r['first_task_s']:.2f}",
@@ -506,7 +544,7 @@ RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": r
              "data": render_data, "ucop": render_ucop, "fork": render_fork, "faults_before": render_faults,
              "faults_after": render_faults, "faults_breakdown": render_faults_breakdown, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth,
-             "linger_sim": render_linger_sim, "linger_policy": render_linger_policy}
+             "linger_sim": render_linger_sim, "linger_policy": render_linger_policy, "roam": render_roam}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -17,9 +17,10 @@ ROWS, COLS = 30, 100
 
 
 class Tmux:
-    def __init__(self, tmux):
+    def __init__(self, tmux, name="starling-terminal-test"):
+        """A terminal: a tmux server of its own (socket `name`-INSTANCE) with one session `t`."""
         self.tmux = tmux
-        self.sock = f"starling-terminal-test-{os.environ.get('STARLING_INSTANCE', '0')}"
+        self.sock = f"{name}-{os.environ.get('STARLING_INSTANCE', '0')}"
         self.run("kill-server", check=False)
         env = dict(os.environ, PS1="$ ", TERM="xterm")
         # The server gets this environment (STARLING_INSTANCE included): the pane's shell inherits it.

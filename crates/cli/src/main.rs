@@ -107,6 +107,32 @@ enum Cmd {
         #[arg(long)]
         cluster: Option<String>,
     },
+    /// Re-attach to a task on a terminal whose `starling exec` went away.
+    ///
+    /// A task on a terminal (`exec` from a terminal, `-t`, `exec --roam`) outlives its client:
+    /// if that `starling exec` is killed or loses its link to the cluster, the task keeps running
+    /// where it is (`starling ps` shows it `detached`), its output is kept (up to 4 MiB, oldest
+    /// dropped first) and the files it asks for wait. `starling attach TASK` makes this terminal
+    /// its terminal again: the output goes on from the first byte the last client had not
+    /// written, keys, window size and Ctrl-C reach the task, its changes are committed here when
+    /// it ends and its exit status is this command's. A task that ended while detached is kept
+    /// (the latest 64) so an attach still gets its output, changes and status. Its X connections
+    /// (`exec -X`) and its migration manager (`--roam`) do not come back: it stays where it is.
+    ///
+    /// A task with a client attached is refused unless --force, which takes it over (that
+    /// client prints why and exits with status 255).
+    ///
+    /// Example: starling attach t1763876543210000
+    Attach {
+        /// The task (as `starling ps` shows it).
+        task: String,
+        /// Take the task over from the client attached to it.
+        #[arg(long)]
+        force: bool,
+        /// Cluster head address (default: the embedded cluster started by `starling up`).
+        #[arg(long)]
+        cluster: Option<String>,
+    },
     /// Move a running task to another host while it runs (live migration).
     ///
     /// Any exec, run or batch task, or a remote-fork clone (it first fetches the rest of its
@@ -822,6 +848,16 @@ fn run(cli: Cli) -> Result<i32> {
                 Some(t) => runtime().block_on(ps_why(parse_task(&t)?, json, &ctx.target)),
                 None => runtime().block_on(ps(json, &ctx.target)),
             }
+        }
+        Cmd::Attach { task, force, cluster } => {
+            init_logging(cfg.log.as_deref(), "warn");
+            let ctx = client_context(&cfg, cluster)?;
+            let task = parse_task(&task)?;
+            let rt = exec_runtime();
+            let code = rt.block_on(starling_client::exec::attach(&ctx, task, force))?;
+            // As for exec: the blocking stdin thread ends with the process.
+            std::mem::forget(rt);
+            Ok(code)
         }
         Cmd::Migrate { task, to, json, stop_and_copy, cluster } => {
             init_logging(cfg.log.as_deref(), "warn");

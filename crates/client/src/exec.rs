@@ -2,7 +2,7 @@
 
 use crate::terminal::{RawMode, TerminalMode};
 use crate::{launch, ClientError, Context, Result, EXIT_STARLING_FAILURE};
-use starling_proto::{Msg, Stream, TaskSpec};
+use starling_proto::{Msg, Stream, TaskId, TaskSpec};
 use starling_session::commit::{CommitError, CommitReport};
 use starling_session::{TaskEvent, TaskHandle};
 use std::io::{Read, Write};
@@ -166,6 +166,85 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
         _ => None,
     };
 
+    let relayed = Relayed { on_terminal, interaction, x11: x11.as_mut(), raw: &mut raw };
+    match relay(&mut handle, relayed, &mut sigs, &mut winch).await {
+        Relay::Finished { status, commit, accessed } => {
+            t = stages.stamp("run_commit", t, std::time::Instant::now());
+            if let Some(p) = prediction.as_mut() {
+                p.finish(session.files(), &accessed);
+            }
+            stages.stamp("learn", t, std::time::Instant::now());
+            launch::write_stats(ctx, session.files(), prediction.as_ref(), 1, t0.elapsed(), Some(&stages));
+            if !report_commit(&commit) {
+                return Ok(EXIT_STARLING_FAILURE);
+            }
+            log::info!("task {} ended {status:?}; {:?}", handle.task, session.files().stats());
+            Ok(status.shell_code())
+        }
+        Relay::Failed => Ok(EXIT_STARLING_FAILURE),
+    }
+}
+
+/// `starling attach TASK`: become the client of a task on a terminal whose own client went
+/// away (killed, or its link lost); returns the exit status `starling attach` should use (the
+/// task's, once it ends).
+pub async fn attach(ctx: &Context, task: TaskId, force: bool) -> Result<i32> {
+    let mut winch = signal(SignalKind::window_change()).map_err(ClientError::Signals)?;
+    // SAFETY: setting a signal disposition to SIG_IGN has no memory-safety implications.
+    unsafe { libc::signal(libc::SIGPIPE, libc::SIG_IGN) };
+    let mut sigs = forwarded_signals()?;
+    let session = ctx.session().await?;
+    let mut handle = session.attach(task, force).await?;
+    log::info!("attached to task {} on {}", handle.task, handle.host);
+    // The task is on a terminal (only such tasks can be attached to): ours, if we are on one,
+    // is in raw mode meanwhile, as for `exec`.
+    let mut raw = RawMode::enter();
+    if let Some((rows, cols)) = crate::terminal::window_size(0).or_else(|| crate::terminal::window_size(1)) {
+        // This terminal may not be the size of the one the task started on.
+        let _ = handle.sender().send(Msg::Resize { task, rows, cols }).await;
+    }
+    stdin_pump(&handle, None);
+    let relayed = Relayed { on_terminal: true, interaction: None, x11: None, raw: &mut raw };
+    match relay(&mut handle, relayed, &mut sigs, &mut winch).await {
+        Relay::Finished { status, commit, .. } => {
+            if !report_commit(&commit) {
+                return Ok(EXIT_STARLING_FAILURE);
+            }
+            Ok(status.shell_code())
+        }
+        Relay::Failed => Ok(EXIT_STARLING_FAILURE),
+    }
+}
+
+/// How a relayed task ended.
+enum Relay {
+    Finished {
+        status: starling_proto::ExitStatus,
+        commit: std::result::Result<CommitReport, std::sync::Arc<CommitError>>,
+        accessed: Vec<starling_proto::WirePath>,
+    },
+    /// Lost, refused, or the head lost (said on stderr).
+    Failed,
+}
+
+/// What the relay works with besides the task.
+struct Relayed<'a> {
+    /// The task is on a terminal: window-size changes go to it, and each output byte written
+    /// is acknowledged (the head keeps what is not, for a `starling attach` if we die).
+    on_terminal: bool,
+    interaction: Option<crate::roam::InteractionLog>,
+    x11: Option<&'a mut crate::x11::Forwarder>,
+    raw: &'a mut Option<RawMode>,
+}
+
+/// Relay a started task's output, signals and window size until it ends.
+async fn relay(
+    handle: &mut TaskHandle,
+    r: Relayed<'_>,
+    sigs: &mut tokio::sync::mpsc::Receiver<i32>,
+    winch: &mut tokio::signal::unix::Signal,
+) -> Relay {
+    let Relayed { on_terminal, interaction, mut x11, raw } = r;
     let mut stdout = std::io::stdout();
     let mut stderr = std::io::stderr();
     let mut stdout_gone = false;
@@ -199,33 +278,29 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
                     stdout_gone = true;
                     handle.signal(libc::SIGPIPE).await;
                 }
-            }
-            Some(TaskEvent::Finished { status, commit, accessed }) => {
-                t = stages.stamp("run_commit", t, std::time::Instant::now());
-                if let Some(p) = prediction.as_mut() {
-                    p.finish(session.files(), &accessed);
+                if on_terminal {
+                    let _ = handle.sender().send(Msg::OutputAck { task: handle.task, bytes: data.len() as u64 }).await;
                 }
-                stages.stamp("learn", t, std::time::Instant::now());
-                launch::write_stats(ctx, session.files(), prediction.as_ref(), 1, t0.elapsed(), Some(&stages));
-                if !report_commit(&commit) {
-                    return Ok(EXIT_STARLING_FAILURE);
-                }
-                log::info!("task {} ended {status:?}; {:?}", handle.task, session.files().stats());
-                return Ok(status.shell_code());
             }
+            Some(TaskEvent::Finished { status, commit, accessed }) => return Relay::Finished { status, commit, accessed },
             Some(TaskEvent::X11(ev)) => {
-                if let Some(f) = x11.as_mut() {
+                if let Some(f) = x11.as_deref_mut() {
                     f.handle(ev);
                 }
             }
             Some(TaskEvent::Started { .. }) | Some(TaskEvent::CloneStats { .. }) => {}
             Some(TaskEvent::Refused(why)) | Some(TaskEvent::Lost(why)) => {
                 eprintln!("starling: {why}");
-                return Ok(EXIT_STARLING_FAILURE);
+                if on_terminal {
+                    // Lost by us only (our link to the head, a takeover): a task on a terminal outlives its client.
+                    let task = handle.task;
+                    eprintln!("starling: if task {task} still runs (`starling ps`), `starling attach {task}` re-attaches to it");
+                }
+                return Relay::Failed;
             }
             None => {
                 eprintln!("starling: lost connection to the cluster head; no changes were committed");
-                return Ok(EXIT_STARLING_FAILURE);
+                return Relay::Failed;
             }
         }
     }

@@ -4,7 +4,8 @@
 //! the client. It picks a host for each launch, assigns the task id, and
 //! routes every task message between the client's connection and the
 //! agent's. It notices a lost host (its connection drops) and tells the
-//! client, and kills the tasks of a client that went away.
+//! client, and kills the tasks of a client that went away (but for tasks on
+//! a terminal, which outlive it until `starling attach`: [`attach`]).
 //!
 //! ```text
 //! client ──Launch──▶ head ──RunTask──▶ agent
@@ -18,6 +19,7 @@
 //! [`relay`] (the shared content cache), [`jobs`] (job bindings). What the
 //! head knows is read through [`Head::snapshot`].
 
+mod attach;
 mod dashboard;
 mod eviction;
 mod jobs;
@@ -98,6 +100,9 @@ pub(crate) struct Route {
     pub(crate) target_file_ids: HashMap<u64, String>,
     /// A roaming task (`exec --roam`): why it runs where it does, its manager's decisions.
     pub(crate) roam: Option<starling_proto::RoamLog>,
+    /// A task on a terminal: it outlives its client, and this is what its client has not seen
+    /// (`None`: the task ends with its client).
+    pub(crate) outlive: Option<attach::Replay>,
 }
 
 #[derive(Default)]
@@ -113,6 +118,9 @@ pub(crate) struct State {
     /// Fork tickets granted and their hosts, by (client connection, ticket): a clone's
     /// ticket network is its grant's hosts (forgotten when the client goes).
     pub(crate) grants: HashMap<(u64, u64), Vec<String>>,
+    /// Tasks on a terminal that ended with no client attached (their output and end kept for
+    /// `starling attach`), or whose end is on its way to the client.
+    pub(crate) ended: std::collections::BTreeMap<TaskId, attach::Ended>,
 }
 
 impl State {
@@ -864,15 +872,9 @@ impl Head {
             let st = &mut *st;
             // Reruns waiting in the queue have nothing to kill: they end here.
             st.routes.retain(|_, r| r.client_conn != conn || r.host != eviction::QUEUED_FOR_RERUN);
-            st.routes
-                .iter_mut()
-                .filter(|(_, r)| r.client_conn == conn)
-                .map(|(t, r)| {
-                    // Keep the route until the host reports the end: the cores stay busy until then.
-                    r.client = None;
-                    (*t, st.hosts.get(&r.host).map(|h| h.tx.clone()))
-                })
-                .collect()
+            // Keep the routes until the hosts report the ends: the cores stay busy until then.
+            let end = st.detach_client(conn);
+            end.into_iter().map(|t| (t, st.routes.get(&t).and_then(|r| st.hosts.get(&r.host)).map(|h| h.tx.clone()))).collect()
         };
         for (task, agent) in orphans {
             if let Some(a) = agent {

@@ -60,6 +60,7 @@ impl Head {
                         }
                         (None, Some(re)) if re.evicting.is_some() => "evicting (IE)".into(),
                         (None, Some(re)) if re.runs > 1 => format!("running (IE rerun {})", re.runs),
+                        _ if r.outlive.is_some() && r.client.is_none() => "detached".into(),
                         _ => "running".into(),
                     },
                     cpu_seconds: u.map(|u| u.cpu_seconds + r.cpu_before),

@@ -96,6 +96,7 @@ impl Head {
             cpu_before: 0.0,
             target_file_ids: Default::default(),
             roam: None,
+            outlive: q.spec.terminal.is_some().then(crate::attach::Replay::default),
         };
         self.groups.lock().unwrap().started(task, q.conn, &q.spec, &route.command);
         self.state.lock().unwrap().routes.insert(task, route);

@@ -38,7 +38,9 @@ pub(crate) fn moved(r: &mut Route, report: &MigrationReport) {
     match waiting {
         Some(d) => {
             d.action = "moved".into();
-            log.reason = format!("{} (moved {} -> {}, pause {:.1} ms)", d.reason, report.from, report.to, report.pause_ms);
+            // The decision keeps what the move took (`bench/roam_bench.py` reads it from `ps --json`).
+            d.reason = format!("{} (moved {} -> {}, pause {:.1} ms, total {:.1} ms)", d.reason, report.from, report.to, report.pause_ms, report.total_ms);
+            log.reason.clone_from(&d.reason);
         }
         None => {
             let reason = format!("moved by hand (starling migrate {} -> {}, pause {:.1} ms)", report.from, report.to, report.pause_ms);

@@ -46,11 +46,17 @@ impl Head {
                     let Some(me) = self.self_arc() else { continue };
                     let tx = tx.clone();
                     tokio::spawn(async move {
-                        let (client, peer) = {
+                        let (client, peer, detached) = {
                             let st = me.state.lock().unwrap();
                             let peer = st.hosts.values().find(|h| h.conn_id == conn).and_then(|h| h.info.peer.clone());
-                            (st.routes.get(&task).and_then(|r| r.client.clone()), peer)
+                            let r = st.routes.get(&task);
+                            (r.and_then(|r| r.client.clone()), peer, r.is_some_and(|r| r.outlive.is_some() && r.client.is_none()))
                         };
+                        if detached {
+                            // No client to fetch a miss from: the request waits for one (`starling attach`), which answers it.
+                            me.route_from_host(Msg::FileRequest { task, id, req }).await;
+                            return;
+                        }
                         let relay = me.relay.as_ref().expect("relay cache on");
                         let resp = relay.serve(client, task, req, peer).await;
                         let _ = tx.send(Msg::FileResponse { task, id, resp }).await;
@@ -76,6 +82,12 @@ impl Head {
         };
         let ended = matches!(m, Msg::Finished { .. } | Msg::Error { .. });
         self.count(&m);
+        let Err(m) = self.keep_for_client(task, m).await else {
+            if ended {
+                self.drain_queue().await;
+            }
+            return;
+        };
         let (client, moving) = {
             let mut st = self.state.lock().unwrap();
             let c = st.routes.get(&task).and_then(|r| r.client.clone());
@@ -180,6 +192,8 @@ impl Head {
                     let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
                 }
                 Msg::RoamNote { task, decision } => self.roam_note(conn, task, decision),
+                Msg::Attach { task, reference, force } => self.attach(conn, &tx, &who, task, reference, force).await,
+                m @ Msg::OutputAck { .. } => self.client_has(conn, &m),
                 Msg::ExecutorProgress { ticket, progress } => self.groups.lock().unwrap().executor(conn, ticket, progress),
                 Msg::FileResponse { id, resp, .. } if self.relay.as_ref().is_some_and(|r| r.is_ours(id)) => {
                     if let Some(relay) = &self.relay {
@@ -193,6 +207,9 @@ impl Head {
 
     /// A client's task message: to the task's host (only from the task's own client).
     async fn route_from_client(&self, conn: u64, m: Msg) {
+        if matches!(m, Msg::FileResponse { .. }) {
+            self.client_has(conn, &m);
+        }
         let m = match self.route_client_msg(m) {
             ClientMsgRoute::Pass(m) => m,
             ClientMsgRoute::ToTarget(target, m) => {

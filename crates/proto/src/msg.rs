@@ -270,6 +270,18 @@ pub enum Msg {
     /// Either way: the sender's end of X connection `stream` closed (the program's, or the X
     /// server's); the receiver closes its end.
     X11Close { task: TaskId, stream: u32 },
+
+    // ---- re-attaching a task that outlived its client (appended: variants are encoded by index)
+    /// Client → head: `starling attach TASK`: be this task's client from now on. The head
+    /// answers `Started` with `reference` (then the output the last client had not acknowledged,
+    /// and whatever the task sent meanwhile) or `LaunchFailed` with why not (unknown or ended
+    /// task, another user's, or another client attached and `force` not set; with `force` that
+    /// client is told `Error` and let go).
+    Attach { task: TaskId, reference: u64, force: bool },
+    /// Client → head: `bytes` more of the task's output (`Output`, every stream, in order) were
+    /// written to the user. The head keeps a task's unacknowledged output (bounded) while it
+    /// may outlive its client, so an `Attach` replays exactly what the user has not seen.
+    OutputAck { task: TaskId, bytes: u64 },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -310,7 +322,9 @@ impl Msg {
             | Msg::Committed { task, .. }
             | Msg::X11Open { task, .. }
             | Msg::X11Data { task, .. }
-            | Msg::X11Close { task, .. } => Some(*task),
+            | Msg::X11Close { task, .. }
+            | Msg::Attach { task, .. }
+            | Msg::OutputAck { task, .. } => Some(*task),
             _ => None,
         }
     }

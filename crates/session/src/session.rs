@@ -292,8 +292,22 @@ impl Session {
     /// Start a task; resolves once a host has started it.
     pub async fn launch(&self, spec: TaskSpec) -> Result<TaskHandle> {
         let (reference, mut rxs) = self.register(1)?;
-        let mut events = rxs.pop().expect("one receiver");
+        let events = rxs.pop().expect("one receiver");
         self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| SessionError::LostHead)?;
+        self.started(events).await
+    }
+
+    /// Become the client of a task on a terminal whose own client went away (`starling
+    /// attach`): its events go on from the first output byte that client had not written.
+    /// `force`: take it over from a client still attached.
+    pub async fn attach(&self, task: TaskId, force: bool) -> Result<TaskHandle> {
+        let (reference, mut rxs) = self.register(1)?;
+        let events = rxs.pop().expect("one receiver");
+        self.tx.send(Msg::Attach { task, reference, force }).await.map_err(|_| SessionError::LostHead)?;
+        self.started(events).await
+    }
+
+    async fn started(&self, mut events: mpsc::UnboundedReceiver<TaskEvent>) -> Result<TaskHandle> {
         match events.recv().await {
             Some(TaskEvent::Started { task, host, job_fresh }) => {
                 Ok(TaskHandle { task, host, job_fresh, events, tx: self.tx.clone() })
