@@ -2,6 +2,7 @@
 # The main job on the embedded cluster: a real parallel C build (Lua 5.4, 33 files)
 # through `starling exec`, timed against the same build done locally, outputs compared;
 # then a remote fork: a running C program cloned onto every core of the cluster;
+# then a terminal task that outlives its killed client and is re-attached (`starling attach`);
 # then a live migration: a running program moved between three hosts, and a process tree; then Snowbird (a program started
 # at home with `exec --roam`, moved to a host and back); then VMGL (an X11 window stays on your display while its
 # program moves); then Linger-Longer (a guest
@@ -56,6 +57,21 @@ echo "== a terminal on the cluster (as ssh -t; automatic when stdin is your term
 tty_out=$($S exec -t -- sh -c 'tty; stty size' < /dev/null | tr -d '\r')
 echo "$tty_out" | sed 's/^/   /'
 echo "$tty_out" | grep -q '^/dev/pts/[0-9]*$' || { echo "   NO TERMINAL"; exit 1; }
+echo
+echo "== a terminal task outlives its client: the client (in a pty, as \`script\` gives) is killed -9 after count 5;"
+echo "   the task runs on, detached, and \`starling attach\` continues from the first byte that client had not written"
+counter='i=0; while [ $i -lt 40 ]; do i=$((i+1)); echo count $i; sleep 0.1; done; exit 3'
+script -qfec "$S exec -t -- sh -c '$counter'" /dev/null > "$W/attach1.out" 2>&1 &
+for _ in $(seq 1200); do grep -q 'count 5' "$W/attach1.out" && break; sleep 0.1; done
+pkill -9 -f "^$S exec -t -- sh -c" || true
+$S ps | awk 'NR == 1 || /detached/' | cut -c1-80 | sed 's/^/   /'
+atask=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "count" in r["command"]))')
+$S attach "$atask" < /dev/null > "$W/attach2.out" 2>&1 && rc=0 || rc=$?
+counts() { grep -ao 'count [0-9]*' "$@"; }  # (the pty may echo a control character before the first)
+seen=$(counts "$W/attach1.out" "$W/attach2.out" -h | wc -l)
+distinct=$(counts "$W/attach1.out" "$W/attach2.out" -h | sort -u | wc -l)
+echo "   first client printed up to $(counts "$W/attach1.out" | tail -1); attach printed $(counts "$W/attach2.out" | head -1) .. $(counts "$W/attach2.out" | tail -1), exit status $rc"
+[ "$rc" = 3 ] && [ "$seen" = 40 ] && [ "$distinct" = 40 ] || { echo "   ATTACH LOST OR REPEATED OUTPUT ($seen lines, $distinct distinct, exit $rc)"; exit 1; }
 echo
 echo "== remote fork (C API): a ClustalW-style pairwise alignment; sf_clone puts $((HOSTS * 2)) clones of the"
 echo "   running process on the hosts (hierarchical: one restore per host), they send scores back over TCP"
