@@ -279,7 +279,8 @@ def main():
     ap.add_argument("--cycles", type=int, default=2)
     ap.add_argument("--keys", type=int, default=30, help="keystrokes per interactive phase")
     ap.add_argument("--key-gap", type=float, default=0.15, help="seconds between keystrokes")
-    ap.add_argument("--rounds", type=int, default=700_000_000, help="crunch work per phase (LCG rounds)")
+    ap.add_argument("--rounds", type=int, default=7_000_000_000,
+                    help="crunch work per phase (LCG rounds; the default, ~14 s here, outlasts the profile's 3 s window and 5 s dwell: a crunch shorter than them is never moved)")
     ap.add_argument("--modes", default="home,cluster,roam")
     ap.add_argument("--starling-dir", default=os.environ.get("STARLING_BUILD_DIR", str(ROOT / "target/release")))
     ap.add_argument("--out", default=str(OUT / "roam.json"))
