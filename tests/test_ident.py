@@ -147,7 +147,9 @@ def test_a_token_enrols_one_host_once(head):
     host = wait_for(lambda: hosts().get("node1") or (p.poll() is not None and "exited"), "node1 to register", timeout=120)
     assert host != "exited", head.log("node1")
     assert host["address"] == AGENT_IP, host
-    assert {f.name for f in creds.iterdir()} == {"ca.pem", "agent.pem", "agent.key"}
+    # revoked-seen: the revocation list the head sends at registration, kept for the next start.
+    wait_for(lambda: (creds / "revoked-seen").exists(), "node1 to keep the revocation list it was sent", timeout=120)
+    assert {f.name for f in creds.iterdir()} == {"ca.pem", "agent.pem", "agent.key", "revoked-seen"}
     assert creds.stat().st_mode & 0o777 == 0o700 and (creds / "agent.key").stat().st_mode & 0o777 == 0o600
     r = client("exec", "--", "sh", "-c", "ip -4 -o addr show")
     assert r.returncode == 0, r.stderr + head.log("head")[-2000:]

@@ -154,5 +154,9 @@ def test_second_build_all_at_once_answers_no_request(cluster, workdir, tmp_path)
         got = launches(stats)
         assert len(got) == N_SOURCES, got
         asked = [a for l in got for a in l["asked"]]
-        assert sum(l["file_requests"] for l in got) == 0 and not asked, f"{job}: requests answered: {asked}"
+        # A checkout under a temp dir (a fresh clone in /tmp, as CI makes) is looked up once per
+        # compile: names under temp dirs are never learned (they are builds' scratch files).
+        checkout = [a for a in asked if a == ["lookup", "temp", str(ROOT)]]
+        other = [a for a in asked if a not in checkout]
+        assert sum(l["file_requests"] for l in got) == len(checkout) and not other, f"{job}: requests answered: {asked}"
     assert objects(d) == local_objects(d), "objects differ from a local build"
