@@ -246,7 +246,7 @@ pub enum OwnerKind {
 
 impl Default for ForkSettings {
     fn default() -> Self {
-        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true, isolate_network: true }
+        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true, isolate_network: false }
     }
 }
 
@@ -647,7 +647,7 @@ pub static SETTINGS: &[Setting] = &[
         key: "fork.isolate_network",
         env: Some("STARLING_FORK_ISOLATE_NETWORK"),
         flag: "",
-        default: "on",
+        default: "off",
         meaning: "a ticket's clones reach only each other, their parent and loopback, never the head's or agents' ports (nftables on each host); off: the job's clones get their hosts' whole network (the parent's setting, per job)",
         apply: |c, v| {
             c.fork.isolate_network = v.switch()?;
