@@ -243,7 +243,8 @@ def test_a_non_root_users_clones_have_no_capabilities(cluster, user):  # noqa: F
 
 def host_netns(name):
     """The network namespace of embedded host `name` on this instance (`starling up`'s naming)."""
-    return f"starling{os.environ.get('STARLING_INSTANCE', '').strip() or '0'}-{name}"
+    n = os.environ.get("STARLING_INSTANCE", "").strip()
+    return f"starling{'' if n in ('', '0') else n}-{name}"  # instance 0: `starling-h1` (cluster::net)
 
 
 def ticket_tables(netns):
