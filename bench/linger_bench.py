@@ -15,6 +15,13 @@ Each is measured alone and with CPU-bound guests on every core, three ways:
 * `nice 19`: the same busy loops started here with `nice -n 19`;
 * `normal`: the same busy loops at normal priority.
 
+A third owner workload is memory (issue 10 part 4, "Memory"): the owner touches a working set of
+half the machine's memory (`--owner-mem-share`), page by page, `--mem-passes` times; its wall time
+is the owner's time. It runs alone and while a starling guest (`starling exec --host h1`) holds
+the rest of the free memory and keeps touching it. The row records whether the owner was killed,
+what the guest became (still running / exit status), what the host's agent said it did (guest
+memory cap, frozen) and the kernel's OOM kills during the run (`dmesg`).
+
 The configurations are interleaved for --rounds rounds (this VM's own jitter and other
 programs on the machine move the figures between runs: see ../shared/PLATFORM.md); the table
 gives the median over rounds of each figure, and the owner delay against `alone`. All rows
@@ -32,6 +39,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 from provenance import provenance
@@ -143,11 +151,104 @@ def owner_latency(cores, loops):
     return pct(0.50), pct(0.99), mx
 
 
+# Touches `size` bytes page by page, `passes` times; prints "held" after the first pass, then
+# (with `forever`) keeps touching. A pass writes one byte per page, so the time is page faults and
+# memory traffic, not Python's per-byte work.
+TOUCH = """
+import sys
+size, passes, forever = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "forever"
+buf = bytearray(size)
+n = 0
+while True:
+    for i in range(0, size, 4096):
+        buf[i] = (buf[i] + 1) & 0xff
+    n += 1
+    if n == 1:
+        print("held", flush=True)
+    if not forever and n >= passes:
+        break
+"""
+
+
+def mem_available():
+    for line in pathlib.Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    sys.exit("no MemAvailable in /proc/meminfo")
+
+
+def oom_kills():
+    """How many processes the kernel's OOM killer has killed since boot (dmesg)."""
+    r = sh("dmesg")
+    return sum(1 for line in r.stdout.splitlines() if "Killed process" in line) if r.returncode == 0 else None
+
+
+def owner_memory(size, passes):
+    """Wall seconds for the owner to touch `size` bytes `passes` times, and its exit status."""
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-c", TOUCH, str(size), str(passes), "once"], stdout=subprocess.DEVNULL)
+    return time.monotonic() - t0, p.returncode
+
+
+def host_owner():
+    st = json.loads(sh(STARLING, "status", "--json", check=True).stdout)
+    return st["hosts"][0].get("owner") or {}
+
+
+def memory_round(with_guest, owner_size, passes, guest_size=None):
+    """One owner memory run, alone or with a guest holding the rest of the free memory."""
+    load, kills_before = loadavg(), oom_kills()
+    guest, held = None, 0
+    if with_guest:
+        held = guest_size or max(mem_available() - owner_size, 0)
+        guest = subprocess.Popen([STARLING, "exec", "--host", "h1", "--", "python3", "-c", TOUCH, str(held), "0", "forever"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        if guest.stdout.readline().strip() != "held":
+            sys.exit(f"the guest did not take its memory: {guest.stderr.read()[-2000:]}")
+    # What the host's agent reports while the owner runs (its memory band acts on MemAvailable).
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.wait(0.5):
+            o = host_owner()
+            seen.append((o.get("guest_mem_cap"), o.get("guests_frozen"), o.get("doing")))
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    if guest is not None:
+        watcher.start()
+    t, rc = owner_memory(owner_size, passes)
+    done.set()
+    row = {"owner_s": t, "owner_exit": rc, "owner_killed": rc < 0, "guest_bytes": held, "load_before": load}
+    if guest is not None:
+        watcher.join()
+        row["guest_mem_cap_mib"] = min((c // 2**20 for c, _, _ in seen if c), default=None)
+        row["guests_frozen"] = any(f for _, f, _ in seen)
+        row["agent_doing"] = sorted({d for _, _, d in seen if d})
+        row["guest_exit"] = guest.poll()
+        for pid in (guest_dir() / "cgroup.procs").read_text().split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(guest.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        guest.wait()
+    kills_after = oom_kills()
+    row["oom_kills"] = None if kills_before is None or kills_after is None else kills_after - kills_before
+    return row
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=int, default=20_000_000, help="owner loop count per process")
     ap.add_argument("--loops", type=int, default=5000, help="cyclictest wake-ups per thread")
+    ap.add_argument("--owner-mem-share", type=float, default=0.5, help="the owner's working set, a share of the machine's memory")
+    ap.add_argument("--mem-passes", type=int, default=4, help="times the owner touches its working set")
+    ap.add_argument("--mem-rounds", type=int, default=2)
+    ap.add_argument("--guest-mem-share", type=float, help="the guest's memory, a share of the machine's (default: all free memory the owner leaves)")
     a = ap.parse_args()
     os.environ.setdefault("STARLING_INSTANCE", "6")
     if not shutil.which("cyclictest"):
@@ -169,8 +270,30 @@ def main():
                 runs[c].append({"owner_s": t, "lat_p50_us": p50, "lat_p99_us": p99, "lat_max_us": mx, "load_before": load})
                 print(f"round {rnd + 1} {c:9} owner {t:.3f} s  latency p50 {p50} us p99 {p99} us max {mx} us (load {load:.2f})",
                       file=sys.stderr)
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        owner_size = int(total * a.owner_mem_share)
+        mem_runs = {"alone": [], "guest holds the rest": []}
+        for rnd in range(a.mem_rounds):
+            for c, with_guest in (("alone", False), ("guest holds the rest", True)):
+                row = memory_round(with_guest, owner_size, a.mem_passes, int(total * a.guest_mem_share) if a.guest_mem_share else None)
+                mem_runs[c].append(row)
+                print(f"round {rnd + 1} memory {c:20} owner {row['owner_s']:.3f} s exit {row['owner_exit']} "
+                      f"guest {row.get('guest_exit')} cap {row.get('guest_mem_cap_mib')} MiB frozen {row.get('guests_frozen')} "
+                      f"oom kills {row['oom_kills']} (load {row['load_before']:.2f})", file=sys.stderr)
     finally:
         sh(STARLING, "down")
+    mem_base = statistics.median(x["owner_s"] for x in mem_runs["alone"])
+    memory = []
+    for c, rs in mem_runs.items():
+        med = statistics.median(x["owner_s"] for x in rs)
+        memory.append({
+            "guests": c,
+            "owner_s": med,
+            "owner_delay_pct": 100 * (med / mem_base - 1),
+            "owner_killed": any(x["owner_killed"] for x in rs),
+            "oom_kills": sum(x["oom_kills"] or 0 for x in rs),
+            "runs": rs,
+        })
     rows = []
     base = {k: statistics.median(x[k] for x in runs["alone"]) for k in ("owner_s", "lat_p50_us", "lat_p99_us")}
     for c in CONFIGS:
@@ -183,13 +306,17 @@ def main():
             "runs": runs[c],
         })
     doc = {"benchmark": "linger", "cores": cores, "rounds": a.rounds, "work": a.work, "cyclictest_loops": a.loops,
-           "rows": rows, "provenance": ran_on}
+           "rows": rows, "owner_mem_bytes": owner_size, "mem_passes": a.mem_passes, "memory": memory, "provenance": ran_on}
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "linger.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(f"{'guests':10} {'owner s':>8} {'delay':>7} {'p50 us':>7} {'p99 us':>7} {'p99 +':>7} {'max us':>7}")
     for r in rows:
         print(f"{r['guests']:10} {r['owner_s']:8.3f} {r['owner_delay_pct']:6.1f}% {r['lat_p50_us']:7.0f} {r['lat_p99_us']:7.0f}"
               f" {r['p99_delay_pct']:6.1f}% {r['lat_max_us']:7.0f}")
+    print(f"owner touching {owner_size / 2**30:.1f} GiB x {a.mem_passes}:")
+    for r in memory:
+        print(f"  {r['guests']:22} owner {r['owner_s']:7.3f} s {r['owner_delay_pct']:6.1f}%  owner killed {r['owner_killed']}"
+              f"  OOM kills {r['oom_kills']}")
 
 
 if __name__ == "__main__":

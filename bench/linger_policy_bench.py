@@ -4,7 +4,7 @@
     python3 bench/linger_policy_bench.py [--hosts 8] [--jobs 32] [--steps 24] [--compress 60]
                                          [--policies LF,LL,PM,IE] [--seed 1]
 
-Root, a release build, cluster instance 2 (STARLING_INSTANCE=2 unless set). For each policy:
+Root, a release build, cluster instance $STARLING_INSTANCE (2 if unset). For each policy:
 `starling up --hosts 8 --policy P` (PM with STARLING_PM_PAUSE_S = 600 s / compress), then
 
 * owners: every host's owner episodes come from bench/linger_sim.py's synthetic coarse trace (same
@@ -16,12 +16,21 @@ Root, a release build, cluster instance 2 (STARLING_INSTANCE=2 unless set). For 
 * guests: `starling run -n JOBS --json -- sh -c STEP_LOOP`, each task STEPS steps of
   (`sleep 0.25` + a short shell counting loop): fixed work that needs a slot more than a core, so
   that running, suspended (PM), killed and rerun (IE) show in the wall time, not the 2 cores.
-* owner delay: a fixed owner CPU probe (`starling owner h1 -- sh -c 'counting loop'`), timed
-  alone before the run (median of 3) and repeatedly during it (median).
+* owner delay: a fixed owner CPU probe (`starling owner h1 -- sh -c 'counting loop'`) that times
+  its own loop (so the command's start and the agent's launch around it are not counted), alone
+  before the run (median of 9) and every 0.5 s during it (median).
 * migrations / reruns: `starling ps --json` polled every 0.5 s (a task seen on another host than
-  before = a move; a state with "rerun" = an IE rerun).
+  before = a move; a task queued for a rerun, "(queued: rerun)", = an IE rerun, and where it
+  starts again is not a move).
 
 Throughput = JOBS × STEPS / makespan (steps per second); mean job time = finish − submit.
+
+Guests run at cpu.idle: they get only CPU that no other program of this machine wants, so on a
+machine kept busy by other work they barely run and the makespan measures that work, not the
+policy. Before each policy the bench therefore waits (up to --quiet-wait s) for the 1-min load
+average to fall below --quiet-load, and records the load average during each run (min, median,
+max, sampled every 5 s) in the JSON; a policy whose guests do not finish within --deadline s is
+stopped and recorded as not finished.
 Writes a table to stdout and JSON (with provenance) to bench/out/linger_policy.json; stops its
 cluster at the end. Figures are under load: the machine is shared with other work.
 """
@@ -42,7 +51,10 @@ import linger_sim  # noqa: E402
 
 OUT = ROOT / "bench" / "out"
 STARLING = str(ROOT / "target/release/starling")
-PROBE = "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done"
+# The owner's probe times its own counting loop (nanoseconds, printed): the `starling owner` command
+# around it (CLI start, the agent's launch) is the emulation's overhead, not the owner's CPU delay.
+PROBE = ("a=$(date +%s%N); i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done; b=$(date +%s%N); "
+         "echo $((b - a))")
 
 
 def step_loop(steps):
@@ -79,12 +91,25 @@ def schedule(hosts, seed, compress, horizon_s):
 
 
 def timed_probe(host="h1"):
-    t = time.monotonic()
-    st("owner", host, "--", "sh", "-c", PROBE)
-    return time.monotonic() - t
+    """Seconds the owner's probe loop took, measured inside it."""
+    r = st("owner", host, "--", "sh", "-c", PROBE)
+    return int(r.stdout.split()[-1]) / 1e9
+
+
+def loadavg():
+    return float(pathlib.Path("/proc/loadavg").read_text().split()[0])
+
+
+def wait_quiet(limit, patience):
+    """Wait until the 1-min load average is below `limit` (at most `patience` s); the load then."""
+    deadline = time.monotonic() + patience
+    while loadavg() >= limit and time.monotonic() < deadline:
+        time.sleep(5)
+    return loadavg()
 
 
 def run_policy(policy, a, sched):
+    load_at_start = wait_quiet(a.quiet_load, a.quiet_wait)
     env = dict(os.environ)
     if policy == "PM":
         env["STARLING_PM_PAUSE_S"] = str(max(1, round(600 / a.compress)))
@@ -96,11 +121,12 @@ def run_policy(policy, a, sched):
     try:
         for h in sched:
             st("owner", h, "--idle")
-        base = sorted(timed_probe() for _ in range(3))[1]
+        base = statistics.median(timed_probe() for _ in range(9))
         stop = threading.Event()
-        moves, reruns, seen = {}, set(), {}
+        moves, reruns, seen, queued = {}, set(), {}, set()
         probes = []
         errors = []
+        loads = []
 
         def owners(t0):
             events = sorted([(s, h, "--active") for h, eps in sched.items() for s, _ in eps] +
@@ -119,26 +145,42 @@ def run_policy(policy, a, sched):
                 r = st("ps", "--json", check=False)
                 if r.returncode == 0:
                     for t in json.loads(r.stdout or "[]"):
-                        k = str(t.get("task"))
-                        if k in seen and seen[k] != t["host"]:
-                            moves[k] = moves.get(k, 0) + 1
-                        seen[k] = t["host"]
-                        if "rerun" in str(t.get("state", "")):
+                        k, host = str(t.get("task")), t["host"]
+                        if "rerun" in str(t.get("state", "")) or "rerun" in host:
+                            # IE: killed, queued ("(queued: rerun)") and started again elsewhere.
                             reruns.add(k)
+                            queued.add(k)
+                            continue
+                        if k in seen and seen[k] != host and k not in queued:
+                            moves[k] = moves.get(k, 0) + 1
+                        queued.discard(k)
+                        seen[k] = host
                 time.sleep(0.5)
 
         def prober():
             while not stop.is_set():
                 probes.append(timed_probe())
-                time.sleep(1.0)
+                time.sleep(0.5)
+
+        def load_sampler():
+            while not stop.is_set():
+                loads.append(loadavg())
+                stop.wait(5.0)
 
         t0 = time.monotonic()
         threads = [threading.Thread(target=f, args=x, daemon=True)
-                   for f, x in ((owners, (t0,)), (poll, ()), (prober, ()))]
+                   for f, x in ((owners, (t0,)), (poll, ()), (prober, ()), (load_sampler, ()))]
         for t in threads:
             t.start()
         g = subprocess.Popen([STARLING, "run", "-n", str(a.jobs), "--json", "--", "sh", "-c", step_loop(a.steps)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        timed_out = []
+
+        def deadline():
+            if not stop.wait(a.deadline) and g.poll() is None:
+                timed_out.append(True)
+                g.kill()
+        threading.Thread(target=deadline, daemon=True).start()
         finish, outputs = {}, {}
         for line in g.stdout:
             try:
@@ -158,8 +200,11 @@ def run_policy(policy, a, sched):
         ok_out = sum(1 for i in range(a.jobs) if outputs.get(i, "") == f"done {i}\n")
         times = list(finish.values())
         return {"policy": policy, "exit": rc, "finished": len(finish), "outputs_ok": ok_out,
+                "timed_out": bool(timed_out), "load_at_start": load_at_start,
+                "load": {"min": min(loads), "median": statistics.median(loads), "max": max(loads)} if loads else None,
                 "makespan_s": makespan, "mean_job_s": statistics.mean(times) if times else None,
-                "throughput_steps_per_s": a.jobs * a.steps / makespan,
+                # A run stopped at the deadline counts only the jobs that finished.
+                "throughput_steps_per_s": len(finish) * a.steps / makespan,
                 "moves": sum(moves.values()), "reruns": len(reruns),
                 "owner_probe_alone_s": base, "owner_probe_during_s": statistics.median(probes) if probes else None,
                 "owner_delay_pct": 100 * (statistics.median(probes) / base - 1) if probes else None,
@@ -178,6 +223,9 @@ def main():
     ap.add_argument("--policies", default="LF,LL,PM,IE")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--horizon", type=float, default=240.0, help="seconds of owner schedule to replay at most")
+    ap.add_argument("--quiet-load", type=float, default=3.0, help="wait for a 1-min load average below this before each policy")
+    ap.add_argument("--quiet-wait", type=float, default=600.0, help="seconds to wait for it at most")
+    ap.add_argument("--deadline", type=float, default=900.0, help="seconds a policy's guests may take before the run is stopped")
     a = ap.parse_args()
     os.environ.setdefault("STARLING_INSTANCE", "2")
     if os.geteuid() != 0:
@@ -197,8 +245,9 @@ def main():
         d = "-" if r["owner_delay_pct"] is None else f"{r['owner_delay_pct']:+.1f}%"
         print(f"{r['policy']:<7}{r['makespan_s']:>11.1f}{(r['mean_job_s'] or 0):>11.1f}{r['throughput_steps_per_s']:>9.2f}"
               f"{r['moves']:>7}{r['reruns']:>7}{d:>12}{r['outputs_ok']:>8}/{a.jobs}")
+    complete = lambda p: p in base and not base[p]["timed_out"] and base[p]["finished"] == a.jobs
     ratio = (base["LL"]["throughput_steps_per_s"] / base["IE"]["throughput_steps_per_s"]
-             if "LL" in base and "IE" in base else None)
+             if complete("LL") and complete("IE") else None)
     if ratio:
         print(f"LL / IE throughput = {ratio:.2f} (issue target >= 1.6)")
     active = sum(e - s for eps in sched.values() for s, e in eps if s < a.horizon)

@@ -93,10 +93,12 @@ def run_one(starling, work, size, rate, stop_and_copy, seconds):
         "precopy_pages": report["precopy_pages"],
         "freeze_pages": report["freeze_pages"],
         "postcopy_pages": report["postcopy_pages"],
+        "discarded_pages": report.get("discarded_pages"),
         "postcopy_faults": report.get("postcopy_faults"),
         "fault_p50_us": report.get("fault_p50_us"),
         "fault_p99_us": report.get("fault_p99_us"),
         "state_bytes": report["state_bytes"],
+        "phases_ms": report.get("phases_ms"),
         "exit": p.returncode,
     }
 
@@ -106,6 +108,7 @@ def main():
     ap.add_argument("--sizes", default="64,512,2048", help="resident MiB, comma-separated")
     ap.add_argument("--rates", default="0,10,100", help="MiB/s written by the task, comma-separated")
     ap.add_argument("--starling-dir", default=os.environ.get("STARLING_BUILD_DIR", str(ROOT / "target/release")))
+    ap.add_argument("--modes", default="live,stop-and-copy", help="live and/or stop-and-copy, comma-separated")
     ap.add_argument("--keep", action="store_true", help="leave the cluster up")
     ap.add_argument("--out", default=str(OUT / "migrate.json"))
     a = ap.parse_args()
@@ -124,7 +127,7 @@ def main():
         for size in map(int, a.sizes.split(",")):
             seconds = 3600  # ended by SIGTERM once the move is complete
             for rate in map(int, a.rates.split(",")):
-                for sc in (False, True):
+                for sc in [m == "stop-and-copy" for m in a.modes.split(",")]:
                     row = run_one(starling, work, size, rate, sc, seconds)
                     rows.append(row)
                     print(f"{row['mode']:>13} {size:>5} MiB {rate:>4} MiB/s: task pause {row['task_pause_ms']:8.1f} ms, "

@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth, roam). Each starts with what the run was made on: the
+the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth, roam, glx). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -342,6 +342,21 @@ def render_roam(doc):
     return "\n".join(out)
 
 
+def render_glx(doc):
+    rows = [[r["link"], r["mode"], dash(r["fps_median"], "{:.1f}"), ", ".join(f"{f:.1f}" for f in r["fps_reports"]),
+             dash(r["colours"]), "yes" if r["painted"] else "NO"] for r in doc["rows"]]
+    better = "; ".join(f"{link}: {mode or 'neither painted'}" for link, mode in doc["more_fps_painted"].items())
+    prm = doc["params"]
+    return "\n".join([provenance_line(doc), "",
+                      f"glxgears {prm['size']}x{prm['size']} for {prm['seconds']} s per run; load average at the end "
+                      f"{doc['load_at_end']:.1f} on {doc['cores']} cores. images = rendered where the program runs (Mesa "
+                      "llvmpipe), sent as X images through the relay; indirect = GLX requests through the relay "
+                      "(LIBGL_ALWAYS_INDIRECT=1). painted: more than two colours in the window while it ran.", "",
+                      table(["link", "mode", "FPS (median)", "FPS reports", "colours", "painted"], rows,
+                            list("ll") + ["r"] * 3 + ["l"]), "",
+                      f"More frames per second among runs that painted: {better}."])
+
+
 def render_slurm(doc):
     rows = [[r["mode"], r["hosts"], f"{r['registered_s']:.2f}", f"{r['up_s']:.2f}", f"{r['first_task_s']:.2f}",
              dash(r.get("step_to_connected_s"), "{:.2f}")] for r in doc["rows"]]
@@ -367,7 +382,25 @@ def render_linger(doc):
             f"{doc['cyclictest_loops']}); medians of {doc['rounds']} interleaved rounds; machine load before each "
             f"measurement (other programs) {min(x['load_before'] for r in doc['rows'] for x in r['runs']):.1f}–"
             f"{max(x['load_before'] for r in doc['rows'] for x in r['runs']):.1f}.")
-    return provenance_line(doc) + "\n\n" + note + "\n\n" + table(head, rows)
+    out = provenance_line(doc) + "\n\n" + note + "\n\n" + table(head, rows)
+    if "memory" in doc:
+        mem_rows = []
+        for r in doc["memory"]:
+            guest = [x for x in r["runs"] if "guest_exit" in x]
+            caps = [x["guest_mem_cap_mib"] for x in guest if x.get("guest_mem_cap_mib")]
+            mem_rows.append([
+                r["guests"], f"{r['owner_s']:.3f}", f"{r['owner_delay_pct']:+.1f}%", "yes" if r["owner_killed"] else "no",
+                f"{max(x['guest_bytes'] for x in guest) / 2**30:.1f} GiB" if guest else "—",
+                (f"capped at {min(caps)} MiB" if caps else "not capped") + (", frozen" if any(x.get("guests_frozen") for x in guest) else "")
+                if guest else "—",
+                ", ".join(sorted({"running" if x["guest_exit"] is None else f"exit {x['guest_exit']}" for x in guest})) or "—",
+                str(r["oom_kills"]),
+            ])
+        mem_head = ["memory: guest", "owner (s)", "owner delay", "owner killed", "guest held", "agent did", "guest after",
+                    "OOM kills"]
+        out += (f"\n\nThe owner touches {doc['owner_mem_bytes'] / 2**30:.1f} GiB (half the machine) page by page, "
+                f"{doc['mem_passes']} times; medians of {len(doc['memory'][0]['runs'])} rounds.\n\n" + table(mem_head, mem_rows))
+    return out
 
 
 def render_linger_sim(doc):
@@ -414,19 +447,23 @@ def render_linger_sim(doc):
 def render_linger_policy(doc):
     rows = []
     for r in doc["rows"]:
-        rows.append([r["policy"], f"{r['makespan_s']:.1f}", dash(r.get("mean_job_s"), "{:.1f}"),
-                     f"{r['throughput_steps_per_s']:.2f}", r["moves"], r["reruns"],
-                     dash(r.get("owner_delay_pct"), "{:+.1f}%"), f"{r['outputs_ok']}/{doc['jobs']}", r["exit"]])
+        load = r.get("load")
+        rows.append([r["policy"] + (" (stopped at the deadline)" if r.get("timed_out") else ""), f"{r['makespan_s']:.1f}",
+                     dash(r.get("mean_job_s"), "{:.1f}"),
+                     "-" if r.get("timed_out") else f"{r['throughput_steps_per_s']:.2f}", r["moves"], r["reruns"],
+                     dash(r.get("owner_delay_pct"), "{:+.1f}%"), f"{r['outputs_ok']}/{doc['jobs']}", r["exit"],
+                     f"{load['median']:.1f} ({load['min']:.1f}–{load['max']:.1f})" if load else "-"])
     note = (f"{doc['hosts']} emulated hosts; {doc['jobs']} guest jobs of {doc['steps']} steps (0.25 s sleep + a short "
             f"loop each); owners' keyboard episodes from linger_sim's synthetic trace (seed {doc['seed']}) compressed "
             f"{doc['compress']:.0f}× (owners active {doc['owner_active_share'] * 100:.0f}% of the replayed time); "
             f"PM pause {doc['pm_pause_s']} s. Owner delay: a fixed owner CPU probe during the run against alone "
-            "(the machine's other load moves it by more than the guests do).")
+            "(the machine's other load moves it by more than the guests do). Load = this machine's 1-min load average "
+            "during the run, median (min–max): guests at cpu.idle get only the CPU other programs leave.")
     ratio = doc.get("ll_ie_ratio")
     tail = f"\n\n* LL ÷ IE throughput = {ratio:.2f} (issue target ≥ 1.6)" if ratio else ""
     return (provenance_line(doc) + "\n\n" + note + "\n\n" +
             table(["policy", "makespan s", "mean job s", "steps/s", "moves", "IE reruns", "owner delay", "outputs ok",
-                   "exit"], rows) + tail)
+                   "exit", "load"], rows) + tail)
 
 
 def render_auth(doc):
@@ -544,7 +581,8 @@ RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": r
              "data": render_data, "ucop": render_ucop, "fork": render_fork, "faults_before": render_faults,
              "faults_after": render_faults, "faults_breakdown": render_faults_breakdown, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth,
-             "linger_sim": render_linger_sim, "linger_policy": render_linger_policy, "roam": render_roam}
+             "linger_sim": render_linger_sim, "linger_policy": render_linger_policy, "roam": render_roam,
+             "glx": render_glx}
 
 SECTION = re.compile(r"(<!-- table:(\w+) -->\n)(.*?)(<!-- /table:\2 -->)", re.S)
 

@@ -28,6 +28,7 @@
 #define STARLING_H
 
 #include <stdbool.h>
+#include <stddef.h>
 
 #ifdef __cplusplus
 extern "C" {
@@ -114,6 +115,15 @@ void sf_release_ticket(sf_ticket_t *t);
 #define SF_CLONE_KILLED 2
 #define SF_CLONE_LOST 3
 int sf_clone_state(const sf_ticket_t *t, int id);
+/* Hosts of the ticket's grant that cannot enforce the ticket's own network
+ * (fork.isolate_network = on, the default: their clones run with the host's
+ * whole network; sf_request_ticket also says so on stderr). Returns how many
+ * (0: every clone is fenced, the ticket opted out, or the local backend), -1
+ * for a NULL ticket. Host i (0-based) is copied into buf as "NAME\tWHY", cut
+ * to len - 1 bytes and NUL-terminated; buf is left alone when i is out of
+ * range, buf is NULL or len is 0. So sf_ticket_unisolated(t, 0, NULL, 0)
+ * counts them. With `required` such hosts are never granted. */
+int sf_ticket_unisolated(const sf_ticket_t *t, int i, char *buf, size_t len);
 /* The parent's host address (IP) as clones reach it, for connecting back
  * (also in the clones' environment as STARLING_PARENT_HOST). Valid in the
  * parent after a cluster ticket and in its clones; NULL otherwise. */

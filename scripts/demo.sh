@@ -175,13 +175,15 @@ else
 fi
 echo
 echo "== Snowbird: a program started at home with \`starling exec --roam\` (this machine, same view of your files)"
-echo "   moves to h2 for a phase and comes back home (\`starling migrate TASK --to h2|home\`); \`ps\` says where and why"
+echo "   moves to h2 for a phase and comes back home (\`starling migrate TASK --to h2|home\`); \`ps\` says where and why;"
+echo "   at home its terminal talks to this client directly (\`home (direct)\`), away through the head"
 (cd "$W" && ./phases 4 3 "$W/home.bin" 16 < <(printf '\n\n') > /dev/null) || [ $? = 7 ]
 coproc ROAMING { cd "$W" && exec "$S" exec --roam -T -- ./phases 4 3 "$W/roamed.bin" 16 2>&1; }
 exec {to_roaming}>&"${ROAMING[1]}"
 roam_until() { local line; while IFS= read -r line <&"${ROAMING[0]}"; do [[ $line == "$1"* ]] && return 0; done; return 1; }
 roam_until "phase 0 done"
 rtask=$($S ps --json | python3 -c 'import json,sys; print(next(r["task"] for r in json.load(sys.stdin) if "roamed.bin" in r["command"]))')
+$S ps | awk -v t="t$rtask" 'NR == 1 || $1 == t' | sed 's/^/   /'
 p=1
 for to in h2 home; do
     $S migrate "$rtask" --to "$to" | sed 's/^/   /'
@@ -239,11 +241,11 @@ echo
 echo "== Linger-Longer: a guest on h1 while h1's owner burns every core (guest at cpu.idle)"
 G=$($S status --json | python3 -c 'import json,sys; print([h for h in json.load(sys.stdin)["hosts"] if h["name"]=="h1"][0]["owner"]["guest_cgroup"])')
 $S exec --host h1 -- sh -c 'while :; do :; done' & GP=$!
-$S owner h1 -- sh -c '(while :; do :; done) & a=$!; (while :; do :; done) & b=$!; sleep 5; kill $a $b' &
+$S owner h1 -- sh -c '(while :; do :; done) & a=$!; (while :; do :; done) & b=$!; sleep 5; kill $a $b' & OP=$!
 sleep 1; g0=$(cat /sys/fs/cgroup/cpuacct/$G/cpuacct.usage); sleep 3; g1=$(cat /sys/fs/cgroup/cpuacct/$G/cpuacct.usage)
 $S status | grep -A1 OWNER | tail -1
 awk -v a="$g0" -v b="$g1" 'BEGIN{printf "   guest CPU while the owner ran: %.3f s in 3 s\n", (b-a)/1e9}'
-wait %2 2>/dev/null || true; kill $GP 2>/dev/null || true; wait $GP 2>/dev/null || true  # the guest ends by SIGTERM (143)
+wait $OP 2>/dev/null || true; kill $GP 2>/dev/null || true; wait $GP 2>/dev/null || true  # the guest ends by SIGTERM (143)
 echo "== Linger-Longer IE: a guest started on h1 with --policy IE; h1's owner comes back (keyboard), the guest"
 echo "   is killed there and rerun from the start on an idle host; its output is shown once, its files are the rerun's"
 (cd "$W" && rm -f where.txt && exec "$S" exec --host h1 --policy IE -- sh -c 'uname -n > where.txt; i=0; while [ $i -lt 12 ]; do i=$((i+1)); echo "   line $i"; sleep 0.25; done; exit 3') > "$W/ie.out" &

@@ -213,13 +213,18 @@ def cluster(session_cluster):
     return st
 
 
+# The tests' scratch root on the real disk (tasks see /tmp too), one per instance
+# (STARLING_INSTANCE), so runs on two instances at once never share a built program.
+SCRATCH = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}")
+
+
 @pytest.fixture
 def workdir(tmp_path):
     """A scratch directory on the real disk (tmp_path is under /tmp, which tasks see too). Its path is
     kept short: tests find their task in `starling ps` by a path in its command line, which ps cuts at
     120 characters. Runs on other instances (STARLING_INSTANCE) get their own directories; two runs
     on one instance at once would share them."""
-    d = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}") / tmp_path.name
+    d = SCRATCH / tmp_path.name
     d.mkdir(parents=True, exist_ok=True)
     yield d
     subprocess.run(["rm", "-rf", str(d)])

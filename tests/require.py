@@ -69,3 +69,45 @@ def pytest_make_collect_report(collector):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"module skipped without {ALLOW_SKIP_VAR}=1 (tests must not skip silently): {reason}"
+
+
+# A test that hangs must not hang the whole run until CI's time limit, with nothing said: after
+# STARLING_TEST_HANG_SECONDS (default 1200, many times the slowest test's time on a 2-core machine)
+# the watchdog prints every Python thread's stack and the process tree with each process's kernel
+# wait channel, then ends the run (exit 70). It cannot fail just the one test: the hang may be inside
+# native code that no Python exception interrupts.
+HANG_SECONDS_VAR = "STARLING_TEST_HANG_SECONDS"
+_ERR_FD = os.dup(2)  # the real stderr: imported (-p require) before pytest captures fd 2
+
+
+def _hang_report(nodeid, seconds):
+    import faulthandler
+    import subprocess
+
+    os.write(_ERR_FD, f"\n=== WATCHDOG: {nodeid} still running after {seconds} s ({HANG_SECONDS_VAR}) ===\n".encode())
+    faulthandler.dump_traceback(file=_ERR_FD, all_threads=True)
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:30,etime,args", "--forest"], capture_output=True, text=True)
+    os.write(_ERR_FD, ps.stdout.encode())
+    for line in ps.stdout.splitlines()[1:]:
+        pid = line.split()[0]
+        if "starling" in line or "python" in line or "restorer" in line:
+            try:
+                stack = open(f"/proc/{pid}/stack").read()
+            except OSError:
+                continue
+            os.write(_ERR_FD, f"--- /proc/{pid}/stack ({line.strip()[:100]})\n{stack}".encode())
+    os._exit(70)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    import threading
+
+    seconds = float(os.environ.get(HANG_SECONDS_VAR, "1200"))
+    timer = threading.Timer(seconds, _hang_report, (item.nodeid, seconds))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()

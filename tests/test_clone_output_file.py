@@ -13,11 +13,11 @@ import sys
 
 import pytest
 
-from conftest import ROOT, require_module, sh
+from conftest import ROOT, SCRATCH, require_module, sh
 
 FORK = ROOT / "tests/fork"
 LIB = ROOT / "target/release/libstarling.a"
-BIN = pathlib.Path("/var/tmp/starling-tests/fork-bin")
+BIN = SCRATCH / "fork-bin"
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import uuid
 
 import pytest
 
-from conftest import ROOT, STARLING, require_module, require_tool, sh, starling, status, wait_for
+from conftest import ROOT, SCRATCH, STARLING, require_module, require_tool, sh, starling, status, wait_for
 
 
 @pytest.fixture
@@ -204,7 +204,7 @@ def slow_faults():
     """tests/fork/slow_faults.c built against the static libstarling."""
     lib = ROOT / "target/release/libstarling.a"
     assert lib.exists(), "build it: cargo build --release -p starling-capi"
-    out = pathlib.Path("/var/tmp/starling-tests/dash-bin")
+    out = SCRATCH / "dash-bin"
     out.mkdir(parents=True, exist_ok=True)
     sh("cc", "-O1", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "tests/fork/slow_faults.c"), str(lib),
        "-lpthread", "-ldl", "-lm", "-o", str(out / "slow_faults"))

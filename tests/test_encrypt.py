@@ -27,11 +27,11 @@ import threading
 
 import pytest
 
-from conftest import ROOT, STARLING, down, require, require_root, require_tool, sh, status, wait_for
+from conftest import ROOT, SCRATCH, STARLING, down, require, require_root, require_tool, sh, status, wait_for
 
 INSTANCE = os.environ.get("STARLING_INSTANCE", "").strip() or "0"
 BRIDGE = f"stbr{INSTANCE}"
-BIN = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}/crypt-bin")
+BIN = SCRATCH / "crypt-bin"
 LIB = ROOT / "target/release/libstarling.a"
 # One 64-byte unit of the program's pattern (tests/crypt/pattern.c `unit`).
 UNIT = bytes(((j * 37 + 11) ^ 0x5A) & 0xFF for j in range(64))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, down, recv_until_closed, sh, starling, status, up
+from conftest import SCRATCH, STARLING, down, recv_until_closed, sh, starling, status, up
 
 
 # The instance these tests run on (STARLING_INSTANCE, as `starling` itself reads it): its names
@@ -75,7 +75,7 @@ def test_no_cluster_gives_one_clear_line():
 
 
 def test_host_lost_mid_task(fresh_cluster, tmp_path):
-    work = pathlib.Path("/var/tmp/starling-tests/lost")
+    work = SCRATCH / "lost"
     work.mkdir(parents=True, exist_ok=True)
     out = work / "partial.txt"
     out.unlink(missing_ok=True)

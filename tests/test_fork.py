@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from conftest import ROOT, STARLING, cores_by_host, require, require_module, running_tasks, sh, starling, status, up, wait_for
+from conftest import ROOT, SCRATCH, STARLING, cores_by_host, require, require_module, running_tasks, sh, starling, status, up, wait_for
 
 SUITE = ROOT / "crates/fork/tests/c"
 FORK = ROOT / "tests/fork"
 LIB = ROOT / "target/release/libstarling.a"
-BIN = pathlib.Path("/var/tmp/starling-tests/fork-bin")
+BIN = SCRATCH / "fork-bin"
 # The restore-correctness suite (crates/fork/tests/c), run on the cluster in both ticket modes.
 SUITE_PROGRAMS = ["heap", "stack_tls_errno", "env_cwd_file", "pid_sched_vdso", "mutex_signal", "dlopen",
                   "shared_maps", "mremap", "pipes_sockets", "altstack_rlimits", "dontfork"]
@@ -338,7 +338,7 @@ def test_python_monte_carlo_clones_on_other_hosts(cluster):
     hosts price slices, the parent collates; equal to a local run and within 1% of Black-Scholes."""
     require_module("numpy", "make python (scripts/build-python.sh installs it)")
     require_module("starling", "make python")
-    out = pathlib.Path("/var/tmp/starling-tests/mc")
+    out = SCRATCH / "mc"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     env = dict(os.environ)

@@ -23,10 +23,10 @@ import subprocess
 
 import pytest
 
-from conftest import ROOT, CloneReport, cores_by_host, require, running_tasks, wait_for
+from conftest import CloneReport, ROOT, SCRATCH, cores_by_host, require, running_tasks, wait_for
 
 LIB = ROOT / "target/release/libstarling.a"
-BIN = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}/share-bin")
+BIN = SCRATCH / "share-bin"
 DATA_MIB = 32
 MULTICAST, UNICAST = 1, 3  # sf_clone_stat(t, id, 6): SF_DIST_MULTICAST, SF_DIST_UNICAST
 KILLED = 2  # sf_clone_state: SF_CLONE_KILLED

@@ -159,7 +159,9 @@ def test_a_token_enrols_one_host_once(head):
     assert p2.wait(timeout=120) != 0
     assert "already used" in head.log("node2"), head.log("node2")
     assert "node2" not in hosts()
-    assert re.search(r"enrolment from .* refused: host node2: this join token is unknown or was already used", head.log("head"))
+    # The head logs the refusal after sending it, so the log line may follow node2's exit.
+    wait_for(lambda: re.search(r"enrolment from .* refused: host node2: this join token is unknown or was already used", head.log("head")),
+             "the head to log node2's refusal", timeout=120)
 
 
 def test_an_expired_token_is_refused(head):

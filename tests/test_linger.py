@@ -429,6 +429,62 @@ def test_a_pm_task_is_suspended_and_moved_while_an_lf_task_beside_it_lingers(lcl
         up(2)
 
 
+def test_a_task_moved_to_a_host_whose_pm_guests_are_suspended_is_restored_then_suspended_there(lcluster):
+    """The restore of a moved task is not guest work: it runs outside the target's guest CPU
+    (cpu.idle) and freezer groups, and the restored process joins them as its last step, before its
+    own code runs. Shown where guests cannot run at all: h2's owner is at the keyboard, so h2's PM
+    guests are frozen. `starling migrate` to h2 completes (the restore's own steps finish; before,
+    the restorer started inside the frozen group and the move waited for the owner to leave); the
+    task then sits in h2's PM freezer and guest CPU groups, suspended like any PM guest there, and
+    ends with its undisturbed output once the owner leaves."""
+    import threading
+    starling("down", check=False)
+    # PM everywhere, with a pause long past this test: only the explicit move moves the task.
+    env = dict(os.environ, STARLING_PM_PAUSE_S="3600")
+    r = subprocess.run([STARLING, "up", "--hosts", "2", "--policy", "PM"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    task = None
+    try:
+        guest_rel = owner_report("h2")["guest_cgroup"]
+        pm_freezer, cpu_group = cg("freezer", guest_rel) / "pm", cg("cpu", guest_rel)
+        task = spawn(STARLING, "exec", "--host", "h1", "--", *sleepy("mv", 120))
+        lines = []
+        reader = threading.Thread(target=lambda: lines.extend(iter(task.stdout.readline, "")), daemon=True)
+        reader.start()
+        guest_wait(lambda: lines, "the task's first line on h1")
+        tid = ps_host("print('mv done')")["task"]
+
+        starling("owner", "h2", "--active")
+        wait_for(lambda: (pm_freezer / "freezer.state").read_text().strip() == "FROZEN", "h2's PM guests' group frozen")
+        try:
+            moved = subprocess.run([STARLING, "migrate", str(tid), "--to", "h2", "--json"], capture_output=True, text=True,
+                                   timeout=300)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the move to h2 did not complete in 300 s while h2's PM guests were frozen: its restore "
+                        "waited in the frozen guest group")
+        assert moved.returncode == 0, moved.stdout + moved.stderr
+        report = json.loads(moved.stdout)
+        assert report["to"] == "h2" and report["pause_ms"] > 0, report
+        assert ps_host("print('mv done')")["host"] == "h2"
+        # The restored process is in h2's PM freezer group and its guest CPU group (it joined both
+        # as its last step), and frozen there.
+        joined = wait_for(lambda: (p := procs(pm_freezer)) and p, "the moved task in h2's PM freezer group")
+        assert set(joined) <= set(procs(cpu_group)), (joined, procs(cpu_group))
+        wait_for(lambda: (pm_freezer / "freezer.state").read_text().strip() == "FROZEN", "the moved task frozen on h2")
+        assert task.poll() is None, "the task ended while h2's owner was active"
+
+        starling("owner", "h2", "--idle")
+        assert task.wait(timeout=600) == 0, task.stderr.read()
+        reader.join(timeout=60)
+        assert "".join(lines) == sleepy_output("mv", 120), f"output differs from the undisturbed one:\n{lines!r}"
+    finally:
+        starling("owner", "h2", "--idle", check=False)
+        if task is not None and task.poll() is None:
+            kill_group(task)
+        starling("down", check=False)
+        up(2)
+
+
 # IE: the guest prints numbered lines slowly (deterministic output) and appends its host's name to a
 # file; killed and rerun from the start, its output must still be every line once, and the file only
 # the rerun's line (the killed run's uncommitted change is discarded).
@@ -546,6 +602,11 @@ def our_nft_tables(ns=None):
     return [l for l in r.stdout.splitlines() if " starling_" in l]
 
 
+def window_tables(ns):
+    """The network windows' tables in `ns` (not the owner's network counters, `starling_NAME_io`)."""
+    return [t for t in our_nft_tables(ns) if not t.endswith("_io")]
+
+
 def our_qdiscs(ns=None):
     r = in_netns(ns, "tc", "qdisc", "show") if ns else subprocess.run(["tc", "qdisc", "show"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -635,6 +696,53 @@ def test_rate_windows_limit_guests_while_the_owner_does_io_and_go_at_down(lclust
         up(2)
 
 
+# The owner's network I/O: UDP datagrams to h2's discard port, paced at ≈ 4 MiB/s (above the 1 MiB/s
+# that switches the windows on; no disk I/O: nothing is written, the program is in the page cache).
+OWNER_NET = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+b = b"x" * 1400
+print("sending", flush=True)
+while True:
+    for _ in range(64):
+        s.sendto(b, (sys.argv[1], 9))
+    time.sleep(0.02)
+"""
+
+
+def test_the_owners_network_io_switches_the_windows_on_and_their_quiet_off(lcluster):
+    """h1's owner sends over the network (`starling owner h1 -- python3 ...`): h1's guests' windows
+    go on (its report says so; the network window's nftables table and htb are in h1's namespace,
+    its disk rules in the guest's blkio group), and go off once the owner has stopped."""
+    windows_cluster()
+    owner = None
+    try:
+        o = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] is None and r, "h1's windows off while its owner does no I/O")
+        ns = pathlib.PurePath(o["guest_cgroup"]).parts[1]
+        window_table = "starling_" + "".join(c if c.isalnum() else "_" for c in ns)
+        assert f"table inet {window_table}" not in our_nft_tables(ns) and our_qdiscs(ns) == []
+        assert f"table inet {window_table}_io" in our_nft_tables(ns), "no owner network counters in h1's namespace"
+        h2_addr = host("h2")["address"].split(":")[0]
+        owner = spawn(STARLING, "owner", "h1", "--", "python3", "-c", OWNER_NET, h2_addr)
+        assert owner.stdout.readline() == "sending\n", owner.stderr.read() if owner.poll() is not None else ""
+        rep = wait_for(lambda: (r := owner_report("h1"))["rate_windows"] and r, "h1's rate windows applied by its owner's network I/O")
+        assert "net" in rep["rate_windows"] and "disk" in rep["rate_windows"], rep
+        assert f"table inet {window_table}" in our_nft_tables(ns) and our_qdiscs(ns), "the network window is not in h1's namespace"
+        assert blkio_rules(o["guest_cgroup"]), "the disk window is not on h1's guest group"
+        assert owner_report("h2")["rate_windows"] is None, "h2's windows went on for h1's owner"
+
+        kill_group(owner)
+        owner = None
+        wait_for(lambda: owner_report("h1")["rate_windows"] is None, "h1's rate windows removed once its owner stopped sending")
+        assert f"table inet {window_table}" not in our_nft_tables(ns) and our_qdiscs(ns) == []
+        assert blkio_rules(o["guest_cgroup"]) == []
+    finally:
+        if owner is not None:
+            kill_group(owner)
+        starling("down", check=False)
+        up(2)
+
+
 def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
     """A lone agent in a network namespace of its own whose (emulated) owner writes to disk applies
     its windows; killed -9 it leaves them; a new agent of the same name removes them at start; SIGTERM
@@ -660,7 +768,7 @@ def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
                                 start_new_session=True)
 
     def applied():
-        return our_nft_tables(name) and our_qdiscs(name) and blkio_rules(rel)
+        return window_tables(name) and our_qdiscs(name) and blkio_rules(rel)
 
     a = writer = None
     try:
@@ -674,9 +782,9 @@ def test_a_restarted_agent_removes_a_killed_ones_rate_windows(tmp_path):
         a.wait(timeout=60)
         kill_group(writer)
         writer = None
-        assert our_nft_tables(name) and our_qdiscs(name), "the killed agent's windows vanished by themselves"
+        assert window_tables(name) and our_qdiscs(name), "the killed agent's windows vanished by themselves"
         a = agent()
-        wait_for(lambda: not our_nft_tables(name) and not our_qdiscs(name), "the new agent to remove the stale table and qdiscs")
+        wait_for(lambda: not window_tables(name) and not our_qdiscs(name), "the new agent to remove the stale table and qdiscs")
         wait_for(lambda: (cg("cpu", rel) / "cpu.idle").exists(), "the new agent's guest group")
         assert blkio_rules(rel) == [], "the stale guest group's disk rules survived"
         # The new agent applies its own when the owner's I/O comes back, and removes them at SIGTERM

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, wait_for
+from conftest import SCRATCH, STARLING, wait_for
 
 INSTANCE = "2"
 STATE = pathlib.Path("/var/lib/starling-2")
@@ -39,7 +39,7 @@ def client_cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def work():
-    d = pathlib.Path("/var/tmp/starling-tests/link")
+    d = SCRATCH / "link"
     shutil.rmtree(d, ignore_errors=True)
     d.mkdir(parents=True)
     # A small multi-file C project.

@@ -19,9 +19,9 @@ import threading
 
 import pytest
 
-from conftest import ROOT, STARLING, require_module, sh, starling, status, up, wait_for
+from conftest import ROOT, SCRATCH, STARLING, require_module, sh, starling, status, up, wait_for
 
-BIN = pathlib.Path("/var/tmp/starling-tests/migrate-bin")
+BIN = SCRATCH / "migrate-bin"
 MIGRATE_C = ROOT / "crates/migrate/tests/c"
 
 

@@ -9,11 +9,11 @@ import pathlib
 
 import pytest
 
-from conftest import ROOT, sh, status
+from conftest import ROOT, SCRATCH, sh, status
 from test_migrate import Task, migrate
 
 C = ROOT / "crates/fork/tests/c"
-BIN = pathlib.Path("/var/tmp/starling-tests/migrate-suite-bin")
+BIN = SCRATCH / "migrate-suite-bin"
 
 # What each program checks, as it is checked after a move (the same CHECKs a clone runs).
 PROGRAMS = {

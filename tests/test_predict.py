@@ -9,7 +9,7 @@ import pathlib
 import shutil
 import subprocess
 
-from conftest import STARLING
+from conftest import ROOT, STARLING
 
 N_SOURCES = 6
 

@@ -6,12 +6,15 @@ Driven through tmux (a real terminal) on the real embedded cluster. Every wait p
 `starling ps` for an event (a decision in the log, the task on a site); timeouts only bound a hang.
 """
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
 
 from conftest import STARLING, require_tool, starling, status, wait_for
+from test_attach import exec_pid, other  # noqa: F401 (a fixture)
 from test_terminal import Tmux
 
 # A profile with no rules: the task stays where it is put (moves are by hand).
@@ -199,3 +202,136 @@ def test_manager_moves_a_crunch_out_and_comes_home_for_keys(term, workdir):
     term.type("quit")
     assert term.finished("the program to quit") == 3
     term.wait(r"^quitting\s*$", "the program's last line")
+
+
+# Prints each line it reads back (its terminal's own echo off, so the lines never mix on screen).
+ECHO = r"""
+import sys, termios
+modes = termios.tcgetattr(0)
+modes[3] &= ~termios.ECHO
+termios.tcsetattr(0, termios.TCSANOW, modes)
+print("ready", flush=True)
+for line in sys.stdin:
+    line = line.strip()
+    print(f"got {line}", flush=True)
+    if line == "quit":
+        sys.exit(5)
+"""
+
+
+def got(term):
+    """Every `got X` line the program printed (the pane's whole history), in order."""
+    text = term.run("capture-pane", "-p", "-S", "-100000", "-t", "t").stdout
+    return re.findall(r"^got (\S+)\s*$", text, re.M)
+
+
+def test_at_home_the_terminal_talks_to_its_client_directly_and_moves_keep_every_byte(term, workdir):
+    """At home (this machine) a task's terminal stream goes straight between its client and the
+    home site, never through the head (which sits across the link from the client): the head's
+    count of the task's relayed stream messages stays put while keys are typed and echoed. On h2
+    the head relays it again; back home it is direct again; every line arrives once, in order."""
+    prog, prof = workdir / "echo.py", workdir / "still.toml"
+    prog.write_text(ECHO)
+    prof.write_text(STILL)
+    term.start(f"{STARLING} exec --roam --profile {prof} -- python3 {prog}")
+    term.wait(r"^ready\s*$", "the program to start at home")
+    tid = roaming_task(str(prog))["task"]
+    typed = []
+
+    def lines(tag, n):
+        # Each after the last one's echo: lines typed at once may reach the task in one read,
+        # and their echoes in one output, which the head's count would see as one message.
+        for i in range(n):
+            typed.append(f"{tag}-{i}")
+            term.type(typed[-1])
+            term.wait(rf"^got {tag}-{i}\s*$", f"the echo of {tag}-{i}")
+
+    def on(site, direct):
+        return wait_for(lambda: (x := row(tid)) and x["host"] == site and x["direct"] is direct and x,
+                        f"ps to show the task on {site} with direct={direct}")
+
+    # Through the head, each line typed would be at least two stream messages there (its input and
+    # the answer): 20 lines at home add fewer than 20 (the head may still count a few it got before
+    # the switch to the direct path, e.g. the program's first line).
+    relayed = on("home", True)["relayed"]
+    lines("home", 20)
+    at_home = row(tid)
+    assert at_home["direct"] and at_home["relayed"] - relayed < 20, (relayed, at_home)
+
+    assert starling("migrate", f"t{tid}", "--to", "h2", check=False).returncode == 0
+    relayed = on("h2", False)["relayed"]
+    lines("away", 5)
+    # Through the head: each line's input and answer.
+    assert row(tid)["relayed"] >= relayed + 10, "away from home the head relays the stream"
+
+    assert starling("migrate", f"t{tid}", "--to", "home", check=False).returncode == 0
+    relayed = on("home", True)["relayed"]
+    lines("back", 20)
+    back = row(tid)
+    assert back["direct"] and back["relayed"] - relayed < 20, (relayed, back)
+
+    term.type("quit")
+    assert term.finished("the program to quit") == 5
+    assert got(term) == typed + ["quit"], "every line once, in order, across the paths' switches"
+
+
+# One numbered line every 0.05 s: a line lost, repeated or reordered shows in the numbers.
+TICKER = r"""
+import time
+i = 0
+while True:
+    i += 1
+    print(f"count {i}", flush=True)
+    time.sleep(0.05)
+"""
+
+
+def gone(pid):
+    """Process `pid` ended (its shell, which saw it stop, may not have reaped it yet)."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_at_home_a_killed_client_loses_nothing_that_went_to_it_directly(term, other, workdir):
+    """The output of a task at home goes to its client directly, not through the head, which
+    keeps what it relays for `starling attach`. The home site keeps what it sent directly until
+    the client acknowledges writing it, and hands the rest to the head when the client dies:
+    kill -9 the client while direct, and the attach goes on from the first count it had not
+    printed, none lost or repeated, also of what the client was sent and never wrote."""
+    prog, prof = workdir / "ticker.py", workdir / "still.toml"
+    prog.write_text(TICKER)
+    prof.write_text(STILL)
+    # After the client dies its shell sleeps: nothing it prints overwrites the client's last line.
+    term.type(f"clear; {STARLING} exec --roam --profile {prof} -- python3 {prog}; exec sleep 100000")
+    term.wait(r"^count 3\s*$", "the program to count at home")
+    tid = roaming_task(str(prog))["task"]
+    direct = wait_for(lambda: (x := row(tid)) and x["host"] == "home" and x["direct"] and x, "ps to show the task's stream direct")
+    start = max(counts(term))
+    wait_for(lambda: max(counts(term)) >= start + 20, "the counter to go on through the direct path")
+    # Through the head each count would be a message there.
+    still = row(tid)
+    assert still["direct"] and still["relayed"] - direct["relayed"] < 20, (direct, still)
+
+    # The client stops reading (stopped), the task goes on printing into its direct connection:
+    # output the client was sent and never wrote.
+    pid = exec_pid(term)
+    os.kill(pid, signal.SIGSTOP)
+    ran = row(tid)["runtime_seconds"]
+    wait_for(lambda: row(tid)["runtime_seconds"] > ran + 1, "the task to run on a second (about 20 counts)")
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: gone(pid), "the killed client to be gone")
+    printed = counts(term)
+    last = printed[-1]
+    assert printed == list(range(1, last + 1)), "the first client printed every count once, in order"
+    x = wait_for(lambda: (y := row(tid)) and y["state"] == "detached" and y, f"ps to show t{tid} detached")
+    assert x["host"] == "home", x
+
+    other.start(f"{STARLING} attach t{tid}")
+    wait_for(lambda: (c := counts(other)) and c[-1] >= last + 40, "the counter to go on in the attached terminal")
+    seen = counts(other)
+    assert seen[0] == last + 1, f"the attach starts right after the last count the dead client printed ({last}): {seen[:5]}"
+    assert seen == list(range(last + 1, seen[-1] + 1)), "no count lost, repeated or reordered"
+    other.key("C-c")
+    assert other.finished("the program to end on Ctrl-C through the attach") == 130

@@ -9,7 +9,10 @@ exec, and their files come home (the user's with the user's ownership); a job of
 the client itself may not make (the user writing /etc) is refused at commit with one line and
 nothing is written; remote fork onto the rootless agent is refused with one line naming the fix while
 /dev/userfaultfd is root-only, and works once an admin grants it (8 MiB of the parent's memory, checked
-in the clone, and the clone's file comes home)."""
+in the clone, and the clone's file comes home). The agent cannot enforce a fork ticket's own network (no
+CAP_NET_ADMIN, no cgroup of its own to make groups in): `starling status` says so, a ticket with
+fork.isolate_network on (the default) still runs its clone there, saying on stderr that it runs with the
+host's network, and one with `required` is refused naming the host."""
 import json
 import os
 import pathlib
@@ -176,15 +179,16 @@ int main(void) {
 """
 
 
-def clone_one(rootless, tmp_path):
+def clone_one(rootless, tmp_path, **env_extra):
     from conftest import ROOT
     lib = ROOT / "target/release/libstarling.a"
     assert lib.exists(), "build it: cargo build --release -p starling-capi"
     (tmp_path / "clone_one.c").write_text(CLONE_ONE)
     sh("cc", "-O1", "-I", str(ROOT / "include"), str(tmp_path / "clone_one.c"), str(lib), "-lpthread", "-ldl", "-lm",
        "-o", str(tmp_path / "clone_one"))
-    r = subprocess.run([str(tmp_path / "clone_one")], capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                       env=dict(os.environ, STARLING_CLUSTER=rootless["cluster"]))
+    env = {k: v for k, v in os.environ.items() if k != "STARLING_FORK_ISOLATE_NETWORK"}
+    env.update(env_extra, STARLING_CLUSTER=rootless["cluster"])
+    r = subprocess.run([str(tmp_path / "clone_one")], capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
     return r, r.stdout + r.stderr
 
 
@@ -202,3 +206,22 @@ def test_remote_fork_onto_a_rootless_agent_granted_userfaultfd(rootless, tmp_pat
         r, out = clone_one(rootless, tmp_path)
     assert r.returncode == 0 and "STATUS 0" in out, out
     assert (tmp_path / "from-clone.txt").read_text() == "clone 1\n"
+    # fork.isolate_network is on by default: the one host cannot enforce it, so the clone runs with its
+    # host's network, and the caller is told which host and why, once.
+    notices = [line for line in r.stderr.splitlines() if "run with their host's whole network" in line]
+    assert len(notices) == 1 and "clones on rl1 (" in notices[0], r.stderr
+
+
+def test_the_rootless_agent_reports_it_cannot_enforce_a_tickets_network(rootless):
+    (h,) = [h for h in rootless["hosts"]() if h["name"] == "rl1"]
+    assert h["isolates_network"] is False and h["cannot_isolate"], h
+    r = subprocess.run([STARLING, "status", "--cluster", rootless["cluster"]], capture_output=True, text=True, timeout=30)
+    assert "rl1: cannot enforce a fork ticket's own network (" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_ticket_requiring_its_own_network_is_refused_naming_the_host_that_cannot(rootless, tmp_path):
+    with device_granted(USER, "/dev/userfaultfd"):
+        r, out = clone_one(rootless, tmp_path, STARLING_FORK_ISOLATE_NETWORK="required")
+    assert r.returncode == 2 and out.startswith("TICKET "), out
+    assert "`required`" in out and "rl1 (" in out, out
+    assert not (tmp_path / "from-clone.txt").exists()

@@ -10,18 +10,25 @@
   client has a full bounding set and no filter.
 - The symlink-commit attacks write nothing outside the working tree: a symlink to a scratch "etc" put where
   another task made a directory and wrote into it (committed first), and a symlink left where an output goes.
+- A ticket's own network (fork.isolate_network, on by default): its clones reach each other, their parent and their
+  ticket's hosts only; the cluster's ports (TCP and UDP) and the port the parent reaches the cluster at
+  (a relay) are refused; another ticket's clone on the same host cannot reach its listeners; root clones
+  lack CAP_NET_ADMIN and CAP_NET_RAW; a clone moved to another host is still fenced there.
 """
+import json
 import os
+import pathlib
 import platform
 import re
 import shutil
+import socket
 import subprocess
 
 import pytest
 
 from conftest import ROOT, STARLING, as_user, require_tool, sh, status, wait_for
 from test_exec import exec_, readline_within
-from test_migrate import Task, migrate
+from test_migrate import Task, migrate, ps
 from test_user import user  # noqa: F401  (the fixture: a user and group made for the test)
 
 # System call numbers the tasks try directly (so the error is the kernel's answer, not a tool's guess).
@@ -256,11 +263,38 @@ def ticket_tables(netns):
 LISTENER = ("import socket, sys\ns = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
             "s.bind(('0.0.0.0', int(sys.argv[1]))); s.listen(64); print('ready', flush=True)\n"
             "while True:\n    c, _ = s.accept(); c.close()\n")
+# Answers every datagram on 0.0.0.0:PORT with one of its own.
+UDP_ECHO = ("import socket, sys\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+            "s.bind(('0.0.0.0', int(sys.argv[1]))); print('ready', flush=True)\n"
+            "while True:\n    d, a = s.recvfrom(64); s.sendto(d, a)\n")
+
+
+def in_hosts(hosts, script, port_of):
+    """`script` (LISTENER or UDP_ECHO) in each host's namespace on port_of(host); started and ready."""
+    procs = [subprocess.Popen(["ip", "netns", "exec", host_netns(n), "python3", "-c", script, str(port_of(h))],
+                              stdout=subprocess.PIPE, text=True) for n, h in hosts.items()]
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    return procs
+
+
+def build_fork_program(name, where):
+    """tests/fork/NAME.c linked with the static libstarling."""
+    exe = where / name
+    sh("cc", "-O1", "-Wall", "-I", str(ROOT / "include"), str(ROOT / f"tests/fork/{name}.c"), str(ROOT / "target/release/libstarling.a"),
+       "-lpthread", "-ldl", "-lm", "-o", str(exe))
+    return exe
+
+
+def fork_env(**extra):
+    env = dict(os.environ, **extra)
+    env.pop("STARLING_FORK_BACKEND", None)
+    return env
 
 
 def run_ticketnet(exe, targets, **env_extra):
-    env = dict(os.environ, **env_extra)
-    env.pop("STARLING_FORK_BACKEND", None)
+    env = {k: v for k, v in os.environ.items() if k not in ("STARLING_FORK_BACKEND", "STARLING_FORK_ISOLATE_NETWORK")}
+    env.update(env_extra)
     r = subprocess.run([str(exe), "17391", *targets], capture_output=True, text=True, timeout=600, env=env, cwd="/var/tmp")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "STATUS 1 0" in r.stdout and "STATUS 2 0" in r.stdout, r.stdout + r.stderr
@@ -272,8 +306,10 @@ def run_ticketnet(exe, targets, **env_extra):
 def test_a_tickets_clones_reach_each_other_and_their_parent_only(cluster, workdir):
     """SnowFlock's network per ticket: two spread clones reach their parent and each other; from a clone,
     a listener on a host outside the ticket and a host's chunk port are refused when the job turns
-    fork.isolate_network on (off by default for now, see docs/SECURITY.md), and reachable with it off;
-    nothing of the ticket's rules is left once it ended."""
+    fork.isolate_network is on (the default: every embedded host, root, can enforce it, as
+    `starling status` says), and reachable with it off;
+    so are datagrams to the refused ports, members' included (a UDP echo on each host's chunk port
+    number); nothing of the ticket's rules is left once it ended."""
     require_tool("nft", "nftables")
     hosts = {h["name"]: h for h in cluster["hosts"]}
     assert len(hosts) >= 3, "needs a host outside a 2-clone ticket"
@@ -282,16 +318,15 @@ def test_a_tickets_clones_reach_each_other_and_their_parent_only(cluster, workdi
     sh("cc", "-O1", "-Wall", "-I", str(ROOT / "include"), str(ROOT / "tests/fork/ticketnet.c"), str(lib),
        "-lpthread", "-ldl", "-lm", "-o", str(exe))
     port = 17392
-    listeners = [subprocess.Popen(["ip", "netns", "exec", host_netns(n), "python3", "-c", LISTENER, str(port)],
-                                  stdout=subprocess.PIPE, text=True) for n in hosts]
+    chunk = {h["address"]: h["peer"] for h in hosts.values() if h.get("peer")}
+    assert len(chunk) == len(hosts), "the hosts serve chunks to each other (agent.peers on): " + str(hosts)
+    assert all(h["isolates_network"] and h["cannot_isolate"] is None for h in hosts.values()), hosts
+    listeners = in_hosts(hosts, LISTENER, lambda h: port)
+    listeners += in_hosts(hosts, UDP_ECHO, lambda h: h["peer"].rsplit(":", 1)[1])
     try:
-        for p in listeners:
-            assert p.stdout.readline().strip() == "ready"
-        chunk = {h["address"]: h["peer"] for h in hosts.values() if h.get("peer")}
-        assert chunk, "the hosts serve chunks to each other (agent.peers on): " + str(hosts)
-        targets = [f"{h['address']}:{port}" for h in hosts.values()] + list(chunk.values())
+        targets = [f"{h['address']}:{port}" for h in hosts.values()] + list(chunk.values()) + [f"udp:{p}" for p in chunk.values()]
 
-        reach, members = run_ticketnet(exe, targets, STARLING_FORK_ISOLATE_NETWORK="on")
+        reach, members = run_ticketnet(exe, targets)  # the default: on
         assert len(members) == 2, f"two spread clones on two hosts: {members}"
         assert (reach.get("parent"), reach.get("clone1")) == ("ok", "ok"), reach
         for h in hosts.values():
@@ -300,6 +335,7 @@ def test_a_tickets_clones_reach_each_other_and_their_parent_only(cluster, workdi
             assert (got == "ok") == want_ok, f"{h['name']} ({'in' if want_ok else 'outside'} the ticket): {got}; {reach}"
         for addr, peer in chunk.items():
             assert reach[peer] != "ok", f"a clone reached the chunk port {peer} of {addr}: {reach}"
+            assert reach[f"udp:{peer}"] != "ok", f"a datagram to the refused port {peer} of {addr} was answered: {reach}"
         # The ticket's rules go with it, on every host.
         wait_for(lambda: not any(ticket_tables(host_netns(n)) for n in hosts), "the ticket tables to be removed", timeout=120)
 
@@ -311,3 +347,129 @@ def test_a_tickets_clones_reach_each_other_and_their_parent_only(cluster, workdi
         for p in listeners:
             p.kill()
             p.wait()
+
+
+def run_dir():
+    """The embedded cluster's run directory on this instance (its record, its credentials)."""
+    n = os.environ.get("STARLING_INSTANCE", "").strip()
+    return pathlib.Path(f"/run/starling-{n}" if n not in ("", "0") else "/run/starling")
+
+
+def test_a_clone_cannot_reach_the_port_its_parent_reaches_the_cluster_at(cluster, workdir):
+    """The parent reaches the head through a relay on its own machine (`starling __link`, as `up --link`
+    runs it; here on the bridge's address, where the hosts could reach it, as a relay on a real client
+    machine is): with fork.isolate_network on, its clones cannot connect to that port (it would carry
+    their bytes to the head), though the parent's machine is a member and its own port is reachable;
+    with the opt-out they can."""
+    require_tool("nft", "nftables")
+    record = json.loads((run_dir() / "cluster.json").read_text())
+    head = record["head_addr"]
+    bridge_ip = head.rsplit(":", 1)[0]
+    relay_addr = f"{bridge_ip}:17395"
+    relay = subprocess.Popen([STARLING, "__link", "--listen", relay_addr, "--target", head, "--profile", "lan"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        def listening():
+            with socket.socket() as s:
+                return s.connect_ex((bridge_ip, 17395)) == 0
+        wait_for(listening, "the relay to listen")
+        exe = build_fork_program("ticketnet", workdir)
+        through = dict(STARLING_CLUSTER=relay_addr, STARLING_AUTH=str(run_dir() / "auth"))
+        reach, _ = run_ticketnet(exe, [relay_addr], STARLING_FORK_ISOLATE_NETWORK="on", **through)
+        assert (reach.get("parent"), reach.get("clone1")) == ("ok", "ok"), reach
+        assert reach[relay_addr] != "ok", f"a clone reached the relay its parent reaches the cluster through: {reach}"
+        reach, _ = run_ticketnet(exe, [relay_addr], STARLING_FORK_ISOLATE_NETWORK="off", **through)
+        assert reach[relay_addr] == "ok", reach
+    finally:
+        relay.kill()
+        relay.wait()
+
+
+def run_twotickets(exe, **env_extra):
+    """twotickets.c with one U clone per host: (every REACH line as (what, result), T's host)."""
+    n = len(status()["hosts"])
+    r = subprocess.run([str(exe), "17393", str(n)], capture_output=True, text=True, timeout=600, env=fork_env(**env_extra), cwd="/var/tmp")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "STATUS T 1 0" in r.stdout and all(f"STATUS U {i} 0" in r.stdout for i in range(1, n + 1)), r.stdout + r.stderr
+    reach = [tuple(line.split()[1:3]) for line in r.stdout.splitlines() if line.startswith("REACH ")]
+    t_host = next(line.split()[3] for line in r.stdout.splitlines() if line.startswith("SELF T "))
+    return reach, t_host
+
+
+def test_two_tickets_clones_on_one_host_reach_only_their_own_tickets_listeners(cluster, workdir):
+    """Ticket T's clone listens on its host; ticket U's clone on that same host cannot connect to it, at
+    the host's address or on loopback, when the jobs turn fork.isolate_network on, while T's clone
+    reaches its own listener both ways; with the opt-out U's clone reaches it."""
+    require_tool("nft", "nftables")
+    exe = build_fork_program("twotickets", workdir)
+    reach, t_host = run_twotickets(exe, STARLING_FORK_ISOLATE_NETWORK="on")
+    got = dict(reach)
+    assert (got.get("T-self-host"), got.get("T-self-lo")) == ("ok", "ok"), f"T's clone reaches its own listener: {reach}"
+    u = [(w, v) for w, v in reach if w.startswith("U-")]
+    assert u, f"a U clone landed on T's host {t_host}: {reach}"
+    assert all(v != "ok" for _, v in u), f"another ticket's clone reached T's listener on {t_host}: {reach}"
+
+    reach, _ = run_twotickets(exe, STARLING_FORK_ISOLATE_NETWORK="off")
+    u = [(w, v) for w, v in reach if w.startswith("U-")]
+    assert u and all(v == "ok" for _, v in u), reach
+
+
+def test_root_clones_of_an_isolated_ticket_lose_network_admin_only(cluster, workdir):
+    """A root clone keeps its capabilities, but with fork.isolate_network on not CAP_NET_ADMIN (which could
+    flush its ticket's rules in the host's namespace) nor CAP_NET_RAW, in any set, bounding set included;
+    with the opt-out it has them."""
+    require_tool("nft", "nftables")
+    exe = build_confined(workdir)
+    net_admin = (1 << 12) | (1 << 13)
+    for isolate in ("on", "off"):
+        r = subprocess.run([str(exe), "2"], capture_output=True, text=True, timeout=300,
+                           env=fork_env(STARLING_FORK_ISOLATE_NETWORK=isolate), cwd="/var/tmp")
+        assert r.returncode == 0, r.stdout + r.stderr
+        rows = confinement_lines(r.stdout, 2)
+        for i in (1, 2):
+            c = rows[f"CLONE-{i}"]
+            eff, bnd = int(c["eff"], 16), int(c["bnd"], 16)
+            assert eff & (1 << 21), f"clone {i} is root and keeps CAP_SYS_ADMIN (isolate {isolate}): {c}"
+            want = 0 if isolate == "on" else net_admin
+            assert (eff & net_admin, int(c["prm"], 16) & net_admin, bnd & net_admin) == (want, want, want), \
+                f"clone {i}, fork.isolate_network {isolate}: {c}"
+            assert int(c["inh"], 16) & net_admin == 0 and int(c["amb"], 16) & net_admin == 0, c
+
+
+def test_a_clone_moved_to_another_host_stays_in_its_tickets_network(cluster, workdir):
+    """A one-clone ticket's clone is moved (`starling migrate`) to a host outside its grant; there it still
+    cannot reach a listener on the other two hosts (it joined its ticket's group and rules on the new
+    host), while it reaches its own host and the one it was cloned on."""
+    require_tool("nft", "nftables")
+    hosts = {h["name"]: h for h in cluster["hosts"]}
+    assert len(hosts) >= 4, "needs two hosts outside a moved one-clone ticket"
+    exe = build_fork_program("movednet", workdir)
+    port = 17394
+    listeners = in_hosts(hosts, LISTENER, lambda h: port)
+    try:
+        targets = [f"{h['address']}:{port}" for h in hosts.values()]
+        p = subprocess.Popen([str(exe), *targets], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, env=fork_env(STARLING_FORK_ISOLATE_NETWORK="on"), cwd="/var/tmp")
+        try:
+            assert p.stdout.readline() == "clone ready\n"
+            row = wait_for(lambda: next((r for r in ps() if "starling-clone" in r["command"]), None), "the clone in ps")
+            first = row["host"]
+            to = next(n for n in hosts if n != first)
+            assert migrate(row["task"], to)["to"] == to
+            p.stdin.write("go\n")
+            p.stdin.flush()
+            out, err = p.communicate(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 0 and "STATUS 1 0" in out, out + err
+        reach = dict(line.split()[1:3] for line in out.splitlines() if line.startswith("REACH "))
+        for name, h in hosts.items():
+            want_ok = name in (first, to)
+            got = reach[f"{h['address']}:{port}"]
+            assert (got == "ok") == want_ok, f"moved from {first} to {to}: {name}: {got}; {reach}"
+    finally:
+        for lp in listeners:
+            lp.kill()
+            lp.wait()

@@ -1,5 +1,7 @@
 """X11 forwarding (issue 11 part 3): `starling exec --x11` gives the task a DISPLAY served by its
-host, and each X connection it opens is relayed to the user's own X server, as `ssh -X` does.
+host, and each X connection it opens is relayed to the user's own X server, as `ssh -X` does; a
+roaming task's X input and drawing, counted by the relay, are its migration manager's X sensors
+(part 4).
 
 The user's X server is a real Xvfb started here with a screen size the test chose and with access
 control on (a cookie in an Xauthority file of its own): a program on a host reaches it only if
@@ -11,10 +13,12 @@ import json
 import os
 import secrets
 import subprocess
+import time
 
 import pytest
 
 from conftest import ROOT, STARLING, require_tool, sh, starling, terminate, wait_for
+from test_roam import CRUNCHY
 
 WIDTH, HEIGHT = 1234, 567
 
@@ -184,4 +188,88 @@ def test_a_window_survives_its_program_moving_between_hosts(cluster, xserver, wo
         assert p.wait(timeout=120) == 130, p.communicate()
         wait_for(lambda: title not in sh("xwininfo", "-root", "-tree", env=env).stdout, "the window gone with its program")
     finally:
+        terminate(p)
+
+
+# test_roam's short windows (3 s averaging, samples every 0.5 s, 6 s minimum dwell), with X input
+# events where that test has keystrokes.
+X_CRUNCHY = CRUNCHY.replace("inputs_", "x_inputs_")
+
+
+def build_x_program(workdir, name, *libs):
+    require_tool("gcc", "gcc")
+    prog = workdir / name
+    r = sh("gcc", "-O1", "-Wall", "-o", str(prog), str(ROOT / f"tests/x11/{name}.c"), *libs, "-lX11", check=False)
+    assert r.returncode == 0, f"building {name} (libx11-dev, libxtst-dev): {r.stderr}"
+    return prog
+
+
+def test_x_input_keeps_a_crunching_program_home_and_brings_it_back(cluster, xserver, workdir):
+    """The manager's X sensors: input events the user's server sends the program and the frames it
+    draws after each, counted by the relay at home. While the pointer and keys work the program's
+    window it stays home though it crunches; left alone it goes to the cluster; input brings it back."""
+    env, _ = xserver
+    crunch = build_x_program(workdir, "xcrunch")
+    poke = build_x_program(workdir, "xpoke", "-lXtst")
+    prof = workdir / "x-crunchy.toml"
+    prof.write_text(X_CRUNCHY)
+    title = f"starling-xcrunch-{secrets.token_hex(4)}"
+    p = subprocess.Popen([STARLING, "exec", "--x11", "-T", "--roam", "--profile", str(prof), "--", str(crunch), title], env=env,
+                         cwd=workdir, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pokers = []
+
+    def start_poking():
+        pokers.append(subprocess.Popen([str(poke), wid], env=env, stderr=subprocess.PIPE, text=True))
+
+    try:
+        line = p.stdout.readline()
+        assert line.startswith("window 0x"), f"{line!r} {p.communicate(timeout=60) if not line else ''}"
+        wid = line.split()[1]
+        task = wait_for(lambda: next((r["task"] for r in ps() if str(crunch) in r["command"]), None), "the task in ps")
+
+        def row():
+            return next((r for r in ps() if r["task"] == task), None)
+
+        def decisions():
+            return (row() or {}).get("roam", {}).get("decisions", [])
+
+        def moved(home):
+            return [d for d in decisions() if d["action"] == "moved" and (d["to_site"] == "home") == home]
+
+        assert row()["host"] == "home"
+        # The program crunches from its first input on, so every window the manager averages
+        # while it crunches at home holds input (a burst every 200 ms).
+        start_poking()
+        assert p.stdout.readline().strip() == "crunching", p.stderr.read() if p.poll() is not None else ""
+        # Long enough that the manager has averaged several windows of crunch with input in them.
+        wait_for(lambda: (r := row()) and r["host"] == "home" and (r["cpu_seconds"] or 0) >= 10, "10 CPU seconds of crunch at home",
+                 timeout=300)
+        stopped_ms = int(time.time() * 1000)
+        terminate(pokers[-1])
+        assert row()["host"] == "home", "the crunch stayed home while its window had input"
+        early = [d for d in decisions() if d["to_state"] == "crunch"]
+        assert not early, f"no rule sent it away while its window had input: {early}"
+
+        out = wait_for(lambda: moved(False), "the manager to move the crunch, left alone, to the cluster", timeout=300)[0]
+        assert out["at_ms"] >= stopped_ms, (out, stopped_ms)
+        sensors = dict(out["sensors"])
+        assert sensors["cpu"] >= 0.3 and sensors["x_inputs"] < 4, out
+        wait_for(lambda: (r := row()) and r["host"] != "home", "ps to show the task on a host")
+
+        # Input again, on the program's window on its host: it comes home for it.
+        start_poking()
+        home = wait_for(lambda: moved(True), "the manager to bring the task home for the X input", timeout=300)[0]
+        sensors = dict(home["sensors"])
+        assert sensors["x_inputs"] >= 4, decisions()
+        assert sensors.get("fps", 0) > 0, f"frames drawn after the input were counted: {decisions()}"
+        assert "x_inputs" in home["reason"], home
+        assert [d["to_site"] == "home" for d in decisions() if d["action"] == "moved"] == [False, True], "one move out, one back"
+        why = starling("ps", "--why", str(task)).stdout
+        assert "x_inputs=" in why and "fps=" in why, why
+        assert p.poll() is None, p.communicate()
+        p.send_signal(2)
+        assert p.wait(timeout=120) == 130, p.communicate()
+    finally:
+        for q in pokers:
+            terminate(q)
         terminate(p)

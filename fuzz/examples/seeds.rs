@@ -22,7 +22,7 @@ fn main() {
             if count > 1 && threads.len() > 1 {
                 continue;
             }
-            let plan = lower(&d, PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace: pidns, clone_id_in_rax: true, seccomp: &[], terminal: false });
+            let plan = lower(&d, PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace: pidns, clone_id_in_rax: true, seccomp: &[], terminal: false, join_groups: if mode == "migrate" { 2 } else { 0 } });
             abi::plan::validate(&plan).expect("the seed plan is valid");
             put(&corpus.join("plan"), &format!("{name}-{mode}"), &plan);
         }
@@ -37,7 +37,7 @@ fn main() {
     tree.descendants = vec![(0, child), (1, grandchild)];
     tree.validate().expect("the seed tree is valid");
     put(&corpus.join("descriptor"), "tree", &tree.encode());
-    let plan = lower(&tree, PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false });
+    let plan = lower(&tree, PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false, join_groups: 2 });
     abi::plan::validate_tree(&plan, &mut [0; abi::plan::MAX_TREE_PLANS]).expect("the seed tree plan is valid");
     put(&corpus.join("plan"), "tree-migrate", &plan);
     let spec = TaskSpec { env: vec![(b"A".to_vec(), b"1".to_vec())], ..TaskSpec::new(vec![b"cc".to_vec(), b"-c".to_vec(), b"x.c".to_vec()], WirePath::new(b"/home/u".to_vec()).expect("path")) };
@@ -60,6 +60,7 @@ fn main() {
     let to_target = [
         ToTarget::Prepare { payload: b"view".to_vec() },
         ToTarget::Pages { process: 0, addrs: vec![0x1000, 0x2000], data: [vec![1u8; PAGE_BYTES], vec![2u8; PAGE_BYTES]].concat() },
+        ToTarget::Stale { process: 0, addrs: vec![0x1000] },
         ToTarget::Image { descriptor: starling_image::sample::descriptor(&[42]).encode(), stale: vec![vec![0x2000]], page_servers: vec!["10.0.0.1:4000".into()], payload: b"files".to_vec() },
     ];
     for frame in &to_target {
@@ -69,8 +70,8 @@ fn main() {
     let mut answers = Vec::new();
     let to_source = [
         ToSource::Prepared,
-        ToSource::Resumed,
-        ToSource::Complete { local_pages: 1, remote_pages: 1, faults: 1, fault_p50_us: Some(64), fault_p99_us: None },
+        ToSource::Resumed { phases_ms: vec![("restore".into(), 1.5)] },
+        ToSource::Complete { local_pages: 1, remote_pages: 1, faults: 1, fault_p50_us: Some(64), fault_p99_us: None, discarded_pages: 1 },
         ToSource::Failed { reason: "no room".into() },
     ];
     for frame in &to_source {

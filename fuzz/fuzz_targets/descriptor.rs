@@ -20,7 +20,9 @@ fuzz_target!(|data: &[u8]| {
         if !d.descendants.is_empty() && (count != 1 || !new_pid_namespace) {
             continue;
         }
-        let opts = PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace, clone_id_in_rax: true, seccomp: &[], terminal: false };
+        // A moved process joins its target's guest groups last (a clone, 0 groups, does not).
+        let join_groups = if count == 1 { 2 } else { 0 };
+        let opts = PlanOptions { clone_id: 1, clone_count: count, new_pid_namespace, clone_id_in_rax: true, seccomp: &[], terminal: false, join_groups };
         let plan = lower(&d, opts);
         let mut offsets = [0u64; starling_image::abi::plan::MAX_TREE_PLANS];
         if let Err(e) = starling_image::abi::plan::validate_tree(&plan, &mut offsets) {

@@ -5,9 +5,10 @@
  *                seen on its connection to the parent); answered "P"
  *   "2"          clone 2 asks where clone 1 listens; answered "IP PORT"
  * Clone 1 accepts one connection on PORT and answers it "C1". Clone 2 then
- * connects to clone 1 and to each TARGET (IP:PORT) of the command line, and
- * prints one line per attempt:
- *   REACH parent|clone1|IP:PORT ok|ERRNO
+ * connects to clone 1 and to each TARGET (IP:PORT: TCP; udp:IP:PORT: one
+ * datagram, "ok" when one comes back) of the command line, and prints one
+ * line per attempt:
+ *   REACH parent|clone1|IP:PORT|udp:IP:PORT ok|ERRNO
  * Each clone prints "SELF id IP" (its host's address). Usage:
  *   ticketnet CLONE1_PORT [TARGET...]   (also prints "STATUS id s") */
 #define _GNU_SOURCE
@@ -23,32 +24,16 @@
 #include <sys/socket.h>
 #include <unistd.h>
 #include "starling.h"
-
-/* Bounds on waiting for a peer that should answer; a refused connection fails at once. */
-#define WAIT_MS 120000
+#include "netprobe.h"
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t known = PTHREAD_COND_INITIALIZER;
 static char clone1[64];
 
-static int read_line(int fd, char *buf, size_t n) {
-    size_t got = 0;
-    while (got + 1 < n) {
-        struct pollfd p = {fd, POLLIN, 0};
-        if (poll(&p, 1, WAIT_MS) <= 0) return -1;
-        ssize_t r = read(fd, buf + got, 1);
-        if (r <= 0) return -1;
-        if (buf[got] == '\n') break;
-        got++;
-    }
-    buf[got] = 0;
-    return (int)got;
-}
-
 static void *serve(void *arg) {
     int c = (int)(long)arg;
     char line[128];
-    if (read_line(c, line, sizeof line) >= 0) {
+    if (read_line(c, line, sizeof line, WAIT_MS) >= 0) {
         if (line[0] == '1') {
             pthread_mutex_lock(&lock);
             snprintf(clone1, sizeof clone1, "%s", line + 2);
@@ -68,35 +53,23 @@ static void *serve(void *arg) {
     return NULL;
 }
 
-static void *accept_loop(void *arg) {
-    int l = (int)(long)arg;
-    for (;;) {
-        int c = accept(l, NULL, NULL);
-        if (c < 0) continue;
-        pthread_t t;
-        pthread_create(&t, NULL, serve, (void *)(long)c);
-        pthread_detach(t);
-    }
-    return NULL;
-}
-
-/* Connect to ip:port; the socket, or -errno. */
-static int dial(const char *ip, int port) {
+/* One datagram to ip:port and one back: 0, or -errno. */
+static int echo_udp(const char *ip, int port) {
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port)};
     if (inet_pton(AF_INET, ip, &a.sin_addr) != 1) return -EINVAL;
-    int s = socket(AF_INET, SOCK_STREAM, 0);
+    int s = socket(AF_INET, SOCK_DGRAM, 0);
     if (s < 0) return -errno;
-    int fl = fcntl(s, F_GETFL);
-    fcntl(s, F_SETFL, fl | O_NONBLOCK);
-    if (connect(s, (struct sockaddr *)&a, sizeof a) < 0 && errno != EINPROGRESS) { int e = errno; close(s); return -e; }
-    struct pollfd p = {s, POLLOUT, 0};
-    if (poll(&p, 1, WAIT_MS) <= 0) { close(s); return -ETIMEDOUT; }
-    int err = 0;
-    socklen_t len = sizeof err;
-    getsockopt(s, SOL_SOCKET, SO_ERROR, &err, &len);
-    if (err) { close(s); return -err; }
-    fcntl(s, F_SETFL, fl);
-    return s;
+    int rc = 0;
+    char b[8];
+    if (connect(s, (struct sockaddr *)&a, sizeof a) < 0 || send(s, "x", 1, 0) < 0) rc = -errno;
+    else {
+        struct pollfd p = {s, POLLIN, 0};
+        int n = poll(&p, 1, WAIT_MS);
+        if (n <= 0) rc = -ETIMEDOUT;
+        else if (recv(s, b, sizeof b, 0) < 0) rc = -errno;
+    }
+    close(s);
+    return rc;
 }
 
 static void say(const char *what, int rc) {
@@ -144,7 +117,7 @@ int main(int argc, char **argv) {
             if (bind(s, (struct sockaddr *)&a, sizeof a) < 0 || listen(s, 4) < 0) { perror("clone 1 listener"); sf_exit(4); }
             int n = snprintf(line, sizeof line, "1 %s %d\n", me, port1);
             (void)!write(p, line, (size_t)n);
-            read_line(p, line, sizeof line);
+            read_line(p, line, sizeof line, WAIT_MS);
             struct pollfd pf = {s, POLLIN, 0};
             if (poll(&pf, 1, WAIT_MS) > 0) {
                 int c = accept(s, NULL, NULL);
@@ -155,19 +128,20 @@ int main(int argc, char **argv) {
         (void)!write(p, "2\n", 2);
         char ip[64];
         int port = 0;
-        if (read_line(p, line, sizeof line) < 0 || sscanf(line, "%63s %d", ip, &port) != 2) sf_exit(5);
+        if (read_line(p, line, sizeof line, WAIT_MS) < 0 || sscanf(line, "%63s %d", ip, &port) != 2) sf_exit(5);
         int c = dial(ip, port);
-        if (c >= 0 && (read_line(c, line, sizeof line) < 0 || strcmp(line, "C1") != 0)) c = -EPROTO;
+        if (c >= 0 && (read_line(c, line, sizeof line, WAIT_MS) < 0 || strcmp(line, "C1") != 0)) c = -EPROTO;
         say("clone1", c);
         for (int i = 2; i < argc; i++) {
             char target[64];
-            snprintf(target, sizeof target, "%s", argv[i]);
+            int udp = strncmp(argv[i], "udp:", 4) == 0;
+            snprintf(target, sizeof target, "%s", argv[i] + (udp ? 4 : 0));
             char *colon = strchr(target, ':');
             if (!colon) continue;
             *colon = 0;
-            int s = dial(target, atoi(colon + 1));
+            int s = udp ? echo_udp(target, atoi(colon + 1)) : dial(target, atoi(colon + 1));
             say(argv[i], s);
-            if (s >= 0) close(s);
+            if (s > 0) close(s);
         }
         sf_exit(0);
     }

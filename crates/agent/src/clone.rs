@@ -183,7 +183,7 @@ pub(crate) fn prepare(
     // Clones run under the same filter as exec tasks: the restorer installs
     // it (with no_new_privs) on every thread just before they resume.
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(crate::AgentError::Filter)?;
-    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp, terminal: false };
+    let plan = PlanOptions { clone_id: first, clone_count: count, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &seccomp, terminal: false, join_groups: 0 };
     let (program, restore) = Restore::start(&desc, plan, serve).map_err(fork_step(Step::PrepareRestore))?;
     Ok((TaskProgram { program: program.program, fds: program.fds }, CloneRun { first, count, restore, placed_ns: spec.placed_ns, distribution, materialize, live, _host: host, reporter: None }))
 }

@@ -15,6 +15,7 @@
 //! shared by every task on the host and bounded in size.
 
 mod clone;
+mod direct;
 mod io;
 mod linger;
 mod migrate;
@@ -23,6 +24,7 @@ mod remote;
 mod task;
 mod ticket_net;
 mod x11;
+mod waiters;
 
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{HostInfo, Msg, ProtoError, Role, TaskId};
@@ -35,7 +37,7 @@ use std::sync::{Arc, Mutex};
 use starling_auth::Role as AuthRole;
 use tokio::net::{TcpListener, TcpStream};
 
-pub use remote::Waiters;
+pub use waiters::Waiters;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -63,7 +65,7 @@ pub enum AgentError {
     Terminal(#[source] starling_sandbox::TerminalError),
     #[error("no free X display number for the task (tried :10 to :1009)")]
     X11NoDisplay,
-    #[error("the clone's ticket network: {0}")]
+    #[error("the clone's ticket network, which its job requires (fork.isolate_network = required): {0}")]
     TicketNet(#[from] ticket_net::TicketNetError),
 }
 
@@ -193,6 +195,10 @@ pub(crate) struct Agent {
     pub displays: Mutex<HashMap<TaskId, x11::Display>>,
     /// The fork tickets' own networks (nftables + a cgroup per ticket with clones here).
     pub ticket_nets: Arc<ticket_net::TicketNets>,
+    /// Why this host cannot enforce a ticket's own network (found at start), told the head.
+    pub cannot_isolate: Option<String>,
+    /// A home agent's tasks' two paths to their clients (`direct`).
+    pub paths: Mutex<HashMap<TaskId, Arc<direct::TaskPath>>>,
 }
 
 fn read_meminfo_total() -> u64 {
@@ -225,6 +231,7 @@ impl Agent {
             owner: self.linger.report.lock().map(|r| r.clone()).unwrap_or(None),
             home: self.cfg.home,
             peer: self.peers.as_ref().and_then(|(_, port)| Some(std::net::SocketAddr::new(addr.parse().ok()?, *port).to_string())),
+            cannot_isolate: self.cannot_isolate.clone(),
         }
     }
 
@@ -318,7 +325,7 @@ impl Agent {
                     let (ctl, port) = TaskCtl::new();
                     self.tasks.lock().unwrap().insert(task, ctl);
                     let me = self.clone();
-                    let tx = tx.clone();
+                    let tx = direct::task_sender(self, task, &spec, tx);
                     tokio::spawn(async move { task::run(me, task, spec, tx, port).await });
                 }
                 Msg::UsageRequest { nonce } => {
@@ -347,39 +354,13 @@ impl Agent {
                     }
                 }
                 Msg::FileResponse { id, resp, .. } => self.waiters.complete(id, resp),
-                Msg::Stdin { task, data } => {
-                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
-                        let _ = t.stdin.send(io::StdinMsg::Data(data));
-                    }
-                }
-                Msg::StdinEof { task } => {
-                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
-                        let _ = t.stdin.send(io::StdinMsg::Eof);
-                    }
-                }
-                Msg::Resize { task, rows, cols } => {
-                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
-                        let _ = t.stdin.send(io::StdinMsg::Resize(rows, cols));
-                    }
-                }
-                Msg::X11Data { task, stream, data } => x11::deliver(self, task, stream, Some(data)),
-                Msg::X11Close { task, stream } => x11::deliver(self, task, stream, None),
-                Msg::Signal { task, signo } => {
-                    if let Some(t) = self.tasks.lock().unwrap().get(&task) {
-                        t.pending_signal.store(signo, Ordering::SeqCst);
-                        let pid = t.pid.load(Ordering::SeqCst);
-                        if pid > 0 && signo == libc::SIGKILL {
-                            // Its whole PID namespace at once: the sandbox ends (and the
-                            // task's runner goes on to stop a clone's fault handlers) only
-                            // when every process in it has.
-                            let _ = starling_sandbox::kill_sandbox(pid);
-                        } else if pid > 0 {
-                            // SAFETY: kill(2) on the sandbox we started and have not reaped yet
-                            // (the pid is cleared before the task is reaped).
-                            unsafe { libc::kill(pid.cast_signed(), signo) };
-                        }
-                    }
-                }
+                m @ (Msg::Stdin { .. }
+                | Msg::StdinEof { .. }
+                | Msg::Resize { .. }
+                | Msg::X11Data { .. }
+                | Msg::X11Close { .. }
+                | Msg::Signal { .. }
+                | Msg::PathSwitch { .. }) => direct::input(self, false, m),
                 Msg::Ping { nonce } => {
                     let _ = tx.send(Msg::Pong { nonce }).await;
                 }
@@ -405,6 +386,47 @@ impl Agent {
         }
     }
 
+    /// A client's message for one of our tasks' input (stdin, window size, signals, X), in the
+    /// order the client sent it (`direct::input` orders the two paths of a task at home).
+    pub(crate) fn deliver_input(self: &Arc<Self>, m: Msg) {
+        match m {
+            Msg::Stdin { task, data } => {
+                if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                    let _ = t.stdin.send(io::StdinMsg::Data(data));
+                }
+            }
+            Msg::StdinEof { task } => {
+                if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                    let _ = t.stdin.send(io::StdinMsg::Eof);
+                }
+            }
+            Msg::Resize { task, rows, cols } => {
+                if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                    let _ = t.stdin.send(io::StdinMsg::Resize(rows, cols));
+                }
+            }
+            Msg::X11Data { task, stream, data } => x11::deliver(self, task, stream, Some(data)),
+            Msg::X11Close { task, stream } => x11::deliver(self, task, stream, None),
+            Msg::Signal { task, signo } => {
+                if let Some(t) = self.tasks.lock().unwrap().get(&task) {
+                    t.pending_signal.store(signo, Ordering::SeqCst);
+                    let pid = t.pid.load(Ordering::SeqCst);
+                    if pid > 0 && signo == libc::SIGKILL {
+                        // Its whole PID namespace at once: the sandbox ends (and the
+                        // task's runner goes on to stop a clone's fault handlers) only
+                        // when every process in it has.
+                        let _ = starling_sandbox::kill_sandbox(pid);
+                    } else if pid > 0 {
+                        // SAFETY: kill(2) on the sandbox we started and have not reaped yet
+                        // (the pid is cleared before the task is reaped).
+                        unsafe { libc::kill(pid.cast_signed(), signo) };
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+
     /// What each running task's processes use now (for `starling ps`).
     fn usage(&self) -> Vec<starling_proto::TaskUsage> {
         let tasks = self.tasks.lock().unwrap();
@@ -414,7 +436,13 @@ impl Agent {
                 let root = t.pid.load(Ordering::SeqCst);
                 (root > 0).then(|| {
                     let u = tree_usage(root);
-                    starling_proto::TaskUsage { task: *task, cpu_seconds: u.cpu_seconds, rss_bytes: u.rss_bytes, runnable: u.runnable }
+                    starling_proto::TaskUsage {
+                        task: *task,
+                        cpu_seconds: u.cpu_seconds,
+                        rss_bytes: u.rss_bytes,
+                        runnable: u.runnable,
+                        direct: direct::is_direct(self, *task),
+                    }
                 })
             })
             .collect()
@@ -511,6 +539,13 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
     let ticket_nets = Arc::new(ticket_net::TicketNets::new(cfg.settings.cgroup.as_deref().unwrap_or(&cfg.name)));
     // A killed agent's ticket tables and groups are still here.
     ticket_nets.sweep();
+    let cannot_isolate = match ticket_nets.probe() {
+        Ok(()) => None,
+        Err(e) => {
+            log::warn!("agent {}: cannot enforce a fork ticket's own network, so its clones run with this host's network (fork.isolate_network = required refuses this host): {e}", cfg.name);
+            Some(e.to_string())
+        }
+    };
     let auth = cfg.settings.auth.as_ref().map(starling_auth::AuthDir::new);
     // Other hosts fetch the chunks this one holds here (announced to the head).
     // Home (the user's own machine) is no cluster host: it serves no one.
@@ -561,6 +596,8 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
         peers,
         displays: Mutex::new(HashMap::new()),
         ticket_nets,
+        cannot_isolate,
+        paths: Mutex::new(HashMap::new()),
     });
     // At SIGTERM/SIGINT: end every task and remove the agent's cgroups.
     {
@@ -581,6 +618,10 @@ pub async fn run(cfg: AgentConfig) -> Result<()> {
             .ok();
             std::process::exit(0);
         });
+    }
+    if agent.cfg.home {
+        // The client on this machine reaches its tasks here without the link to the head.
+        tokio::spawn(direct::serve(agent.clone()));
     }
     if auth.is_none() {
         log::warn!("agent {}: no --auth: its head connection is not authenticated (a head of this cluster gives it credentials: README, Authentication)", agent.cfg.name);

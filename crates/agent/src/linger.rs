@@ -5,7 +5,8 @@
 //! its load.
 
 use starling_config::{AgentSettings, GuestPolicy, OwnerKind};
-use starling_linger::guest::{BandAction, Guest, MemoryBand};
+use starling_linger::guest::{self, BandAction, Guest, MemoryBand};
+use starling_linger::netio::{NetCounters, NetSource};
 use starling_linger::owner::{KeyboardSource, Monitor, OwnerCpu, OwnerIo, KEYBOARD_FILE};
 use starling_linger::window::{self, DiskWindow, Hysteresis, NetWindow, Step};
 use starling_linger::{cgroup::Controller, Hierarchies, Keyboard};
@@ -24,6 +25,8 @@ pub(crate) struct Linger {
     pub report: Arc<Mutex<Option<OwnerReport>>>,
     /// The network window's table and qdiscs outlive a killed agent: removed at exit and at start.
     net: Option<Arc<NetWindow>>,
+    /// The owner's network counters (their table too outlives a killed agent).
+    net_io: Option<NetCounters>,
 }
 
 const MIB: u64 = 1 << 20;
@@ -53,11 +56,11 @@ fn rate(bps: u64) -> String {
 
 impl Windows {
     /// One owner sample: apply or remove the windows as the hysteresis says.
-    fn step(&mut self, g: &Guest, owner_io_bps: u64) {
+    fn step(&mut self, g: &Guest, disk_bps: u64, net_bps: u64) {
         if self.disk.is_none() && self.net.is_none() {
             return;
         }
-        match self.hysteresis.step(owner_io_bps) {
+        match self.hysteresis.step(disk_bps.saturating_add(net_bps)) {
             Step::Keep => {}
             Step::Apply => {
                 let mut on = Vec::new();
@@ -77,7 +80,7 @@ impl Windows {
                         Err(e) => log::warn!("guests' network window not applied: {e}"),
                     }
                 }
-                log::info!("owner disk I/O {owner_io_bps} B/s: guests' rate windows applied: {}", on.join(", "));
+                log::info!("owner I/O (disk {disk_bps} B/s, network {net_bps} B/s): guests' rate windows applied: {}", on.join(", "));
                 self.applied = (!on.is_empty()).then(|| on.join(", "));
             }
             Step::Remove => {
@@ -91,7 +94,7 @@ impl Windows {
                         log::warn!("removing the guests' network window: {e}");
                     }
                 }
-                log::info!("owner disk I/O quiet for {} s: guests' rate windows removed", window::QUIET_SAMPLES);
+                log::info!("owner I/O quiet for {} s: guests' rate windows removed", window::QUIET_SAMPLES);
                 self.applied = None;
             }
         }
@@ -101,7 +104,7 @@ impl Windows {
 impl Linger {
     /// No guest group: the home site runs the user's own work.
     pub fn none() -> Linger {
-        Linger { guest: None, policy: GuestPolicy::LingerForever, report: Arc::new(Mutex::new(None)), net: None }
+        Linger { guest: None, policy: GuestPolicy::LingerForever, report: Arc::new(Mutex::new(None)), net: None, net_io: None }
     }
 
     /// Make the guest group (removing a stale one first). Without cgroups
@@ -109,14 +112,15 @@ impl Linger {
     pub fn start(settings: &AgentSettings, name: &str, cores: u32) -> Linger {
         let cg = settings.cgroup.clone().unwrap_or_else(|| name.to_string());
         let report = Arc::new(Mutex::new(None));
-        let guest = match Guest::create(Hierarchies::discover(), &cg, settings.guest_net_bps > 0) {
+        let windows_on = settings.guest_net_bps > 0 || settings.guest_disk_bps > 0;
+        let guest = match Guest::create(Hierarchies::discover(), &cg, windows_on) {
             Ok(g) => {
                 log::info!("guests run in cgroup {} at {} priority", g.rel().display(), g.cpu.as_str());
                 Arc::new(g)
             }
             Err(e) => {
                 log::warn!("tasks run WITHOUT guest containment (owner not protected): {e}");
-                return Linger { guest: None, policy: settings.policy, report, net: None };
+                return Linger { guest: None, policy: settings.policy, report, net: None, net_io: None };
             }
         };
         let band = MemoryBand {
@@ -146,7 +150,30 @@ impl Linger {
                 },
             ),
         };
-        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, io, cores);
+        // The owner's network I/O (what switches the windows on with its disk I/O) is counted by
+        // nftables, which tells sockets apart by their cgroup2 group.
+        let net_io = match (Hierarchies::discover().unified(), settings.owner) {
+            (Some(mount), OwnerKind::Emulated) if guest.owner_unified_dir().is_some() => {
+                Some((mount.to_path_buf(), NetSource::Group(guest::owner_rel(&cg))))
+            }
+            (Some(mount), OwnerKind::Machine) if guest.unified_dir().is_some() => {
+                Some((mount.to_path_buf(), NetSource::AllBut(std::path::PathBuf::from(starling_linger::cgroup::ROOT))))
+            }
+            _ => {
+                if windows_on {
+                    log::warn!("owner network I/O is not measured (no cgroup2 mount): only its disk I/O switches the guests' rate windows on");
+                }
+                None
+            }
+        }
+        .and_then(|(mount, source)| match NetCounters::install(&mount, &cg, source) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                log::warn!("owner network I/O is not measured (only its disk I/O switches the guests' rate windows on): {e}");
+                None
+            }
+        });
+        let mut monitor = Monitor::new(cpu, guest_usage, keyboard, io, net_io.clone(), cores);
         // The owner's I/O (and, on a real host, the guests' I/O left out of it) is counted only once
         // the disks' throttling is active.
         if let Err(e) = window::start_io_accounting(guest.group(), &window::disks()) {
@@ -207,7 +234,7 @@ impl Linger {
                 BandAction::Release => log::info!("free memory {} MiB ≥ high water: guests released", mib(s.mem_available)),
                 BandAction::Nothing => {}
             }
-            windows.step(&g, s.io_bps);
+            windows.step(&g, s.disk_bps, s.net_bps);
             let busy = !g.group().pids().is_empty();
             let suspended = st.suspended && !g.pm_pids().is_empty();
             let doing = if suspended {
@@ -258,7 +285,7 @@ impl Linger {
         if let Err(e) = spawned {
             log::warn!("no owner monitor: {e}");
         }
-        Linger { guest: Some(guest), policy: settings.policy, report, net }
+        Linger { guest: Some(guest), policy: settings.policy, report, net, net_io }
     }
 
     /// What a task's sandbox does to itself before it runs anything: a
@@ -270,6 +297,19 @@ impl Linger {
                 starling_sandbox::Placement { cgroup_procs: j.procs_files, sched_idle: j.sched_idle, oom_score_adj: j.oom_score_adj }
             }
             None => starling_sandbox::Placement::default(),
+        }
+    }
+
+    /// [`Linger::placement`] of a task restored here (moved in), and the
+    /// `cgroup.procs` files its restorer joins as its last step (its CPU and
+    /// freezer groups: `Guest::join_restored`).
+    pub fn restore_placement(&self, task_policy: Option<GuestPolicy>) -> (starling_sandbox::Placement, Vec<std::path::PathBuf>) {
+        match &self.guest {
+            Some(g) => {
+                let j = g.join_restored(task_policy.unwrap_or(self.policy) == GuestPolicy::PauseAndMigrate);
+                (starling_sandbox::Placement { cgroup_procs: j.procs_files, sched_idle: j.sched_idle, oom_score_adj: j.oom_score_adj }, j.at_resume)
+            }
+            None => (starling_sandbox::Placement::default(), Vec::new()),
         }
     }
 
@@ -313,9 +353,14 @@ impl Linger {
         }
     }
 
-    /// At exit: remove the network window, kill every guest and remove the
-    /// agent's cgroups (the disk window's rules go with them).
+    /// At exit: remove the network window and counters, kill every guest and
+    /// remove the agent's cgroups (the disk window's rules go with them).
     pub fn remove(&self) {
+        if let Some(n) = &self.net_io {
+            if let Err(e) = n.remove() {
+                log::warn!("removing the owner's network counters: {e}");
+            }
+        }
         if let Some(n) = &self.net {
             if let Err(e) = n.remove() {
                 log::warn!("removing the guests' network window: {e}");

@@ -129,11 +129,14 @@ pub(crate) fn send(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) {
         precopy_pages: r.precopy_pages,
         freeze_pages: r.freeze_pages,
         postcopy_pages: r.postcopy_pages,
+        discarded_pages: r.discarded_pages,
         memory_bytes: r.bytes,
         state_bytes,
         postcopy_faults: r.postcopy_faults,
         fault_p50_us: r.fault_p50_us,
         fault_p99_us: r.fault_p99_us,
+        phases_ms: r.phases_ms,
+        unisolated: None,
     });
     if let Err(e) = &result {
         log::warn!("task {task}: migration to {to_host}: {e}");
@@ -180,6 +183,7 @@ fn send_inner(agent: &Arc<Agent>, tx: &Outgoing, how: &Move) -> Result<(starling
     let mut hooks = Source {
         agent: agent.clone(),
         tx: tx.clone(),
+        task_tx: crate::direct::sender_of(agent, task).unwrap_or_else(|| tx.clone()),
         migration,
         task,
         pid,
@@ -242,6 +246,8 @@ struct Saved {
 struct Source {
     agent: Arc<Agent>,
     tx: Outgoing,
+    /// What the task's own messages go through (its output's way: `direct::task_sender`).
+    task_tx: Outgoing,
     migration: u64,
     task: TaskId,
     /// The program (in our PID namespace).
@@ -294,11 +300,13 @@ impl Source {
 
     /// The move failed before the switch: the task goes on here.
     fn undo(&mut self) {
+        // Its client may talk to it directly again (a task at home).
+        crate::direct::stay_home(&self.agent, self.task);
         // Its X connections go on here.
-        crate::x11::thaw(&self.agent, self.task, &self.tx);
+        crate::x11::thaw(&self.agent, self.task, &self.task_tx);
         let Some(saved) = self.saved.take() else { return };
         for (stream, fd) in saved.outputs {
-            match OutputPump::start(self.task, stream, fd, self.tx.clone()) {
+            match OutputPump::start(self.task, stream, fd, self.task_tx.clone()) {
                 Ok(p) => self.live.outputs.lock().unwrap().push(p),
                 Err(e) => log::warn!("task {}: restarting its output: {e}", self.task),
             }
@@ -348,6 +356,9 @@ impl SourceHooks for Source {
     }
 
     fn at_freeze(&mut self) -> Result<Vec<u8>, String> {
+        // 0. A task at home: its stream goes through the head from here, once the client's
+        // last direct input is in.
+        crate::direct::close_for_move(&self.agent, self.task, HOLD_WAIT);
         // 1. The head holds what the client sends the task from now on.
         let (held_tx, held) = std::sync::mpsc::channel();
         self.agent.held_waiters.lock().unwrap().insert(self.migration, held_tx);
@@ -415,7 +426,8 @@ impl SourceHooks for Source {
         self.life.moved.store(true, Ordering::SeqCst);
         // The source's copy is still there (stopped): its CPU counters are final.
         let cpu_seconds = u32::try_from(self.pid).map_or(0.0, |p| crate::tree_usage(p).cpu_seconds);
-        let _ = self.tx.blocking_send(Msg::MigrateHandedOver { migration: self.migration, task: self.task, cpu_seconds });
+        // After the task's output here (its path sender's order).
+        let _ = self.task_tx.blocking_send(Msg::MigrateHandedOver { migration: self.migration, task: self.task, cpu_seconds });
     }
 }
 
@@ -587,6 +599,9 @@ fn restore_here(
     let t0 = Instant::now();
     let h: Handover = decode(&incoming.payload).map_err(|e| early(AgentError::Migration(e)))?;
     let Prepared { spec, view, age } = prepared;
+    // The task's messages from here (at home: its path sender, whose first message, held by
+    // the head until the switch, tells the client to talk to it directly).
+    let tx = &crate::direct::task_sender(agent, task, &spec, tx);
     view.preload(h.bindings);
     view.preload_listings(h.listings);
     let overlay = starling_view::Overlay::mount(&dir.join("view"), dir).map_err(|e| early(io_step(Step::MountOverlay)(e)))?;
@@ -636,6 +651,17 @@ fn restore_here(
     let serve = incoming.serve(handler_desc, agent.cfg.fork.prefetch, on_lost);
     // A moved task (exec task or clone) gets its filter back from the restorer.
     let seccomp = starling_sandbox::harden::task_filter_bytes().map_err(|e| early(AgentError::Filter(e)))?;
+    // The restore runs outside the guest's CPU (cpu.idle) and freezer groups: the restored
+    // process joins them as its last step, before its own code runs (`Guest::join_restored`).
+    let (placement, at_resume) = agent.linger.restore_placement(spec.policy);
+    let join_fds = at_resume
+        .iter()
+        .map(|p| {
+            std::fs::OpenOptions::new().write(true).open(p).map(OwnedFd::from).map_err(|e| {
+                early(AgentError::Migration(format!("opening the guest group {}: {e}", p.display())))
+            })
+        })
+        .collect::<Result<Vec<OwnedFd>, _>>()?;
     let plan = PlanOptions {
         clone_id: 0,
         clone_count: 1,
@@ -643,11 +669,20 @@ fn restore_here(
         clone_id_in_rax: false,
         seccomp: &seccomp,
         terminal: terminal.is_some(),
+        join_groups: u32::try_from(join_fds.len()).unwrap_or(u32::MAX),
     };
-    let (program, restore) =
+    let (mut program, restore) =
         Restore::start(&incoming.descriptor, plan, serve).map_err(|e| early(crate::fork_step(Step::PrepareRestore)(e)))?;
+    program.fds.extend((starling_image::abi::restorer::JOIN_FD..).zip(join_fds));
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
+    sb.placement = placement;
     sb.terminal.clone_from(&terminal);
+    // A clone of an isolated ticket stays in its ticket's network here (held until it ends here).
+    let ticket_net = match spec.clone.as_ref().and_then(|c| Some((c, c.network.as_ref()?))) {
+        // The notice is in this host's log: the clone's stderr went with it from its first host.
+        Some((c, n)) => crate::ticket_net::enter(agent, c, n, &mut sb, |_| {}).map_err(early)?,
+        None => None,
+    };
     // The restorer drops to the task's credentials itself.
     (sb.uid, sb.gid, sb.groups) = (0, 0, Vec::new());
     // Its program is the restorer, which needs root; it installs the filter
@@ -682,13 +717,13 @@ fn restore_here(
     let running = restore.wait_all_running();
     let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
     let t_running = Instant::now();
-    log::info!(
-        "task {task}: restore: overlay + files {:.1} ms, plan {:.1} ms, sandbox {:.1} ms, restorer to running {:.1} ms",
-        ms(t0, t_files),
-        ms(t_files, t_plan),
-        ms(t_plan, t_spawned),
-        ms(t_spawned, t_running)
-    );
+    let phases_ms: Vec<(String, f64)> = vec![
+        ("overlay + files".into(), ms(t0, t_files)),
+        ("plan".into(), ms(t_files, t_plan)),
+        ("sandbox".into(), ms(t_plan, t_spawned)),
+        ("restorer to running".into(), ms(t_spawned, t_running)),
+    ];
+    log::info!("task {task}: restore: {phases_ms:?}");
     if !running {
         let st = child.wait();
         let (_, channel) = restore.finish();
@@ -697,7 +732,7 @@ fn restore_here(
             channel.map(|e| format!("; {e}")).unwrap_or_default()
         ))));
     }
-    incoming.resumed().map_err(|e| (AgentError::Migration(e.to_string()), true))?;
+    incoming.resumed(phases_ms).map_err(|e| (AgentError::Migration(e.to_string()), true))?;
     log::info!("task {task}: runs here now (pid {})", child.pid());
     let mut outputs = vec![
         OutputPump::start(task, Stream::Stdout, stdout_r, tx.clone()).map_err(|e| (io_step(Step::Pipe)(e), true))?,
@@ -727,6 +762,7 @@ fn restore_here(
     // only sees the restorer's relayed code).
     let (outcomes, _) = restore.finish();
     let status = outcomes.first().and_then(|o| o.status).unwrap_or(sandbox_status);
+    drop(ticket_net);
     if let Some(c) = &live.spec.clone {
         // A moved clone's parent learns its end as a clone's (its counters
         // stayed with the host it was cloned on).

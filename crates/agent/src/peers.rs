@@ -26,7 +26,7 @@
 //! does not dial it again for [`SHUN`]. A peer waiting for its own fetch
 //! of the chunks is not silent: it sends a `Ping` every [`KEEPALIVE`].
 
-use crate::remote::Waiters;
+use crate::waiters::Waiters;
 use starling_auth::Role as AuthRole;
 use starling_proto::conn::{establish, Outgoing};
 use starling_proto::{ChunkData, FileReq, FileResp, Hash, Msg, ProtoError, Role, TaskId};
@@ -380,16 +380,18 @@ impl Peers {
             let tls = me.tls.read().unwrap().clone();
             tokio::spawn(async move {
                 let res = match &tls {
-                    None => me.clone().serve_one(sock, None).await,
+                    None => me.clone().serve_one(sock, from, None).await,
                     Some((_, a)) => match a.accept(sock).await {
                         Ok(mut s) if starling_auth::client_role(&s) == Some(AuthRole::Agent) => {
                             let id = starling_auth::ident::client_identity(&s);
                             match me.is_revoked(id.as_ref()) {
                                 Some(why) => {
-                                    let _ = starling_proto::write_frame(&mut s, &Msg::Error { task: None, message: why.clone() }).await;
-                                    Err(PeerError::Revoked(why))
+                                    // Logged before the peer is told, so the refusal is on record once the peer sees it.
+                                    log::info!("peer connection from {from}: {why}");
+                                    let _ = starling_proto::write_frame(&mut s, &Msg::Error { task: None, message: why }).await;
+                                    Ok(())
                                 }
-                                None => me.clone().serve_one(s, id).await,
+                                None => me.clone().serve_one(s, from, id).await,
                             }
                         }
                         Ok(_) => Err(PeerError::NotAnAgentCertificate),
@@ -404,7 +406,7 @@ impl Peers {
     }
 
     /// Serve one peer (`id`: its certificate, with `--auth`) until it leaves or its certificate is revoked.
-    async fn serve_one<S>(self: Arc<Self>, sock: S, id: Option<starling_auth::Identity>) -> Result<(), PeerError>
+    async fn serve_one<S>(self: Arc<Self>, sock: S, from: std::net::SocketAddr, id: Option<starling_auth::Identity>) -> Result<(), PeerError>
     where
         S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
     {
@@ -420,8 +422,9 @@ impl Peers {
             res = self.clone().serve_requests(incoming, tx.clone()) => res,
             Ok(()) = async { revoked.wait_for(|set| set.contains(&id.serial)).await.map(|_| ()) } => {
                 let why = revoked_line(&id);
-                let _ = tx.send(Msg::Error { task: None, message: why.clone() }).await;
-                Err(PeerError::Revoked(why))
+                log::info!("peer connection from {from}: {why}");
+                let _ = tx.send(Msg::Error { task: None, message: why }).await;
+                Ok(())
             }
         }
     }

@@ -6,38 +6,9 @@ use starling_proto::{DirEntry, FileReq, FileResp, Hash, Lookup, Msg, TaskId, Wir
 use starling_store::HostCache;
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use crate::waiters::Waiters;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
-
-/// Outstanding file requests of all tasks on this host, by request id.
-#[derive(Default)]
-pub struct Waiters {
-    next: AtomicU64,
-    map: Mutex<HashMap<u64, mpsc::Sender<FileResp>>>,
-}
-
-impl Waiters {
-    pub(crate) fn register(&self) -> (u64, mpsc::Receiver<FileResp>) {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        let (s, r) = mpsc::channel();
-        self.map.lock().unwrap().insert(id, s);
-        (id, r)
-    }
-    pub fn complete(&self, id: u64, resp: FileResp) {
-        if let Some(s) = self.map.lock().unwrap().remove(&id) {
-            let _ = s.send(resp);
-        }
-    }
-    /// Request `id` will not be answered: wake its waiter with an error.
-    pub(crate) fn complete_none(&self, id: u64) {
-        self.map.lock().unwrap().remove(&id);
-    }
-    /// The head is gone: wake every waiter with an error.
-    pub fn fail_all(&self) {
-        self.map.lock().unwrap().clear();
-    }
-}
 
 /// A client hashing a very large file can take a while to answer.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
@@ -66,7 +37,10 @@ impl RemoteSource {
         match rx.recv_timeout(REQUEST_TIMEOUT) {
             Ok(FileResp::Errno(e)) => Err(io::Error::from_raw_os_error(e)),
             Ok(r) => Ok(r),
-            Err(_) => Err(io::Error::from_raw_os_error(libc::EIO)),
+            Err(e) => {
+                log::warn!("task {}: a file request got no answer ({e}); EIO", self.task);
+                Err(io::Error::from_raw_os_error(libc::EIO))
+            }
         }
     }
 
@@ -138,7 +112,10 @@ impl<'a> Fetch<'a> {
                 Ok(FileResp::ChunkSources(got)) if self.src.peers.is_some() => got,
                 Ok(FileResp::Errno(e)) => return Err(io::Error::from_raw_os_error(e)),
                 Ok(_) => return Err(eio("client answered GetChunks with something else")),
-                Err(_) => return Err(io::Error::from_raw_os_error(libc::EIO)),
+                Err(e) => {
+                    log::warn!("task {}: a chunk request got no answer ({e}); EIO", self.src.task);
+                    return Err(io::Error::from_raw_os_error(libc::EIO));
+                }
             };
             // Answers list the chunks in the order asked (the relay and the
             // client both do); anything else is refused.

@@ -48,6 +48,7 @@ pub(crate) async fn supervise(
     let t = Instant::now();
     // A task that failed before its end still had its display open.
     crate::x11::close(&agent, task);
+    crate::direct::forget(&agent, task, &tx);
     agent.tasks.lock().unwrap().remove(&task);
     let _ = std::fs::remove_dir_all(&dir);
     agent.running.fetch_sub(1, Ordering::Relaxed);
@@ -202,10 +203,9 @@ fn run_blocking(
         Some(c) => {
             // Its ticket's own network: held until the clones ended (the last hold removes it).
             if let Some(n) = &c.network {
-                let parent = c.page_server.parse::<std::net::SocketAddr>().map_err(|_| AgentError::PageServerAddress(c.page_server.clone()))?.ip();
-                let hold = agent.ticket_nets.join(c.ticket, parent, n)?;
-                sb.placement.cgroup_procs.push(hold.procs.clone());
-                ticket_net = Some(hold);
+                ticket_net = crate::ticket_net::enter(agent, c, n, &mut sb, |line| {
+                    let _ = nix::unistd::write(&stderr_w, line.as_bytes());
+                })?;
             }
             let (program, run) = crate::clone::prepare(c, overlay.root(), agent.page_distribution.clone(), &agent.host_tickets, &agent.cfg.fork, agent.cfg.rootless)?;
             // The restorer drops to the template's credentials itself, after
@@ -323,6 +323,8 @@ pub(crate) fn sandbox_spec(agent: &Agent, spec: &TaskSpec, root: &Path) -> starl
         confinement: starling_sandbox::Confinement::Task,
         // Clones restore a process: they keep the descriptors it had.
         terminal: if spec.clone.is_none() { spec.terminal.clone() } else { None },
+        // Set with the ticket's network (crate::ticket_net::enter).
+        no_network_admin: false,
     }
 }
 

@@ -1295,7 +1295,8 @@ async fn ps(json: bool, target: &Target) -> Result<i32> {
     );
     for r in &rows {
         let why = match (&r.roam, roaming) {
-            (Some(l), _) => format!("  {}: {}", r.host, l.reason),
+            // "direct": its terminal talks to its client here, not through the head.
+            (Some(l), _) => format!("  {}{}: {}", r.host, if r.direct == Some(true) { " (direct)" } else { "" }, l.reason),
             (None, true) => "  -".to_string(),
             (None, false) => String::new(),
         };
@@ -1377,6 +1378,12 @@ async fn migrate(task: starling_proto::TaskId, to: Option<String>, stop_and_copy
                     human_duration(r.total_ms / 1e3)
                 );
             }
+            if let Some(why) = &r.unisolated {
+                eprintln!(
+                    "starling: task {} runs on {} with that host's whole network, not its ticket's own: {why} (fork.isolate_network = required refuses such a move)",
+                    r.task, r.to
+                );
+            }
             Ok(0)
         }
         Err(why) => {
@@ -1436,7 +1443,8 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
             .map(|h| {
                 serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores,
                     "mem_bytes": h.mem_bytes, "load": h.load, "running": h.running,
-                    "page_distribution": h.page_distribution, "owner": h.owner, "peer": h.peer})
+                    "page_distribution": h.page_distribution, "owner": h.owner, "peer": h.peer,
+                    "isolates_network": h.cannot_isolate.is_none(), "cannot_isolate": h.cannot_isolate})
             })
             .collect();
         let home = home.map(|h| serde_json::json!({"name": h.name, "address": h.addr, "pid": h.pid, "cores": h.cores, "running": h.running}));
@@ -1477,6 +1485,12 @@ async fn status(json: bool, target: &Target) -> Result<i32> {
     }
     if st.hosts.is_empty() {
         println!("(no hosts connected)");
+    }
+    // fork.isolate_network: hosts whose clones get their host's whole network (or, `required`, none).
+    for h in st.hosts.iter().filter(|h| !h.home) {
+        if let Some(why) = &h.cannot_isolate {
+            println!("{}: cannot enforce a fork ticket's own network ({why}); its clones run with the host's network", h.name);
+        }
     }
     if let Some(h) = &home {
         println!("home site (exec --roam): {} at {}, agent pid {}, {} cores, {} running", h.name, h.addr, h.pid, h.cores, h.running);

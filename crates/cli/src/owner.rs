@@ -33,8 +33,12 @@ pub fn run(cfg: &Config, host: &str, active: bool, idle: bool, command: Vec<OsSt
     let mut joins = Vec::new();
     // Blkio (where mounted) counts the owner's disk I/O for the guests' rate windows.
     let blkio = h.path(Controller::Blkio, &rel).ok().filter(|d| d.is_dir()).map(|_| Controller::Blkio);
-    for c in [Controller::Cpuacct, Controller::Memory].into_iter().chain(blkio) {
-        let procs = h.path(c, &rel)?.join("cgroup.procs");
+    // The owner group in the cgroup2 mount (where the agent made it: its rate windows are on) is what
+    // the owner's network I/O is counted by.
+    let unified = h.unified().map(|u| u.join(&rel)).filter(|d| d.is_dir());
+    let dirs = [Controller::Cpuacct, Controller::Memory].into_iter().chain(blkio).map(|c| h.path(c, &rel));
+    for dir in dirs.chain(unified.map(Ok)) {
+        let procs = dir?.join("cgroup.procs");
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(&procs)

@@ -146,9 +146,9 @@ pub async fn run(ctx: &Context, mut spec: TaskSpec, opts: ExecOptions) -> Result
     }
     // From here what is typed goes to the task's pty as it is (Ctrl-C
     // included: the remote line discipline makes it a SIGINT there).
-    let mut x11 = display.map(|d| crate::x11::Forwarder::new(d, handle.task, handle.sender()));
-    let mut raw = if on_terminal { RawMode::enter() } else { None };
     let interaction = opts.roam.as_ref().map(|_| crate::roam::InteractionLog::default());
+    let mut x11 = display.map(|d| crate::x11::Forwarder::new(d, handle.task, handle.sender(), interaction.clone()));
+    let mut raw = if on_terminal { RawMode::enter() } else { None };
     stdin_pump(&handle, interaction.clone());
     // The roaming task's manager lives as long as this loop (the task's client).
     let _manager = match (opts.roam, &interaction) {
@@ -278,9 +278,7 @@ async fn relay(
                     stdout_gone = true;
                     handle.signal(libc::SIGPIPE).await;
                 }
-                if on_terminal {
-                    let _ = handle.sender().send(Msg::OutputAck { task: handle.task, bytes: data.len() as u64 }).await;
-                }
+                handle.written(data.len() as u64).await;
             }
             Some(TaskEvent::Finished { status, commit, accessed }) => return Relay::Finished { status, commit, accessed },
             Some(TaskEvent::X11(ev)) => {

@@ -19,6 +19,7 @@ pub mod roam;
 pub mod shadow;
 pub mod terminal;
 pub mod x11;
+pub mod xsense;
 
 use starling_config::ClientSettings;
 use starling_session::discover::Target;

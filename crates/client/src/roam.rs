@@ -4,7 +4,9 @@
 //! Sensors: the task's CPU demand (CPU seconds per second and runnable
 //! threads, from its agent's task stats through `starling ps`), interaction
 //! intensity (reads of the user's terminal per averaging window: a paste is
-//! one) and smoothness (keystroke → first output byte). A profile is a small
+//! one; X input events, counted by the X relay: `crate::xsense`) and
+//! smoothness (keystroke → first output byte; X input → the frames drawn
+//! after it, FPS = n/T). A profile is a small
 //! finite-state machine ([`Profile`], TOML): each state names a site (`home`,
 //! `cluster` or a host), rules over the averaged sensors fire transitions.
 //! Interactivity wins ties (a rule that sends the task home beats one that
@@ -25,7 +27,8 @@ use std::time::{Duration, Instant};
 /// The generic profile (Snowbird's: 10 s averaging, 15 inputs per 10 s, 20 FPS ≈ 50 ms per
 /// update), used when `exec --roam` is given no `--profile`.
 pub const GENERIC_PROFILE: &str = r#"
-# Snowbird's generic profile: 10 s averaging, 15 inputs per 10 s window, 20 FPS (50 ms).
+# Snowbird's generic profile: 10 s averaging, 15 inputs per 10 s window, 20 FPS (50 ms from a
+# keystroke to its echo; 20 frames per second drawn after an X input).
 window_s = 10
 sample_ms = 1000
 min_dwell_s = 30
@@ -45,6 +48,7 @@ from = "cognitive"
 to = "crunch"
 cpu_min = 0.8
 inputs_max = 15
+x_inputs_max = 15
 
 [[rules]]
 from = "crunch"
@@ -54,8 +58,19 @@ inputs_min = 15
 [[rules]]
 from = "crunch"
 to = "cognitive"
+x_inputs_min = 15
+
+[[rules]]
+from = "crunch"
+to = "cognitive"
 inputs_min = 3
 latency_min_ms = 50
+
+[[rules]]
+from = "crunch"
+to = "cognitive"
+x_inputs_min = 3
+fps_max = 20
 "#;
 
 #[derive(Debug, thiserror::Error)]
@@ -128,6 +143,13 @@ pub struct Rule {
     /// Mean keystroke → first output byte, ms (windows without a keystroke answered: no value,
     /// and the bound does not hold).
     pub latency_min_ms: Option<f64>,
+    /// X input events (keys, buttons, pointer motion) in the window.
+    pub x_inputs_min: Option<f64>,
+    pub x_inputs_max: Option<f64>,
+    /// Mean frames per second drawn after an X input (windows without an input answered by
+    /// drawing: no value, and the bound does not hold).
+    pub fps_min: Option<f64>,
+    pub fps_max: Option<f64>,
 }
 
 impl Rule {
@@ -141,6 +163,10 @@ impl Rule {
             && min(self.inputs_min, Some(s.inputs))
             && max(self.inputs_max, Some(s.inputs))
             && min(self.latency_min_ms, s.latency_ms)
+            && min(self.x_inputs_min, Some(s.x_inputs))
+            && max(self.x_inputs_max, Some(s.x_inputs))
+            && min(self.fps_min, s.fps)
+            && max(self.fps_max, s.fps)
     }
 
     /// The rule in words, with the values that made it hold.
@@ -158,6 +184,10 @@ impl Rule {
         bound("inputs", Some(s.inputs), self.inputs_min, ">=");
         bound("inputs", Some(s.inputs), self.inputs_max, "<");
         bound("latency_ms", s.latency_ms, self.latency_min_ms, ">=");
+        bound("x_inputs", Some(s.x_inputs), self.x_inputs_min, ">=");
+        bound("x_inputs", Some(s.x_inputs), self.x_inputs_max, "<");
+        bound("fps", s.fps, self.fps_min, ">=");
+        bound("fps", s.fps, self.fps_max, "<");
         format!("{} -> {}: {}", self.from, self.to, parts.join(", "))
     }
 }
@@ -251,6 +281,8 @@ pub struct Sensors {
     pub runnable: f64,
     pub inputs: f64,
     pub latency_ms: Option<f64>,
+    pub x_inputs: f64,
+    pub fps: Option<f64>,
 }
 
 impl Sensors {
@@ -259,20 +291,27 @@ impl Sensors {
         if let Some(l) = self.latency_ms {
             v.push(("latency_ms".to_string(), l));
         }
+        v.push(("x_inputs".to_string(), self.x_inputs));
+        if let Some(f) = self.fps {
+            v.push(("fps".to_string(), f));
+        }
         v
     }
 }
 
-/// What the terminal relay saw: input events and the latency to the first output after each.
+/// What the terminal relay saw: input events and the latency to the first output after each;
+/// and what the X relay saw (`x`).
 #[derive(Default)]
 pub struct Interaction {
     inputs: VecDeque<Instant>,
     /// An input not yet answered by output.
     waiting: Option<Instant>,
     latencies: VecDeque<(Instant, Duration)>,
+    /// X input events and the frames drawn after each (`crate::x11`'s relays record them).
+    pub x: crate::xsense::XInteraction,
 }
 
-/// Shared between the terminal relay (which records) and the manager (which averages).
+/// Shared between the terminal and X relays (which record) and the manager (which averages).
 pub type InteractionLog = Arc<Mutex<Interaction>>;
 
 impl Interaction {
@@ -442,12 +481,17 @@ impl Manager {
             if span < p.window.mul_f64(0.9) {
                 continue; // not a full window yet
             }
-            let (inputs, latency_ms) = self.interaction.lock().unwrap().averaged(now, p.window);
+            let ((inputs, latency_ms), (x_inputs, fps)) = {
+                let mut i = self.interaction.lock().unwrap();
+                (i.averaged(now, p.window), i.x.averaged(now, p.window))
+            };
             let sensors = Sensors {
                 cpu: (last.cpu_seconds - first.cpu_seconds).max(0.0) / span.as_secs_f64(),
                 runnable: samples.iter().map(|s| f64::from(s.runnable)).sum::<f64>() / samples.len() as f64,
                 inputs,
                 latency_ms,
+                x_inputs,
+                fps,
             };
             let verdict = decide(p, &state, &sensors, now.saturating_duration_since(last_move), move_cost_s);
             let (rule, to_state) = match verdict {
@@ -537,7 +581,11 @@ mod tests {
     use super::*;
 
     fn sensors(cpu: f64, inputs: f64) -> Sensors {
-        Sensors { cpu, runnable: cpu, inputs, latency_ms: None }
+        Sensors { cpu, runnable: cpu, inputs, ..Sensors::default() }
+    }
+
+    fn x_sensors(cpu: f64, x_inputs: f64, fps: Option<f64>) -> Sensors {
+        Sensors { cpu, runnable: cpu, x_inputs, fps, ..Sensors::default() }
     }
 
     #[test]
@@ -557,6 +605,20 @@ mod tests {
         assert_eq!(decide(&p, "cognitive", &sensors(0.5, 2.0), long, 1.0), Verdict::Nothing);
         assert_eq!(decide(&p, "cognitive", &sensors(0.95, 20.0), long, 1.0), Verdict::Nothing, "typing: stays home");
         assert!(matches!(decide(&p, "crunch", &sensors(0.95, 20.0), long, 1.0), Verdict::Move { ref to_state, .. } if to_state == "cognitive"));
+    }
+
+    #[test]
+    fn x_input_keeps_a_crunch_home_and_brings_it_back_and_jerky_drawing_does_sooner() {
+        let p = Profile::generic();
+        let long = Duration::from_secs(3600);
+        assert_eq!(decide(&p, "cognitive", &x_sensors(0.95, 20.0, Some(60.0)), long, 1.0), Verdict::Nothing, "X input: stays home");
+        assert!(matches!(decide(&p, "crunch", &x_sensors(0.95, 20.0, Some(60.0)), long, 1.0), Verdict::Move { ref to_state, .. } if to_state == "cognitive"));
+        // A few inputs answered at 10 frames per second (below Snowbird's 20): home.
+        let v = decide(&p, "crunch", &x_sensors(0.95, 4.0, Some(10.0)), long, 1.0);
+        assert!(matches!(v, Verdict::Move { ref to_state, ref rule } if to_state == "cognitive" && rule.contains("fps 10.00 < 20")), "{v:?}");
+        // The same few answered smoothly, or not answered at all: it goes on crunching there.
+        assert_eq!(decide(&p, "crunch", &x_sensors(0.95, 4.0, Some(30.0)), long, 1.0), Verdict::Nothing);
+        assert_eq!(decide(&p, "crunch", &x_sensors(0.95, 4.0, None), long, 1.0), Verdict::Nothing);
     }
 
     #[test]

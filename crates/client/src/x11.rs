@@ -6,11 +6,17 @@
 //! task ([`prepare`]), and each connection's setup request is checked for the stand-in and
 //! rewritten with the real authorization (from `$XAUTHORITY` or `~/.Xauthority`) before it
 //! reaches the server. A connection that presents anything else is closed unanswered.
+//!
+//! A roaming task's connections are also counted as they pass (`crate::xsense`): input events
+//! to the program and frames drawn by it feed its migration manager's X sensors.
 
 use starling_proto::conn::Outgoing;
 use starling_proto::{Msg, SecretKey, TaskId, X11Forward};
 use starling_session::X11Event;
+use crate::roam::InteractionLog;
+use crate::xsense::XStream;
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::mpsc;
 use x11rb_protocol::parse_display::{ConnectAddress, ParsedDisplay};
@@ -171,16 +177,18 @@ fn setup_request(order: u8, version: &[u8], name: &[u8], data: &[u8]) -> Vec<u8>
 
 /// The task's X connections, relayed to our display.
 pub struct Forwarder {
-    display: std::sync::Arc<Display>,
+    display: Arc<Display>,
     task: TaskId,
     tx: Outgoing,
     /// Each open stream's writer towards our X server (`None`: the task closed it).
     streams: HashMap<u32, mpsc::UnboundedSender<Option<Vec<u8>>>>,
+    /// A roaming task's: where its X input and drawing are recorded for its manager.
+    interaction: Option<InteractionLog>,
 }
 
 impl Forwarder {
-    pub fn new(display: Display, task: TaskId, tx: Outgoing) -> Forwarder {
-        Forwarder { display: std::sync::Arc::new(display), task, tx, streams: HashMap::new() }
+    pub fn new(display: Display, task: TaskId, tx: Outgoing, interaction: Option<InteractionLog>) -> Forwarder {
+        Forwarder { display: Arc::new(display), task, tx, streams: HashMap::new(), interaction }
     }
 
     /// One event of the task's X connections.
@@ -189,7 +197,7 @@ impl Forwarder {
             X11Event::Open(stream) => {
                 let (w_tx, w_rx) = mpsc::unbounded_channel();
                 self.streams.insert(stream, w_tx);
-                tokio::spawn(relay(self.display.clone(), self.task, stream, w_rx, self.tx.clone()));
+                tokio::spawn(relay(self.display.clone(), self.task, stream, w_rx, self.tx.clone(), self.interaction.clone()));
             }
             X11Event::Data(stream, data) => {
                 if let Some(w) = self.streams.get(&stream) {
@@ -205,8 +213,39 @@ impl Forwarder {
     }
 }
 
+/// A roaming task's connection's counts, for its manager.
+#[derive(Clone)]
+struct Sensed {
+    stream: Arc<Mutex<XStream>>,
+    log: InteractionLog,
+}
+
+impl Sensed {
+    /// The program sent these bytes (after its setup request).
+    fn task_sent(&self, bytes: &[u8]) {
+        if self.stream.lock().unwrap().client_sent(bytes) > 0 {
+            self.log.lock().unwrap().x.frame(std::time::Instant::now());
+        }
+    }
+
+    /// The server sent these.
+    fn server_sent(&self, bytes: &[u8]) {
+        let inputs = self.stream.lock().unwrap().server_sent(bytes);
+        if inputs > 0 {
+            self.log.lock().unwrap().x.input(std::time::Instant::now(), inputs);
+        }
+    }
+}
+
 /// One X connection: the task's bytes (setup rewritten) to our server, its answers back.
-async fn relay(display: std::sync::Arc<Display>, task: TaskId, stream: u32, mut from_task: mpsc::UnboundedReceiver<Option<Vec<u8>>>, tx: Outgoing) {
+async fn relay(
+    display: Arc<Display>,
+    task: TaskId,
+    stream: u32,
+    mut from_task: mpsc::UnboundedReceiver<Option<Vec<u8>>>,
+    tx: Outgoing,
+    interaction: Option<InteractionLog>,
+) {
     let close = |why: String| {
         let tx = tx.clone();
         async move {
@@ -237,17 +276,25 @@ async fn relay(display: std::sync::Arc<Display>, task: TaskId, stream: u32, mut 
         Err(e) => return close(format!("cannot connect to the X server: {e}")).await,
     };
     let (mut from_server, mut to_server) = tokio::io::split(server);
+    let sensed = interaction.map(|log| Sensed { stream: Arc::new(Mutex::new(XStream::new(setup[0]))), log });
+    if let Some(s) = &sensed {
+        s.task_sent(&setup[total..]);
+    }
     if to_server.write_all(&request).await.is_err() || to_server.write_all(&setup[total..]).await.is_err() {
         return close("the X server closed the connection".into()).await;
     }
     let answers = {
         let tx = tx.clone();
+        let sensed = sensed.clone();
         tokio::spawn(async move {
             let mut buf = vec![0u8; READ_BYTES];
             loop {
                 match from_server.read(&mut buf).await {
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
+                        if let Some(s) = &sensed {
+                            s.server_sent(&buf[..n]);
+                        }
                         if tx.send(Msg::X11Data { task, stream, data: buf[..n].to_vec() }).await.is_err() {
                             return;
                         }
@@ -261,7 +308,14 @@ async fn relay(display: std::sync::Arc<Display>, task: TaskId, stream: u32, mut 
     loop {
         tokio::select! {
             m = from_task.recv() => match m {
-                Some(Some(bytes)) if to_server.write_all(&bytes).await.is_ok() => {}
+                Some(Some(bytes)) => {
+                    if let Some(s) = &sensed {
+                        s.task_sent(&bytes);
+                    }
+                    if to_server.write_all(&bytes).await.is_err() {
+                        break;
+                    }
+                }
                 _ => break,
             },
             // The server closed it (our answers loop told the task's side).

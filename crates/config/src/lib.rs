@@ -134,8 +134,10 @@ pub struct ForkSettings {
     /// migration stream); a side that sets it gets it whatever its peer's.
     pub encrypt: bool,
     /// A ticket's clones reach only each other, their parent and loopback
-    /// (the parent's side: it asks for it in each clone's launch).
-    pub isolate_network: bool,
+    /// (the parent's side: it asks for it in its ticket request and each
+    /// clone's launch); `On` where the host can enforce it, `Required` or
+    /// no ticket.
+    pub isolate_network: starling_proto::NetworkIsolation,
 }
 
 /// Where a ticket's clones run.
@@ -210,9 +212,9 @@ pub struct AgentSettings {
     pub low_water_mib: u64,
     /// Free memory (MiB) above which the cap is lifted.
     pub high_water_mib: u64,
-    /// Guests' disk reads and writes (bytes/s per disk) while the owner does disk I/O; 0: no limit.
+    /// Guests' disk reads and writes (bytes/s per disk) while the owner does disk or network I/O; 0: no limit.
     pub guest_disk_bps: u64,
-    /// Guests' network sends (bytes/s per interface) while the owner does disk I/O; 0: no limit.
+    /// Guests' network sends (bytes/s per interface) while the owner does disk or network I/O; 0: no limit.
     pub guest_net_bps: u64,
     /// What happens to this host's guests when its owner becomes active.
     pub policy: GuestPolicy,
@@ -246,7 +248,7 @@ pub enum OwnerKind {
 
 impl Default for ForkSettings {
     fn default() -> Self {
-        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true, isolate_network: false }
+        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true, isolate_network: starling_proto::NetworkIsolation::On }
     }
 }
 
@@ -647,10 +649,17 @@ pub static SETTINGS: &[Setting] = &[
         key: "fork.isolate_network",
         env: Some("STARLING_FORK_ISOLATE_NETWORK"),
         flag: "",
-        default: "off",
-        meaning: "a ticket's clones reach only each other, their parent and loopback, never the head's or agents' ports (nftables on each host); off: the job's clones get their hosts' whole network (the parent's setting, per job)",
+        default: "on",
+        meaning: "a ticket's clones reach only each other, their parent and loopback, never the head's or agents' ports (nftables on each host); `on`: where the host can enforce it (root, cgroup2, `nft`: `starling status` shows which cannot), else the clone runs with its host's network and a notice on stderr; `required`: only such hosts, else the ticket is refused naming the others; `off`: the hosts' whole network (the parent's setting, per job)",
         apply: |c, v| {
-            c.fork.isolate_network = v.switch()?;
+            use starling_proto::NetworkIsolation;
+            let t = v.text().or_else(|_| v.switch().map(|b| if b { "on" } else { "off" }.to_string()))?;
+            c.fork.isolate_network = match (t.as_str(), parse_switch(&t)) {
+                ("required", _) => NetworkIsolation::Required,
+                (_, Some(true)) => NetworkIsolation::On,
+                (_, Some(false)) => NetworkIsolation::Off,
+                _ => return Err("off, on or required"),
+            };
             Ok(())
         },
     },
@@ -949,7 +958,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_GUEST_DISK_BPS"),
         flag: "",
         default: "0 (no limit)",
-        meaning: "the guests' disk window: bytes/s each disk may read and write for guests while the owner does disk I/O (blkio throttle; lifted after 5 s of quiet owner I/O)",
+        meaning: "the guests' disk window: bytes/s each disk may read and write for guests while the owner does disk or network I/O (blkio throttle; lifted after 5 s of quiet owner I/O)",
         apply: |c, v| {
             c.agent.guest_disk_bps = v.number()?;
             Ok(())
@@ -960,7 +969,7 @@ pub static SETTINGS: &[Setting] = &[
         env: Some("STARLING_GUEST_NET_BPS"),
         flag: "",
         default: "0 (no limit)",
-        meaning: "the guests' network window: bytes/s guests may send on each interface while the owner does disk I/O (nftables `socket cgroupv2` + an htb class; lifted after 5 s of quiet owner I/O)",
+        meaning: "the guests' network window: bytes/s guests may send on each interface while the owner does disk or network I/O (nftables `socket cgroupv2` + an htb class; lifted after 5 s of quiet owner I/O)",
         apply: |c, v| {
             c.agent.guest_net_bps = v.number()?;
             Ok(())
@@ -1077,6 +1086,16 @@ mod tests {
         assert_eq!(c.agent.cache_mib, 100);
         assert_eq!(c.agent.chunking, Chunking::Fixed);
         assert_eq!(c.log.as_deref(), Some("debug"));
+    }
+
+    #[test]
+    fn a_tickets_network_is_on_by_default_and_can_be_required_or_off() {
+        use starling_proto::NetworkIsolation;
+        assert_eq!(load(&[], None).unwrap().fork.isolate_network, NetworkIsolation::On);
+        for (v, want) in [("required", NetworkIsolation::Required), ("on", NetworkIsolation::On), ("off", NetworkIsolation::Off), ("no", NetworkIsolation::Off)] {
+            assert_eq!(load(&[("STARLING_FORK_ISOLATE_NETWORK", v)], None).unwrap().fork.isolate_network, want, "{v}");
+        }
+        assert!(load(&[("STARLING_FORK_ISOLATE_NETWORK", "sometimes")], None).is_err());
     }
 
     #[test]

@@ -81,7 +81,8 @@ pub use starling_proto::ExecutorProgress;
 pub enum Backend {
     Local,
     /// The head's grant: ticket id and (host, clones there).
-    Cluster { link: std::sync::Arc<ClusterLink>, ticket: u64, placement: Vec<(String, u32)> },
+    /// `unisolated`: granted hosts whose clones run without the ticket's own network, and why.
+    Cluster { link: std::sync::Arc<ClusterLink>, ticket: u64, placement: Vec<(String, u32)>, unisolated: Vec<starling_proto::Unisolated> },
 }
 
 /// A reservation of clones.
@@ -108,8 +109,18 @@ impl Ticket {
             BackendSetting::Local => (requested.min(MAX_LOCAL_CLONES), Backend::Local),
             BackendSetting::Cluster => {
                 let link = ClusterLink::get(config)?;
-                let (ticket, placement) = link.request(requested, hierarchical)?;
-                (placement.iter().map(|(_, k)| *k).sum(), Backend::Cluster { link, ticket, placement })
+                let grant = link.request(requested, hierarchical)?;
+                if !grant.unisolated.is_empty() {
+                    // The caller asked for isolation where it can be had (`on`): say where it cannot.
+                    let hosts: Vec<String> = grant.unisolated.iter().map(|u| format!("{} ({})", u.host, u.why)).collect();
+                    eprintln!(
+                        "starling: ticket {}: clones on {} run with their host's whole network, not the ticket's own (fork.isolate_network = required refuses such hosts)",
+                        grant.ticket,
+                        hosts.join(", ")
+                    );
+                }
+                let allocation = grant.placement.iter().map(|(_, k)| *k).sum();
+                (allocation, Backend::Cluster { link, ticket: grant.ticket, placement: grant.placement, unisolated: grant.unisolated })
             }
         };
         let granted_ns = realtime_ns();
@@ -130,6 +141,15 @@ impl Ticket {
         match &self.backend {
             Backend::Local => &[],
             Backend::Cluster { placement, .. } => placement,
+        }
+    }
+
+    /// Granted hosts whose clones run with their host's whole network rather than the ticket's own
+    /// (they cannot enforce it; `fork.isolate_network = on`), and why; empty for the local backend.
+    pub fn unisolated(&self) -> &[starling_proto::Unisolated] {
+        match &self.backend {
+            Backend::Local => &[],
+            Backend::Cluster { unisolated, .. } => unisolated,
         }
     }
 
@@ -203,7 +223,7 @@ impl Ticket {
                 }
                 Clones::Local(clones)
             }
-            Backend::Cluster { link, ticket, placement } => Clones::Cluster(ClusterClones::launch(
+            Backend::Cluster { link, ticket, placement, .. } => Clones::Cluster(ClusterClones::launch(
                 link.clone(),
                 *ticket,
                 placement,

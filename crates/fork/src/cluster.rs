@@ -36,12 +36,13 @@ use starling_config::Config;
 use starling_image::abi::counters::CloneCounters;
 use starling_image::{FdKind, RegionKind};
 use starling_proto::conn::Outgoing;
-use starling_proto::{CloneSpec, ExitStatus, Msg, Stream, TaskId, TaskSpec, WirePath};
+use starling_proto::{CloneSpec, ExitStatus, Msg, NetworkIsolation, Stream, TaskId, TaskSpec, WirePath};
 use starling_session::discover::Target;
 use starling_session::{prethrow, Session, SessionError, SessionOptions, TaskEvent, TaskHandle};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::ops::Range;
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use tokio::sync::mpsc::UnboundedReceiver;
 
 /// The variable a clone (and its task on the host) finds the parent's host in.
 pub const PARENT_HOST_ENV: &str = "STARLING_PARENT_HOST";
@@ -86,8 +87,13 @@ pub struct ClusterLink {
     session: Session,
     /// This machine's address as the hosts reach it (the page server binds here).
     pub parent_ip: IpAddr,
-    /// `fork.isolate_network`: clones ask for their ticket's own network.
-    isolate_network: bool,
+    /// What its clones ask for with `fork.isolate_network` on: their ticket's own network, its
+    /// members filled in by the head; refused besides the head's and hosts' ports, the port this
+    /// process reaches the cluster at (the link relay's, when it goes through one). `None`: the
+    /// hosts' whole network.
+    network: Option<starling_proto::TicketNetwork>,
+    /// What its tickets ask of the grant (`fork.isolate_network`).
+    isolation: NetworkIsolation,
 }
 
 static LINK: OnceLock<Mutex<Option<Arc<ClusterLink>>>> = OnceLock::new();
@@ -142,14 +148,20 @@ impl ClusterLink {
         let opts =
             SessionOptions { compress: false, cache_dir: config.client.cache_dir.clone(), chunking: config.client.chunking };
         let session = rt.block_on(Session::connect(&target, opts))?;
-        let link = Arc::new(ClusterLink { rt, session, parent_ip, isolate_network: config.fork.isolate_network });
+        let isolation = config.fork.isolate_network;
+        let network = (isolation != NetworkIsolation::Off).then(|| starling_proto::TicketNetwork {
+            members: Vec::new(),
+            refused_ports: target.head_addr.parse::<SocketAddr>().map(|a| a.port()).into_iter().collect(),
+            required: isolation == NetworkIsolation::Required,
+        });
+        let link = Arc::new(ClusterLink { rt, session, parent_ip, isolation, network });
         *g = Some(link.clone());
         Ok(link)
     }
 
-    /// Ask the head for up to `n` clones: (ticket, [(host, clones there)]).
-    pub fn request(&self, n: u32, hierarchical: bool) -> Result<(u64, Vec<(String, u32)>)> {
-        Ok(self.rt.block_on(self.session.request_ticket(n, hierarchical))?)
+    /// Ask the head for up to `n` clones.
+    pub fn request(&self, n: u32, hierarchical: bool) -> Result<starling_session::Grant> {
+        Ok(self.rt.block_on(self.session.request_ticket(n, hierarchical, self.isolation))?)
     }
 
     /// Tell the head how a `starling.Executor` on `ticket` stands (for its dashboard).
@@ -163,6 +175,10 @@ struct CloneSlot {
     host: String,
     task: Option<TaskId>,
     state: CloneState,
+    /// The status the clone's restorer reported at its exit. It becomes the
+    /// slot's state only when the clone's task has ended, because the task's
+    /// files are committed home at its end: `sf_join` must not return before.
+    reported: Option<CloneState>,
     stats: Option<CloneCounters>,
 }
 
@@ -241,7 +257,7 @@ struct TicketPlan<'a> {
     ticket: u64,
     hierarchical: bool,
     parent_ip: IpAddr,
-    isolate_network: bool,
+    network: Option<starling_proto::TicketNetwork>,
     descriptor_hash: starling_proto::Hash,
     descriptor_len: u32,
     page_server: SocketAddr,
@@ -275,7 +291,7 @@ impl TicketPlan<'_> {
                     page_key: self.page_key,
                     local_forks: count - 1,
                     placed_ns: 0,
-                    network: self.isolate_network.then(starling_proto::TicketNetwork::default),
+                    network: self.network.clone(),
                 });
                 out.push(CloneTask { ids: id..id + count, host: host.clone(), spec });
             }
@@ -286,8 +302,7 @@ impl TicketPlan<'_> {
 
 /// Follow one clone task's events until it ends: output to our fd 1/2,
 /// per-clone statuses and counters into the slots, and the end state.
-async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<Shared>) {
-    let mut events = handle.events;
+async fn follow(mut events: UnboundedReceiver<TaskEvent>, ids: Range<u32>, names: String, shared: Arc<Shared>) {
     let mut end = CloneState::Lost("the session ended without news of the clone".into());
     while let Some(ev) = events.recv().await {
         match ev {
@@ -297,7 +312,7 @@ async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<
                 if let Some(s) = slots.iter_mut().find(|s| s.id == clone_id && ids.contains(&s.id)) {
                     s.stats = Some(counters);
                     if let Some(status) = status {
-                        s.state = CloneState::from(status);
+                        s.reported = Some(CloneState::from(status));
                     }
                 }
             }
@@ -318,7 +333,11 @@ async fn follow(handle: TaskHandle, ids: Range<u32>, names: String, shared: Arc<
     }
     let mut slots = shared.slots.lock().unwrap();
     for s in slots.iter_mut().filter(|s| ids.contains(&s.id) && !s.state.is_final()) {
-        s.state = end.clone();
+        // A lost task's files never came home, whatever its clones reported.
+        s.state = match (&end, s.reported.take()) {
+            (CloneState::Lost(_), _) | (_, None) => end.clone(),
+            (_, Some(reported)) => reported,
+        };
     }
     shared.changed.notify_all();
 }
@@ -374,7 +393,7 @@ impl ClusterClones {
             ticket,
             hierarchical,
             parent_ip: link.parent_ip,
-            isolate_network: link.isolate_network,
+            network: link.network.clone(),
             descriptor_hash: starling_proto::Hash::of(encoded),
             descriptor_len: u32::try_from(encoded.len()).map_err(|_| ForkError::DescriptorTooLarge(encoded.len()))?,
             page_server,
@@ -384,7 +403,7 @@ impl ClusterClones {
         let tasks = plan.tasks(&base);
         let shared = Arc::new(Shared::default());
         shared.slots.lock().unwrap().extend(tasks.iter().flat_map(|t| {
-            t.ids.clone().map(|id| CloneSlot { id, host: t.host.clone(), task: None, state: CloneState::Running, stats: None })
+            t.ids.clone().map(|id| CloneSlot { id, host: t.host.clone(), task: None, state: CloneState::Running, reported: None, stats: None })
         }));
         let mut clones = ClusterClones { link: link.clone(), shared: shared.clone(), tx: None };
         let mut failure = None;
@@ -401,7 +420,7 @@ impl ClusterClones {
             for s in shared.slots.lock().unwrap().iter_mut().filter(|s| task.ids.contains(&s.id)) {
                 s.task = Some(handle.task);
             }
-            link.rt.spawn(follow(handle, task.ids.clone(), task.names(), shared.clone()));
+            link.rt.spawn(follow(handle.events, task.ids.clone(), task.names(), shared.clone()));
         }
         if let Some(e) = failure {
             clones.kill();
@@ -420,6 +439,7 @@ impl ClusterClones {
     }
 
     /// SIGKILL every clone that is still running (the agent kills its sandbox).
+    /// A task whose clones have all exited is left to commit their files.
     pub fn kill(&self) {
         let Some(tx) = &self.tx else { return };
         let mut tasks: Vec<TaskId> = self
@@ -428,7 +448,7 @@ impl ClusterClones {
             .lock()
             .unwrap()
             .iter()
-            .filter(|s| !s.state.is_final())
+            .filter(|s| !s.state.is_final() && s.reported.is_none())
             .filter_map(|s| s.task)
             .collect();
         tasks.sort_by_key(|t| t.0);
@@ -448,5 +468,54 @@ impl ClusterClones {
 
     pub fn host(&self, id: u32) -> Option<String> {
         self.shared.slots.lock().unwrap().iter().find(|s| s.id == id).map(|s| s.host.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use starling_session::commit::CommitReport;
+
+    fn slot(id: u32) -> CloneSlot {
+        CloneSlot { id, host: "h1".into(), task: None, state: CloneState::Running, reported: None, stats: None }
+    }
+
+    fn stats(clone_id: u32, code: i32) -> TaskEvent {
+        TaskEvent::CloneStats { clone_id, status: Some(ExitStatus::Code(code)), counters: CloneCounters::default() }
+    }
+
+    /// The regression behind test_fork's lost files: a clone's restorer reports
+    /// its exit before the task's files are committed; `sf_join` waits on the
+    /// slots, so a slot must not end before the task does.
+    #[tokio::test]
+    async fn a_clone_ends_when_its_task_has_committed_not_when_it_exits() {
+        let shared = Arc::new(Shared::default());
+        shared.slots.lock().unwrap().extend([slot(1), slot(2)]);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let follower = tokio::spawn(follow(rx, 1..3, "clones 1..2".into(), shared.clone()));
+        tx.send(stats(1, 0)).unwrap();
+        tx.send(stats(2, 7)).unwrap();
+        // Wait until the follower has taken both reports.
+        while shared.slots.lock().unwrap().iter().any(|s| s.reported.is_none()) {
+            tokio::task::yield_now().await;
+        }
+        assert!(shared.slots.lock().unwrap().iter().all(|s| s.state == CloneState::Running));
+        tx.send(TaskEvent::Finished { status: ExitStatus::Code(0), commit: Ok(CommitReport::default()), accessed: Vec::new() }).unwrap();
+        follower.await.unwrap();
+        let states: Vec<CloneState> = shared.slots.lock().unwrap().iter().map(|s| s.state.clone()).collect();
+        assert_eq!(states, vec![CloneState::Exited(0), CloneState::Exited(7)]);
+    }
+
+    /// A task lost after its clones reported (host gone before the commit):
+    /// their files never came home, so the clones are lost, not exited.
+    #[tokio::test]
+    async fn a_task_lost_after_its_clones_exited_loses_them() {
+        let shared = Arc::new(Shared::default());
+        shared.slots.lock().unwrap().push(slot(1));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        tx.send(stats(1, 0)).unwrap();
+        tx.send(TaskEvent::Lost("host h1 lost".into())).unwrap();
+        follow(rx, 1..2, "clone 1".into(), shared.clone()).await;
+        assert_eq!(shared.slots.lock().unwrap()[0].state, CloneState::Lost("host h1 lost".into()));
     }
 }

@@ -124,11 +124,57 @@ pub fn dump(pid: i32, record: &TemplateRecord, heuristics: bool) -> Result<Descr
 /// The memory of process `pid` (frozen or not: pages are classified by
 /// `pagemap` as it is now), every page classified.
 pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
-    let smaps = parse_smaps(&read_proc(&format!("/proc/{pid}/smaps"))?)?;
+    regions_of(pid, &Layout::read(pid)?, opts)
+}
+
+/// The mappings of a process with their `VmFlags`, as `/proc/PID/smaps`
+/// lists them. Reading `smaps` walks every page table of the process (it
+/// counts resident pages): its cost grows with the memory, which a live
+/// migration must not pay while the process is frozen. So it reads the
+/// layout while the process runs and, frozen, only [`Layout::refresh`]es it.
+#[derive(Default)]
+pub struct Layout(Vec<MapsEntry>);
+
+impl Layout {
+    /// The layout now (reads `smaps`).
+    pub fn read(pid: i32) -> Result<Layout> {
+        Ok(Layout(parse_smaps(&read_proc(&format!("/proc/{pid}/smaps"))?)?))
+    }
+
+    /// The layout now, from `/proc/PID/maps` (no page-table walk), each
+    /// mapping with the `VmFlags` this layout read for it. The flags the
+    /// dump looks at (`io`, `pf`, `ht`, `gd`, a userfaultfd's `um`/`ui`/`uw`)
+    /// are fixed when a mapping is made or registered; a mapping that is not
+    /// exactly one of this layout's (range, permissions, offset, inode,
+    /// name) makes it read `smaps` again.
+    pub fn refresh(&self, pid: i32) -> Result<Layout> {
+        let mut now = parse_smaps(&read_proc(&format!("/proc/{pid}/maps"))?)?;
+        for m in &mut now {
+            let known = self.0.binary_search_by_key(&m.start, |k| k.start).ok().map(|i| &self.0[i]);
+            match known.filter(|k| (k.end, k.perms, k.offset, k.inode, &k.name) == (m.end, m.perms, m.offset, m.inode, &m.name)) {
+                Some(k) => m.vm_flags.clone_from(&k.vm_flags),
+                None => return Layout::read(pid),
+            }
+        }
+        Ok(Layout(now))
+    }
+}
+
+/// [`dump_regions`] with the mappings `layout` lists.
+pub fn regions_of(pid: i32, layout: &Layout, opts: RegionOptions) -> Result<Vec<Region>> {
+    regions_with(pid, layout, opts, &mut |_| None)
+}
+
+/// [`regions_of`], but the page classes of a region for which `known`
+/// has them (given the region without its pages) are not read from
+/// `pagemap`: reading it walks the region's page tables, which a live
+/// migration does while the process runs, not while it is frozen.
+pub fn regions_with(pid: i32, layout: &Layout, opts: RegionOptions, known: &mut dyn FnMut(&Region) -> Option<PageRuns>) -> Result<Vec<Region>> {
+    let smaps = &layout.0;
     let pagemap = std::fs::File::open(format!("/proc/{pid}/pagemap"))
         .map_err(|e| ForkError::io(format!("open /proc/{pid}/pagemap"), e))?;
     let mut regions = Vec::new();
-    for m in &smaps {
+    for m in smaps {
         if m.name == "[vsyscall]" || in_restorer_window(m.start, m.end) {
             continue; // the kernel's, at the same address everywhere / a restorer's leftovers
         }
@@ -178,8 +224,12 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
         };
         let special = matches!(kind, RegionKind::Vvar | RegionKind::VvarVclock | RegionKind::Vdso);
         let npages = ((m.end - m.start) / PAGE_SIZE) as usize;
-        let mut pages = PageRuns::default();
-        if special || (shared && matches!(kind, RegionKind::File { .. })) {
+        let mut region = Region { start: m.start, end: m.end, prot, shared, growsdown: has("gd"), kind, pages: PageRuns::default() };
+        let known = if special { None } else { known(&region) };
+        let (kind, mut pages) = (region.kind.clone(), PageRuns::default());
+        if let Some(runs) = known {
+            pages = runs;
+        } else if special || (shared && matches!(kind, RegionKind::File { .. })) {
             // Supplied by the kernel / by the shared file itself.
             let class = if special { PageClass::Zero } else { PageClass::File };
             (0..npages).for_each(|_| pages.push(class));
@@ -222,7 +272,8 @@ pub fn dump_regions(pid: i32, opts: RegionOptions) -> Result<Vec<Region>> {
                 pages.push(class);
             }
         }
-        regions.push(Region { start: m.start, end: m.end, prot, shared, growsdown: has("gd"), kind, pages });
+        region.pages = pages;
+        regions.push(region);
     }
 
     Ok(regions)
@@ -336,4 +387,41 @@ pub fn dump_process(pid: i32, brk: u64) -> Result<(ProcessCore, String, Vec<u32>
         mm,
     };
     Ok((core, cwd, groups))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flags_of(l: &Layout, start: u64) -> Option<Vec<String>> {
+        l.0.iter().find(|m| m.start == start).map(|m| m.vm_flags.clone())
+    }
+
+    #[test]
+    fn a_refreshed_layout_has_the_flags_smaps_shows() {
+        let pid = i32::try_from(std::process::id()).expect("a pid fits an i32");
+        let before = Layout::read(pid).expect("smaps");
+        // A mapping made after the layout was read, with a flag only smaps shows (gd).
+        let len = 16 * 4096;
+        // SAFETY: a fresh anonymous mapping, unmapped below; nothing refers to it.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_GROWSDOWN, -1, 0)
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let refreshed = before.refresh(pid).expect("maps");
+        // Nothing changed since: the flags are copied, not read again.
+        let again = refreshed.refresh(pid).expect("maps");
+        let fresh = Layout::read(pid).expect("smaps");
+        // SAFETY: unmaps the mapping made above.
+        unsafe { libc::munmap(p, len) };
+        let new = flags_of(&refreshed, p as u64).expect("the new mapping is listed");
+        assert!(new.iter().any(|f| f == "gd"), "{new:?}");
+        assert!(!refreshed.0.is_empty());
+        for m in refreshed.0.iter().chain(&again.0) {
+            // Mappings that other test threads change meanwhile may differ: compare those both saw.
+            if let Some(f) = flags_of(&fresh, m.start) {
+                assert_eq!(m.vm_flags, f, "mapping at {:#x}", m.start);
+            }
+        }
+    }
 }

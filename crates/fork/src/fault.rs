@@ -51,6 +51,32 @@ const ST_ZERO: u8 = 0;
 const ST_FILE: u8 = 1;
 const ST_FETCH: u8 = 2;
 const ST_DONE: u8 = 3;
+/// A `Fetch` page the fault handler has asked for (its fault or read-ahead):
+/// the drain leaves it alone and waits for it.
+const ST_FAULTING: u8 = 4;
+/// A `Fetch` page the drain has asked for: a fault on it waits (parked) for
+/// the drain's install, which wakes the thread, instead of asking again.
+const ST_PUSHING: u8 = 5;
+
+/// Whether a page in state `st` is still to come from the page server (or
+/// the pages held here): not asked for yet, or asked for and not in place.
+fn missing(st: u8) -> bool {
+    matches!(st, ST_FETCH | ST_FAULTING | ST_PUSHING)
+}
+
+/// Claim a `Fetch` page for one fetcher (`ST_FAULTING` or `ST_PUSHING`):
+/// false if it is not `Fetch` any more (the other one has it, or it is in
+/// place, or discarded). The one who claimed it asks for it; nobody else.
+fn claim(state: &AtomicU8, by: u8) -> bool {
+    state.compare_exchange(ST_FETCH, by, Ordering::AcqRel, Ordering::Acquire).is_ok()
+}
+
+/// Give back a page claimed `by` that did not go in (refused for now, or
+/// in a range that moved): `Fetch` again, unless meanwhile it was put in
+/// place or discarded.
+fn unclaim(state: &AtomicU8, by: u8) {
+    let _ = state.compare_exchange(by, ST_FETCH, Ordering::AcqRel, Ordering::Acquire);
+}
 
 /// Counters of one handler (shared with whoever wants to report them).
 #[derive(Default, Debug)]
@@ -75,6 +101,9 @@ pub struct FaultStats {
     /// CLOCK_REALTIME ns when the first page from the page server was
     /// installed; 0 until then.
     pub first_page_ns: AtomicU64,
+    /// Pages that arrived (fetched or pushed) when they were in place
+    /// already, so were thrown away: what a page came twice cost.
+    pub pages_discarded: AtomicU64,
 }
 
 /// Fault service times as a histogram of power-of-two microsecond buckets
@@ -273,12 +302,14 @@ pub struct FaultHandler {
     /// `None` marks the range a REMAP moved away from (the kernel then sends an UNMAP for it,
     /// which must not discard the moved pages).
     remaps: Vec<(u64, u64, Option<u64>)>,
-    /// Faulting addresses (in the clone) whose page the kernel refused with
-    /// EAGAIN. Their threads are left asleep and served again once the
-    /// pending map change has been read (see [`FaultHandler::run`]): woken
-    /// now, they would fault again at once, and faults are read before
-    /// events, so the handler would spin on refusals.
-    parked: Vec<u64>,
+    /// Faulting addresses (in the clone), with when their fault was read,
+    /// whose page the kernel refused with EAGAIN, or which the drain is
+    /// bringing (`ST_PUSHING`: its install wakes the thread). Their threads
+    /// are left asleep and served again once the pending map change has
+    /// been read (see [`FaultHandler::run`]): woken now, they would fault
+    /// again at once, and faults are read before events, so the handler
+    /// would spin on refusals.
+    parked: Vec<(u64, std::time::Instant)>,
     /// Readable once the drain (see [`FaultHandler::spawn_drain`]) has put
     /// every page from the page server in place: the handler then fills the
     /// file pages still missing and lets go of the process.
@@ -343,6 +374,11 @@ const PARKED_RETRY_MS: i32 = 1;
 /// is fetched again on its next fault.
 const MAX_HELD_PAGES: usize = 4096;
 
+/// Most pages [`Installer::offer`] installs under one hold of the events
+/// lock (128 KiB: one `UFFDIO_COPY` of that takes tens of µs; a fault
+/// waited for a drain's whole 1 MiB runs, behind every page it pushed).
+const INSTALL_RUN: usize = 32;
+
 /// Installs pages nobody is faulting on: pages other clones asked for (the
 /// multicast receive thread) or a migration's remaining pages (the drain).
 struct Installer {
@@ -356,21 +392,41 @@ impl PageSink for Installer {
     fn offer(&self, pages: &[(u64, Fetched)]) -> Vec<bool> {
         let mut out = vec![false; pages.len()];
         let mut new_installs = 0u64;
-        let moved = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
-        let wanted = |addr: u64| -> Option<(usize, usize)> {
+        let wanted = |moved: &[(u64, u64)], addr: u64| -> Option<(usize, usize)> {
             if moved.iter().any(|&(s, l)| addr >= s && addr < s + l) {
                 return None;
             }
             let (ri, pi) = self.shared.locate(addr)?;
-            (self.shared.state(ri, pi) == ST_FETCH).then_some((ri, pi))
+            missing(self.shared.state(ri, pi)).then_some((ri, pi))
         };
-        // Runs of consecutive data pages go in with one UFFDIO_COPY each.
+        let mut discarded = 0u64;
+        // Runs of consecutive data pages go in with one UFFDIO_COPY each,
+        // each run under the events lock, taken again for the next: the
+        // handler reads every fault under it too, so a fault waits for at
+        // most one run (INSTALL_RUN pages), not for the whole batch. A run's
+        // bytes are put together before the lock is taken, which also leaves
+        // the handler a moment to take it between runs.
         let mut i = 0;
         while i < pages.len() {
             let (addr, ref page) = pages[i];
-            let Some((ri, pi)) = wanted(addr) else {
+            let mut end = i + 1;
+            let mut run = Vec::new();
+            if let Fetched::Data(first) = page {
+                run.extend_from_slice(first);
+                while end < pages.len() && end - i < INSTALL_RUN {
+                    let (a, Fetched::Data(d)) = &pages[end] else { break };
+                    if *a != addr + (end - i) as u64 * PAGE_SIZE {
+                        break;
+                    }
+                    run.extend_from_slice(d);
+                    end += 1;
+                }
+            }
+            let moved = self.shared.events.lock().unwrap_or_else(|p| p.into_inner());
+            let Some((ri, pi)) = wanted(&moved, addr) else {
                 // Present already (or not ours to fill): nothing to install.
                 out[i] = self.shared.locate(addr).is_some_and(|(ri, pi)| self.shared.state(ri, pi) == ST_DONE);
+                discarded += u64::from(out[i] && !matches!(page, Fetched::Installed | Fetched::Unreadable));
                 i += 1;
                 continue;
             };
@@ -388,19 +444,14 @@ impl PageSink for Installer {
                     }
                     i += 1;
                 }
-                Fetched::Data(first) => {
+                Fetched::Data(_) => {
+                    // The part of the run still wanted now, under the lock.
                     let mut j = i + 1;
-                    let mut run = first.clone();
-                    while j < pages.len() && j - i < 256 {
-                        let (a, ref p) = pages[j];
-                        let Fetched::Data(d) = p else { break };
-                        if a != addr + (j - i) as u64 * PAGE_SIZE || wanted(a).is_none() {
-                            break;
-                        }
-                        run.extend_from_slice(d);
+                    while j < end && wanted(&moved, pages[j].0).is_some() {
                         j += 1;
                     }
-                    let whole = self.shared.uffd.copy(addr, &run).is_ok();
+                    let run = &run[..(j - i) * PAGE];
+                    let whole = self.shared.uffd.copy(addr, run).is_ok();
                     if whole {
                         new_installs += (j - i) as u64;
                     }
@@ -428,13 +479,13 @@ impl PageSink for Installer {
                 Fetched::Unreadable | Fetched::Installed => i += 1,
             }
         }
-        drop(moved);
         // Multicast pages another clone asked for still arrived from the
         // template into this clone: they count as fetched, too.
         if self.unsolicited {
             self.stats.pages_multicast_unsolicited.fetch_add(new_installs, Ordering::Relaxed);
         }
         self.stats.add_fetched(new_installs);
+        self.stats.pages_discarded.fetch_add(discarded, Ordering::Relaxed);
         out
     }
 }
@@ -540,6 +591,18 @@ impl FaultHandler {
     /// from here), so it can be moved once more.
     pub fn spawn_drain(
         &mut self,
+        client: PageClient,
+        done: Box<dyn FnOnce(Result<DrainReport>) + Send>,
+    ) -> Result<std::thread::JoinHandle<()>> {
+        self.spawn_drain_after(Box::new(|| true), client, done)
+    }
+
+    /// [`FaultHandler::spawn_drain`], whose thread first waits for `start`:
+    /// false, and it ends without draining (`done` is not called). Faults
+    /// are served meanwhile.
+    pub fn spawn_drain_after(
+        &mut self,
+        start: Box<dyn FnOnce() -> bool + Send>,
         mut client: PageClient,
         done: Box<dyn FnOnce(Result<DrainReport>) + Send>,
     ) -> Result<std::thread::JoinHandle<()>> {
@@ -551,6 +614,10 @@ impl FaultHandler {
         std::thread::Builder::new()
             .name("drain".into())
             .spawn(move || {
+                if !start() {
+                    return;
+                }
+                lower_priority();
                 let r = drain(&shared, local.as_deref(), &installer, &mut client);
                 drop(installer);
                 drop(shared);
@@ -638,7 +705,7 @@ impl FaultHandler {
                     let page = addr & !(PAGE_SIZE - 1);
                     let started = std::time::Instant::now();
                     if self.serve_fault(page)? == Install::Retry {
-                        self.parked.push(page);
+                        self.parked.push((page, started));
                     } else {
                         self.stats.service_us.record(started.elapsed());
                     }
@@ -648,12 +715,20 @@ impl FaultHandler {
             }
             // Every message pending was read (map changes included): serve
             // the parked faults again.
-            for page in std::mem::take(&mut self.parked) {
-                if self.serve_fault(page)? == Install::Retry {
-                    self.parked.push(page);
-                }
+            self.serve_parked()?;
+        }
+    }
+
+    /// Serve the parked faults again; those still refused stay parked.
+    fn serve_parked(&mut self) -> Result<()> {
+        for (page, started) in std::mem::take(&mut self.parked) {
+            if self.serve_fault(page)? == Install::Retry {
+                self.parked.push((page, started));
+            } else {
+                self.stats.service_us.record(started.elapsed());
             }
         }
+        Ok(())
     }
 
     /// A [`Materialize`] request: start a drain from the page server (its
@@ -690,6 +765,8 @@ impl FaultHandler {
     /// anything is parked or held, or after the process moved memory
     /// (`remaps`): those pages are still this handler's to serve.
     fn release(&mut self) -> Result<bool> {
+        // A fault parked on a page the drain brought is served by now.
+        self.serve_parked()?;
         if !self.parked.is_empty() || !self.remaps.is_empty() || !self.shared.held().is_empty() {
             return Ok(false);
         }
@@ -704,7 +781,7 @@ impl FaultHandler {
                             return Ok(false);
                         }
                     }
-                    ST_FETCH => return Ok(false),
+                    ST_FETCH | ST_FAULTING | ST_PUSHING => return Ok(false),
                     _ => {}
                 }
             }
@@ -830,6 +907,8 @@ impl FaultHandler {
                 }
                 Ok(done)
             }
+            // The drain has asked for it: its install wakes the thread.
+            ST_PUSHING => Ok(Install::Retry),
             _ => self.fetch_batch(addr, ri, pi),
         }
     }
@@ -847,13 +926,17 @@ impl FaultHandler {
             self.stats.add_fetched(u64::from(done == Install::New));
             return Ok(done);
         }
+        if !claim(&region.state[pi], ST_FAULTING) {
+            // The drain took it (or put it in place) since the fault was read.
+            return Ok(Install::Retry);
+        }
         let mut pages = vec![pi];
         let mut j = pi + 1;
         let window = self.read_ahead(addr);
         while pages.len() < window
             && j < region.state.len()
-            && region.state[j].load(Ordering::Acquire) == ST_FETCH
             && !self.shared.held().contains_key(&(region.start + j as u64 * PAGE_SIZE))
+            && claim(&region.state[j], ST_FAULTING)
         {
             pages.push(j);
             j += 1;
@@ -908,8 +991,13 @@ impl FaultHandler {
             }
             Fetched::Unreadable => return Err(ForkError::PageUnreadable(tmpl)),
         };
+        if done == Install::Present && !matches!(page, Fetched::Installed) {
+            self.stats.pages_discarded.fetch_add(1, Ordering::Relaxed);
+        }
         if done == Install::Retry {
+            // Held before it is given back: a fault then finds its bytes.
             self.shared.hold(tmpl, page);
+            unclaim(&self.shared.regions[ri].state[pi], ST_FAULTING);
         } else {
             self.shared.set_state(ri, pi, ST_DONE);
         }
@@ -935,7 +1023,7 @@ impl FaultHandler {
         if let Some((rx, _)) = &self.mc {
             let shared = &self.shared;
             // Pages the host's receiver installed into this clone since the batch was chosen.
-            let present = |a: u64| shared.locate(a).is_some_and(|(ri, pi)| shared.state(ri, pi) != ST_FETCH);
+            let present = |a: u64| shared.locate(a).is_some_and(|(ri, pi)| !missing(shared.state(ri, pi)));
             match rx.fetch_unless(tmpl_addrs, &present) {
                 Ok(r) => return Ok(r),
                 Err(e) => {
@@ -955,24 +1043,23 @@ fn drain(shared: &Shared, local: Option<&dyn LocalPages>, installer: &Installer,
     let mut report = DrainReport::default();
     loop {
         let mut left = false;
-        for (ri, region) in shared.regions.iter().enumerate() {
+        // Pages the fault handler is fetching: the page server must stay
+        // until they are in place (or given back, then fetched here).
+        let mut awaited = false;
+        for region in &shared.regions {
             let mut pi = 0;
             while pi < region.state.len() {
-                // A run of pages still to fetch, not held.
-                let mut run = Vec::new();
-                while pi < region.state.len() && run.len() < RUN {
-                    let addr = region.start + pi as u64 * PAGE_SIZE;
-                    let wanted = shared.state(ri, pi) == ST_FETCH && !shared.held().contains_key(&addr);
-                    pi += 1;
-                    if wanted {
-                        run.push(addr);
-                    } else if !run.is_empty() {
-                        break;
-                    }
-                }
-                if run.is_empty() {
+                // A run of pages still to fetch, not held, claimed.
+                let is_held = |p: usize| {
+                    let held = shared.held();
+                    !held.is_empty() && held.contains_key(&(region.start + p as u64 * PAGE_SIZE))
+                };
+                let next = claim_run(&region.state, pi, RUN, is_held);
+                (pi, awaited) = (next.end, awaited || next.awaited);
+                if next.pages.is_empty() {
                     continue;
                 }
+                let run: Vec<u64> = next.pages.iter().map(|&p| region.start + p as u64 * PAGE_SIZE).collect();
                 left = true;
                 let mut pages = Vec::with_capacity(run.len());
                 let mut remote = Vec::new();
@@ -994,20 +1081,70 @@ fn drain(shared: &Shared, local: Option<&dyn LocalPages>, installer: &Installer,
                 }
                 installer.offer(&pages);
                 // What could not go in now (a moved range, or refused while a
-                // map change is unread) is kept here for its fault.
+                // map change is unread) is kept here for its fault, then
+                // given back (under the held lock: a fault finds its bytes).
                 let mut held = shared.held();
                 for (a, p) in pages {
-                    let still = shared.locate(a).is_some_and(|(r, i)| shared.state(r, i) == ST_FETCH);
-                    if still && matches!(p, Fetched::Data(_) | Fetched::Zero) {
+                    let Some((r, i)) = shared.locate(a) else { continue };
+                    if shared.state(r, i) == ST_PUSHING && matches!(p, Fetched::Data(_) | Fetched::Zero) {
                         held.insert(a, p);
                     }
+                    unclaim(&shared.regions[r].state[i], ST_PUSHING);
                 }
             }
         }
-        if !left {
+        if !left && !awaited {
             return Ok(report);
         }
+        if !left {
+            // Only the handler's fetches are left: wait for them, not spin.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
     }
+}
+
+/// Run the calling thread (the drain) at a lower priority: on a host with
+/// few cores the faulting thread's fetches and installs get the CPU before
+/// the bulk push (they use a connection and a page-server thread of their
+/// own, so no request waits behind the push's in a queue; only for a core).
+fn lower_priority() {
+    // SAFETY: gettid has no arguments; setpriority only changes this thread's nice value.
+    let r = unsafe { libc::setpriority(libc::PRIO_PROCESS, u32::try_from(libc::gettid()).unwrap_or(0), 10) };
+    if r != 0 {
+        log::debug!("drain: lowering its priority: {}", std::io::Error::last_os_error());
+    }
+}
+
+/// A run of pages the drain claimed ([`claim_run`]).
+#[derive(Debug, PartialEq, Eq)]
+struct Run {
+    /// Page indices claimed (`ST_PUSHING`), ascending.
+    pages: Vec<usize>,
+    /// Where the next run's search starts.
+    end: usize,
+    /// Whether pages the fault handler is fetching were passed over.
+    awaited: bool,
+}
+
+/// The drain's next run in a region's page `states` from index `from`: up
+/// to `max` `Fetch` pages not `held`, each claimed for the drain, from the
+/// first such page to the first page after it that is not (a gap ends the
+/// run, so its pages are mostly contiguous). Pages the fault handler has
+/// claimed are left to it, and noted.
+fn claim_run(states: &[AtomicU8], from: usize, max: usize, held: impl Fn(usize) -> bool) -> Run {
+    let mut run = Run { pages: Vec::new(), end: from, awaited: false };
+    while run.end < states.len() && run.pages.len() < max {
+        let p = run.end;
+        let state = &states[p];
+        run.end += 1;
+        run.awaited |= state.load(Ordering::Acquire) == ST_FAULTING;
+        if state.load(Ordering::Acquire) == ST_FETCH && !held(p) && claim(state, ST_PUSHING) {
+            run.pages.push(p);
+        } else if !run.pages.is_empty() {
+            break;
+        }
+    }
+    run
 }
 
 /// Join the multicast group the page server behind `client` offers, with
@@ -1082,7 +1219,62 @@ impl Drop for FaultHandler {
 
 #[cfg(test)]
 mod tests {
-    use super::read_ahead_window;
+    use super::{claim, claim_run, missing, read_ahead_window, unclaim, Run, ST_DONE, ST_FAULTING, ST_FETCH, ST_FILE, ST_PUSHING, ST_ZERO};
+    use std::sync::atomic::{AtomicU8, Ordering};
+
+    fn states(s: &[u8]) -> Vec<AtomicU8> {
+        s.iter().map(|&x| AtomicU8::new(x)).collect()
+    }
+
+    fn now(s: &[AtomicU8]) -> Vec<u8> {
+        s.iter().map(|x| x.load(Ordering::Relaxed)).collect()
+    }
+
+    const F: u8 = ST_FETCH;
+    const D: u8 = ST_DONE;
+    const Z: u8 = ST_ZERO;
+    const H: u8 = ST_FAULTING;
+    const U: u8 = ST_PUSHING;
+
+    #[test]
+    fn a_page_is_asked_for_by_one_fetcher_only() {
+        let s = states(&[F, F, D]);
+        assert!(claim(&s[0], H), "the handler takes a Fetch page");
+        assert!(!claim(&s[0], U), "the drain does not ask for it again");
+        assert!(claim(&s[1], U));
+        assert!(!claim(&s[1], H), "nor the handler for one the drain has");
+        assert!(!claim(&s[2], H), "a page in place is not asked for");
+        assert_eq!(now(&s), [H, U, D]);
+        // Refused for now: Fetch again, for whoever comes next.
+        unclaim(&s[0], H);
+        // Given back by the wrong one, or in place meanwhile: unchanged.
+        unclaim(&s[1], H);
+        s[2].store(D, Ordering::Relaxed);
+        unclaim(&s[2], U);
+        assert_eq!(now(&s), [F, U, D]);
+        assert!([F, H, U].iter().all(|&x| missing(x)));
+        assert!([D, Z, ST_FILE].iter().all(|&x| !missing(x)));
+    }
+
+    #[test]
+    fn the_drain_claims_runs_and_leaves_the_handlers_pages() {
+        // 0 in place, 1-2 to fetch, 3 the handler's, 4-6 to fetch (5 held), 7 zero.
+        let s = states(&[D, F, F, H, F, F, F, Z]);
+        let held = |p: usize| p == 5;
+        assert_eq!(claim_run(&s, 0, 256, held), Run { pages: vec![1, 2], end: 4, awaited: true });
+        assert_eq!(now(&s), [D, U, U, H, F, F, F, Z]);
+        assert_eq!(claim_run(&s, 4, 256, held), Run { pages: vec![4], end: 6, awaited: false });
+        assert_eq!(claim_run(&s, 6, 256, held), Run { pages: vec![6], end: 8, awaited: false });
+        assert_eq!(claim_run(&s, 8, 256, held), Run { pages: vec![], end: 8, awaited: false });
+        assert_eq!(now(&s), [D, U, U, H, U, F, U, Z]);
+        // A second pass finds nothing but the handler's page and the held one.
+        assert_eq!(claim_run(&s, 0, 256, held), Run { pages: vec![], end: 8, awaited: true });
+        // At most `max` pages per run.
+        let s = states(&[F, F, F, F, F]);
+        assert_eq!(claim_run(&s, 0, 2, |_| false), Run { pages: vec![0, 1], end: 2, awaited: false });
+        assert_eq!(claim_run(&s, 2, 2, |_| false), Run { pages: vec![2, 3], end: 4, awaited: false });
+        assert_eq!(now(&s), [U, U, U, U, F]);
+    }
 
     const P: u64 = 4096;
 

@@ -204,6 +204,35 @@ pub unsafe extern "C" fn sf_clone_state(t: *const SfTicket, id: c_int) -> c_int 
     }
 }
 
+/// Extension: the granted hosts whose clones run with their host's whole network rather than the
+/// ticket's own (`fork.isolate_network = on` and hosts that cannot enforce it): returns how many
+/// (0 for none and for the local backend), -1 for a NULL ticket. Host `i` (0-based) is written to
+/// `buf` as `NAME\tWHY`, cut to `len - 1` bytes and NUL-terminated; nothing is written when `i`
+/// is out of range, `buf` is NULL or `len` is 0.
+///
+/// # Safety
+/// As `sf_ticket_allocation`; `buf` is NULL or valid for writes of `len` bytes.
+#[no_mangle]
+pub unsafe extern "C" fn sf_ticket_unisolated(t: *const SfTicket, i: c_int, buf: *mut c_char, len: usize) -> c_int {
+    // SAFETY: per the contract.
+    let Some(t) = (unsafe { t.as_ref() }) else {
+        set_error("NULL ticket".into());
+        return -1;
+    };
+    let hosts = t.unisolated();
+    let entry = usize::try_from(i).ok().and_then(|i| hosts.get(i));
+    if let (Some(u), false, true) = (entry, buf.is_null(), len > 0) {
+        let text = format!("{}\t{}", u.host, u.why);
+        let n = text.len().min(len - 1);
+        // SAFETY: buf is valid for len bytes (the contract) and n < len; the source is a live String.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr().cast::<c_char>(), buf, n);
+            *buf.add(n) = 0;
+        }
+    }
+    c_int::try_from(hosts.len()).unwrap_or(c_int::MAX)
+}
+
 /// Extension: the address (IP) of the parent's host as clones reach it, in
 /// the parent (after a cluster ticket) and in its clones; NULL otherwise.
 #[no_mangle]

@@ -39,7 +39,7 @@ impl LocalClone {
             let client = PageClient::connect(host.server(), host.key(), host.options().encrypt)?;
             FaultHandler::on_host(uffd, &handler_desc, client, stats, &host).run(stop)
         });
-        let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
+        let plan = PlanOptions { clone_id: id, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false, join_groups: 0 };
         let (program, restore) = Restore::start(desc, plan, serve)?;
         let restorer_pid = spawn(&program)?;
         Ok(LocalClone { id, restorer_pid, status: None, restore: Some(restore), counters: None })

@@ -5,7 +5,8 @@
 //! the task keeps running where it is, and `starling attach TASK` makes
 //! another client its own. For that the head keeps, per such task, the output
 //! its client has not acknowledged writing (`OutputAck`; bounded by
-//! [`MAX_UNACKED`], oldest dropped first) and, while no client is attached,
+//! [`starling_proto::unacked::MAX_UNACKED`], oldest dropped first; a task at home: what went to its client
+//! directly, which the home agent hands over when that client goes away, `agent::direct`) and, while no client is attached,
 //! every other message for the client (file requests, which the task waits
 //! for; its changes and its end). An attach replays exactly that, so the new
 //! client prints from the first byte the last one had not, and commits the
@@ -15,25 +16,20 @@
 
 use crate::{ClientIdentity, Head, State};
 use starling_proto::conn::Outgoing;
+use starling_proto::unacked::UnackedOutput;
 use starling_proto::{Msg, TaskId};
 use std::collections::{BTreeMap, VecDeque};
 
-/// Most output bytes kept per task for a client that has not acknowledged them.
-pub(crate) const MAX_UNACKED: usize = 4 << 20;
 /// Most tasks kept after ending with no client attached.
 pub(crate) const MAX_ENDED: usize = 64;
 
 /// What a task's client has not seen yet.
 #[derive(Default)]
 pub(crate) struct Replay {
-    /// `Output` not acknowledged yet, oldest first; the first one's first `front_acked` bytes were.
-    unacked: VecDeque<Msg>,
-    front_acked: usize,
-    unacked_bytes: usize,
-    /// How many of `unacked` went to the attached client.
+    /// `Output` not acknowledged yet (bounded by [`starling_proto::unacked::MAX_UNACKED`]).
+    output: UnackedOutput,
+    /// How many of `output` went to the attached client.
     sent: usize,
-    /// Output dropped unacknowledged (over [`MAX_UNACKED`]).
-    pub(crate) dropped: u64,
     /// Other messages not sent to a client yet, in order.
     held: VecDeque<Msg>,
     /// File requests sent to a client and not answered: sent again to the next one.
@@ -42,27 +38,13 @@ pub(crate) struct Replay {
     flushing: bool,
 }
 
-fn output_len(m: &Msg) -> usize {
-    match m {
-        Msg::Output { data, .. } => data.len(),
-        _ => 0,
-    }
-}
-
 impl Replay {
     /// A message from the task's host for its client.
     fn push(&mut self, m: Msg, attached: bool) {
         match m {
             Msg::Output { .. } => {
-                self.unacked_bytes += output_len(&m);
-                self.unacked.push_back(m);
-                while self.unacked_bytes > MAX_UNACKED {
-                    let Some(old) = self.unacked.pop_front() else { break };
-                    let n = output_len(&old) - std::mem::take(&mut self.front_acked);
-                    self.unacked_bytes -= n;
-                    self.dropped += n as u64;
-                    self.sent = self.sent.saturating_sub(1);
-                }
+                let gone = self.output.push(m);
+                self.sent = self.sent.saturating_sub(gone);
             }
             // The X server's end of these connections was the client's, which is gone.
             Msg::X11Open { .. } | Msg::X11Data { .. } | Msg::X11Close { .. } if !attached => {}
@@ -70,23 +52,10 @@ impl Replay {
         }
     }
 
-    /// The client wrote `bytes` more of the output.
-    pub(crate) fn ack(&mut self, mut bytes: u64) {
-        while bytes > 0 {
-            let Some(front) = self.unacked.front() else { break };
-            let left = output_len(front) - self.front_acked;
-            if bytes < left as u64 {
-                let b = usize::try_from(bytes).unwrap_or(left);
-                self.front_acked += b;
-                self.unacked_bytes -= b;
-                return;
-            }
-            bytes -= left as u64;
-            self.unacked_bytes -= left;
-            self.front_acked = 0;
-            self.unacked.pop_front();
-            self.sent = self.sent.saturating_sub(1);
-        }
+    /// The client wrote `bytes` more of the output (that came through the head).
+    pub(crate) fn ack(&mut self, bytes: u64) {
+        let done = self.output.ack(bytes);
+        self.sent = self.sent.saturating_sub(done);
     }
 
     /// A client answered file request `id`.
@@ -105,16 +74,8 @@ impl Replay {
 
     /// What the attached client has not been sent, marked sent.
     fn unsent(&mut self) -> Vec<Msg> {
-        let mut out = Vec::new();
-        for (i, m) in self.unacked.iter().enumerate().skip(self.sent) {
-            match m {
-                Msg::Output { task, stream, data } if i == 0 && self.front_acked > 0 => {
-                    out.push(Msg::Output { task: *task, stream: *stream, data: data[self.front_acked..].to_vec() });
-                }
-                m => out.push(m.clone()),
-            }
-        }
-        self.sent = self.unacked.len();
+        let mut out = self.output.from(self.sent);
+        self.sent = self.output.len();
         for m in self.held.drain(..) {
             if let Msg::FileRequest { id, .. } = &m {
                 self.asked.insert(*id, m.clone());
@@ -274,7 +235,7 @@ impl Head {
                     replay.detach();
                 }
                 *client_conn = conn;
-                Ok((old, host, std::mem::take(&mut replay.dropped)))
+                Ok((old, host, std::mem::take(&mut replay.output.dropped)))
             })
         };
         let (old, host, dropped) = match taken {
@@ -344,18 +305,5 @@ mod tests {
         r.push(Msg::X11Close { task: TaskId(1), stream: 0 }, false);
         let again = r.unsent();
         assert!(matches!(again.as_slice(), [Msg::FileRequest { id: 8, .. }]), "{again:?}");
-    }
-
-    #[test]
-    fn unacknowledged_output_is_bounded_oldest_dropped_first() {
-        let mut r = Replay::default();
-        let big = vec![b'x'; MAX_UNACKED / 2];
-        r.push(out(&big), false);
-        r.push(out(&big), false);
-        r.push(out(b"tail"), false);
-        assert_eq!(r.dropped, big.len() as u64);
-        let sent = bytes(&r.unsent());
-        assert_eq!(sent.len(), big.len() + 4);
-        assert!(sent.ends_with(b"tail"));
     }
 }

@@ -88,6 +88,9 @@ pub(crate) struct Route {
     pub(crate) started: std::time::Instant,
     /// A remote-fork clone task (clones cannot move yet).
     pub(crate) clone_task: bool,
+    /// What a clone's ticket asks of its network (`Off` for other tasks): a move keeps an
+    /// isolated ticket's clone on hosts that can enforce it (`head::migration`).
+    pub(crate) isolation: starling_proto::NetworkIsolation,
     /// The task's own Linger-Longer policy (`None`: its host's).
     pub(crate) policy: Option<starling_proto::GuestPolicy>,
     /// IE: what a rerun from the start needs (`None`: the task is not rerun).
@@ -102,7 +105,9 @@ pub(crate) struct Route {
     pub(crate) roam: Option<starling_proto::RoamLog>,
     /// A task on a terminal: it outlives its client, and this is what its client has not seen
     /// (`None`: the task ends with its client).
-    pub(crate) outlive: Option<attach::Replay>,
+    pub(crate) outlive: Option<attach::Replay>,    /// Stream messages of the task relayed here, both ways (`starling ps`: a task at home
+    /// whose stream goes straight to its client adds none).
+    pub(crate) relayed: u64,
 }
 
 #[derive(Default)]
@@ -113,8 +118,8 @@ pub(crate) struct State {
     pub(crate) queue: std::collections::VecDeque<queue::Queued>,
     /// Latest migrations' reports, oldest first.
     pub(crate) recent_migrations: std::collections::VecDeque<starling_proto::MigrationReport>,
-    /// `starling ps` requests waiting for the agents' usage replies.
-    pub(crate) usage_waiters: HashMap<u64, tokio::sync::mpsc::UnboundedSender<Vec<starling_proto::TaskUsage>>>,
+    /// `ps` waiting for hosts' usage: (host connection, its tasks) by request nonce.
+    pub(crate) usage_waiters: HashMap<u64, tokio::sync::mpsc::UnboundedSender<(u64, Vec<starling_proto::TaskUsage>)>>,
     /// Fork tickets granted and their hosts, by (client connection, ticket): a clone's
     /// ticket network is its grant's hosts (forgotten when the client goes).
     pub(crate) grants: HashMap<(u64, u64), Vec<String>>,

@@ -31,12 +31,32 @@ pub(crate) const TICK: Duration = Duration::from_secs(1);
 pub(crate) struct Lingering {
     episodes: HashMap<String, Instant>,
     pub(crate) doing: HashMap<String, String>,
-    /// Moves started per task: a task whose moves keep failing is left alone after [`MAX_TRIES`].
-    tries: HashMap<TaskId, u32>,
+    /// Moves started per task since it last moved: a task whose moves keep failing is left
+    /// alone for [`RETRY_AFTER`] after [`MAX_TRIES`], then tried again. A move that succeeds
+    /// clears its count ([`Head::moved_away`]). Before, every move counted and the count never
+    /// expired: a PM task was left suspended for the rest of its owner's episode (and of every
+    /// later one) after its third move.
+    tries: HashMap<TaskId, Tries>,
 }
 
-/// Moves tried per task.
+/// Moves tried per task in a row.
 const MAX_TRIES: u32 = 3;
+/// How long a task whose last [`MAX_TRIES`] moves failed is left where it is.
+const RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// A task's moves since it last moved.
+#[derive(Clone, Copy)]
+struct Tries {
+    started: u32,
+    last: Instant,
+}
+
+impl Tries {
+    /// Whether the policy may move the task now.
+    fn allow(t: Option<&Tries>, now: Instant) -> bool {
+        t.is_none_or(|t| t.started < MAX_TRIES || now.duration_since(t.last) >= RETRY_AFTER)
+    }
+}
 
 /// One host as the policy sees it.
 struct View {
@@ -51,6 +71,11 @@ struct View {
 }
 
 impl Head {
+    /// `task` moved: its next host's policy may move it again.
+    pub(crate) fn moved_away(&self, task: TaskId) {
+        self.lingering.lock().unwrap().tries.remove(&task);
+    }
+
     /// T_migr: the mean of the measured migrations' total times.
     fn t_migr(&self) -> Duration {
         let recent = self.recent_migrations();
@@ -104,7 +129,7 @@ impl Head {
                     .routes
                     .iter()
                     .filter(|(t, r)| {
-                        on_host(r) && !r.clone_task && r.moving.is_none() && lg.tries.get(*t).copied().unwrap_or(0) < MAX_TRIES
+                        on_host(r) && !r.clone_task && r.moving.is_none() && Tries::allow(lg.tries.get(*t), now)
                     })
                     .filter_map(|(t, r)| match r.policy.or(v.policy) {
                         Some(p @ (GuestPolicy::LingerLonger | GuestPolicy::PauseAndMigrate)) => Some((*t, r.cores, p)),
@@ -152,7 +177,10 @@ impl Head {
                 };
                 if age >= t_lingr {
                     *taken.entry(target.name.clone()).or_default() += cores;
-                    *lg.tries.entry(task).or_default() += 1;
+                    let t = lg.tries.entry(task).or_insert(Tries { started: 0, last: now });
+                    // A new round after RETRY_AFTER.
+                    t.started = if t.started >= MAX_TRIES { 1 } else { t.started + 1 };
+                    t.last = now;
                     lg.doing.insert(
                         v.name.clone(),
                         match pm {
@@ -206,5 +234,21 @@ impl Head {
                 Err(e) => log::warn!("cannot move task {task} to {to}: {e}"),
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_task_whose_moves_failed_is_tried_again_after_a_while() {
+        let t0 = Instant::now();
+        assert!(Tries::allow(None, t0), "never tried");
+        let failed = |started| Tries { started, last: t0 };
+        assert!(Tries::allow(Some(&failed(MAX_TRIES - 1)), t0));
+        assert!(!Tries::allow(Some(&failed(MAX_TRIES)), t0), "left alone after MAX_TRIES");
+        assert!(!Tries::allow(Some(&failed(MAX_TRIES)), t0 + RETRY_AFTER - Duration::from_millis(1)));
+        assert!(Tries::allow(Some(&failed(MAX_TRIES)), t0 + RETRY_AFTER), "tried again, never left for good");
     }
 }

@@ -23,7 +23,7 @@
 use crate::placement::natural_key;
 use crate::{Head, Host};
 use starling_proto::conn::Outgoing;
-use starling_proto::{MigrationReport, Msg, SecretKey, TaskId};
+use starling_proto::{MigrationReport, Msg, NetworkIsolation, SecretKey, TaskId};
 use std::collections::HashMap;
 use std::time::Instant;
 
@@ -50,6 +50,9 @@ pub(crate) struct Moving {
     /// The route points at the target now.
     pub(crate) switched: bool,
     started: Instant,
+    /// Why the target cannot enforce the moving clone's ticket network (`None`: it can, or the
+    /// task has none): the clone runs there with the host's whole network, and the report says so.
+    unisolated: Option<String>,
 }
 
 /// Where [`Head::route_client_msg`] sends a client's task message.
@@ -86,7 +89,10 @@ impl Head {
                     route.cores
                 ));
             }
-            let (from, cores) = (route.host.clone(), route.cores);
+            let (from, cores, isolation) = (route.host.clone(), route.cores, route.isolation);
+            // A clone of an isolated ticket goes only where its network can be enforced, unless
+            // the caller names a host that cannot and the ticket does not require it.
+            let enforces = |h: &Host| isolation == NetworkIsolation::Off || h.info.cannot_isolate.is_none();
             let target = match &to {
                 Some(name) if *name == from => return Err(format!("task {task} already runs on {name}")),
                 Some(name) => {
@@ -95,14 +101,31 @@ impl Head {
                         known.sort_by_key(|a| natural_key(a));
                         format!("no host named {name:?} (hosts: {})", known.join(", "))
                     })?;
+                    if let (NetworkIsolation::Required, Some(why)) = (isolation, &h.info.cannot_isolate) {
+                        return Err(format!(
+                            "task {task} is a clone of a ticket that requires its own network (fork.isolate_network = required), \
+                             and host {name} cannot enforce one ({why})"
+                        ));
+                    }
                     if h.cores_busy + cores > h.info.cores.max(1) {
                         return Err(format!("host {name} has no free core for task {task}"));
                     }
                     name.clone()
                 }
-                None => least_loaded_other(&st.hosts, &from, cores)
-                    .ok_or_else(|| format!("no other host has a free core for task {task}"))?,
+                None => least_loaded_other(&st.hosts, &from, cores, enforces).ok_or_else(|| match isolation {
+                    NetworkIsolation::Off => format!("no other host has a free core for task {task}"),
+                    NetworkIsolation::On => format!(
+                        "no other host that can enforce its ticket's own network has a free core for task {task} \
+                         (name a host with --to to move it there with that host's whole network)"
+                    ),
+                    NetworkIsolation::Required => format!(
+                        "no other host that can enforce its ticket's own network has a free core for task {task} \
+                         (its ticket requires one: fork.isolate_network = required)"
+                    ),
+                })?,
             };
+            // Told to whoever asked, with the report: the clone loses its ticket's network there.
+            let unisolated = (isolation != NetworkIsolation::Off).then(|| st.hosts.get(&target)?.info.cannot_isolate.clone()).flatten();
             let h = st.hosts.get_mut(&target).expect("chosen above");
             // The target holds the task's cores from now on (no launch may take them).
             h.cores_busy += cores;
@@ -120,6 +143,7 @@ impl Head {
                 held_output: Vec::new(),
                 switched: false,
                 started: Instant::now(),
+                unisolated,
             });
             (target_tx, from)
         };
@@ -226,12 +250,14 @@ impl Head {
                         crate::roam::moved(r, &report);
                     }
                     report.total_ms = m.as_ref().map_or(report.total_ms, |m| m.started.elapsed().as_secs_f64() * 1e3);
+                    report.unisolated = m.as_ref().and_then(|m| m.unisolated.clone());
                     st.recent_migrations.push_back(report.clone());
                     if st.recent_migrations.len() > RECENT_MIGRATIONS {
                         st.recent_migrations.pop_front();
                     }
                     m.and_then(|m| m.requester)
                 };
+                self.moved_away(task);
                 log::info!("migration {migration}: task {task} moved {} -> {} (pause {:.1} ms)", report.from, report.to, report.pause_ms);
                 if let Some(r) = requester {
                     let _ = r.send(Msg::MigrateReply { task, result: Ok(report) }).await;
@@ -320,12 +346,8 @@ impl Head {
                     None => ClientMsgRoute::Consumed,
                 }
             }
-            Msg::Stdin { .. }
-            | Msg::StdinEof { .. }
-            | Msg::Signal { .. }
-            | Msg::Resize { .. }
-            | Msg::X11Data { .. }
-            | Msg::X11Close { .. } => match r.moving.as_mut() {
+            // (A switch of its path goes where its input goes.)
+            m if m.is_stream() || matches!(m, Msg::PathSwitch { .. }) => match r.moving.as_mut() {
                 Some(mv) if mv.holding => {
                     mv.held_input.push(m);
                     ClientMsgRoute::Consumed
@@ -362,12 +384,12 @@ impl Head {
     }
 }
 
-/// The least loaded host other than `from` with `cores` free (never the home site: a task goes
-/// home only when asked to).
-fn least_loaded_other(hosts: &HashMap<String, Host>, from: &str, cores: u32) -> Option<String> {
+/// The least loaded host other than `from` with `cores` free that `eligible` keeps (never the
+/// home site: a task goes home only when asked to).
+fn least_loaded_other(hosts: &HashMap<String, Host>, from: &str, cores: u32, eligible: impl Fn(&Host) -> bool) -> Option<String> {
     hosts
         .values()
-        .filter(|h| h.info.name != from && !h.info.home && h.cores_busy + cores <= h.info.cores.max(1))
+        .filter(|h| h.info.name != from && !h.info.home && h.cores_busy + cores <= h.info.cores.max(1) && eligible(h))
         .min_by(|a, b| {
             let load = |h: &Host| f64::from(h.cores_busy) / f64::from(h.info.cores.max(1));
             load(a).total_cmp(&load(b)).then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))

@@ -2,6 +2,7 @@
 //! clones go to. Pure functions over the head's view of its hosts.
 
 use crate::Host;
+use starling_proto::{NetworkIsolation, Unisolated};
 use std::collections::HashMap;
 
 /// Why a launch or a ticket cannot be placed (told to the client as its message).
@@ -17,6 +18,8 @@ pub(crate) enum Unplaceable {
     NoHostLargeEnough(u32),
     #[error("no free cores in the cluster")]
     NoFreeCores,
+    #[error("fork.isolate_network is `required`, and {} of the {could} clones the cluster could grant would be on hosts that cannot enforce a ticket's own network: {} (set it to `on` to run clones there with their host's whole network)", could - isolated, cannot.iter().map(|(h, why)| format!("{h} ({why})")).collect::<Vec<_>>().join(", "))]
+    CannotIsolate { could: u32, isolated: u32, cannot: Vec<(String, String)> },
 }
 
 /// Can a launch (needing `cores` on one host) ever be placed? `Err`: why not.
@@ -85,9 +88,17 @@ fn load(h: &Host) -> f64 {
 /// Where a clone of `ticket` (launched by client connection `conn`, placed on `host`) may
 /// connect: the hosts of its grant (and `host`, should the launch name one outside it), by the
 /// address each registered from; refused everywhere: `control_ports` (the head's, the agents' it
-/// dials) and every host's chunk port. The parent's machine is added by the agent (the page
-/// server's address).
-pub(crate) fn ticket_network(st: &crate::State, conn: u64, ticket: u64, host: &str, control_ports: &[u16]) -> starling_proto::TicketNetwork {
+/// dials), every host's chunk port and the ports the client `asked` to refuse too (the port it
+/// reaches the cluster at: a link relay's); a client never adds members. The parent's machine is
+/// added by the agent (the page server's address).
+pub(crate) fn ticket_network(
+    st: &crate::State,
+    conn: u64,
+    ticket: u64,
+    host: &str,
+    control_ports: &[u16],
+    asked: &starling_proto::TicketNetwork,
+) -> starling_proto::TicketNetwork {
     let granted = st.grants.get(&(conn, ticket));
     let names = granted.into_iter().flatten().map(String::as_str).chain(std::iter::once(host));
     let mut members: Vec<std::net::IpAddr> =
@@ -95,10 +106,10 @@ pub(crate) fn ticket_network(st: &crate::State, conn: u64, ticket: u64, host: &s
     members.sort();
     members.dedup();
     let chunk_ports = st.hosts.values().filter_map(|h| h.info.peer.as_deref()?.parse::<std::net::SocketAddr>().ok()).map(|a| a.port());
-    let mut refused_ports: Vec<u16> = control_ports.iter().copied().chain(chunk_ports).collect();
+    let mut refused_ports: Vec<u16> = control_ports.iter().copied().chain(chunk_ports).chain(asked.refused_ports.iter().copied()).collect();
     refused_ports.sort_unstable();
     refused_ports.dedup();
-    starling_proto::TicketNetwork { members, refused_ports }
+    starling_proto::TicketNetwork { members, refused_ports, required: asked.required }
 }
 
 /// A fork ticket's grant: up to `n` clones by free cores (cores minus
@@ -107,9 +118,59 @@ pub(crate) fn ticket_network(st: &crate::State, conn: u64, ticket: u64, host: &s
 /// round-robin so clones land on as many hosts as possible. The grant is
 /// advisory: the clones are then launched as tasks.
 pub(crate) fn grant(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool) -> Result<Vec<(String, u32)>, Unplaceable> {
+    grant_among(hosts, n, hierarchical, |_| true)
+}
+
+/// A ticket's grant: (host, clones there).
+pub(crate) type Placement = Vec<(String, u32)>;
+
+/// A fork ticket's grant as its network isolation wants it: `Off`, by free cores; `On`, from the
+/// hosts that can enforce a ticket's own network first and then from the others (returned with
+/// why they cannot: their clones get their host's network); `Required`, only from hosts that can,
+/// refused naming the others when that grants fewer clones than the whole cluster would.
+pub(crate) fn grant_isolated(
+    hosts: &HashMap<String, Host>,
+    n: u32,
+    hierarchical: bool,
+    isolation: NetworkIsolation,
+) -> Result<(Placement, Vec<Unisolated>), Unplaceable> {
+    let can = |h: &Host| h.info.cannot_isolate.is_none();
+    let total = |g: &[(String, u32)]| g.iter().map(|(_, k)| *k).sum::<u32>();
+    let why_not = |name: &str| hosts.get(name).and_then(|h| h.info.cannot_isolate.clone());
+    match isolation {
+        NetworkIsolation::Off => Ok((grant(hosts, n, hierarchical)?, Vec::new())),
+        NetworkIsolation::On => {
+            // No host with a free core at all: refused as any ticket is.
+            grant(hosts, n, hierarchical)?;
+            let mut out = grant_among(hosts, n, hierarchical, can).unwrap_or_default();
+            let left = n - total(&out);
+            if left > 0 {
+                if let Ok(more) = grant_among(hosts, left, hierarchical, |h| !can(h)) {
+                    out.extend(more);
+                }
+            }
+            let unisolated = out.iter().filter_map(|(h, _)| Some(Unisolated { host: h.clone(), why: why_not(h)? })).collect();
+            Ok((out, unisolated))
+        }
+        NetworkIsolation::Required => {
+            let all = grant(hosts, n, hierarchical)?;
+            let isolated = grant_among(hosts, n, hierarchical, can).unwrap_or_default();
+            if total(&isolated) < total(&all) {
+                let mut cannot: Vec<(String, String)> =
+                    hosts.values().filter(|h| !h.info.home).filter_map(|h| Some((h.info.name.clone(), h.info.cannot_isolate.clone()?))).collect();
+                cannot.sort_by_key(|(h, _)| natural_key(h));
+                return Err(Unplaceable::CannotIsolate { could: total(&all), isolated: total(&isolated), cannot });
+            }
+            Ok((isolated, Vec::new()))
+        }
+    }
+}
+
+/// [`grant`] from the hosts `eligible` keeps.
+fn grant_among(hosts: &HashMap<String, Host>, n: u32, hierarchical: bool, eligible: impl Fn(&Host) -> bool) -> Result<Vec<(String, u32)>, Unplaceable> {
     let mut free: Vec<(String, u32)> = hosts
         .values()
-        .filter(|h| !h.info.home)
+        .filter(|h| !h.info.home && eligible(h))
         .map(|h| (h.info.name.clone(), h.info.cores.saturating_sub(h.cores_busy)))
         .filter(|(_, f)| *f > 0)
         .collect();
@@ -173,6 +234,7 @@ mod tests {
                     owner: None,
                     home: false,
                     peer: None,
+                    cannot_isolate: None,
                 };
                 (name.to_string(), Host { info, tx: tokio::sync::mpsc::channel(1).0, cores_busy: busy, conn_id: 0 })
             })
@@ -223,6 +285,31 @@ mod tests {
         assert_eq!(grant(&h, 100, true).unwrap().iter().map(|(_, k)| k).sum::<u32>(), 9);
         assert_eq!(grant(&hosts(&[]), 1, false), Err(Unplaceable::NoHosts));
         assert_eq!(grant(&hosts(&[("h1", 2, 2)]), 1, false), Err(Unplaceable::NoFreeCores));
+    }
+
+    #[test]
+    fn isolated_tickets_prefer_hosts_that_can_enforce_and_required_ones_refuse_the_others() {
+        let mut h = hosts(&[("h1", 2, 0), ("h2", 2, 0), ("h3", 2, 0)]);
+        h.get_mut("h2").unwrap().info.cannot_isolate = Some("no root".into());
+        let two = |v: &[(&str, u32)]| v.iter().map(|(n, k)| (n.to_string(), *k)).collect::<Vec<_>>();
+        // Enough cores on the hosts that can: only them (spread round them).
+        assert_eq!(grant_isolated(&h, 4, false, NetworkIsolation::On).unwrap(), (two(&[("h1", 2), ("h3", 2)]), vec![]));
+        assert_eq!(grant_isolated(&h, 4, false, NetworkIsolation::Required).unwrap(), (two(&[("h1", 2), ("h3", 2)]), vec![]));
+        // Off spreads over every host, as before.
+        assert_eq!(grant_isolated(&h, 3, false, NetworkIsolation::Off).unwrap().0, two(&[("h1", 1), ("h2", 1), ("h3", 1)]));
+        // More than they have: On takes the rest from h2 and names it; Required refuses, naming h2.
+        let unisolated = vec![Unisolated { host: "h2".into(), why: "no root".into() }];
+        assert_eq!(grant_isolated(&h, 6, false, NetworkIsolation::On).unwrap(), (two(&[("h1", 2), ("h3", 2), ("h2", 2)]), unisolated));
+        let refused = grant_isolated(&h, 5, true, NetworkIsolation::Required).unwrap_err();
+        assert_eq!(refused, Unplaceable::CannotIsolate { could: 5, isolated: 4, cannot: vec![("h2".into(), "no root".into())] });
+        assert!(refused.to_string().contains("h2 (no root)"), "{refused}");
+        // Only hosts that cannot: On runs there (named), Required refuses.
+        let mut only = hosts(&[("rl1", 2, 0)]);
+        only.get_mut("rl1").unwrap().info.cannot_isolate = Some("not root".into());
+        assert_eq!(grant_isolated(&only, 1, false, NetworkIsolation::On).unwrap().1, vec![Unisolated { host: "rl1".into(), why: "not root".into() }]);
+        assert!(matches!(grant_isolated(&only, 1, false, NetworkIsolation::Required), Err(Unplaceable::CannotIsolate { could: 1, isolated: 0, .. })));
+        // A full cluster is refused as before.
+        assert_eq!(grant_isolated(&hosts(&[("h1", 2, 2)]), 1, false, NetworkIsolation::Required), Err(Unplaceable::NoFreeCores));
     }
 
     #[test]

@@ -33,11 +33,13 @@ impl Head {
         for a in agents {
             asked += usize::from(a.send(Msg::UsageRequest { nonce }).await.is_ok());
         }
-        let mut usage: HashMap<starling_proto::TaskId, TaskUsage> = HashMap::new();
+        // By answering connection: a task that just moved may still be listed by its source
+        // (winding down) as well; its row is its route's host's.
+        let mut usage: HashMap<(u64, starling_proto::TaskId), TaskUsage> = HashMap::new();
         let deadline = tokio::time::Instant::now() + USAGE_WAIT;
         for _ in 0..asked {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(rows)) => usage.extend(rows.into_iter().map(|u| (u.task, u))),
+                Ok(Some((conn, rows))) => usage.extend(rows.into_iter().map(|u| ((conn, u.task), u))),
                 _ => break,
             }
         }
@@ -47,7 +49,7 @@ impl Head {
             .routes
             .iter()
             .map(|(task, r)| {
-                let u = usage.get(task);
+                let u = st.hosts.get(&r.host).and_then(|h| usage.get(&(h.conn_id, *task)));
                 TaskRow {
                     task: *task,
                     job: r.job.clone(),
@@ -68,6 +70,8 @@ impl Head {
                     runtime_seconds: r.started.elapsed().as_secs_f64(),
                     runnable: u.map(|u| u.runnable),
                     roam: r.roam.clone(),
+                    direct: u.map(|u| u.direct),
+                    relayed: r.relayed,
                 }
             })
             .collect();
@@ -76,9 +80,10 @@ impl Head {
     }
 
     /// An agent's answer to a usage request.
-    pub(crate) fn usage_reply(&self, nonce: u64, tasks: Vec<TaskUsage>) {
+    /// `conn`: the host connection it came on.
+    pub(crate) fn usage_reply(&self, conn: u64, nonce: u64, tasks: Vec<TaskUsage>) {
         if let Some(w) = self.state.lock().unwrap().usage_waiters.get(&nonce) {
-            let _ = w.send(tasks);
+            let _ = w.send((conn, tasks));
         }
     }
 }

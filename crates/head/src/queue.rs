@@ -58,11 +58,21 @@ impl Head {
 
     /// Start a placed launch: route it, tell the client, hand it to the host.
     async fn start(&self, mut q: Queued, (host, host_tx, host_conn): Placed) {
+        let isolation = match q.spec.clone.as_ref().and_then(|c| c.network.as_ref()) {
+            None => starling_proto::NetworkIsolation::Off,
+            Some(n) if n.required => starling_proto::NetworkIsolation::Required,
+            Some(_) => starling_proto::NetworkIsolation::On,
+        };
         if let Some(c) = q.spec.clone.as_mut() {
             c.placed_ns = starling_proto::realtime_ns();
-            if c.network.is_some() {
+            if let Some(asked) = c.network.take() {
                 let st = self.state.lock().unwrap();
-                c.network = Some(crate::placement::ticket_network(&st, q.conn, c.ticket, &host, &self.control_ports));
+                // A host that cannot enforce it runs the clone with its own network (the grant
+                // told the client so), unless the job requires it: then the host fails the clone.
+                let can = st.hosts.get(&host).is_some_and(|h| h.info.cannot_isolate.is_none());
+                if can || asked.required {
+                    c.network = Some(crate::placement::ticket_network(&st, q.conn, c.ticket, &host, &self.control_ports, &asked));
+                }
             }
         }
         if let Some(task) = q.rerun {
@@ -90,6 +100,7 @@ impl Head {
             job: q.spec.job.clone(),
             started: std::time::Instant::now(),
             clone_task: q.spec.clone.is_some(),
+            isolation,
             policy: q.spec.policy,
             rerun,
             moving: None,
@@ -97,6 +108,7 @@ impl Head {
             target_file_ids: Default::default(),
             roam: None,
             outlive: q.spec.terminal.is_some().then(crate::attach::Replay::default),
+            relayed: 0,
         };
         self.groups.lock().unwrap().started(task, q.conn, &q.spec, &route.command);
         self.state.lock().unwrap().routes.insert(task, route);

@@ -182,7 +182,10 @@ impl Relay {
     /// missing from the task's client (`None`: gone) exactly once however
     /// many hosts ask. `asker`: the peer address of the host asking.
     pub(crate) async fn serve(&self, client: Option<Outgoing>, task: TaskId, req: FileReq, asker: Option<String>) -> FileResp {
-        let Some(client) = client else { return FileResp::Errno(EIO) };
+        let Some(client) = client else {
+            log::warn!("task {task}: a host asked for content and the task has no client to fetch it from; answering EIO");
+            return FileResp::Errno(EIO);
+        };
         match req {
             FileReq::GetRecipe { name } => {
                 if let Ok(Some(r)) = self.cache.get_recipe(&name) {
@@ -190,7 +193,10 @@ impl Relay {
                     return FileResp::Recipe(Some(r));
                 }
                 crate::metrics::add(&self.counters.relay_recipe_misses, 1);
-                let resp = self.ask_client(&client, task, FileReq::GetRecipe { name }).await.unwrap_or(FileResp::Errno(EIO));
+                let resp = self.ask_client(&client, task, FileReq::GetRecipe { name }).await.unwrap_or_else(|| {
+                    log::warn!("task {task}: its client went away before it answered for a recipe; answering EIO");
+                    FileResp::Errno(EIO)
+                });
                 if let FileResp::Recipe(Some(r)) = &resp {
                     if r.name() == name {
                         let _ = self.cache.put_recipe(r);
@@ -279,7 +285,10 @@ impl Relay {
                     crate::metrics::add(&self.counters.relay_bytes_to_hosts, u64::try_from(bytes.len()).unwrap_or(0));
                     out.push(ChunkData::seal_named(*h, bytes, false))
                 }
-                None => return FileResp::Errno(EIO),
+                None => {
+                    log::warn!("task {task}: chunk {h:?} is neither in the relay cache nor had from the client; answering EIO");
+                    return FileResp::Errno(EIO);
+                }
             }
         }
         FileResp::Chunks(out)
@@ -314,20 +323,33 @@ impl Relay {
     /// Fetch `hashes` from the client into the cache; returns the verified bytes fetched.
     async fn fetch_into_cache(&self, client: &Outgoing, task: TaskId, hashes: &[Hash]) -> HashMap<Hash, Vec<u8>> {
         let mut fetched = HashMap::new();
-        if let Some(FileResp::Chunks(got)) = self.ask_client(client, task, FileReq::GetChunks { hashes: hashes.to_vec() }).await {
-            for c in got {
-                if !hashes.contains(&c.hash) {
-                    continue;
+        let got = match self.ask_client(client, task, FileReq::GetChunks { hashes: hashes.to_vec() }).await {
+            Some(FileResp::Chunks(got)) => got,
+            Some(FileResp::Errno(e)) => {
+                log::warn!("task {task}: its client answered errno {e} for {} chunk(s)", hashes.len());
+                Vec::new()
+            }
+            Some(_) => {
+                log::warn!("task {task}: its client answered GetChunks with something else");
+                Vec::new()
+            }
+            None => {
+                log::warn!("task {task}: its client went away before it answered for {} chunk(s)", hashes.len());
+                Vec::new()
+            }
+        };
+        for c in got {
+            if !hashes.contains(&c.hash) {
+                continue;
+            }
+            let hash = c.hash;
+            match c.into_verified() {
+                Ok(bytes) => {
+                    crate::metrics::add(&self.counters.relay_bytes_from_clients, u64::try_from(bytes.len()).unwrap_or(0));
+                    let _ = self.cache.put_chunk(&hash, &bytes);
+                    fetched.insert(hash, bytes);
                 }
-                let hash = c.hash;
-                match c.into_verified() {
-                    Ok(bytes) => {
-                        crate::metrics::add(&self.counters.relay_bytes_from_clients, u64::try_from(bytes.len()).unwrap_or(0));
-                        let _ = self.cache.put_chunk(&hash, &bytes);
-                        fetched.insert(hash, bytes);
-                    }
-                    Err(e) => log::warn!("client sent a bad chunk: {e}"),
-                }
+                Err(e) => log::warn!("client sent a bad chunk: {e}"),
             }
         }
         fetched

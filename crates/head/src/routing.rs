@@ -35,7 +35,7 @@ impl Head {
                 Msg::Pong { .. } => {}
                 // For the dashboard only: the client learns a clone's counters from `CloneStats`.
                 m @ Msg::CloneProgress { .. } => self.groups.lock().unwrap().count(&m),
-                Msg::UsageReply { nonce, tasks } => self.usage_reply(nonce, tasks),
+                Msg::UsageReply { nonce, tasks } => self.usage_reply(conn, nonce, tasks),
                 Msg::MigrateInReady { migration, result } => self.migrate_in_ready(migration, result).await,
                 Msg::MigrateFreezing { migration, task } => self.migrate_freezing(migration, task, &tx).await,
                 Msg::MigrateHandedOver { migration, task, cpu_seconds } => self.migrate_handed_over(migration, task, cpu_seconds).await,
@@ -82,6 +82,11 @@ impl Head {
         };
         let ended = matches!(m, Msg::Finished { .. } | Msg::Error { .. });
         self.count(&m);
+        if m.is_stream() {
+            if let Some(r) = self.state.lock().unwrap().routes.get_mut(&task) {
+                r.relayed += 1;
+            }
+        }
         let Err(m) = self.keep_for_client(task, m).await else {
             if ended {
                 self.drain_queue().await;
@@ -179,17 +184,22 @@ impl Head {
                         let _ = tx.send(Msg::MigrateReply { task, result: Err(message) }).await;
                     }
                 }
-                Msg::TicketRequest { n, hierarchical } => {
+                Msg::TicketRequest { n, hierarchical, isolation } => {
                     let ticket = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let granted = {
+                    let (granted, unisolated) = {
                         let mut st = self.state.lock().unwrap();
-                        let granted = crate::placement::grant(&st.hosts, n, hierarchical).map_err(|e| e.to_string());
-                        if let Ok(g) = &granted {
-                            st.grants.insert((conn, ticket), g.iter().map(|(host, _)| host.clone()).collect());
+                        match crate::placement::grant_isolated(&st.hosts, n, hierarchical, isolation) {
+                            Ok((g, unisolated)) => {
+                                st.grants.insert((conn, ticket), g.iter().map(|(host, _)| host.clone()).collect());
+                                (Ok(g), unisolated)
+                            }
+                            Err(e) => (Err(e.to_string()), Vec::new()),
                         }
-                        granted
                     };
-                    let _ = tx.send(Msg::TicketGrant { ticket, granted }).await;
+                    for u in &unisolated {
+                        log::info!("ticket {ticket}: its clones on {} run with the host's network ({})", u.host, u.why);
+                    }
+                    let _ = tx.send(Msg::TicketGrant { ticket, granted, unisolated }).await;
                 }
                 Msg::RoamNote { task, decision } => self.roam_note(conn, task, decision),
                 Msg::Attach { task, reference, force } => self.attach(conn, &tx, &who, task, reference, force).await,
@@ -220,6 +230,11 @@ impl Head {
         };
         let Some(task) = m.task() else { return };
         self.record_stdin(&m);
+        if m.is_stream() {
+            if let Some(r) = self.state.lock().unwrap().routes.get_mut(&task) {
+                r.relayed += 1;
+            }
+        }
         let agent = {
             let st = self.state.lock().unwrap();
             st.routes.get(&task).filter(|r| r.client_conn == conn).and_then(|r| st.hosts.get(&r.host)).map(|h| h.tx.clone())

@@ -37,6 +37,9 @@ pub struct PlanOptions<'a> {
     /// The process gets the terminal on its fd 0 back as its controlling
     /// terminal (`PLAN_FLAG_TERMINAL`: a moved terminal task).
     pub terminal: bool,
+    /// `cgroup.procs` descriptors the restorer gets at `abi::restorer::JOIN_FD ..`,
+    /// joined by every restored process as its last step (`PlanHeader::join_groups`).
+    pub join_groups: u32,
 }
 
 /// How the restorer must map a region.
@@ -234,6 +237,7 @@ fn lower_process(d: &Descriptor, opts: PlanOptions, parent: u64, before_parent_s
         seccomp,
         exe,
         auxv,
+        join_groups: u64::from(opts.join_groups),
         process: d.process.core,
         sigactions: d.sigactions,
     };

@@ -23,7 +23,7 @@ fn read<T: Copy>(plan: &[u8], off: u64) -> T {
 fn lowered_plan_reads_back_as_the_restorer_reads_it() {
     let d = descriptor();
     d.validate().expect("valid");
-    let opts = PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
+    let opts = PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false, join_groups: 0 };
     let plan = lower(&d, opts);
     let h: PlanHeader = read(&plan, 0);
     assert_eq!((h.magic, h.version, h.total_len), (PLAN_MAGIC, PLAN_VERSION, plan.len() as u64));
@@ -60,7 +60,7 @@ fn lowered_plan_reads_back_as_the_restorer_reads_it() {
 #[test]
 fn the_restorers_plan_check_accepts_a_lowered_plan_and_refuses_damaged_ones() {
     let d = descriptor();
-    let opts = || PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false };
+    let opts = || PlanOptions { clone_id: 3, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: true, seccomp: &[], terminal: false, join_groups: 0 };
     let plan = lower(&d, opts());
     assert_eq!(crate::abi::plan::validate(&plan), Ok(()));
     let what = |bytes: &[u8]| crate::abi::plan::validate(bytes).map_err(|e| e.what);
@@ -77,6 +77,11 @@ fn the_restorers_plan_check_accepts_a_lowered_plan_and_refuses_damaged_ones() {
     let n_threads_at = core::mem::offset_of!(PlanHeader, n_threads);
     bad[n_threads_at..n_threads_at + 8].copy_from_slice(&1_000_000u64.to_le_bytes());
     assert_eq!(what(&bad), Err("plan tables out of bounds"));
+    // More groups to join than the restorer keeps descriptors for.
+    let mut bad = plan.clone();
+    let join_at = core::mem::offset_of!(PlanHeader, join_groups);
+    bad[join_at..join_at + 8].copy_from_slice(&(MAX_JOIN_GROUPS + 1).to_le_bytes());
+    assert_eq!(what(&bad), Err("groups to join"));
 }
 
 #[test]
@@ -115,7 +120,7 @@ fn with_timers() -> Descriptor {
 fn posix_timers_are_checked_by_the_descriptor_and_the_plan() {
     let d = with_timers();
     d.validate().expect("valid timers");
-    let opts = || PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false };
+    let opts = || PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false, join_groups: 0 };
     let plan = lower(&d, opts());
     assert_eq!(crate::abi::plan::validate(&plan), Ok(()));
     let h: PlanHeader = read(&plan, 0);
@@ -192,7 +197,7 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     root.descendants = std::vec![(0, child), (1, grandchild)];
     root.validate().expect("valid tree");
     assert_eq!(Descriptor::decode(&root.encode()).expect("round trip"), root);
-    let opts = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: true };
+    let opts = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: true, join_groups: 2 };
     let plan = lower(&root, opts);
     let mut offsets = [0u64; 8];
     let n = crate::abi::plan::validate_tree(&plan, &mut offsets).expect("a valid tree plan");
@@ -201,6 +206,7 @@ fn a_process_tree_lowers_to_one_plan_per_process_parents_first() {
     assert!(offsets[..n].iter().all(|o| o % 64 == 0), "each plan aligned for its FPU areas: {offsets:?}");
     let got: std::vec::Vec<(u64, u64, u64)> = headers.iter().map(|h| (h.process.pid, h.parent, h.clone_id)).collect();
     assert_eq!(got, [(42, NO_PARENT, 0), (50, 0, 1), (51, 1, 2)]);
+    assert!(headers.iter().all(|h| h.join_groups == 2), "every process of the tree joins the groups");
     assert_eq!(headers.iter().map(|h| h.flags & PLAN_FLAG_TERMINAL).collect::<std::vec::Vec<_>>(), [PLAN_FLAG_TERMINAL, 0, 0], "the root takes the terminal");
     let ids: std::vec::Vec<(u64, u64)> = headers.iter().map(|h| (h.process.sid, h.process.pgid)).collect();
     assert_eq!(ids, [(42, 42), (42, 50), (42, 50)]);
@@ -297,7 +303,7 @@ fn a_display_connection_lowers_to_a_connect_that_names_its_stream() {
     d.fds.push(FdEntry { fd: 20, kind: FdKind::Reconnect { path: path.into(), hello: 7, flags: 0o4002 } });
     d.validate().expect("valid");
     assert_eq!(Descriptor::decode(&d.encode()).expect("round trip"), d);
-    let opts = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false };
+    let opts = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false, join_groups: 0 };
     let plan = lower(&d, opts);
     validate(&plan).expect("a valid plan");
     let h: PlanHeader = read(&plan, 0);

@@ -109,6 +109,9 @@ impl MemoryBand {
 pub struct Join {
     /// Write `0` (itself) into each.
     pub procs_files: Vec<PathBuf>,
+    /// Write `0` into each as the last step before the program runs its own
+    /// code (a restored task: [`Guest::join_restored`]); empty otherwise.
+    pub at_resume: Vec<PathBuf>,
     /// Switch to `SCHED_IDLE` (the fallback).
     pub sched_idle: bool,
     /// Its `oom_score_adj`.
@@ -127,6 +130,8 @@ pub struct Guest {
     owner: Group,
     /// The guest group in the cgroup2 mount (its sockets are what the network window shapes).
     unified: Option<PathBuf>,
+    /// The owner group in the cgroup2 mount (an emulated owner's sockets are what its network I/O is).
+    owner_unified: Option<PathBuf>,
     pub cpu: CpuPriority,
     state: std::sync::Mutex<BandState>,
 }
@@ -177,7 +182,8 @@ impl Guest {
     /// processes are killed), then make a fresh one, and the owner group
     /// beside it if missing. With `in_unified`, guests also join the guest
     /// group in the cgroup2 mount (the network window tells their sockets
-    /// apart by it).
+    /// apart by it), and an emulated owner joins the owner group there (its
+    /// network I/O is counted by it).
     pub fn create(h: Hierarchies, name: &str, in_unified: bool) -> Result<Guest, GuestError> {
         check_name(name)?;
         let rel = guest_rel(name);
@@ -189,14 +195,16 @@ impl Guest {
             Group::create(&h, &rel, &[Controller::Cpuacct, Controller::Memory, Controller::Freezer], &[Controller::Cpu, Controller::Blkio])?;
         // The owner's blkio group counts an emulated owner's I/O.
         let owner = Group::create(&h, &owner_rel(name), &[Controller::Cpuacct, Controller::Memory], &[Controller::Blkio])?;
-        let unified = match h.unified() {
+        let in_unified_dir = |rel: &Path| match h.unified() {
             Some(u) if in_unified => {
-                let dir = u.join(&rel);
+                let dir = u.join(rel);
                 std::fs::create_dir_all(&dir).map_err(|source| CgroupError::Io { path: dir.clone(), source })?;
-                Some(dir)
+                Ok(Some(dir))
             }
-            _ => None,
+            _ => Ok::<_, CgroupError>(None),
         };
+        let unified = in_unified_dir(&rel)?;
+        let owner_unified = in_unified_dir(&owner_rel(name))?;
         // cpu.idle ranks a group against its siblings only: the guest's
         // ancestors under the hierarchy's root must be idle too, or they
         // compete with the owner's tasks at normal weight.
@@ -221,7 +229,7 @@ impl Guest {
             None => None,
         };
         let host_rel = Path::new(cgroup::ROOT).join(name);
-        Ok(Guest { h, host_rel, group, pm, owner, unified, cpu, state: std::sync::Mutex::new(BandState::default()) })
+        Ok(Guest { h, host_rel, group, pm, owner, unified, owner_unified, cpu, state: std::sync::Mutex::new(BandState::default()) })
     }
 
     /// What each task's first process does before exec; a `suspendable`
@@ -237,9 +245,31 @@ impl Guest {
         procs_files.extend(self.unified.iter().map(|d| d.join("cgroup.procs")));
         Join {
             procs_files,
+            at_resume: Vec::new(),
             sched_idle: self.cpu == CpuPriority::SchedIdle,
             oom_score_adj: Some(1000),
         }
+    }
+
+    /// What a task restored here (moved in) does: [`Guest::join`], except
+    /// that its CPU and freezer groups are joined only as the restore's last
+    /// step, right before the task runs its own code (the files of
+    /// [`Join::at_resume`]). Its restore (reading pages, mapping memory,
+    /// the restorer's setup) is not guest work: at `cpu.idle` under a busy
+    /// owner it barely ran, and frozen by PM it stopped halfway. The memory,
+    /// cpuacct and I/O groups account for it from the start.
+    pub fn join_restored(&self, suspendable: bool) -> Join {
+        let mut j = self.join(suspendable);
+        // In this order: the freezer last, since a frozen one stops the process at its write.
+        let late: Vec<PathBuf> = [Controller::Cpu, Controller::Freezer]
+            .into_iter()
+            .filter_map(|c| self.group.dir(c))
+            .map(|d| d.join("cgroup.procs"))
+            .chain(self.pm.iter().map(|d| d.join("cgroup.procs")))
+            .collect();
+        j.at_resume = late.into_iter().filter(|f| j.procs_files.contains(f)).collect();
+        j.procs_files.retain(|f| !j.at_resume.contains(f));
+        j
     }
 
     pub fn group(&self) -> &Group {
@@ -268,6 +298,11 @@ impl Guest {
     /// The guest group in the cgroup2 mount, if guests join it.
     pub fn unified_dir(&self) -> Option<&Path> {
         self.unified.as_deref()
+    }
+
+    /// The owner group in the cgroup2 mount, if there is one.
+    pub fn owner_unified_dir(&self) -> Option<&Path> {
+        self.owner_unified.as_deref()
     }
 
     /// CPU time of all guests so far (ns, `cpuacct.usage`).

@@ -16,15 +16,17 @@
 //! * [`cgroup`]: the v1 hierarchies, creating, emptying and removing groups.
 //! * [`guest`]: the guest group: starvation CPU priority (`cpu.idle = 1`, else
 //!   `SCHED_IDLE` per task), the LowWater/HighWater memory band, freezing.
-//! * [`owner`]: the owner monitor: owner CPU, free memory, keyboard; the
-//!   owner state (idle / active-light / active-busy).
+//! * [`owner`]: the owner monitor: owner CPU, free memory, disk and network
+//!   I/O ([`netio`]: nftables counters), keyboard; the owner state (idle /
+//!   active-light / active-busy).
 //! * [`policy`]: T_lingr (eq. 3.4) for the head's LL policy.
 //! * [`window`]: the guests' disk and network rate windows (blkio
 //!   throttles; nftables `socket cgroupv2` + an htb class), applied while
-//!   the owner is active or does I/O.
+//!   the owner does disk or network I/O.
 
 pub mod cgroup;
 pub mod guest;
+pub mod netio;
 pub mod nft;
 pub mod owner;
 pub mod policy;

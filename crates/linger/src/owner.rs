@@ -9,6 +9,9 @@
 //!   `/proc/diskstats` minus those of every group under `starling/` (the
 //!   guests of every agent on the machine; v1 charges buffered writeback to
 //!   no group, so a guest's writeback counts as the owner's).
+//! * Owner network I/O (bytes/s sent and received on interfaces but `lo`):
+//!   nftables counters in the agent's network namespace, see [`crate::netio`]
+//!   (only where the guests' rate windows are configured).
 //! * Free memory: `MemAvailable` of `/proc/meminfo`.
 //! * Keyboard: on an emulated host, what `starling owner HOST --active|--idle`
 //!   wrote into the agent's state directory; on a real host, the newest
@@ -20,6 +23,7 @@
 //! *active-light*.
 
 use std::path::{Path, PathBuf};
+use crate::netio::NetCounters;
 use std::time::{Duration, Instant, SystemTime};
 
 /// Owner CPU below this (share of the host) counts as idle.
@@ -138,7 +142,9 @@ pub struct OwnerSample {
     pub keyboard: Keyboard,
     pub mem_available: u64,
     /// The owner's disk I/O since the last sample (bytes/s).
-    pub io_bps: u64,
+    pub disk_bps: u64,
+    /// The owner's network I/O since the last sample (bytes/s sent and received).
+    pub net_bps: u64,
     pub state: OwnerState,
 }
 
@@ -148,9 +154,23 @@ pub struct Monitor {
     guest_usage: PathBuf,
     keyboard: KeyboardSource,
     io: OwnerIo,
+    net: Option<NetCounters>,
+    /// The network counters failed: said once in the log, then counted as 0.
+    net_failed: bool,
     cores: u32,
-    /// The previous sample: when, guest CPU, owner CPU, machine total CPU, owner I/O bytes.
-    last: Option<(Instant, u64, u64, u64, u64)>,
+    last: Option<Last>,
+}
+
+/// The previous sample's counters.
+#[derive(Clone, Copy)]
+struct Last {
+    at: Instant,
+    guest_ns: u64,
+    owner_ns: u64,
+    /// The machine's total CPU time (a real host).
+    total_ns: u64,
+    disk_bytes: u64,
+    net_bytes: u64,
 }
 
 fn read_u64(p: &Path) -> Option<u64> {
@@ -218,9 +238,26 @@ fn share(part: u64, whole: u64) -> f64 {
 }
 
 impl Monitor {
-    pub fn new(cpu: OwnerCpu, guest_usage: PathBuf, keyboard: KeyboardSource, io: OwnerIo, cores: u32) -> Monitor {
-        Monitor { cpu, guest_usage, keyboard, io, cores: cores.max(1), last: None }
+    /// `net`: the owner's network counters (`None`: network I/O is not measured).
+    pub fn new(cpu: OwnerCpu, guest_usage: PathBuf, keyboard: KeyboardSource, io: OwnerIo, net: Option<NetCounters>, cores: u32) -> Monitor {
+        Monitor { cpu, guest_usage, keyboard, io, net, net_failed: false, cores: cores.max(1), last: None }
     }
+
+    /// The owner's network bytes so far (0 if not measured).
+    fn net_bytes(&mut self) -> u64 {
+        let Some(n) = &self.net else { return 0 };
+        match n.owner_bytes() {
+            Ok(b) => b,
+            Err(e) => {
+                if !self.net_failed {
+                    log::warn!("owner network I/O not measured: {e}");
+                    self.net_failed = true;
+                }
+                0
+            }
+        }
+    }
+
 
     /// The owner since the previous call (the first call only starts the interval and reports 0 CPU).
     pub fn sample(&mut self) -> OwnerSample {
@@ -230,31 +267,41 @@ impl Monitor {
             OwnerCpu::Cgroup { usage } => (read_u64(usage).unwrap_or(0), 0),
             OwnerCpu::Machine { .. } => machine_times().unwrap_or((0, 0)),
         };
-        let io = self.io.bytes();
-        let io_bps = match self.last {
-            None => 0,
-            Some((t, .., io0)) => {
-                let ms = u64::try_from(now.duration_since(t).as_millis()).unwrap_or(u64::MAX).max(1);
-                io.saturating_sub(io0).saturating_mul(1000) / ms
+        let disk = self.io.bytes();
+        let net = self.net_bytes();
+        let (disk_bps, net_bps) = match self.last {
+            None => (0, 0),
+            Some(l) => {
+                let ms = u64::try_from(now.duration_since(l.at).as_millis()).unwrap_or(u64::MAX).max(1);
+                let per_s = |now: u64, then: u64| now.saturating_sub(then).saturating_mul(1000) / ms;
+                (per_s(disk, l.disk_bytes), per_s(net, l.net_bytes))
             }
         };
         let (cpu, guest_cpu) = match self.last {
             None => (0.0, 0.0),
-            Some((t, g0, o0, tot0, _)) => {
-                let wall = u64::try_from(now.duration_since(t).as_nanos()).unwrap_or(u64::MAX) * u64::from(self.cores);
-                let dg = guest.saturating_sub(g0);
+            Some(l) => {
+                let wall = u64::try_from(now.duration_since(l.at).as_nanos()).unwrap_or(u64::MAX) * u64::from(self.cores);
+                let dg = guest.saturating_sub(l.guest_ns);
                 match &self.cpu {
-                    OwnerCpu::Cgroup { .. } => (share(owner.saturating_sub(o0), wall), share(dg, wall)),
+                    OwnerCpu::Cgroup { .. } => (share(owner.saturating_sub(l.owner_ns), wall), share(dg, wall)),
                     OwnerCpu::Machine { .. } => {
-                        let whole = total.saturating_sub(tot0);
-                        (share(owner.saturating_sub(o0).saturating_sub(dg), whole), share(dg, whole))
+                        let whole = total.saturating_sub(l.total_ns);
+                        (share(owner.saturating_sub(l.owner_ns).saturating_sub(dg), whole), share(dg, whole))
                     }
                 }
             }
         };
-        self.last = Some((now, guest, owner, total, io));
+        self.last = Some(Last { at: now, guest_ns: guest, owner_ns: owner, total_ns: total, disk_bytes: disk, net_bytes: net });
         let kb = keyboard(&self.keyboard);
-        OwnerSample { cpu, guest_cpu, keyboard: kb, mem_available: mem_available(), io_bps, state: OwnerState::classify(cpu, kb) }
+        OwnerSample {
+            cpu,
+            guest_cpu,
+            keyboard: kb,
+            mem_available: mem_available(),
+            disk_bps,
+            net_bps,
+            state: OwnerState::classify(cpu, kb),
+        }
     }
 }
 

@@ -1,9 +1,11 @@
 //! Disk and network rate windows for guests (the seed's `B_w / T_w ≤ R_t`,
-//! as the kernel's throttles), applied only while the owner does disk I/O
-//! and removed (with hysteresis) once its I/O has been quiet for the seed's
-//! 5 s window. An owner at the keyboard or using the CPU does not switch
-//! them on: CPU is what `cpu.idle` protects, and a guest's I/O hurts an
-//! owner only when the owner does I/O too.
+//! as the kernel's throttles), applied only while the owner does I/O (its
+//! disk bytes plus its network bytes, see [`crate::owner`] and
+//! [`crate::netio`]) and removed (with hysteresis) once its I/O has been
+//! quiet for the seed's 5 s window. An owner at the keyboard or using the
+//! CPU does not switch them on: CPU is what `cpu.idle` protects, and a
+//! guest's I/O hurts an owner only when the owner does I/O too. One
+//! trigger for both windows: the owner's I/O of either kind.
 //!
 //! * Disk: `blkio.throttle.{read,write}_bps_device` of the guest group (v1
 //!   `blkio`) on every whole disk of the machine. v1 throttles direct I/O
@@ -30,7 +32,7 @@ pub const NET_QDISC: &str = "5354:";
 /// The guests' class of that qdisc (what nftables sets as the packets' priority).
 pub const NET_CLASS: &str = "5354:1";
 
-/// Owner disk I/O (bytes/s) at or above which the windows are applied.
+/// Owner I/O (disk plus network, bytes/s) at or above which the windows are applied.
 pub const OWNER_IO_HIGH: u64 = 1 << 20;
 /// Owner I/O below this counts as quiet.
 pub const OWNER_IO_LOW: u64 = 256 << 10;
@@ -57,7 +59,7 @@ pub enum Step {
     Keep,
 }
 
-/// Windows on as soon as the owner's disk I/O reaches [`OWNER_IO_HIGH`];
+/// Windows on as soon as the owner's I/O reaches [`OWNER_IO_HIGH`];
 /// off only after [`QUIET_SAMPLES`] samples in a row below [`OWNER_IO_LOW`].
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Hysteresis {
@@ -66,7 +68,7 @@ pub struct Hysteresis {
 }
 
 impl Hysteresis {
-    /// One sample of the owner's disk I/O rate.
+    /// One sample of the owner's I/O rate (disk plus network).
     pub fn step(&mut self, owner_io_bps: u64) -> Step {
         if owner_io_bps >= OWNER_IO_HIGH {
             self.quiet = 0;

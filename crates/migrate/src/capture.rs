@@ -33,14 +33,17 @@ use crate::freeze::Frozen;
 use crate::inject::Injector;
 use crate::ptrace;
 use crate::{MigrateError, Result};
-use starling_fork::dump::{dump_process, dump_regions, RegionOptions};
+use starling_fork::dump::{dump_process, regions_with, Layout, RegionOptions};
 use starling_image::abi::process::{
     ITimer, PosixTimer, PosixTimers, TimeSpec, TimeVal, MAX_POSIX_TIMERS, SIGEV_NONE, SIGEV_SIGNAL, SIGEV_THREAD, SIGEV_THREAD_ID,
 };
 use starling_image::abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FP_XSTATE_MAGIC2, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES};
 use starling_image::abi::signal::{Sigaction, SigactionTable};
 use starling_image::abi::thread::{AltStack, RobustList, Rseq, ThreadCore};
-use starling_image::{check_sessions, Descriptor, FdEntry, FdKind, PipeImage, ProcessState, RegionKind, SessionIds, ThreadState, DESCRIPTOR_VERSION};
+use starling_image::{
+    check_sessions, Descriptor, FdEntry, FdKind, PageClass, PageRuns, PipeImage, ProcessState, Region, RegionKind, SessionIds, ThreadState,
+    DESCRIPTOR_VERSION,
+};
 use std::io::Read;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt};
@@ -327,8 +330,9 @@ pub fn precheck(pid: i32, opts: &CaptureOptions) -> Result<Vec<Member>> {
 pub struct TreeFds {
     stdio: Vec<(i32, String)>,
     members: Vec<i32>,
-    /// `pipe:[N]` → the processes holding it (one scan of `/proc`).
-    holders: std::collections::HashMap<String, Vec<i32>>,
+    /// `pipe:[N]` → the processes holding it (one scan of every process's
+    /// descriptors, made when a pipe other than the task's stdio is found).
+    holders: Option<std::collections::HashMap<String, Vec<i32>>>,
     /// The tree's pipes by index: `pipe:[N]` and a descriptor on it.
     pub pipes: Vec<(String, String)>,
     /// Sockets a proxy of the host serves again on the target.
@@ -340,7 +344,7 @@ impl TreeFds {
         TreeFds {
             stdio: stdio_pipes(members[0].pid),
             members: members.iter().map(|m| m.pid).collect(),
-            holders: pipe_holders(),
+            holders: None,
             pipes: Vec::new(),
             reconnect: None,
         }
@@ -558,7 +562,7 @@ pub fn classify_fds(pid: i32, root: &Path, ctx: &mut TreeFds) -> Result<Vec<FdEn
                 if write { FdKind::PipeWrite } else { FdKind::PipeRead }
             } else {
                 // Any other pipe moves if only processes of the tree hold it.
-                let holders = ctx.holders.get(&target).map(Vec::as_slice).unwrap_or(&[]);
+                let holders = ctx.holders.get_or_insert_with(pipe_holders).get(&target).map(Vec::as_slice).unwrap_or(&[]);
                 if let Some(outside) = holders.iter().find(|p| !ctx.members.contains(p)) {
                     return refuse(&format!("a pipe to process {outside}, which is not one of the task's"));
                 }
@@ -801,14 +805,67 @@ fn read_inside(f: &Frozen) -> Result<Inside> {
     Ok(Inside { threads, sigactions, itimers, timers, brk })
 }
 
+/// What was read of a process while it ran, so that frozen only what
+/// changed since is read again: both reads walk its page tables, whose
+/// cost grows with its memory.
+pub struct ReadAhead {
+    pub pid: i32,
+    /// Its memory map (`smaps`; see [`Layout::refresh`]).
+    pub layout: Layout,
+    /// Its regions with their page classes (`pagemap`), as read then.
+    pub regions: Vec<Region>,
+    /// Ranges every write to which since `regions` was read is in
+    /// `written` (write tracking's, see [`crate::dirty::DirtyTracker`]).
+    pub tracked: Vec<(u64, u64)>,
+    /// Pages written since `regions` was read, sorted.
+    pub written: Vec<u64>,
+}
+
+impl ReadAhead {
+    /// The page classes of `now` (a region of the frozen process without
+    /// its pages): those read while it ran, with the pages written since
+    /// as `Fetch`. None if they may have changed otherwise: a region that
+    /// is not the same one, not tracked whole, or a stack (its dead part
+    /// below the stack pointer is only known frozen).
+    pub fn classes(&self, now: &Region) -> Option<PageRuns> {
+        if now.growsdown || matches!(&now.kind, RegionKind::Anonymous { name } if name == "[stack]") {
+            return None;
+        }
+        let i = self.regions.binary_search_by_key(&now.start, |r| r.start).ok()?;
+        let then = &self.regions[i];
+        if (then.end, then.prot, then.shared, &then.kind) != (now.end, now.prot, now.shared, &now.kind) {
+            return None;
+        }
+        let t = self.tracked.partition_point(|r| r.1 <= now.start);
+        if !self.tracked.get(t).is_some_and(|r| r.0 <= now.start && now.end <= r.1) {
+            return None;
+        }
+        let (from, to) = (self.written.partition_point(|&a| a < now.start), self.written.partition_point(|&a| a < now.end));
+        let written = &self.written[from..to];
+        if written.is_empty() {
+            return Some(then.pages.clone());
+        }
+        let mut classes = then.pages.expand();
+        for &a in written {
+            if let Some(c) = usize::try_from((a - now.start) / starling_image::PAGE_SIZE).ok().and_then(|k| classes.get_mut(k)) {
+                *c = PageClass::Fetch;
+            }
+        }
+        let mut runs = PageRuns::default();
+        classes.into_iter().for_each(|c| runs.push(c));
+        Some(runs)
+    }
+}
+
 /// The complete image of a frozen process tree (`frozen[i]` is the
-/// process `members[i]`, as [`tree`] lists them).
-pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> Result<Descriptor> {
+/// process `members[i]`, as [`tree`] lists them). `ahead`: what was read
+/// of them while they ran, by PID; a process without it is read whole.
+pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions, ahead: &[ReadAhead]) -> Result<Descriptor> {
     let mut ctx = TreeFds::new(members);
     ctx.reconnect.clone_from(&opts.reconnect);
     let mut images = Vec::with_capacity(frozen.len());
     for (f, (sid, pgid)) in frozen.iter().zip(sessions(members)?) {
-        let mut d = capture_process(f, opts, &mut ctx)?;
+        let mut d = capture_process(f, opts, &mut ctx, ahead.iter().find(|a| a.pid == f.pid))?;
         (d.process.core.sid, d.process.core.pgid) = (sid, pgid);
         images.push(d);
     }
@@ -834,14 +891,18 @@ pub fn capture(frozen: &[Frozen], members: &[Member], opts: &CaptureOptions) -> 
 }
 
 /// The image of one frozen process (without descendants).
-fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds) -> Result<Descriptor> {
+fn capture_process(f: &Frozen, opts: &CaptureOptions, ctx: &mut TreeFds, ahead: Option<&ReadAhead>) -> Result<Descriptor> {
     let pid = f.pid;
     listed_timers(pid)?;
     let fds = classify_fds(pid, &opts.root, ctx)?;
     let inside_state = read_inside(f)?;
     let leader_rsp = inside_state.threads[0].core.regs.rsp;
     let region_opts = RegionOptions { heuristics: opts.heuristics, stack_pointer: leader_rsp, check_inode: false, own_write_tracking: true };
-    let mut regions = dump_regions(pid, region_opts)?;
+    let layout = match ahead {
+        Some(a) => a.layout.refresh(pid)?,
+        None => Layout::read(pid)?,
+    };
+    let mut regions = regions_with(pid, &layout, region_opts, &mut |r| ahead.and_then(|a| a.classes(r)))?;
     for r in &mut regions {
         if let RegionKind::File { path, .. } = &mut r.kind {
             *path = inside(&opts.root, path);

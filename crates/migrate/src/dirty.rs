@@ -106,10 +106,21 @@ impl DirtyTracker {
         Ok(DirtyTracker { pid, _uffd: uffd, pagemap, ranges: tracked })
     }
 
+    /// The ranges whose writes are tracked, ascending.
+    pub fn ranges(&self) -> &[(u64, u64)] {
+        &self.ranges
+    }
+
     /// Whether writes to the page at `addr` are tracked.
     pub fn tracks(&self, addr: u64) -> bool {
         let i = self.ranges.partition_point(|r| r.1 <= addr);
         self.ranges.get(i).is_some_and(|r| r.0 <= addr)
+    }
+
+    /// Whether writes to every page of `start..end` are tracked.
+    pub fn tracks_range(&self, start: u64, end: u64) -> bool {
+        let i = self.ranges.partition_point(|r| r.1 <= start);
+        self.ranges.get(i).is_some_and(|r| r.0 <= start && end <= r.1)
     }
 
     /// Pages written since arming or the last scan (protected again).

@@ -1,13 +1,13 @@
 //! The source side: pre-copy while the process runs, freeze, hand over,
 //! serve what the target still lacks, and end the process here.
 
-use crate::capture::{capture, freeze_tree, precheck, CaptureOptions};
+use crate::capture::{capture, freeze_tree, precheck, CaptureOptions, ReadAhead};
 use crate::dirty::DirtyTracker;
 use crate::freeze::Frozen;
 use crate::inject::Injector;
 use crate::wire::{self, ToSource, ToTarget};
 use crate::{MigrateError, Result};
-use starling_fork::dump::{dump_regions, RegionOptions};
+use starling_fork::dump::{dump_regions, regions_of, Layout, RegionOptions};
 use starling_fork::page_server::{Halves, PageServer, PageServerOptions};
 use starling_fork::stream::{StreamReader, StreamWriter};
 use starling_image::{PageClass, Region, RegionKind, PAGE_BYTES, PAGE_SIZE};
@@ -17,6 +17,8 @@ use std::time::Instant;
 
 /// Pages per `Pages` frame (1 MiB).
 const BATCH_PAGES: usize = 256;
+/// Addresses per `Stale` frame (1 MiB of them).
+const STALE_BATCH: usize = 1 << 17;
 
 #[derive(Debug, Clone)]
 pub struct SourceOptions {
@@ -59,7 +61,8 @@ pub trait SourceHooks {
 #[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
 pub struct SourceReport {
     pub threads: usize,
-    /// Pre-copy rounds after the first copy.
+    /// Pre-copy rounds sent after the first copy (a last round found
+    /// not shrinking is not sent: see [`RoundEnd::StopUnsent`]).
     pub rounds: u32,
     /// Pages of the process to move at the first copy (its resident
     /// anonymous footprint).
@@ -69,6 +72,9 @@ pub struct SourceReport {
     pub freeze_pages: u64,
     /// Pages the target fetched from the page server afterwards.
     pub postcopy_pages: u64,
+    /// Pages that reached the target after the switch when it held them
+    /// already (fetched by a fault and pushed by the drain both, say).
+    pub discarded_pages: u64,
     /// Bytes of page data and frames sent, page-server replies included.
     pub bytes: u64,
     /// Freeze → the target reports the process running.
@@ -81,6 +87,45 @@ pub struct SourceReport {
     pub postcopy_faults: u64,
     pub fault_p50_us: Option<u64>,
     pub fault_p99_us: Option<u64>,
+    /// Where the pause went, in order: the source's steps while the process
+    /// is frozen, then the target's until it runs (named, in ms).
+    pub phases_ms: Vec<(String, f64)>,
+}
+
+/// What pre-copy does with the pages a round found written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoundEnd {
+    /// Send them and scan again.
+    Continue,
+    /// Send them, then freeze: few enough are left, or the rounds are used up.
+    SendAndStop,
+    /// Freeze without sending them: the set is not clearly smaller than the
+    /// round before's, so the process writes its memory about as fast as a
+    /// round sends it (or faster), and more rounds would re-send the same
+    /// pages without end. They go once, at the freeze or after the switch.
+    StopUnsent,
+}
+
+/// P.Haul's rule, for the round that found `counts.last()` written pages:
+/// `counts[0]` is the first copy's pages, `counts[i]` round i's written
+/// pages. Stop when the set stops shrinking: a round that found at least
+/// 90% of the round before's pages has not shrunk. Equal rounds must stop
+/// as growing ones do (a sweep that rewrites all memory in less than a
+/// round found everything written round after round, and re-sent it all,
+/// for 8 rounds). Otherwise go on until `converged_pages` or `max_rounds`.
+pub fn after_round(counts: &[usize], max_rounds: u32, converged_pages: usize) -> RoundEnd {
+    let (Some(&now), Some(&before)) = (counts.last(), counts.len().checked_sub(2).and_then(|i| counts.get(i))) else {
+        return RoundEnd::Continue;
+    };
+    if now <= converged_pages {
+        RoundEnd::SendAndStop
+    } else if now.saturating_mul(10) >= before.saturating_mul(9) {
+        RoundEnd::StopUnsent
+    } else if counts.len() > usize::try_from(max_rounds).unwrap_or(usize::MAX) {
+        RoundEnd::SendAndStop
+    } else {
+        RoundEnd::Continue
+    }
 }
 
 /// Pages of `regions` the image would fetch (anonymous or written).
@@ -96,6 +141,14 @@ fn fetch_pages(regions: &[Region]) -> Vec<u64> {
         }
     }
     out
+}
+
+/// Pages of `regions` the image would fetch that `tracker` does not see
+/// written: none of a region it tracks whole, so this is cheap however much
+/// memory the process has.
+fn untracked_fetch_pages(regions: &[Region], tracker: &DirtyTracker) -> Vec<u64> {
+    let partly: Vec<Region> = regions.iter().filter(|r| !tracker.tracks_range(r.start, r.end)).cloned().collect();
+    fetch_pages(&partly).into_iter().filter(|&a| !tracker.tracks(a)).collect()
 }
 
 /// Read `addrs` from `pid` (process `process` of the tree) and send them
@@ -155,7 +208,7 @@ struct Tracked {
     /// command, a forked child becoming its program), whose new memory the
     /// tracker does not see. Everything sent for it is then stale.
     tracker: Option<DirtyTracker>,
-    /// Pages the target holds (sent while it ran).
+    /// Pages the target holds (sent while it ran, not dropped since).
     sent: HashSet<u64>,
 }
 
@@ -229,35 +282,71 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
         tracked.push((index, Tracked { pid: m.pid, tracker: Some(tracker), sent: first.into_iter().collect() }));
     }
     // Rounds: what was written meanwhile, until it stops shrinking.
-    let mut previous = usize::MAX;
-    while report.rounds < opts.max_rounds {
-        report.rounds += 1;
-        let mut written_total = 0;
-        for (index, t) in &mut tracked {
-            let written = t.scan()?;
-            report.bytes += send_pages(t.pid, *index, &written, &mut w)?;
-            report.precopy_pages += written.len() as u64;
-            written_total += written.len();
-            t.sent.extend(written.iter().copied());
+    let mut counts = vec![tracked.iter().map(|(_, t)| t.sent.len()).sum::<usize>()];
+    // (counts[i] is round i's: the rule below stops at max_rounds; with 0 none runs.)
+    while counts.len() <= usize::try_from(opts.max_rounds).unwrap_or(usize::MAX) {
+        let mut found = Vec::with_capacity(tracked.len());
+        for (_, t) in &mut tracked {
+            found.push(t.scan()?);
         }
-        let grew = previous != usize::MAX && written_total * 10 > previous * 11;
-        if written_total <= opts.converged_pages || grew {
+        counts.push(found.iter().map(Vec::len).sum());
+        let end = after_round(&counts, opts.max_rounds, opts.converged_pages);
+        if end == RoundEnd::StopUnsent {
+            // Written as fast as a round sends it: sending it again would
+            // only be overwritten again. It goes once, at the freeze or
+            // after. The target drops its copies now, not in the pause.
+            for ((index, t), written) in tracked.iter_mut().zip(found) {
+                let stale: Vec<u64> = written.into_iter().filter(|a| t.sent.remove(a)).collect();
+                for addrs in stale.chunks(STALE_BATCH) {
+                    wire::send(&mut w, &ToTarget::Stale { process: *index, addrs: addrs.to_vec() })?;
+                }
+            }
             break;
         }
-        previous = written_total;
+        report.rounds += 1;
+        for ((index, t), written) in tracked.iter_mut().zip(found) {
+            report.bytes += send_pages(t.pid, *index, &written, &mut w)?;
+            report.precopy_pages += written.len() as u64;
+            t.sent.extend(written.iter().copied());
+        }
+        if end == RoundEnd::SendAndStop {
+            break;
+        }
     }
 
+    // The memory maps and page classes, read while they run (this walks
+    // their page tables): frozen, only what changed since is read again.
+    let mut ahead: Vec<ReadAhead> = tracked
+        .iter()
+        .filter_map(|(_, t)| {
+            let tracked = t.tracker.as_ref()?.ranges().to_vec();
+            let layout = Layout::read(t.pid).ok()?;
+            let regions = regions_of(t.pid, &layout, region_opts).ok()?;
+            Some(ReadAhead { pid: t.pid, layout, regions, tracked, written: Vec::new() })
+        })
+        .collect();
     wait_prepared(&mut reader)?;
     // Freeze: from here the pause runs.
+    let freezing_at = Instant::now();
     let (frozen, members) = freeze_tree(pid)?;
     let frozen_at = Instant::now();
     report.threads = frozen.iter().map(|f| f.tids.len()).sum();
     let mut written = Vec::with_capacity(tracked.len());
     for (_, t) in &mut tracked {
-        written.push(t.scan()?);
+        let pages = t.scan()?;
+        match ahead.iter_mut().find(|a| a.pid == t.pid) {
+            // Tracking lost at this scan: what was read ahead may be stale.
+            _ if t.tracker.is_none() => ahead.retain(|a| a.pid != t.pid),
+            Some(a) => {
+                a.written.clone_from(&pages);
+                a.written.sort_unstable();
+            }
+            None => {}
+        }
+        written.push(pages);
     }
     let scanned_at = Instant::now();
-    let desc = capture(&frozen, &members, &opts.capture)?;
+    let desc = capture(&frozen, &members, &opts.capture, &ahead)?;
     let captured_at = Instant::now();
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
     let handed_at = Instant::now();
@@ -275,9 +364,8 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
         if let Some(((_, t), written)) = tracked.iter().zip(&written).find(|((at, t), _)| *at == index && t.pid == m.pid) {
             match &t.tracker {
                 Some(tracker) => {
-                    let needed = fetch_pages(&image.1.regions);
                     fresh.extend(written.iter().copied().filter(|a| t.sent.contains(a)));
-                    fresh.extend(needed.iter().copied().filter(|&a| !tracker.tracks(a) && t.sent.contains(&a)));
+                    fresh.extend(untracked_fetch_pages(&image.1.regions, tracker).into_iter().filter(|a| t.sent.contains(a)));
                     fresh.sort_unstable();
                     fresh.dedup();
                 }
@@ -302,17 +390,17 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
     wire::send(&mut w, &ToTarget::Image { descriptor: desc.encode(), stale, page_servers, payload })?;
     let ms = |a: Instant, b: Instant| (b - a).as_secs_f64() * 1e3;
     let sent_at = Instant::now();
-    log::info!(
-        "pid {pid}: {} processes frozen: dirty scan {:.1} ms, capture {:.1} ms, hand-over {:.1} ms, last pages + image {:.1} ms",
-        members.len(),
-        ms(frozen_at, scanned_at),
-        ms(scanned_at, captured_at),
-        ms(captured_at, handed_at),
-        ms(handed_at, sent_at)
-    );
+    report.phases_ms = vec![
+        ("freeze".into(), ms(freezing_at, frozen_at)),
+        ("dirty scan".into(), ms(frozen_at, scanned_at)),
+        ("capture".into(), ms(scanned_at, captured_at)),
+        ("hand-over".into(), ms(captured_at, handed_at)),
+        ("last pages + image".into(), ms(handed_at, sent_at)),
+    ];
+    log::info!("pid {pid}: {} processes frozen: {:?}", members.len(), report.phases_ms);
     drop(tracked);
 
-    finish(frozen, &mut reader, servers, hooks, frozen_at, start, report)
+    finish(frozen, &mut reader, servers, hooks, freezing_at, start, report)
 }
 
 /// A page server for frozen process `f`'s memory (`image`: its descriptor).
@@ -334,10 +422,11 @@ fn stop_and_copy(
     pid: i32,
 ) -> Result<SourceReport> {
     wait_prepared(reader)?;
-    let (frozen, members) = freeze_tree(pid)?;
+    // The pause runs from the first thread stopped.
     let frozen_at = Instant::now();
+    let (frozen, members) = freeze_tree(pid)?;
     report.threads = frozen.iter().map(|f| f.tids.len()).sum();
-    let desc = capture(&frozen, &members, &opts.capture)?;
+    let desc = capture(&frozen, &members, &opts.capture, &[])?;
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
     let mut servers = Vec::with_capacity(frozen.len());
     for (i, (f, (_, image))) in frozen.iter().zip(desc.processes()).enumerate() {
@@ -376,8 +465,12 @@ fn finish(
     mut report: SourceReport,
 ) -> Result<SourceReport> {
     // The target restores; until it says so, the processes are still ours.
+    let sent_at = Instant::now();
     match wire::recv::<ToSource>(reader) {
-        Ok(ToSource::Resumed) => {}
+        Ok(ToSource::Resumed { phases_ms }) => {
+            report.phases_ms.extend(phases_ms.into_iter().map(|(name, t)| (format!("target: {name}"), t)));
+            report.phases_ms.push(("image sent to resumed (as the source saw it)".into(), sent_at.elapsed().as_secs_f64() * 1e3));
+        }
         Ok(ToSource::Failed { reason }) => return Err(MigrateError::TargetFailed(reason)),
         Ok(other) => return Err(MigrateError::TargetFailed(format!("unexpected {other:?}"))),
         Err(e) => return Err(MigrateError::TargetFailed(e.to_string())),
@@ -398,12 +491,59 @@ fn finish(
     }
     report.total_ms = start.elapsed().as_secs_f64() * 1e3;
     match end {
-        Ok(ToSource::Complete { faults, fault_p50_us, fault_p99_us, .. }) => {
+        Ok(ToSource::Complete { faults, fault_p50_us, fault_p99_us, discarded_pages, .. }) => {
             (report.postcopy_faults, report.fault_p50_us, report.fault_p99_us) = (faults, fault_p50_us, fault_p99_us);
+            report.discarded_pages = discarded_pages;
             Ok(report)
         }
         Ok(ToSource::Failed { reason }) => Err(MigrateError::LostAfterSwitch(reason)),
         Ok(other) => Err(MigrateError::LostAfterSwitch(format!("unexpected {other:?}"))),
         Err(e) => Err(MigrateError::LostAfterSwitch(e.to_string())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{after_round, RoundEnd};
+
+    // P.Haul's 8 rounds, converged at 64 pages, as `SourceOptions::new`.
+    fn end(counts: &[usize]) -> RoundEnd {
+        after_round(counts, 8, 64)
+    }
+
+    #[test]
+    fn shrinking_rounds_go_on_until_few_pages_are_left() {
+        assert_eq!(end(&[16411, 2300]), RoundEnd::Continue);
+        assert_eq!(end(&[16411, 2300, 400]), RoundEnd::Continue);
+        assert_eq!(end(&[16411, 2300, 400, 64]), RoundEnd::SendAndStop);
+        // Few pages stop it even when they did not shrink.
+        assert_eq!(end(&[100, 60]), RoundEnd::SendAndStop);
+    }
+
+    #[test]
+    fn a_round_as_large_as_the_one_before_stops_unsent() {
+        // 64 MiB rewritten by a 100 MiB/s sweep during every round.
+        assert_eq!(end(&[16411, 16389]), RoundEnd::StopUnsent);
+        assert_eq!(end(&[1000, 500, 500]), RoundEnd::StopUnsent);
+        assert_eq!(end(&[1000, 500, 600]), RoundEnd::StopUnsent);
+        // 90% of the round before is not clearly smaller; 89% is.
+        assert_eq!(end(&[1000, 900]), RoundEnd::StopUnsent);
+        assert_eq!(end(&[1000, 890]), RoundEnd::Continue);
+    }
+
+    #[test]
+    fn the_last_round_allowed_is_sent_and_stops() {
+        assert_eq!(after_round(&[10000, 5000, 2500], 3, 64), RoundEnd::Continue);
+        assert_eq!(after_round(&[10000, 5000, 2500, 1250], 3, 64), RoundEnd::SendAndStop);
+        assert_eq!(end(&[1 << 20, 1 << 19, 1 << 18, 1 << 17, 1 << 16, 1 << 15, 1 << 14, 1 << 13]), RoundEnd::Continue);
+        assert_eq!(end(&[1 << 20, 1 << 19, 1 << 18, 1 << 17, 1 << 16, 1 << 15, 1 << 14, 1 << 13, 1 << 12]), RoundEnd::SendAndStop);
+        // Not shrinking wins over the last round: it is not sent.
+        assert_eq!(after_round(&[10000, 5000, 2500, 2400], 3, 64), RoundEnd::StopUnsent);
+    }
+
+    #[test]
+    fn a_first_copy_alone_goes_on() {
+        assert_eq!(end(&[16411]), RoundEnd::Continue);
+        assert_eq!(end(&[]), RoundEnd::Continue);
     }
 }

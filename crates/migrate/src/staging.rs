@@ -49,6 +49,14 @@ impl Slab {
         unsafe { std::slice::from_raw_parts(self.base.add(i * PAGE), PAGE) }
     }
 
+    /// Copy `page` over page `i` (< used).
+    fn put(&mut self, i: usize, page: &[u8]) {
+        assert!(i < self.used && page.len() == PAGE, "page {i} of a slab with {} pages", self.used);
+        // SAFETY: i < used <= SLAB_PAGES, so the page lies inside the mapping, which
+        // `&mut self` alone writes; `page` is PAGE bytes and cannot overlap it.
+        unsafe { std::ptr::copy_nonoverlapping(page.as_ptr(), self.base.add(i * PAGE), PAGE) };
+    }
+
     /// Copy one page in; its index.
     fn push(&mut self, page: &[u8]) -> usize {
         let i = self.used;
@@ -83,6 +91,12 @@ impl Staging {
             return false;
         }
         for (&a, page) in addrs.iter().zip(data.chunks_exact(PAGE)) {
+            if let Some(&(s, i)) = self.index.get(&a) {
+                // Sent again (written since): its slot takes the new copy,
+                // so a page re-sent every round is staged once, not per round.
+                self.slabs[s as usize].put(i as usize, page);
+                continue;
+            }
             if self.slabs.last().is_none_or(|s| s.used == SLAB_PAGES) {
                 match Slab::new() {
                     Some(s) => self.slabs.push(s),
@@ -131,6 +145,18 @@ mod tests {
         s.invalidate(&[0x1000]);
         assert!(s.page(0x1000).is_none());
         assert_eq!(s.pages(), 1);
+    }
+
+    #[test]
+    fn a_page_sent_again_takes_its_old_slot() {
+        let mut s = Staging::default();
+        for round in 1..=9u8 {
+            assert!(s.add(&[0x1000, 0x2000], [vec![round; PAGE], vec![round + 100; PAGE]].concat()));
+        }
+        assert_eq!(s.slabs.len(), 1);
+        assert_eq!(s.slabs[0].used, 2, "nine copies of two pages hold two slots");
+        assert_eq!(s.page(0x1000).map(|p| p[0]), Some(9));
+        assert_eq!(s.page(0x2000).map(|p| p[PAGE - 1]), Some(109));
     }
 
     #[test]

@@ -29,6 +29,37 @@ pub struct Incoming {
     /// Per process of the tree, the pages staged for it.
     pub staged: Vec<Arc<Staging>>,
     replies: Arc<Mutex<Replies>>,
+    switch: Arc<Switch>,
+}
+
+/// Whether the restored tree runs (true) or never will (false): the
+/// drains wait for it. Pushing every page while the restore runs would
+/// take the CPU and the process's memory map from the restore, so the
+/// pause would grow with the memory; the drain belongs after the switch.
+#[derive(Default)]
+struct Switch {
+    outcome: Mutex<Option<bool>>,
+    decided: std::sync::Condvar,
+}
+
+impl Switch {
+    fn decide(&self, runs: bool) {
+        let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if o.is_none() {
+            *o = Some(runs);
+            self.decided.notify_all();
+        }
+    }
+
+    fn wait(&self) -> bool {
+        let mut o = self.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if let Some(runs) = *o {
+                return runs;
+            }
+            o = self.decided.wait(o).unwrap_or_else(|p| p.into_inner());
+        }
+    }
 }
 
 /// The connection back to the source. `Complete` never overtakes
@@ -54,13 +85,20 @@ impl Replies {
         }
     }
 
-    fn resumed(&mut self) -> std::result::Result<(), wire::WireError> {
-        self.send(&ToSource::Resumed)?;
+    fn resumed(&mut self, phases_ms: Vec<(String, f64)>) -> std::result::Result<(), wire::WireError> {
+        self.send(&ToSource::Resumed { phases_ms })?;
         self.resumed = true;
         match self.complete.take() {
             Some(frame) => self.send(&frame),
             None => Ok(()),
         }
+    }
+}
+
+impl Drop for Incoming {
+    fn drop(&mut self) {
+        // Neither resumed nor failed: the restore never got that far.
+        self.switch.decide(false);
     }
 }
 
@@ -113,7 +151,7 @@ pub fn receive(
             Ok(Taken::Image { descriptor, page_servers, payload }) => {
                 let mut staged: Vec<Arc<Staging>> = frames.into_staging().into_iter().map(Arc::new).collect();
                 staged.resize_with(page_servers.len(), Arc::default);
-                return Ok(Incoming { descriptor: *descriptor, payload, page_servers, key, encrypt, staged, replies });
+                return Ok(Incoming { descriptor: *descriptor, payload, page_servers, key, encrypt, staged, replies, switch: Arc::default() });
             }
         }
     }
@@ -159,6 +197,12 @@ impl FrameReader {
                     Err(MigrateError::Stream("a pages frame whose bytes do not match its addresses".into()))
                 }
             }
+            ToTarget::Stale { process, addrs } => {
+                if let Some(staging) = self.staging.get_mut(usize::try_from(process).unwrap_or(usize::MAX)) {
+                    staging.invalidate(&addrs);
+                }
+                Ok(Taken::Staged)
+            }
             ToTarget::Image { descriptor, stale, page_servers, payload } => {
                 let descriptor = Descriptor::decode(&descriptor)?;
                 let processes = descriptor.processes().len();
@@ -203,6 +247,7 @@ impl Incoming {
             .collect();
         let drains = Arc::new(Mutex::new(Drains { left: images.len(), stats: Vec::new(), local_pages: 0, remote_pages: 0 }));
         let (staged, servers, replies, key, encrypt) = (self.staged.clone(), self.page_servers.clone(), self.replies.clone(), self.key, self.encrypt);
+        let switch = self.switch.clone();
         Arc::new(move |id, uffd, stats, stop| {
             let i = id as usize;
             let (Some(image), Some(staged), Some(&server)) = (images.get(i), staged.get(i), servers.get(i)) else {
@@ -213,7 +258,9 @@ impl Incoming {
                 .with_local_pages(staged.clone());
             let (replies2, lost2, stats2, drains2) = (replies.clone(), on_lost.clone(), stats.clone(), drains.clone());
             drains.lock().unwrap_or_else(|p| p.into_inner()).stats.push((id, stats.clone()));
-            h.spawn_drain(
+            let switch = switch.clone();
+            h.spawn_drain_after(
+                Box::new(move || switch.wait()),
                 PageClient::connect(server, &key, encrypt)?,
                 Box::new(move |r| {
                     let mut s = replies2.lock().unwrap_or_else(|p| p.into_inner());
@@ -234,6 +281,7 @@ impl Incoming {
                                 // The root's service times.
                                 fault_p50_us: root.service_us.quantile_us(0.5),
                                 fault_p99_us: root.service_us.quantile_us(0.99),
+                                discarded_pages: d.stats.iter().map(|(_, s)| s.pages_discarded.load(std::sync::atomic::Ordering::Relaxed)).sum(),
                             };
                             if let Err(e) = s.complete(done) {
                                 log::warn!("migration: telling the source it is done: {e}");
@@ -259,13 +307,17 @@ impl Incoming {
         self.page_servers.len()
     }
 
-    /// Tell the source the process runs here now.
-    pub fn resumed(&self) -> Result<()> {
-        Ok(self.replies.lock().unwrap_or_else(|p| p.into_inner()).resumed()?)
+    /// Tell the source the process runs here now (with where the target's
+    /// part of the pause went), and start pushing the rest of its memory.
+    pub fn resumed(&self, phases_ms: Vec<(String, f64)>) -> Result<()> {
+        let r = self.replies.lock().unwrap_or_else(|p| p.into_inner()).resumed(phases_ms);
+        self.switch.decide(true);
+        Ok(r?)
     }
 
     /// Tell the source the restore failed (it keeps the process).
     pub fn failed(&self, reason: &str) {
+        self.switch.decide(false);
         let _ = self.replies.lock().unwrap_or_else(|p| p.into_inner()).send(&ToSource::Failed { reason: reason.to_string() });
     }
 }

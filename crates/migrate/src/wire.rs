@@ -35,6 +35,11 @@ pub enum ToTarget {
     /// before that it wrote since (the target fetches them instead) and
     /// the page server holding its memory, the caller's payload.
     Image { descriptor: Vec<u8>, stale: Vec<Vec<u64>>, page_servers: Vec<String>, payload: Vec<u8> },
+    /// Pages of process `process` sent before that it wrote since and that
+    /// will not be sent again before the freeze (pre-copy stopped: see
+    /// `source::RoundEnd::StopUnsent`): the target drops them now, so the
+    /// freeze's `stale` lists only what was written after this.
+    Stale { process: u32, addrs: Vec<u64> },
 }
 
 /// Target → source.
@@ -44,12 +49,14 @@ pub enum ToSource {
     /// memory (its view, the files it maps) is in place. The source does
     /// not freeze before this.
     Prepared,
-    /// The process runs on the target.
-    Resumed,
+    /// The process runs on the target; where the target's part of the
+    /// pause went (named steps, ms).
+    Resumed { phases_ms: Vec<(String, f64)> },
     /// The source holds nothing the process needs any more.
     /// With the faults the target served meanwhile and their service time
-    /// (power-of-two µs bounds, see `fault::ServiceTimes`).
-    Complete { local_pages: u64, remote_pages: u64, faults: u64, fault_p50_us: Option<u64>, fault_p99_us: Option<u64> },
+    /// (power-of-two µs bounds, see `fault::ServiceTimes`), and the pages
+    /// that arrived when they were in place already (thrown away).
+    Complete { local_pages: u64, remote_pages: u64, faults: u64, fault_p50_us: Option<u64>, fault_p99_us: Option<u64>, discarded_pages: u64 },
     /// The target gave up (before `Resumed`: the source keeps the process).
     Failed { reason: String },
 }

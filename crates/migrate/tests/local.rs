@@ -128,7 +128,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
         let lost = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
         let lost2 = lost.clone();
         let serve = inc.serve(desc.clone(), 16, Arc::new(move |why| lost2.lock().unwrap().push(why)));
-        let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false };
+        let plan = PlanOptions { clone_id: 0, clone_count: 1, new_pid_namespace: true, clone_id_in_rax: false, seccomp: &[], terminal: false, join_groups: 0 };
         let (program, restore) = Restore::start(&desc, plan, serve).map_err(|e| e.to_string())?;
         let mut restorer = spawn_restorer(&program, stdout_w);
         drop(program);
@@ -136,7 +136,7 @@ fn migrate(p: &Running) -> (Result<starling_migrate::source::SourceReport, starl
             inc.failed("the restorer ended before the process ran");
             return Err(format!("restorer failed: {:?}", restorer.wait()));
         }
-        if let Err(e) = inc.resumed() {
+        if let Err(e) = inc.resumed(Vec::new()) {
             let _ = restorer.kill();
             let _ = restorer.wait();
             return Err(e.to_string());
@@ -309,4 +309,36 @@ fn target_lost_mid_migration_leaves_the_process_running_here() {
     let status = p.child.wait().unwrap();
     let out = p.rest();
     assert!(status.success() && out.contains("done "), "the program ran on here, nothing lost: {status:?}\n{out}");
+}
+
+#[test]
+fn memory_rewritten_faster_than_a_round_is_sent_once_before_the_switch_and_once_after() {
+    if !require_root() {
+        return;
+    }
+    let exe = build("sweeper");
+    let mut p = start({
+        let mut c = Command::new(&exe);
+        c.arg("32");
+        c
+    });
+    p.read_until("sweeping");
+    let (report, target) = migrate(&p);
+    let report = report.expect("migrate");
+    assert_eq!(p.child.wait().unwrap().signal(), Some(libc::SIGKILL), "the source copy is killed once the target holds everything");
+    let (status, outcomes) = target.expect("target side");
+    let seen = p.rest();
+    assert!(status.success() && seen.ends_with("every page as written, 20 passes after the move\n"), "restored run: {status:?}\n{seen}");
+    assert!(outcomes.iter().all(|o| o.handler_error.is_none()), "{outcomes:?}");
+    println!("{report:?}");
+    let sweep = 32 * 256;
+    assert!(report.footprint_pages >= sweep, "the 32 MiB were copied: {report:?}");
+    // Every page is rewritten while a round sends it: the round after the
+    // first copy finds (nearly) all of it written again, which is not
+    // smaller, so pre-copy stops without sending it (8 rounds of all of it
+    // before) ...
+    assert_eq!((report.rounds, report.precopy_pages), (0, report.footprint_pages), "{report:?}");
+    // ... and what it wrote goes at the freeze or is fetched after (the
+    // program checked each page's bytes after the move).
+    assert!(report.freeze_pages + report.postcopy_pages >= sweep * 9 / 10, "{report:?}");
 }

@@ -168,11 +168,13 @@ pub enum Msg {
 
     // ---- fork API
     /// Client → head: reserve up to `n` clones.
-    TicketRequest { n: u32, hierarchical: bool },
+    TicketRequest { n: u32, hierarchical: bool, isolation: NetworkIsolation },
     /// Head → client: the grant — (host, clones on that host) — or why not.
     /// Non-hierarchical: one clone per granted core. Hierarchical: the first
     /// clone on each host is restored there; the rest are local forks of it.
-    TicketGrant { ticket: u64, granted: Result<Vec<(String, u32)>, String> },
+    /// `unisolated`: granted hosts that cannot enforce the ticket's own
+    /// network (isolation `On`): their clones run with the host's network.
+    TicketGrant { ticket: u64, granted: Result<Vec<(String, u32)>, String>, unisolated: Vec<Unisolated> },
 
     // ---- tasks of the whole cluster, and moving them (live migration)
     /// Client → head: every running task.
@@ -282,6 +284,18 @@ pub enum Msg {
     /// written to the user. The head keeps a task's unacknowledged output (bounded) while it
     /// may outlive its client, so an `Attach` replays exactly what the user has not seen.
     OutputAck { task: TaskId, bytes: u64 },
+
+    // ---- a task at home talks to its client directly (appended: variants are encoded by index)
+    /// Home agent → head → client: the task runs on the home site, the client's own machine;
+    /// its stream ([`Msg::is_stream`]) may go straight between the two over the home agent's
+    /// Unix socket `socket` (`crate::path`), never across the link to the head.
+    AtHome { task: TaskId, socket: String },
+    /// Client → home agent, first on a connection to its socket: carry this task's stream here.
+    /// Echoed back first when the agent agrees (else it says `Error` and closes).
+    DirectOpen { task: TaskId },
+    /// Either way, on either path (the head's or the direct one): none of the task's stream
+    /// follows on this path; it goes on on the other (`crate::path::PathMerge`).
+    PathSwitch { task: TaskId },
 }
 
 fn check_bytes(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
@@ -299,6 +313,24 @@ impl Msg {
         !matches!(
             self,
             Msg::ChangeChunks { .. } | Msg::Push { .. } | Msg::FileResponse { resp: FileResp::Chunks(_), .. } | Msg::Stdin { .. }
+        )
+    }
+
+    /// A task's stream: what its terminal, pipes and X connections carry between it and its
+    /// client, either way. Only these take the direct path of a task at home (`crate::path`);
+    /// the head holds the client's while the task is frozen for a move.
+    pub fn is_stream(&self) -> bool {
+        matches!(
+            self,
+            Msg::Output { .. }
+                | Msg::Stdin { .. }
+                | Msg::StdinEof { .. }
+                | Msg::Signal { .. }
+                | Msg::Resize { .. }
+                | Msg::OutputAck { .. }
+                | Msg::X11Open { .. }
+                | Msg::X11Data { .. }
+                | Msg::X11Close { .. }
         )
     }
 
@@ -324,7 +356,10 @@ impl Msg {
             | Msg::X11Data { task, .. }
             | Msg::X11Close { task, .. }
             | Msg::Attach { task, .. }
-            | Msg::OutputAck { task, .. } => Some(*task),
+            | Msg::OutputAck { task, .. }
+            | Msg::AtHome { task, .. }
+            | Msg::DirectOpen { task }
+            | Msg::PathSwitch { task } => Some(*task),
             _ => None,
         }
     }
@@ -337,6 +372,7 @@ impl Msg {
             Msg::HostInfo(h) => {
                 check_bytes("host name", h.name.len(), 256)?;
                 check_bytes("peer address", h.peer.as_ref().map_or(0, String::len), 256)?;
+                check_bytes("why a host cannot isolate", h.cannot_isolate.as_ref().map_or(0, String::len), 4096)?;
                 if !h.load.is_finite() || h.load < 0.0 {
                     return Err(Invalid::HostLoad.into());
                 }
@@ -344,6 +380,7 @@ impl Msg {
             }
             Msg::RunTask { spec, .. } | Msg::Launch { spec, .. } => spec.validate(),
             Msg::LaunchFailed { message, .. } => check_bytes("error message", message.len(), 64 << 10),
+            Msg::AtHome { socket, .. } => check_bytes("home socket path", socket.len(), 108),
             Msg::Signal { signo, .. } => {
                 if !(1..=64).contains(signo) {
                     return Err(Invalid::Signal(*signo).into());
@@ -408,6 +445,14 @@ impl Msg {
                     return Err(Invalid::TicketSize(*n).into());
                 }
                 Ok(())
+            }
+            Msg::TicketGrant { granted, unisolated, .. } => {
+                check_bytes("error message", granted.as_ref().err().map_or(0, String::len), 64 << 10)?;
+                check_bytes("unisolated hosts", unisolated.len(), 4096)?;
+                unisolated.iter().try_for_each(|u| {
+                    check_bytes("host name", u.host.len(), 256)?;
+                    check_bytes("why a host cannot isolate", u.why.len(), 4096)
+                })
             }
             Msg::ExecutorProgress { progress: p, .. } => {
                 let ended = p.done.checked_add(p.failed).and_then(|n| n.checked_add(p.cancelled));

@@ -369,6 +369,11 @@ pub struct TaskRow {
     pub runnable: Option<u32>,
     /// A roaming task's (`exec --roam`): why it runs where it does, and its manager's decisions.
     pub roam: Option<RoamLog>,
+    /// Its stream (terminal, pipes, X) goes straight between its client and the home site now,
+    /// not through the head, if known.
+    pub direct: Option<bool>,
+    /// Stream messages of the task the head relayed, both ways ([`crate::Msg::is_stream`]).
+    pub relayed: u64,
 }
 
 /// A roaming task's record at the head (`starling ps`, `ps --why`).
@@ -413,6 +418,8 @@ pub struct TaskUsage {
     pub rss_bytes: u64,
     /// Threads in state R (running or waiting for a CPU) now.
     pub runnable: u32,
+    /// Its stream goes straight to its client now (a task at home: `crate::path`).
+    pub direct: bool,
 }
 
 /// What a live migration did.
@@ -433,6 +440,9 @@ pub struct MigrationReport {
     pub precopy_pages: u64,
     pub freeze_pages: u64,
     pub postcopy_pages: u64,
+    /// Pages that reached the target when it held them already (fetched
+    /// or pushed twice), thrown away there.
+    pub discarded_pages: u64,
     /// Bytes the source sent for memory (pages, frames, page-server replies).
     pub memory_bytes: u64,
     /// Bytes of the task's files and I/O state sent at the freeze.
@@ -443,6 +453,13 @@ pub struct MigrationReport {
     pub postcopy_faults: u64,
     pub fault_p50_us: Option<u64>,
     pub fault_p99_us: Option<u64>,
+    /// Where the pause went, in order: the source's steps while the task
+    /// was frozen, then the target's until it ran (named, ms).
+    pub phases_ms: Vec<(String, f64)>,
+    /// A clone of an isolated ticket moved to a host that cannot enforce the ticket's own
+    /// network (`fork.isolate_network = on`, the host named by the caller): why; it runs there
+    /// with the host's whole network. Filled in by the head.
+    pub unisolated: Option<String>,
 }
 
 /// How a task ended.
@@ -649,9 +666,11 @@ pub struct CloneSpec {
     /// its `CloneStats`.
     pub placed_ns: u64,
     /// The ticket's own network (SnowFlock's virtual network per impromptu
-    /// cluster): `Some` (empty from the client) when the clone may reach only
-    /// its ticket's members; the head fills it in at placement. `None`: the
-    /// job asked for its hosts' whole network (`fork.isolate_network` off).
+    /// cluster): `Some` when the clone may reach only its ticket's members;
+    /// the head fills it in at placement (from the client: no members, and
+    /// the ports it refuses besides the cluster's: the one it reaches the
+    /// cluster at). `None`: the job asked for its hosts' whole network
+    /// (`fork.isolate_network` off).
     pub network: Option<TicketNetwork>,
 }
 
@@ -661,9 +680,37 @@ pub struct CloneSpec {
 pub struct TicketNetwork {
     /// The ticket's hosts (the grant's) and the parent's machine.
     pub members: Vec<std::net::IpAddr>,
-    /// TCP ports refused to the clone on every address, members' included:
-    /// the head's and the agents' control and chunk ports.
+    /// Ports (TCP, UDP, SCTP, DCCP) refused to the clone on every address,
+    /// members' included: the head's and the agents' control and chunk ports,
+    /// and the one the parent reaches the cluster at (a link relay's).
     pub refused_ports: Vec<u16>,
+    /// The job set `fork.isolate_network = required`: a host that cannot
+    /// enforce the network fails the clone. Otherwise (`on`) it runs the
+    /// clone with its whole network and says so on the clone's stderr.
+    pub required: bool,
+}
+
+/// What a fork ticket asks of its clones' network (`fork.isolate_network`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NetworkIsolation {
+    /// The clones get their hosts' whole network.
+    Off,
+    /// Their ticket's own network wherever the host can enforce one: the
+    /// grant prefers such hosts, and names the others (their clones run with
+    /// the whole network).
+    #[default]
+    On,
+    /// Their ticket's own network, or no ticket: the grant holds only hosts
+    /// that can enforce it, and the ticket is refused, naming the hosts that
+    /// cannot, when that would grant fewer clones than the cluster could.
+    Required,
+}
+
+/// A host of a grant whose clones run without their ticket's own network, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Unisolated {
+    pub host: String,
+    pub why: String,
 }
 
 /// Members and refused ports of a [`TicketNetwork`] at most (a ticket's
@@ -804,6 +851,11 @@ pub struct HostInfo {
     /// of the cluster (`FindChunks`); None if it does not.
     #[serde(default)]
     pub peer: Option<String>,
+    /// Why this host cannot enforce a fork ticket's own network (no root or
+    /// `CAP_NET_ADMIN`, no cgroup2 hierarchy it can make groups in, no
+    /// `nft`), found by the agent at start; None: it can.
+    #[serde(default)]
+    pub cannot_isolate: Option<String>,
 }
 
 /// One host's owner monitor and guest containment, sent with each load report.

@@ -86,6 +86,13 @@ impl Ticket {
         self.core.placement().to_vec()
     }
 
+    /// `[(host, why)]`: granted hosts that cannot enforce the ticket's own network
+    /// (`fork.isolate_network = on`), whose clones run with their host's whole network.
+    #[getter]
+    fn unisolated(&self) -> Vec<(String, String)> {
+        self.core.unisolated().iter().map(|u| (u.host.clone(), u.why.clone())).collect()
+    }
+
     /// Size in bytes of the encoded process descriptor, once cloned.
     #[getter]
     fn descriptor_bytes(&self) -> Option<usize> {

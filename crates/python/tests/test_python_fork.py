@@ -310,6 +310,39 @@ def test_kill():
     assert starling.clone_status(t, 1) == ("killed", 9)
 
 
+KILL_AT_ONCE = """
+import starling, sys, time
+for i in range(int(sys.argv[1])):
+    t = starling.request_ticket(2)
+    if starling.clone(t) > 0:
+        time.sleep(3600)
+        starling.exit(0)
+    print(i, starling.kill(t), flush=True)
+"""
+
+
+def test_kill_at_once_after_clone_ends_every_clone(monkeypatch):
+    """sf_kill right after sf_clone, many times: a kill that reached a clone's restorer before the
+    clone's PID namespace had set its death signal left that namespace (and the sleeping clone)
+    alive, and kill then waited for it forever (CI's time limit). A kill still waiting after
+    300 s (each takes well under a second) is that bug, not a slow machine."""
+    n = 30
+    # Busy loops on every core, as many again as there are cores: the restorer is then preempted
+    # at random points, which is what opened the window (13 iterations in on a busy 2-core machine).
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        r = subprocess.run([sys.executable, "-c", KILL_AT_ONCE, str(n)], capture_output=True, text=True,
+                           timeout=300, start_new_session=True)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"a kill right after a clone never returned; done before it:\n{e.stdout}")
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [f"{i} {[('killed', 9)] * 2}" for i in range(n)]
+
+
 def test_executor_on_the_local_backend():
     """starling.Executor needs no cluster with the local backend: its clones reach this process at
     127.0.0.1 (parent_host() is None without a cluster ticket)."""

@@ -42,7 +42,7 @@ mod abi;
 
 use abi::plan::*;
 use abi::regs::{GpRegs, FP_XSTATE_MAGIC1, FPX_SW_BYTES_OFFSET, FXSAVE_BYTES, USER_CS, USER_SS};
-use abi::restorer::{Record, RecordTag, RestorerExit, HANDLER_FD, PLAN_FD, RECORD_SIZE};
+use abi::restorer::{Record, RecordTag, RestorerExit, HANDLER_FD, JOIN_FD, PLAN_FD, RECORD_SIZE};
 use abi::signal::{SigInfo, Sigaction};
 use abi::PAGE_SIZE as PAGE;
 use core::arch::{asm, global_asm};
@@ -777,17 +777,48 @@ fn enter_pid_namespace(pid: u64, count: u64) {
     if r < 0 {
         die(RestorerExit::PidNamespace, "unshare(CLONE_NEWPID)", 0, r);
     }
+    // A pipe only the original process writes to (never, in fact): PID 1
+    // reads EOF from it once the original is gone. See below.
+    let mut original_alive = [0i32; 2];
+    const O_NONBLOCK: usize = 0o4000;
+    const O_CLOEXEC: usize = 0o2_000_000;
+    // SAFETY: pipe2 writes two fds into the live local array.
+    let r = unsafe { sys!(nr::PIPE2, original_alive.as_mut_ptr(), O_NONBLOCK | O_CLOEXEC) };
+    if r < 0 {
+        die(RestorerExit::PidNamespace, "pipe2", 0, r);
+    }
     let init = fork_process(Some(1));
     if init < 0 {
         die(RestorerExit::PidNamespace, "clone3 init set_tid", 1, init);
     }
     if init > 0 {
         // The original process: relay signals in, and the namespace's result out.
+        // SAFETY: closes our copy of the read end; the write end stays open for our life.
+        unsafe { sys!(nr::CLOSE, original_alive[0]) };
         relay_until_exit(init);
     }
-    // PID 1 of the new namespace. Die with our parent (the launcher).
-    // SAFETY: prctl with integer arguments.
-    unsafe { sys!(nr::PRCTL, 1 /* PR_SET_PDEATHSIG */, 9) };
+    // PID 1 of the new namespace. Die with our parent (the launcher kills
+    // the original process to kill the clone).
+    // SAFETY: closes the copy of the write end this fork inherited; prctl with integer arguments.
+    unsafe {
+        sys!(nr::CLOSE, original_alive[1]);
+        sys!(nr::PRCTL, 1 /* PR_SET_PDEATHSIG */, 9);
+    }
+    // A parent killed between the fork and the prctl sends no death signal,
+    // and this namespace would live on without it, holding the fault
+    // handler's socket (a local kill then waited forever): EOF here means
+    // the original is already gone (EAGAIN: it is alive, and the death
+    // signal now covers it).
+    let mut byte = 0u8;
+    // SAFETY: a one-byte read into a live local; then closes the read end.
+    let gone = unsafe {
+        let n = sys!(nr::READ, original_alive[0], &mut byte as *mut u8, 1);
+        sys!(nr::CLOSE, original_alive[0]);
+        n == 0
+    };
+    if gone {
+        exit_group(RestorerExit::PidNamespace as i32);
+    }
     mount_own_proc();
     let first = header().clone_id;
     let mut pids = [0isize; MAX_CLONES_PER_RESTORE as usize];
@@ -1418,6 +1449,62 @@ static GO: AtomicU32 = AtomicU32::new(0);
 /// Where the handler socket was moved to (above the image's fds).
 static HANDLER_SOCK: core::sync::atomic::AtomicI32 = core::sync::atomic::AtomicI32::new(-1);
 
+/// The `cgroup.procs` descriptors to join as the last step (`abi::restorer::JOIN_FD`),
+/// moved above the image's fds; -1: none (or already joined).
+static JOIN_FDS: [core::sync::atomic::AtomicI32; MAX_JOIN_GROUPS as usize] =
+    [const { core::sync::atomic::AtomicI32::new(-1) }; MAX_JOIN_GROUPS as usize];
+
+/// Move the plan's `join_groups` descriptors above `keep_above` (the image's
+/// fds are restored below it); returns them, ascending, and -1s.
+fn move_join_fds(keep_above: i32) -> [i32; MAX_JOIN_GROUPS as usize] {
+    let mut out = [-1i32; MAX_JOIN_GROUPS as usize];
+    for i in 0..header().join_groups as usize {
+        let fd = move_fd_above(JOIN_FD + i as i32, keep_above);
+        JOIN_FDS[i].store(fd, Ordering::Relaxed);
+        out[i] = fd;
+    }
+    out
+}
+
+/// Close every descriptor from `from` on except those in `keep` (-1s ignored).
+fn close_from_except(from: i32, keep: &[i32]) {
+    let mut at = from;
+    loop {
+        // The lowest kept descriptor at or above `at`.
+        let next = keep.iter().copied().filter(|&k| k >= at).min();
+        let Some(k) = next else { break };
+        if k > at {
+            // SAFETY: close_range on descriptor numbers the process must not have.
+            unsafe { sys!(nr::CLOSE_RANGE, at, k - 1, 0) };
+        }
+        at = k + 1;
+    }
+    // SAFETY: as above.
+    unsafe { sys!(nr::CLOSE_RANGE, at, u32::MAX, 0) };
+}
+
+/// The process's last step before it resumes (after it reported running,
+/// before its threads go): it writes itself into each group it was kept out
+/// of while it was restored (a moved guest's CPU and freezer groups: until
+/// now the restore ran at the priority of whoever started it), once, and
+/// lets go of the descriptors. Its other threads wait at the barrier and move
+/// with it (`cgroup.procs` moves the whole thread group).
+fn join_groups() {
+    for slot in &JOIN_FDS {
+        let fd = slot.swap(-1, Ordering::Relaxed);
+        if fd < 0 {
+            continue;
+        }
+        // SAFETY: writes one byte of a static into our own descriptor.
+        let r = unsafe { sys!(nr::WRITE, fd, b"0".as_ptr(), 1) };
+        if r != 1 {
+            die(RestorerExit::Join, "join cgroup", fd as u64, r.min(0));
+        }
+        // SAFETY: closing our own descriptor; the program must not inherit it.
+        unsafe { sys!(nr::CLOSE, fd) };
+    }
+}
+
 const FUTEX_WAIT_PRIVATE: usize = 128;
 const FUTEX_WAKE_PRIVATE: usize = 129;
 
@@ -1734,6 +1821,9 @@ fn release_threads() {
     send_record(sock, Record { tag: RecordTag::Running as u64, clone_id: my_clone_id(), value: 0 }, None);
     // SAFETY: closing our own descriptor; no other thread uses it.
     unsafe { sys!(nr::CLOSE, sock) };
+    // After the report: a join into a frozen freezer group stops us right
+    // here (a guest suspended where it arrived), and the move is complete.
+    join_groups();
     GO.store(1, Ordering::Release);
     futex_wake_all(&GO);
 }
@@ -1854,6 +1944,7 @@ extern "C" fn restorer_main() -> ! {
     let keep_above = (max_fd + 1).max(10);
     let handler_sock = move_fd_above(HANDLER_FD, keep_above);
     HANDLER_SOCK.store(handler_sock, Ordering::Relaxed);
+    let join = move_join_fds(keep_above);
     fix_own_mappings();
     map_regions();
     let uffd = register_regions();
@@ -1863,12 +1954,12 @@ extern "C" fn restorer_main() -> ! {
         unsafe { sys!(nr::CLOSE, uffd) };
     }
     restore_fds(keep_above);
-    // SAFETY: close_range of everything above the image's fds but the
-    // handler socket (closed right before the threads resume).
-    unsafe {
-        sys!(nr::CLOSE_RANGE, max_fd + 1, handler_sock - 1, 0);
-        sys!(nr::CLOSE_RANGE, handler_sock + 1, u32::MAX, 0);
-    }
+    // Everything above the image's fds but the handler socket and the
+    // groups to join (closed right before the threads resume).
+    let mut keep = [-1i32; MAX_JOIN_GROUPS as usize + 1];
+    keep[0] = handler_sock;
+    keep[1..].copy_from_slice(&join);
+    close_from_except(max_fd + 1, &keep);
     restore_process_state();
     create_threads();
     restore_own_thread(0);

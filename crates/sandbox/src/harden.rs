@@ -6,6 +6,7 @@
 //!
 //! ```text
 //! drop_privileged_sets (still root: bounding set, ambient)  — only when uid != 0
+//! drop_network_admin (still root: two capabilities, all sets) — a clone of an isolated ticket
 //! setgroups / setgid / setuid                               — permitted, effective cleared by the kernel
 //! clear_capabilities (inheritable too)                      — only when uid != 0
 //! install_filter (no_new_privs, then the filter)            — every confined task
@@ -132,26 +133,64 @@ pub fn drop_privileged_sets() -> Result<(), HardenError> {
 
 /// After the uid changed: empty the effective, permitted and inheritable sets.
 pub fn clear_capabilities() -> Result<(), HardenError> {
-    #[repr(C)]
-    struct Header {
-        version: u32,
-        pid: libc::c_int,
-    }
-    #[repr(C)]
-    #[derive(Clone, Copy)]
-    struct Data {
-        effective: u32,
-        permitted: u32,
-        inheritable: u32,
-    }
-    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
-    let mut header = Header { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
-    let data = [Data { effective: 0, permitted: 0, inheritable: 0 }; 2];
+    let mut header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let data = [CapData { effective: 0, permitted: 0, inheritable: 0 }; 2];
     // SAFETY: capset reads a version-3 header and two data records, both
     // live on our stack for the duration of the call.
-    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut Header, data.as_ptr()) };
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut CapHeader, data.as_ptr()) };
     nix::errno::Errno::result(rc).map(drop).map_err(HardenError::Capset)
 }
+
+/// The capabilities a clone of an isolated ticket gives up: its ticket's rules are nftables rules
+/// in the network namespace it shares with its host, which `CAP_NET_ADMIN` could change, and
+/// `CAP_NET_RAW` would let it send packets of any shape past them.
+/// (`CAP_NET_ADMIN` is 12, `CAP_NET_RAW` 13: linux/capability.h.)
+pub const NETWORK_ADMIN: [u32; 2] = [12, 13];
+
+/// Still root: drop [`NETWORK_ADMIN`] from the bounding set (so no `execve` gives them back), the
+/// ambient set, and the effective, permitted and inheritable sets; every other capability stays.
+pub fn drop_network_admin() -> Result<(), HardenError> {
+    for cap in NETWORK_ADMIN {
+        // SAFETY: prctl with integer arguments only.
+        let rc = unsafe { libc::prctl(libc::PR_CAPBSET_DROP, libc::c_ulong::from(cap), 0, 0, 0) };
+        nix::errno::Errno::result(rc).map_err(|source| HardenError::BoundingSet { cap, source })?;
+        // SAFETY: prctl with integer arguments only.
+        let rc = unsafe { libc::prctl(libc::PR_CAP_AMBIENT, libc::PR_CAP_AMBIENT_LOWER, libc::c_ulong::from(cap), 0, 0) };
+        nix::errno::Errno::result(rc).map_err(HardenError::Ambient)?;
+    }
+    let mut header = CapHeader { version: LINUX_CAPABILITY_VERSION_3, pid: 0 };
+    let mut data = [CapData { effective: 0, permitted: 0, inheritable: 0 }; 2];
+    // SAFETY: capget writes two data records into `data` and reads the header, both live locals.
+    let rc = unsafe { libc::syscall(libc::SYS_capget, &mut header as *mut CapHeader, data.as_mut_ptr()) };
+    nix::errno::Errno::result(rc).map_err(HardenError::Capset)?;
+    for cap in NETWORK_ADMIN {
+        let (word, bit) = (usize::from(cap >= 32), 1u32 << (cap % 32));
+        data[word].effective &= !bit;
+        data[word].permitted &= !bit;
+        data[word].inheritable &= !bit;
+    }
+    // SAFETY: capset reads the header and the two records, live locals; the sets only shrink.
+    let rc = unsafe { libc::syscall(libc::SYS_capset, &mut header as *mut CapHeader, data.as_ptr()) };
+    nix::errno::Errno::result(rc).map(drop).map_err(HardenError::Capset)
+}
+
+/// `struct __user_cap_header_struct`.
+#[repr(C)]
+struct CapHeader {
+    version: u32,
+    pid: libc::c_int,
+}
+
+/// `struct __user_cap_data_struct` (two of them in version 3: capabilities 0..32, 32..64).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CapData {
+    effective: u32,
+    permitted: u32,
+    inheritable: u32,
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
 /// Set no_new_privs and install `filter` on this (single-threaded) process.
 pub fn install_filter(filter: &BpfProgram) -> Result<(), HardenError> {

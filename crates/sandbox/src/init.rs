@@ -542,6 +542,11 @@ fn task_main(spec: &SandboxSpec, program: &Option<ProgramWire>, reaper_pid: Pid,
             die(e)
         }
     }
+    if spec.no_network_admin {
+        if let Err(e) = crate::harden::drop_network_admin() {
+            die(e)
+        }
+    }
     // A rootless agent's tasks keep its ids (the only ones its user namespace has).
     if !spec.rootless {
         let groups: Vec<Gid> = spec.groups.iter().map(|&g| Gid::from_raw(g)).collect();

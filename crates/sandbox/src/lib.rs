@@ -87,8 +87,10 @@
 //! and, unless its uid is 0, no capabilities at all (effective, permitted,
 //! inheritable, ambient and bounding sets empty). The restorer of a clone or
 //! of a moved task ([`Confinement::Restorer`]) needs root for its nested PID
-//! namespace and userfaultfd and is left as it was; for a moved task it
-//! installs [`harden::task_filter_bytes`] itself: see docs/SECURITY.md.
+//! namespace and userfaultfd and is left as it was (less `CAP_NET_ADMIN` and
+//! `CAP_NET_RAW` for a clone of a ticket with its own network:
+//! [`SandboxSpec::no_network_admin`]); for a moved task it installs
+//! [`harden::task_filter_bytes`] itself: see docs/SECURITY.md.
 //!
 //! # Limits
 //!
@@ -166,6 +168,12 @@ pub struct SandboxSpec {
     /// [`TerminalLine`], which receives the pty's master (see [`terminal`]).
     #[serde(default)]
     pub terminal: Option<starling_proto::TerminalSize>,
+    /// Give up `CAP_NET_ADMIN` and `CAP_NET_RAW` (bounding set included, so
+    /// nothing it starts gets them back), whatever the uid: a clone of a
+    /// ticket with its own network, whose rules live in the host's network
+    /// namespace that the clone shares ([`harden::drop_network_admin`]).
+    #[serde(default)]
+    pub no_network_admin: bool,
 }
 
 /// What the sandbox's first process does to itself before exec, so that it

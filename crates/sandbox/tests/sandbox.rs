@@ -515,6 +515,26 @@ fn a_root_task_keeps_its_capabilities_but_is_filtered() {
 }
 
 #[test]
+fn a_restorer_without_network_admin_lacks_those_two_capabilities_only() {
+    // CAP_NET_ADMIN (12) and CAP_NET_RAW (13); CAP_SYS_ADMIN (21) stays.
+    let (net, sys_admin) = (0x3000u64, 1u64 << 21);
+    with_root(move |root| {
+        let mut s = spec(root, &["cat", "/proc/self/status"]);
+        s.confinement = starling_sandbox::Confinement::Restorer;
+        for no_network_admin in [false, true] {
+            s.no_network_admin = no_network_admin;
+            let o = run(&s);
+            assert_eq!(o.status, ExitStatus::Code(0), "{}", o.stderr);
+            for set in ["CapEff", "CapPrm", "CapBnd"] {
+                let caps = u64::from_str_radix(status_field(&o.stdout, set), 16).unwrap();
+                assert_eq!(caps & net, if no_network_admin { 0 } else { net }, "{set} {caps:x} (no_network_admin {no_network_admin})");
+                assert_ne!(caps & sys_admin, 0, "{set} {caps:x}");
+            }
+        }
+    })
+}
+
+#[test]
 fn a_restorer_task_is_left_unconfined() {
     with_root(|root| {
         let mut s = spec(root, &["cat", "/proc/self/status"]);

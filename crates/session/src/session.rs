@@ -101,6 +101,43 @@ pub struct TaskHandle {
     pub job_fresh: bool,
     pub events: mpsc::UnboundedReceiver<TaskEvent>,
     tx: Outgoing,
+    /// Where to acknowledge the output handed to `events` (a terminal task's).
+    written: Option<Arc<Mutex<Written>>>,
+}
+
+/// A terminal task's output handed over and not acknowledged yet: bytes by where their
+/// acknowledgement goes (the path the output came by: the head, or the home site directly; `None`:
+/// nowhere), in order.
+#[derive(Default)]
+struct Written(VecDeque<(Option<Outgoing>, u64)>);
+
+impl Written {
+    fn push(&mut self, to: Option<Outgoing>, bytes: u64) {
+        let same = |a: &Option<Outgoing>| match (a, &to) {
+            (Some(a), Some(b)) => a.same_channel(b),
+            (a, b) => a.is_none() && b.is_none(),
+        };
+        match self.0.back_mut() {
+            Some((last, n)) if same(last) => *n += bytes,
+            _ => self.0.push_back((to, bytes)),
+        }
+    }
+
+    /// The next `bytes` were written: how many to acknowledge where.
+    fn take(&mut self, mut bytes: u64) -> Vec<(Option<Outgoing>, u64)> {
+        let mut acks = Vec::new();
+        while bytes > 0 {
+            let Some((to, n)) = self.0.front_mut() else { break };
+            let now = bytes.min(*n);
+            *n -= now;
+            bytes -= now;
+            acks.push((to.clone(), now));
+            if *n == 0 {
+                self.0.pop_front();
+            }
+        }
+        acks
+    }
 }
 
 impl TaskHandle {
@@ -117,6 +154,19 @@ impl TaskHandle {
     pub fn sender(&self) -> Outgoing {
         self.tx.clone()
     }
+    /// `bytes` more of the task's output (its `Output` events, in order) were written to the user:
+    /// acknowledged (`Msg::OutputAck`) on the path each came by, so the head and the home site
+    /// each keep only what was not written (`starling_proto::path`). Nothing for a task not on
+    /// a terminal.
+    pub async fn written(&self, bytes: u64) {
+        let Some(w) = &self.written else { return };
+        let acks = w.lock().unwrap().take(bytes);
+        for (to, bytes) in acks {
+            if let Some(to) = to {
+                let _ = to.send(Msg::OutputAck { task: self.task, bytes }).await;
+            }
+        }
+    }
 }
 
 /// A launched job task: its events start with `Started` or `Refused`.
@@ -130,10 +180,21 @@ struct TaskSink {
     chunks: HashMap<Hash, Vec<u8>>,
     /// `Finished` arrived; its commit is under way (a closing connection can no longer lose it).
     finishing: bool,
+    /// Its messages go through a path sender from its start (a task with a [`TaskHandle`]).
+    with_paths: bool,
+    /// A terminal task: its output is acknowledged ([`TaskHandle::written`]).
+    acked: bool,
 }
 
-/// A head's answer to a ticket request: the ticket id and (host, clones there).
-pub type Grant = (u64, Vec<(String, u32)>);
+/// A head's answer to a ticket request.
+#[derive(Clone, Debug)]
+pub struct Grant {
+    pub ticket: u64,
+    /// (host, clones there).
+    pub placement: Vec<(String, u32)>,
+    /// Granted hosts that cannot enforce the ticket's own network: their clones get their host's.
+    pub unisolated: Vec<starling_proto::Unisolated>,
+}
 
 #[derive(Default)]
 struct State {
@@ -146,6 +207,31 @@ struct State {
     next_holds: u64,
     /// Why the session ended, once it has.
     closed: Option<Closed>,
+    /// The path senders of tasks with a handle (`starling exec`, `attach`): their stream may go
+    /// straight to the home site while they run there (`starling_proto::path`).
+    paths: HashMap<TaskId, TaskPaths>,
+}
+
+/// A started task's sender and the direct connection waiting for it.
+struct TaskPaths {
+    sender: mpsc::WeakSender<Msg>,
+    slot: starling_proto::path::DirectSlot,
+    /// The sender until its handle takes it.
+    unclaimed: Option<Outgoing>,
+    /// Where its output's acknowledgements go (a terminal task's).
+    written: Option<Arc<Mutex<Written>>>,
+}
+
+/// How a task's stream arrives: from which path, and whether we answered the home site's
+/// switch away from the direct one (with ours, so it knows our direct input is all in).
+#[derive(Default)]
+struct Arrival {
+    merge: starling_proto::path::PathMerge,
+    answered: bool,
+    /// Which direct connection is the task's (an earlier one may still be closing).
+    conn: u64,
+    /// That connection, while output may still come on it (acknowledged there).
+    acks: Option<Outgoing>,
 }
 
 /// Why a session ended.
@@ -173,6 +259,9 @@ pub struct Session {
     tx: Outgoing,
     files: Arc<FileServer>,
     state: Arc<Mutex<State>>,
+    /// Tasks with a direct path: the order their stream arrives in (locked while what it
+    /// releases is handled, so the two paths' readers never interleave).
+    arrivals: Arc<Mutex<HashMap<TaskId, Arrival>>>,
 }
 
 pub struct SessionOptions {
@@ -262,6 +351,7 @@ impl Session {
             tx,
             files,
             state: Arc::new(Mutex::new(State::default())),
+            arrivals: Arc::default(),
         };
         let s = session.clone();
         tokio::spawn(async move { s.read_loop(incoming).await });
@@ -273,7 +363,7 @@ impl Session {
     }
 
     /// Register `n` launches; returns the first reference and their event streams.
-    fn register(&self, n: usize) -> Result<(u64, Vec<mpsc::UnboundedReceiver<TaskEvent>>)> {
+    fn register(&self, n: usize, with_paths: bool, acked: bool) -> Result<(u64, Vec<mpsc::UnboundedReceiver<TaskEvent>>)> {
         let mut st = self.state.lock().unwrap();
         if let Some(why) = &st.closed {
             return Err(why.error());
@@ -283,7 +373,7 @@ impl Session {
         let mut rxs = Vec::with_capacity(n);
         for i in 0..n as u64 {
             let (tx, rx) = mpsc::unbounded_channel();
-            st.sinks.insert(first + i, TaskSink { events: tx, chunks: HashMap::new(), finishing: false });
+            st.sinks.insert(first + i, TaskSink { events: tx, chunks: HashMap::new(), finishing: false, with_paths, acked });
             rxs.push(rx);
         }
         Ok((first, rxs))
@@ -291,7 +381,7 @@ impl Session {
 
     /// Start a task; resolves once a host has started it.
     pub async fn launch(&self, spec: TaskSpec) -> Result<TaskHandle> {
-        let (reference, mut rxs) = self.register(1)?;
+        let (reference, mut rxs) = self.register(1, true, spec.terminal.is_some())?;
         let events = rxs.pop().expect("one receiver");
         self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| SessionError::LostHead)?;
         self.started(events).await
@@ -301,7 +391,8 @@ impl Session {
     /// attach`): its events go on from the first output byte that client had not written.
     /// `force`: take it over from a client still attached.
     pub async fn attach(&self, task: TaskId, force: bool) -> Result<TaskHandle> {
-        let (reference, mut rxs) = self.register(1)?;
+        // (Only a terminal task outlives its client.)
+        let (reference, mut rxs) = self.register(1, true, true)?;
         let events = rxs.pop().expect("one receiver");
         self.tx.send(Msg::Attach { task, reference, force }).await.map_err(|_| SessionError::LostHead)?;
         self.started(events).await
@@ -310,7 +401,11 @@ impl Session {
     async fn started(&self, mut events: mpsc::UnboundedReceiver<TaskEvent>) -> Result<TaskHandle> {
         match events.recv().await {
             Some(TaskEvent::Started { task, host, job_fresh }) => {
-                Ok(TaskHandle { task, host, job_fresh, events, tx: self.tx.clone() })
+                let mut st = self.state.lock().unwrap();
+                let paths = st.paths.get_mut(&task);
+                let written = paths.as_ref().and_then(|p| p.written.clone());
+                let tx = paths.and_then(|p| p.unclaimed.take());
+                Ok(TaskHandle { task, host, job_fresh, events, tx: tx.unwrap_or_else(|| self.tx.clone()), written })
             }
             Some(TaskEvent::Refused(why)) => Err(SessionError::Refused(why)),
             Some(TaskEvent::Lost(why)) => Err(SessionError::Lost(why)),
@@ -321,7 +416,7 @@ impl Session {
     /// Start a task without waiting for it to start: its events begin with
     /// `Started` (or `Refused`).
     pub async fn launch_pending(&self, spec: TaskSpec, index: usize) -> Result<Pending> {
-        let (reference, mut rxs) = self.register(1)?;
+        let (reference, mut rxs) = self.register(1, false, false)?;
         self.tx.send(Msg::Launch { spec, reference }).await.map_err(|_| SessionError::LostHead)?;
         Ok(Pending { index, events: rxs.pop().expect("one receiver") })
     }
@@ -329,7 +424,7 @@ impl Session {
     /// Start a job: one message and one prethrow for all its tasks. Each
     /// task's events begin with `Started` once a host has a core for it.
     pub async fn launch_job(&self, spec: TaskSpec, tasks: Vec<JobTask>) -> Result<Vec<Pending>> {
-        let (first_reference, rxs) = self.register(tasks.len())?;
+        let (first_reference, rxs) = self.register(tasks.len(), false, false)?;
         self.tx.send(Msg::LaunchJob { spec, tasks, first_reference }).await.map_err(|_| SessionError::LostHead)?;
         Ok(rxs.into_iter().enumerate().map(|(index, events)| Pending { index, events }).collect())
     }
@@ -382,7 +477,7 @@ impl Session {
     }
 
     /// Reserve up to `n` clones (the fork API's `sf_request_ticket`).
-    pub async fn request_ticket(&self, n: u32, hierarchical: bool) -> Result<Grant> {
+    pub async fn request_ticket(&self, n: u32, hierarchical: bool, isolation: starling_proto::NetworkIsolation) -> Result<Grant> {
         let (done_tx, done_rx) = oneshot::channel();
         {
             let mut st = self.state.lock().unwrap();
@@ -391,7 +486,7 @@ impl Session {
             }
             st.tickets.push_back(done_tx);
         }
-        self.tx.send(Msg::TicketRequest { n, hierarchical }).await.map_err(|_| SessionError::LostHead)?;
+        self.tx.send(Msg::TicketRequest { n, hierarchical, isolation }).await.map_err(|_| SessionError::LostHead)?;
         done_rx.await.map_err(|_| SessionError::LostHead)?
     }
 
@@ -409,7 +504,14 @@ impl Session {
         }
         if last {
             st.sinks.remove(&reference);
-            st.by_task.retain(|_, r| *r != reference);
+            let st = &mut *st;
+            let paths = &mut st.paths;
+            st.by_task.retain(|t, r| {
+                if *r == reference {
+                    paths.remove(t);
+                }
+                *r != reference
+            });
         }
     }
 
@@ -417,6 +519,171 @@ impl Session {
         let r = self.state.lock().unwrap().by_task.get(&task).copied();
         if let Some(r) = r {
             self.emit_ref(r, ev);
+        }
+    }
+
+    /// A task's message from the head's path (`via_direct` false) or its direct one: handled in
+    /// the order of the task's stream.
+    fn arrived(&self, via_direct: bool, m: Msg) {
+        let Some(task) = m.task() else { return };
+        let mut arrivals = self.arrivals.lock().unwrap();
+        let Some(a) = arrivals.get_mut(&task) else {
+            drop(arrivals);
+            return self.task_msg(m, Some(self.tx.clone()));
+        };
+        for (via_direct, m) in a.merge.arrived(via_direct, m) {
+            self.task_msg(m, if via_direct { a.acks.clone() } else { Some(self.tx.clone()) });
+        }
+        if a.merge.left_direct() {
+            a.acks = None;
+        }
+        if a.merge.left_direct() && !a.answered {
+            // The home site switched away from the direct path: our input follows (our switch
+            // there says the last of it is sent).
+            a.answered = true;
+            self.switch_sender(task, Msg::PathSwitch { task });
+        }
+    }
+
+    /// Send a switch into task `task`'s path sender (its place in the order: now, before
+    /// anything our handling of what arrived until now makes the task's client send).
+    fn switch_sender(&self, task: TaskId, m: Msg) {
+        let sender = self.state.lock().unwrap().paths.get(&task).and_then(|p| p.sender.upgrade());
+        if let Some(s) = sender {
+            if let Err(mpsc::error::TrySendError::Full(m)) = s.try_send(m) {
+                tokio::spawn(async move {
+                    let _ = s.send(m).await;
+                });
+            }
+        }
+    }
+
+    /// One of a task's messages, in its order; an output's acknowledgement goes to `ack_to`
+    /// (the way it came).
+    fn task_msg(&self, msg: Msg, ack_to: Option<Outgoing>) {
+        match msg {
+            Msg::Error { task: Some(task), message } => self.emit(task, TaskEvent::Lost(message)),
+            Msg::Output { task, stream, data } => {
+                let written = self.state.lock().unwrap().paths.get(&task).and_then(|p| p.written.clone());
+                if let Some(w) = written.filter(|_| !data.is_empty()) {
+                    w.lock().unwrap().push(ack_to, data.len() as u64);
+                }
+                self.emit(task, TaskEvent::Output(stream, data))
+            }
+            Msg::X11Open { task, stream } => self.emit(task, TaskEvent::X11(X11Event::Open(stream))),
+            Msg::X11Data { task, stream, data } => self.emit(task, TaskEvent::X11(X11Event::Data(stream, data))),
+            Msg::X11Close { task, stream } => self.emit(task, TaskEvent::X11(X11Event::Close(stream))),
+            Msg::CloneStats { task, clone_id, status, counters } => {
+                self.emit(task, TaskEvent::CloneStats { clone_id, status, counters })
+            }
+            Msg::FileRequest { task, id, req } => {
+                let files = self.files.clone();
+                let tx = self.tx.clone();
+                tokio::task::spawn_blocking(move || {
+                    let resp = files.answer(&req);
+                    let _ = tx.blocking_send(Msg::FileResponse { task, id, resp });
+                });
+            }
+            Msg::ChangeChunks { task, chunks } => {
+                let mut st = self.state.lock().unwrap();
+                let Some(r) = st.by_task.get(&task).copied() else { return };
+                let Some(sink) = st.sinks.get_mut(&r) else { return };
+                for c in chunks {
+                    match c.open() {
+                        Ok(bytes) => {
+                            sink.chunks.insert(c.hash, bytes);
+                        }
+                        // The commit then finds the chunk missing and commits nothing.
+                        Err(e) => log::warn!("task {task}: output chunk rejected: {e}"),
+                    }
+                }
+            }
+            Msg::Finished { task, status, changes, accessed } => {
+                let chunks = {
+                    let mut st = self.state.lock().unwrap();
+                    let Some(r) = st.by_task.get(&task).copied() else { return };
+                    let Some(sink) = st.sinks.get_mut(&r) else { return };
+                    sink.finishing = true;
+                    std::mem::take(&mut sink.chunks)
+                };
+                let files = self.files.clone();
+                let tx = self.tx.clone();
+                let me = self.clone();
+                tokio::spawn(async move {
+                    let commit = tokio::task::spawn_blocking(move || commit::apply(&files, &changes, &chunks))
+                        .await
+                        .unwrap_or(Err(commit::CommitError::Interrupted))
+                        .map_err(Arc::new);
+                    let conflicts =
+                        commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.clone()).collect()).unwrap_or_default();
+                    let _ = tx.send(Msg::Committed { task, conflicts }).await;
+                    me.emit(task, TaskEvent::Finished { status, commit, accessed });
+                });
+            }
+            Msg::AtHome { task, socket } => {
+                let me = self.clone();
+                tokio::spawn(async move { me.open_direct(task, socket).await });
+            }
+            _ => {}
+        }
+    }
+
+    /// The task runs on the home site (this machine): carry its stream over the home agent's
+    /// socket instead of through the head. Any failure leaves it going through the head.
+    async fn open_direct(&self, task: TaskId, socket: String) {
+        let Some(slot) = self.state.lock().unwrap().paths.get(&task).map(|p| p.slot.clone()) else { return };
+        let sock = match tokio::net::UnixStream::connect(&socket).await {
+            Ok(s) => s,
+            Err(e) => return log::info!("task {task}: the home site's socket {socket}: {e}; its stream goes through the head"),
+        };
+        let (r, w) = tokio::io::split(sock);
+        let Ok((_, mut incoming, direct)) = establish(r, w, Role::Client, "client").await else { return };
+        let conn = {
+            // Before the home site can agree: its switch through the head may come before its echo.
+            // (The stream is read from the head's path until that switch.)
+            let mut arrivals = self.arrivals.lock().unwrap();
+            let a = arrivals.entry(task).or_default();
+            a.merge.opened();
+            a.answered = false;
+            a.conn += 1;
+            a.acks = Some(direct.clone());
+            a.conn
+        };
+        // (Its entry stays, reading the head's path: nothing comes on this one.)
+        let refused = |why: String| log::info!("task {task}: {why}; its stream goes through the head");
+        if direct.send(Msg::DirectOpen { task }).await.is_err() {
+            return refused("the home site's connection closed".into());
+        }
+        match incoming.recv().await {
+            Ok(Msg::DirectOpen { .. }) => {}
+            Ok(Msg::Error { message, .. }) => return refused(format!("the home site: {message}")),
+            _ => return refused("the home site did not agree".into()),
+        }
+        *slot.lock().unwrap() = Some(starling_proto::path::Direct { tx: direct, kept: None });
+        // Before any switch back is answered (that one is sent from where the stream arrives).
+        let sender = self.state.lock().unwrap().paths.get(&task).and_then(|p| p.sender.upgrade());
+        if let Some(s) = sender {
+            let _ = s.send(Msg::DirectOpen { task }).await;
+        }
+        log::info!("task {task}: its stream goes straight to the home site");
+        loop {
+            match incoming.recv().await {
+                Ok(m) if m.task() == Some(task) => self.arrived(true, m),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        let mut arrivals = self.arrivals.lock().unwrap();
+        // (Unless a later connection is the task's now: this one had switched away before.)
+        if let Some(a) = arrivals.get_mut(&task).filter(|a| a.conn == conn) {
+            a.acks = None;
+            for (_, m) in a.merge.lost_direct() {
+                self.task_msg(m, Some(self.tx.clone()));
+            }
+            if !a.answered {
+                a.answered = true;
+                self.switch_sender(task, Msg::PathSwitch { task });
+            }
         }
     }
 
@@ -429,7 +696,17 @@ impl Session {
             };
             match msg {
                 Msg::Started { task, host, reference, job_fresh } => {
-                    self.state.lock().unwrap().by_task.insert(task, reference);
+                    let mut st = self.state.lock().unwrap();
+                    st.by_task.insert(task, reference);
+                    if let Some(sink) = st.sinks.get(&reference).filter(|s| s.with_paths) {
+                        let written = sink.acked.then(Arc::default);
+                        // Before the task's next message (which may say it is at home).
+                        let slot = starling_proto::path::DirectSlot::default();
+                        let on_direct = Arc::new(std::sync::atomic::AtomicBool::new(false));
+                        let tx = starling_proto::path::spawn_sender(task, self.tx.clone(), slot.clone(), on_direct);
+                        st.paths.insert(task, TaskPaths { sender: tx.downgrade(), slot, unclaimed: Some(tx), written });
+                    }
+                    drop(st);
                     self.emit_ref(reference, TaskEvent::Started { task, host, job_fresh });
                 }
                 Msg::LaunchFailed { reference, message } => self.emit_ref(reference, TaskEvent::Refused(message)),
@@ -438,69 +715,18 @@ impl Session {
                         let _ = w.send(held);
                     }
                 }
-                Msg::TicketGrant { ticket, granted } => {
+                Msg::TicketGrant { ticket, granted, unisolated } => {
                     if let Some(w) = self.state.lock().unwrap().tickets.pop_front() {
-                        let _ = w.send(granted.map(|g| (ticket, g)).map_err(SessionError::TicketRefused));
+                        let grant = granted.map(|placement| Grant { ticket, placement, unisolated });
+                        let _ = w.send(grant.map_err(SessionError::TicketRefused));
                     }
                 }
                 // The head ends the connection after an error of no task (e.g. a revoked certificate).
                 Msg::Error { task: None, message } => break Closed::Protocol(Arc::new(ProtoError::Refused(message))),
-                Msg::Error { task: Some(task), message } => self.emit(task, TaskEvent::Lost(message)),
-                Msg::Output { task, stream, data } => self.emit(task, TaskEvent::Output(stream, data)),
-                Msg::X11Open { task, stream } => self.emit(task, TaskEvent::X11(X11Event::Open(stream))),
-                Msg::X11Data { task, stream, data } => self.emit(task, TaskEvent::X11(X11Event::Data(stream, data))),
-                Msg::X11Close { task, stream } => self.emit(task, TaskEvent::X11(X11Event::Close(stream))),
-                Msg::CloneStats { task, clone_id, status, counters } => {
-                    self.emit(task, TaskEvent::CloneStats { clone_id, status, counters })
-                }
-                Msg::FileRequest { task, id, req } => {
-                    let files = self.files.clone();
-                    let tx = self.tx.clone();
-                    tokio::task::spawn_blocking(move || {
-                        let resp = files.answer(&req);
-                        let _ = tx.blocking_send(Msg::FileResponse { task, id, resp });
-                    });
-                }
-                Msg::ChangeChunks { task, chunks } => {
-                    let mut st = self.state.lock().unwrap();
-                    let Some(r) = st.by_task.get(&task).copied() else { continue };
-                    let Some(sink) = st.sinks.get_mut(&r) else { continue };
-                    for c in chunks {
-                        match c.open() {
-                            Ok(bytes) => {
-                                sink.chunks.insert(c.hash, bytes);
-                            }
-                            // The commit then finds the chunk missing and commits nothing.
-                            Err(e) => log::warn!("task {task}: output chunk rejected: {e}"),
-                        }
-                    }
-                }
-                Msg::Finished { task, status, changes, accessed } => {
-                    let chunks = {
-                        let mut st = self.state.lock().unwrap();
-                        let Some(r) = st.by_task.get(&task).copied() else { continue };
-                        let Some(sink) = st.sinks.get_mut(&r) else { continue };
-                        sink.finishing = true;
-                        std::mem::take(&mut sink.chunks)
-                    };
-                    let files = self.files.clone();
-                    let tx = self.tx.clone();
-                    let me = self.clone();
-                    tokio::spawn(async move {
-                        let commit = tokio::task::spawn_blocking(move || commit::apply(&files, &changes, &chunks))
-                            .await
-                            .unwrap_or(Err(commit::CommitError::Interrupted))
-                            .map_err(Arc::new);
-                        let conflicts =
-                            commit.as_ref().map(|r| r.conflicts.iter().map(|c| c.path.clone()).collect()).unwrap_or_default();
-                        let _ = tx.send(Msg::Committed { task, conflicts }).await;
-                        me.emit(task, TaskEvent::Finished { status, commit, accessed });
-                    });
-                }
                 Msg::Ping { nonce } => {
                     let _ = self.tx.send(Msg::Pong { nonce }).await;
                 }
-                _ => {}
+                m => self.arrived(false, m),
             }
         };
         let refs: Vec<u64> = {

@@ -21,7 +21,7 @@ use super::thread::ThreadCore;
 /// "STRLPLAN" little-endian.
 pub const PLAN_MAGIC: u64 = u64::from_le_bytes(*b"STRLPLAN");
 /// Bumped on every layout change.
-pub const PLAN_VERSION: u64 = 11;
+pub const PLAN_VERSION: u64 = 12;
 /// Largest plan the restorer accepts (its static read buffer).
 pub const PLAN_MAX_BYTES: usize = 8 << 20;
 /// Most threads one process can have restored (the restorer's stacks).
@@ -54,6 +54,9 @@ pub const PLAN_FLAG_BEFORE_PARENT_SETSID: u64 = 8;
 /// foreground group again (TIOCSPGRP on the terminal it inherited on fd 0),
 /// before any process of the tree resumes.
 pub const PLAN_FLAG_TERMINAL_FOREGROUND: u64 = 16;
+
+/// Most [`PlanHeader::join_groups`] (one per cgroup hierarchy).
+pub const MAX_JOIN_GROUPS: u64 = 8;
 
 /// Most plans (processes) in one process tree.
 pub const MAX_TREE_PLANS: usize = 64;
@@ -135,6 +138,12 @@ pub struct PlanHeader {
     /// The kernel's saved auxiliary vector (`/proc/PID/auxv`: `u64` pairs
     /// ending with AT_NULL), at most [`MAX_AUXV_BYTES`]; empty: not set.
     pub auxv: BlobRef,
+    /// How many `cgroup.procs` descriptors the restorer got from
+    /// `abi::restorer::JOIN_FD` on: every restored process writes itself
+    /// (`0`) into each, in order, once, as the last step before it resumes
+    /// (after it reported running: a frozen freezer group stops it there, a
+    /// move is complete; so a freezer comes last). At most [`MAX_JOIN_GROUPS`].
+    pub join_groups: u64,
     pub process: ProcessCore,
     pub sigactions: SigactionTable,
 }
@@ -426,6 +435,9 @@ pub fn validate(plan: &[u8]) -> Result<(), PlanInvalid> {
     }
     if h.flags & PLAN_FLAG_TERMINAL != 0 && h.process.sid != h.process.pid {
         return invalid("a terminal's process does not lead its session", h.process.sid);
+    }
+    if h.join_groups > MAX_JOIN_GROUPS {
+        return invalid("groups to join", h.join_groups);
     }
     let blob_ok = |r: BlobRef| r.off.checked_add(r.len).is_some_and(|e| e <= h.blob_len);
     if !blob_ok(h.seccomp) || !h.seccomp.len.is_multiple_of(8) || h.seccomp.len / 8 > MAX_SECCOMP_INSNS {

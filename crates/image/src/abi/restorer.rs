@@ -7,6 +7,13 @@ pub const PLAN_FD: i32 = 3;
 /// A `SOCK_SEQPACKET` socket to the fault handler: the restorer sends one
 /// [`Record`] per message (a userfaultfd attached with `SCM_RIGHTS`).
 pub const HANDLER_FD: i32 = 4;
+/// The first of the plan's `join_groups` descriptors (`JOIN_FD ..`): open
+/// `cgroup.procs` files the restored process writes itself into as its last
+/// step before it resumes. Until then it stays where its starter put it: a
+/// moved guest's restore runs outside the guest's `cpu.idle` and freezer
+/// groups (under a busy owner it would otherwise barely run, or be frozen
+/// halfway), and the program itself never runs outside them.
+pub const JOIN_FD: i32 = 5;
 
 /// One message from the restorer to its handler.
 #[repr(C)]
@@ -46,7 +53,7 @@ impl RecordTag {
 }
 
 /// Exit codes of a restorer that failed before the process resumed (it
-/// never ran): 240..=248.
+/// never ran): 240..=249.
 #[repr(i32)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RestorerExit {
@@ -59,6 +66,7 @@ pub enum RestorerExit {
     Fd = 246,
     ThreadState = 247,
     Threads = 248,
+    Join = 249,
 }
 
 impl RestorerExit {
@@ -73,6 +81,7 @@ impl RestorerExit {
             246 => RestorerExit::Fd,
             247 => RestorerExit::ThreadState,
             248 => RestorerExit::Threads,
+            249 => RestorerExit::Join,
             _ => return None,
         })
     }
@@ -89,6 +98,7 @@ impl RestorerExit {
             RestorerExit::Fd => "a file descriptor could not be restored",
             RestorerExit::ThreadState => "per-thread or process state could not be restored",
             RestorerExit::Threads => "a thread could not be created with its ID",
+            RestorerExit::Join => "the process could not join its cgroups",
         }
     }
 }
