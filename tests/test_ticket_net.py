@@ -31,7 +31,7 @@ import subprocess
 import pytest
 
 from conftest import STARLING, require_root, require_tool, sh, status, terminate, up, wait_for
-from test_migrate import ps
+from test_migrate import migrate, ps
 from test_security import LISTENER, build_fork_program, in_hosts, run_dir
 
 BASE = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}/mixed")
@@ -160,23 +160,13 @@ class OneClone:
             self.p.wait()
 
 
-def migrate(task, to):
-    """`starling migrate --json`; tried again while the clone holds a connection to its parent (movednet
-    asks it every 200 ms: a task with an open socket cannot move, and says so)."""
-    for _ in range(20):
-        r = subprocess.run([STARLING, "migrate", str(task), "--to", to, "--json"], capture_output=True, text=True, timeout=900)
-        if "is a socket" not in r.stderr:
-            return r
-    return r
-
-
 @pytest.mark.parametrize("isolate", ["on", "required"])
 def test_migrate_auto_never_picks_a_host_that_cannot_enforce_the_clones_network(mixed, workdir, isolate):
     """nc1 is the only other host with a free core: a move by the head's choice is refused, not made there."""
     c = OneClone(workdir, isolate)
     try:
         assert c.row["host"] == mixed["free"], c.row
-        r = migrate(c.row["task"], "auto")
+        r = migrate(c.row["task"], "auto", check=False, between_connections=True)
         assert r.returncode == 1, r.stdout + r.stderr
         assert "no other host that can enforce its ticket's own network has a free core" in r.stderr, r.stderr
         assert next(x for x in ps() if x["task"] == c.row["task"])["host"] == mixed["free"]
@@ -188,7 +178,7 @@ def test_migrate_auto_never_picks_a_host_that_cannot_enforce_the_clones_network(
 def test_migrate_to_a_host_that_cannot_enforce_is_refused_when_the_ticket_requires_it(mixed, workdir):
     c = OneClone(workdir, "required")
     try:
-        r = migrate(c.row["task"], "nc1")
+        r = migrate(c.row["task"], "nc1", check=False, between_connections=True)
         assert r.returncode == 1, r.stdout + r.stderr
         assert re.search(r"requires its own network .* host nc1 cannot enforce one \(.+\)", r.stderr), r.stderr
         assert next(x for x in ps() if x["task"] == c.row["task"])["host"] == mixed["free"]
@@ -200,7 +190,7 @@ def test_migrate_to_a_host_that_cannot_enforce_is_refused_when_the_ticket_requir
 def test_migrate_to_a_host_that_cannot_enforce_moves_an_on_tickets_clone_and_says_so(mixed, workdir):
     c = OneClone(workdir, "on")
     try:
-        r = migrate(c.row["task"], "nc1")
+        r = migrate(c.row["task"], "nc1", check=False, between_connections=True)
         assert r.returncode == 0, r.stdout + r.stderr
         report = json.loads(r.stdout)
         assert report["to"] == "nc1" and report["unisolated"] == mixed["hosts"]["nc1"]["cannot_isolate"], report
