@@ -36,12 +36,9 @@ static void *serve(void *conn) {
 
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: mixednet N [IP:PORT...]\n"); return 2; }
-    int l = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in any = {.sin_family = AF_INET};
-    if (l < 0 || bind(l, (struct sockaddr *)&any, sizeof any) < 0 || listen(l, 64) < 0) { perror("parent listener"); return 2; }
-    socklen_t len = sizeof any;
-    getsockname(l, (struct sockaddr *)&any, &len);
-    int parent_port = ntohs(any.sin_port);
+    int parent_port = 0;
+    int l = listen_at(&parent_port, 64, "parent listener");
+    if (l < 0) return 2;
     sf_ticket_t *t = sf_request_ticket(atoi(argv[1]), false);
     if (!t) { printf("TICKET %s\n", sf_last_error()); return 2; }
     int k = sf_ticket_unisolated(t, 0, NULL, 0);
@@ -63,29 +60,15 @@ int main(int argc, char **argv) {
         char me[64] = "?", line[16];
         int p = dial(sf_parent_host(), parent_port);
         if (p < 0 || read_line(p, line, sizeof line, WAIT_MS) < 0) sf_exit(3);
-        struct sockaddr_in a;
-        socklen_t alen = sizeof a;
-        if (getsockname(p, (struct sockaddr *)&a, &alen) == 0) inet_ntop(AF_INET, &a.sin_addr, me, sizeof me);
+        self_ip(p, me, sizeof me);
         close(p);
         printf("SELF %d %s\n", id, me);
-        for (int i = 2; i < argc; i++) {
-            char target[64];
-            snprintf(target, sizeof target, "%s", argv[i]);
-            char *colon = strchr(target, ':');
-            if (!colon) continue;
-            *colon = 0;
-            int s = dial(target, atoi(colon + 1));
-            if (s >= 0) printf("REACH %d %s ok\n", id, argv[i]);
-            else printf("REACH %d %s %d\n", id, argv[i], -s);
-            if (s >= 0) close(s);
-        }
-        fflush(stdout);
+        char label[16];
+        snprintf(label, sizeof label, "%d", id);
+        reach_targets(label, argv + 2, argc - 2);
         sf_exit(0);
     }
     pthread_t th;
     pthread_create(&th, NULL, accept_loop, (void *)(long)l);
-    int rc = sf_join(t);
-    for (int i = 1; i <= m; i++) printf("STATUS %d %d\n", i, sf_clone_status(t, i));
-    if (rc != 0) fprintf(stderr, "join: %s\n", sf_last_error());
-    return rc ? 1 : 0;
+    return join_and_report(t, m);
 }

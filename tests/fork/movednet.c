@@ -48,12 +48,9 @@ static int ask(const char *parent, int port) {
 }
 
 int main(int argc, char **argv) {
-    int l = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in any = {.sin_family = AF_INET};
-    if (l < 0 || bind(l, (struct sockaddr *)&any, sizeof any) < 0 || listen(l, 16) < 0) { perror("parent listener"); return 2; }
-    socklen_t len = sizeof any;
-    getsockname(l, (struct sockaddr *)&any, &len);
-    int parent_port = ntohs(any.sin_port);
+    int parent_port = 0;
+    int l = listen_at(&parent_port, 16, "parent listener");
+    if (l < 0) return 2;
     sf_ticket_t *t = sf_request_ticket(1, false);
     if (!t) { fprintf(stderr, "ticket: %s\n", sf_last_error()); return 2; }
     int id = sf_clone(t);
@@ -70,26 +67,12 @@ int main(int argc, char **argv) {
             if (failed > WAIT_MS / 200) { printf("REACH parent failed\n"); fflush(stdout); sf_exit(6); }
             nanosleep(&pause, NULL);
         }
-        for (int i = 1; i < argc; i++) {
-            char target[64];
-            snprintf(target, sizeof target, "%s", argv[i]);
-            char *colon = strchr(target, ':');
-            if (!colon) continue;
-            *colon = 0;
-            int s = dial(target, atoi(colon + 1));
-            if (s >= 0) printf("REACH %s ok\n", argv[i]);
-            else printf("REACH %s %d\n", argv[i], -s);
-            fflush(stdout);
-            if (s >= 0) close(s);
-        }
+        reach_targets(NULL, argv + 1, argc - 1);
         sf_exit(0);
     }
     pthread_t th;
     pthread_create(&th, NULL, accept_loop, (void *)(long)l);
     char line[16];
     if (fgets(line, sizeof line, stdin)) go = 1;
-    int rc = sf_join(t);
-    printf("STATUS 1 %d\n", sf_clone_status(t, 1));
-    if (rc != 0) fprintf(stderr, "join: %s\n", sf_last_error());
-    return rc ? 1 : 0;
+    return join_and_report(t, 1);
 }

@@ -53,48 +53,12 @@ static void *serve(void *arg) {
     return NULL;
 }
 
-/* One datagram to ip:port and one back: 0, or -errno. */
-static int echo_udp(const char *ip, int port) {
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port)};
-    if (inet_pton(AF_INET, ip, &a.sin_addr) != 1) return -EINVAL;
-    int s = socket(AF_INET, SOCK_DGRAM, 0);
-    if (s < 0) return -errno;
-    int rc = 0;
-    char b[8];
-    if (connect(s, (struct sockaddr *)&a, sizeof a) < 0 || send(s, "x", 1, 0) < 0) rc = -errno;
-    else {
-        struct pollfd p = {s, POLLIN, 0};
-        int n = poll(&p, 1, WAIT_MS);
-        if (n <= 0) rc = -ETIMEDOUT;
-        else if (recv(s, b, sizeof b, 0) < 0) rc = -errno;
-    }
-    close(s);
-    return rc;
-}
-
-static void say(const char *what, int rc) {
-    if (rc >= 0) printf("REACH %s ok\n", what);
-    else printf("REACH %s %d\n", what, -rc);
-    fflush(stdout);
-}
-
-static int self_ip(int s, char *out, size_t n) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    if (getsockname(s, (struct sockaddr *)&a, &len) < 0) return -1;
-    inet_ntop(AF_INET, &a.sin_addr, out, (socklen_t)n);
-    return 0;
-}
-
 int main(int argc, char **argv) {
     if (argc < 2) { fprintf(stderr, "usage: ticketnet CLONE1_PORT [IP:PORT...]\n"); return 2; }
     int port1 = atoi(argv[1]);
-    int l = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in any = {.sin_family = AF_INET};
-    if (l < 0 || bind(l, (struct sockaddr *)&any, sizeof any) < 0 || listen(l, 16) < 0) { perror("parent listener"); return 2; }
-    socklen_t len = sizeof any;
-    getsockname(l, (struct sockaddr *)&any, &len);
-    int parent_port = ntohs(any.sin_port);
+    int parent_port = 0;
+    int l = listen_at(&parent_port, 16, "parent listener");
+    if (l < 0) return 2;
     sf_ticket_t *t = sf_request_ticket(2, false);
     if (!t) { fprintf(stderr, "ticket: %s\n", sf_last_error()); return 2; }
     int m = sf_ticket_allocation(t);
@@ -110,11 +74,8 @@ int main(int argc, char **argv) {
         printf("SELF %d %s\n", id, me);
         fflush(stdout);
         if (id == 1) {
-            int s = socket(AF_INET, SOCK_STREAM, 0);
-            int one = 1;
-            setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-            struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port1)};
-            if (bind(s, (struct sockaddr *)&a, sizeof a) < 0 || listen(s, 4) < 0) { perror("clone 1 listener"); sf_exit(4); }
+            int s = listen_at(&port1, 4, "clone 1 listener");
+            if (s < 0) sf_exit(4);
             int n = snprintf(line, sizeof line, "1 %s %d\n", me, port1);
             (void)!write(p, line, (size_t)n);
             read_line(p, line, sizeof line, WAIT_MS);
@@ -132,23 +93,10 @@ int main(int argc, char **argv) {
         int c = dial(ip, port);
         if (c >= 0 && (read_line(c, line, sizeof line, WAIT_MS) < 0 || strcmp(line, "C1") != 0)) c = -EPROTO;
         say("clone1", c);
-        for (int i = 2; i < argc; i++) {
-            char target[64];
-            int udp = strncmp(argv[i], "udp:", 4) == 0;
-            snprintf(target, sizeof target, "%s", argv[i] + (udp ? 4 : 0));
-            char *colon = strchr(target, ':');
-            if (!colon) continue;
-            *colon = 0;
-            int s = udp ? echo_udp(target, atoi(colon + 1)) : dial(target, atoi(colon + 1));
-            say(argv[i], s);
-            if (s > 0) close(s);
-        }
+        reach_targets(NULL, argv + 2, argc - 2);
         sf_exit(0);
     }
     pthread_t th;
     pthread_create(&th, NULL, accept_loop, (void *)(long)l);
-    int rc = sf_join(t);
-    for (int i = 1; i <= m; i++) printf("STATUS %d %d\n", i, sf_clone_status(t, i));
-    if (rc != 0) fprintf(stderr, "join: %s\n", sf_last_error());
-    return rc ? 1 : 0;
+    return join_and_report(t, m);
 }

@@ -63,17 +63,7 @@ static void reach(const char *what, const char *ip, int port) {
         if (read_line(s, line, sizeof line, WAIT_MS) < 0 || strcmp(line, "T") != 0) rc = -EPROTO;
         close(s);
     }
-    if (rc >= 0) printf("REACH %s ok\n", what);
-    else printf("REACH %s %d\n", what, -rc);
-    fflush(stdout);
-}
-
-static int self_ip(int s, char *out, size_t n) {
-    struct sockaddr_in a;
-    socklen_t len = sizeof a;
-    if (getsockname(s, (struct sockaddr *)&a, &len) < 0) return -1;
-    inet_ntop(AF_INET, &a.sin_addr, out, (socklen_t)n);
-    return 0;
+    say(what, rc);
 }
 
 static void *answer_t(void *arg) {
@@ -90,12 +80,9 @@ static void *answer_t(void *arg) {
 int main(int argc, char **argv) {
     if (argc != 3) { fprintf(stderr, "usage: twotickets PORT U_CLONES\n"); return 2; }
     int port = atoi(argv[1]);
-    int l = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in any = {.sin_family = AF_INET};
-    if (l < 0 || bind(l, (struct sockaddr *)&any, sizeof any) < 0 || listen(l, 16) < 0) { perror("parent listener"); return 2; }
-    socklen_t len = sizeof any;
-    getsockname(l, (struct sockaddr *)&any, &len);
-    int parent_port = ntohs(any.sin_port);
+    int parent_port = 0;
+    int l = listen_at(&parent_port, 16, "parent listener");
+    if (l < 0) return 2;
     const char *parent = NULL;
 
     sf_ticket_t *t = sf_request_ticket(1, false);
@@ -110,11 +97,8 @@ int main(int argc, char **argv) {
         self_ip(p, me, sizeof me);
         printf("SELF T %d %s\n", id, me);
         fflush(stdout);
-        int s = socket(AF_INET, SOCK_STREAM, 0);
-        int one = 1;
-        setsockopt(s, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-        struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((unsigned short)port)};
-        if (bind(s, (struct sockaddr *)&a, sizeof a) < 0 || listen(s, 16) < 0) { perror("T's listener"); sf_exit(4); }
+        int s = listen_at(&port, 16, "T's listener");
+        if (s < 0) sf_exit(4);
         pthread_t th;
         pthread_create(&th, NULL, answer_t, (void *)(long)s);
         reach("T-self-host", me, port);
