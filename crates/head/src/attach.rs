@@ -270,15 +270,7 @@ impl Head {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use starling_proto::Stream;
-
-    fn out(data: &[u8]) -> Msg {
-        Msg::Output { task: TaskId(1), stream: Stream::Stdout, data: data.to_vec() }
-    }
-
-    fn bytes(ms: &[Msg]) -> Vec<u8> {
-        ms.iter().flat_map(|m| if let Msg::Output { data, .. } = m { data.clone() } else { Vec::new() }).collect()
-    }
+    use starling_proto::test_support::{output as out, output_bytes as bytes};
 
     #[test]
     fn a_new_client_gets_exactly_what_the_last_one_did_not_acknowledge() {

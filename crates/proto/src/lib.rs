@@ -22,6 +22,8 @@ pub mod frame;
 pub mod conn;
 pub mod path;
 pub mod unacked;
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support;
 
 pub use frame::{read_frame, write_frame, FrameReader, FrameWriter};
 pub use msg::*;

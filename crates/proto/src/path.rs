@@ -293,12 +293,11 @@ pub fn spawn_sender(task: TaskId, head: Outgoing, slot: DirectSlot, on_direct: A
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Stream;
 
     const T: TaskId = TaskId(1);
 
     fn out(s: &str) -> Msg {
-        Msg::Output { task: T, stream: Stream::Stdout, data: s.as_bytes().to_vec() }
+        crate::test_support::output(s.as_bytes())
     }
 
     fn text(ms: &[(bool, Msg)]) -> String {

@@ -106,15 +106,7 @@ impl UnackedOutput {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Stream, TaskId};
-
-    fn out(data: &[u8]) -> Msg {
-        Msg::Output { task: TaskId(1), stream: Stream::Stdout, data: data.to_vec() }
-    }
-
-    fn bytes(ms: &[Msg]) -> Vec<u8> {
-        ms.iter().flat_map(|m| if let Msg::Output { data, .. } = m { data.clone() } else { Vec::new() }).collect()
-    }
+    use crate::test_support::{output as out, output_bytes as bytes};
 
     #[test]
     fn what_is_kept_starts_at_the_first_byte_not_acknowledged() {
