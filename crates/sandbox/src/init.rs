@@ -5,8 +5,7 @@
 //! (allocation included) sound.
 
 use crate::program::ProgramWire;
-use crate::spawn::{SPEC_FD, STATUS_FD};
-use crate::{status, ExitStatus, SandboxSpec, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_SETUP_FAILED};
+use crate::{status, ExitStatus, SandboxSpec, EXIT_NOT_EXECUTABLE, EXIT_NOT_FOUND, EXIT_SETUP_FAILED, RELAYED, SPEC_FD, STATUS_FD};
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
 use nix::mount::{mount, MsFlags};
@@ -25,24 +24,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{symlink, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-/// Signals relayed from the agent to the outer init, to PID 1, to the task.
-const RELAYED: [Signal; 9] = [
-    Signal::SIGHUP,
-    Signal::SIGINT,
-    Signal::SIGQUIT,
-    Signal::SIGTERM,
-    Signal::SIGUSR1,
-    Signal::SIGUSR2,
-    Signal::SIGALRM,
-    Signal::SIGWINCH,
-    Signal::SIGCONT,
-];
-
-/// Whether [`crate::Sandboxed::signal`] can deliver `signo` to the task.
-pub(crate) fn is_relayed(signo: i32) -> bool {
-    RELAYED.iter().any(|&s| s as i32 == signo)
-}
-
 /// Host devices made visible in the sandbox's `/dev`, with their numbers
 /// for when the host's node cannot be bind-mounted.
 const DEVICES: [(&str, u64, u64); 6] =
@@ -55,12 +36,6 @@ const MAX_SPEC_BYTES: u64 = 64 << 20;
 fn die(msg: impl std::fmt::Display) -> ! {
     let _ = writeln!(std::io::stderr(), "starling: {msg}");
     std::process::exit(EXIT_SETUP_FAILED)
-}
-
-/// Entry point of `starling __sandbox-init`, the zygote ([`crate::zygote`]);
-/// never returns. Call it first thing in `main`, before any thread exists.
-pub fn init_main() -> ! {
-    crate::zygote::zygote_main()
 }
 
 /// The outer init, in a child of the zygote; never returns.

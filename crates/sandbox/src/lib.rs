@@ -111,11 +111,42 @@ use std::io;
 use std::path::PathBuf;
 
 pub use harden::HardenError;
-pub use init::init_main;
 pub use program::TaskProgram;
 pub use spawn::{kill_sandbox, spawn, spawn_program, Sandboxed};
 pub use terminal::{TerminalError, TerminalLine};
 pub use starling_proto::ExitStatus;
+
+/// Entry point of `starling __sandbox-init`, the zygote ([`zygote`]); never
+/// returns. Call it first thing in `main`, before any thread exists.
+pub fn init_main() -> ! {
+    zygote::zygote_main()
+}
+
+/// Descriptor numbers the outer init finds its inputs at: the spec the agent
+/// writes and the status pipe it reads, put in place by the zygote.
+pub(crate) const SPEC_FD: std::os::fd::RawFd = 3;
+pub(crate) const STATUS_FD: std::os::fd::RawFd = 4;
+
+/// Signals relayed from the agent to the outer init, to PID 1, to the task.
+const RELAYED: [nix::sys::signal::Signal; 9] = {
+    use nix::sys::signal::Signal;
+    [
+        Signal::SIGHUP,
+        Signal::SIGINT,
+        Signal::SIGQUIT,
+        Signal::SIGTERM,
+        Signal::SIGUSR1,
+        Signal::SIGUSR2,
+        Signal::SIGALRM,
+        Signal::SIGWINCH,
+        Signal::SIGCONT,
+    ]
+};
+
+/// Whether [`Sandboxed::signal`] can deliver `signo` to the task.
+pub(crate) fn is_relayed(signo: i32) -> bool {
+    RELAYED.iter().any(|&s| s as i32 == signo)
+}
 
 /// The hidden subcommand the agent's binary must route to [`init_main`].
 pub use starling_config::roles::SANDBOX_INIT as INIT_SUBCOMMAND;

@@ -11,10 +11,6 @@ use std::io::{self, Read, Seek, SeekFrom, Write};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 use std::path::Path;
 
-/// Descriptor numbers the outer init finds its inputs at.
-pub(crate) const SPEC_FD: RawFd = 3;
-pub(crate) const STATUS_FD: RawFd = 4;
-
 /// A running sandbox. Dropping it without [`Sandboxed::wait`] kills the
 /// sandbox (the outer init's lifeline closes) and reaps it.
 #[derive(Debug)]
@@ -191,7 +187,7 @@ impl Sandboxed {
     /// any other signal is refused (`InvalidInput`), since it would hit only
     /// the outer init.
     pub fn signal(&self, signo: i32) -> io::Result<()> {
-        if signo != libc::SIGKILL && !crate::init::is_relayed(signo) {
+        if signo != libc::SIGKILL && !crate::is_relayed(signo) {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("signal {signo} cannot be relayed to a task")));
         }
         if self.result.is_some() {

@@ -28,8 +28,7 @@
 //! process ends, the socket closes and the zygote exits. A zygote that died
 //! (killed by hand, say) is replaced at the next request.
 
-use crate::spawn::{SPEC_FD, STATUS_FD};
-use crate::{status, ExitStatus, EXIT_SETUP_FAILED};
+use crate::{status, ExitStatus, EXIT_SETUP_FAILED, SPEC_FD, STATUS_FD};
 use nix::fcntl::{fcntl, FcntlArg};
 use nix::sys::socket::{recvmsg, sendmsg, socketpair, AddressFamily, ControlMessage, ControlMessageOwned, MsgFlags, SockFlag, SockType};
 use serde::{Deserialize, Serialize};
