@@ -54,6 +54,7 @@ import tempfile
 import time
 
 from provenance import provenance
+from tables import fmt_bytes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STARLING = str(ROOT / "target/release/starling")
@@ -257,14 +258,6 @@ def clean_build_dir(d):
     d.mkdir(parents=True)
 
 
-def fmt_bytes(n):
-    if n is None:
-        return "-"
-    if n < 10 * 1024:
-        return f"{n} B"
-    if n < 10 * 1024 * 1024:
-        return f"{n / 1024:.1f} KiB"
-    return f"{n / 1048576:.1f} MiB"
 
 
 # ---------------------------------------------------------------- the bench
