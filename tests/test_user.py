@@ -1,14 +1,17 @@
 """uid/gid transparency for a non-root user: `starling exec` runs with the caller's uid, gid and
 supplementary groups, remote-fork clones with its uid and gid (their supplementary groups are
-dropped by the restorer: not checked), and what they write comes home owned by them.
+dropped by the restorer: not checked), and what they write comes home owned by them; `starling ps`
+shows a user their own tasks only.
 
 The test creates its own user and group (useradd/groupadd, as an admin would), and removes them."""
 import grp
+import json
 import os
+import subprocess
 
 import pytest
 
-from conftest import ROOT, STARLING, as_user, local_account, sh
+from conftest import ROOT, STARLING, as_user, local_account, sh, terminate, wait_for
 
 USER, EXTRA_GROUP = "starling-tu", "starling-tg"
 
@@ -51,3 +54,30 @@ def test_clones_run_as_the_caller(cluster, user):
         # uid and gid; the group count is not checked: clones drop supplementary groups (a known gap).
         assert f.read_text().split()[:2] == [str(pw.pw_uid), str(pw.pw_gid)]
         assert (f.stat().st_uid, f.stat().st_gid) == (pw.pw_uid, pw.pw_gid)
+
+
+def test_ps_shows_a_user_their_own_tasks_only(cluster, user):
+    """Root's task and the user's task run at once: root's `ps` lists both, the user's lists only theirs
+    (another user's command lines are not theirs to see)."""
+    pw, home = user
+    hold = lambda who: ["sh", "-c", f"echo {who}-ps-marker; exec sleep 600"]
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LC_ALL": "C",
+           **({"STARLING_INSTANCE": os.environ["STARLING_INSTANCE"]} if "STARLING_INSTANCE" in os.environ else {})}
+    mine = subprocess.Popen(["setpriv", f"--reuid={pw.pw_uid}", f"--regid={pw.pw_gid}", "--init-groups",
+                             STARLING, "exec", "--", *hold("user")], cwd=home, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    roots = subprocess.Popen([STARLING, "exec", "--", *hold("root")], cwd="/var/tmp",
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert mine.stdout.readline() == "user-ps-marker\n", mine.stderr.read() if mine.poll() is not None else ""
+        assert roots.stdout.readline() == "root-ps-marker\n", roots.stderr.read() if roots.poll() is not None else ""
+        commands = lambda out: [r["command"] for r in json.loads(out)]
+        listed = lambda out, marker: any(marker in c for c in commands(out))
+        wait_for(lambda: (out := sh(STARLING, "ps", "--json").stdout) and listed(out, "user-ps-marker") and listed(out, "root-ps-marker"),
+                 "both tasks in root's ps")
+        r = as_user(pw, home, STARLING, "ps", "--json")
+        assert r.returncode == 0, r.stderr
+        assert listed(r.stdout, "user-ps-marker") and not listed(r.stdout, "root-ps-marker"), r.stdout
+    finally:
+        terminate(mine)
+        terminate(roots)

@@ -94,7 +94,7 @@ enum Cmd {
         cluster: Option<String>,
     },
     /// List every running task of the cluster: id, job, host, state, CPU time, resident memory,
-    /// how long it has run, command.
+    /// how long it has run, command. A user other than root sees their own tasks only.
     Ps {
         /// Machine-readable output.
         #[arg(long)]

@@ -20,8 +20,11 @@ pub(crate) fn command_line(argv: &[Vec<u8>]) -> String {
 }
 
 impl Head {
-    /// The rows of `starling ps`.
-    pub async fn ps(&self) -> Vec<TaskRow> {
+    /// The rows of `starling ps` for `viewer`: the uid of the user who asked, as the kernel
+    /// (a local client) or their certificate says. A user other than root sees only their own
+    /// tasks (command lines are theirs to show); `None` (root, the administrator's client
+    /// certificate, a head without authentication) sees every task.
+    pub async fn ps(&self, viewer: Option<u32>) -> Vec<TaskRow> {
         let nonce = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let agents: Vec<_> = {
@@ -48,6 +51,7 @@ impl Head {
         let mut rows: Vec<TaskRow> = st
             .routes
             .iter()
+            .filter(|(_, r)| viewer.is_none_or(|uid| r.uid == uid))
             .map(|(task, r)| {
                 let u = st.hosts.get(&r.host).and_then(|h| usage.get(&(h.conn_id, *task)));
                 TaskRow {

@@ -164,8 +164,9 @@ impl Head {
                 Msg::PsRequest => {
                     let Some(me) = self.self_arc() else { continue };
                     let tx = tx.clone();
+                    let viewer = who.as_ref().map(|c| c.uid).filter(|&uid| uid != 0);
                     tokio::spawn(async move {
-                        let rows = me.ps().await;
+                        let rows = me.ps(viewer).await;
                         let _ = tx.send(Msg::PsReply(rows)).await;
                     });
                 }
