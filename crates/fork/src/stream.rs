@@ -350,7 +350,7 @@ mod tests {
         }
     }
 
-    fn reader(key: &SecretKey, encrypt: bool, socket: Socket<'_>) -> StreamReader<Socket<'_>> {
+    fn reader<'a>(key: &SecretKey, encrypt: bool, socket: Socket<'a>) -> StreamReader<Socket<'a>> {
         let s = if encrypt { Secrecy::encrypted(key, b"c", b"s", false) } else { Secrecy::clear() };
         s.split(socket, io::sink()).0
     }
