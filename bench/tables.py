@@ -6,7 +6,7 @@
     python3 bench/tables.py --print fork   # one table on stdout
 
 A section is the text between `<!-- table:NAME -->` and `<!-- /table:NAME -->`; NAME is one of
-the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth, roam, glx). Each starts with what the run was made on: the
+the renderers below (predict, exec, exec_breakdown, data, ucop, fork, faults_before, faults_after, faults_breakdown, faults_counts, mcdist, migrate, executor, slurm, linger, linger_sim, linger_policy, auth, roam, glx). Each starts with what the run was made on: the
 commit and whether the tree was clean, the date and the machine (the `provenance` the benchmarks
 record, see bench/provenance.py; JSON from before that shows "unknown").
 """
@@ -244,6 +244,25 @@ def render_faults_breakdown(doc):
         out += [f"**{part}** ({d['note']}):", "",
                 table(["stage", "median us", "p90 us", "n"],
                       [[s["stage"], f"{s['median_us']:.1f}", f"{s['p90_us']:.1f}", s["n"]] for s in d["stages"]]), ""]
+    return "\n".join(out).rstrip()
+
+
+def render_faults_counts(doc):
+    """Per-fault counts of the fault path's two threads (perf stat -t), one row per run."""
+    def switches(t):
+        split = f" (sleep {t['sleeps']:.2f}, preempted {t['preemptions']:.2f})" if "sleeps" in t else ""
+        return f"{t['context_switches']:.2f}{split}"
+    rows = []
+    for r in doc["runs"]:
+        h, sv = r["handler"], r["server"]
+        rows.append([r["build"], r["reply_spin_us"], f"{h['syscalls']:.2f}", switches(h),
+                     f"{h['cpu_us']:.1f}", f"{sv['syscalls']:.2f}", switches(sv),
+                     f"{sv['cpu_us']:.1f}", f"{r['median_us']:.1f}", f"{r['p99_us']:.0f}", r["load"]])
+    out = [provenance_line(doc), "", doc["method"], "",
+           table(["build", "spin us", "handler syscalls", "handler switches", "handler cpu us", "server syscalls",
+                  "server switches", "server cpu us", "fault med us", "fault p99 us", "load 1 min"],
+                 rows, ["l"] + ["r"] * 10)]
+    out += [""] + [f"* {n}" for n in doc.get("notes", [])]
     return "\n".join(out).rstrip()
 
 
@@ -579,7 +598,8 @@ def render_data(doc):
 
 RENDERERS = {"predict": render_predict, "exec": render_exec, "exec_breakdown": render_exec_breakdown, "exec_breakdown_before": render_exec_breakdown,
              "data": render_data, "ucop": render_ucop, "fork": render_fork, "faults_before": render_faults,
-             "faults_after": render_faults, "faults_breakdown": render_faults_breakdown, "mcdist": render_mcdist, "migrate": render_migrate,
+             "faults_after": render_faults, "faults_breakdown": render_faults_breakdown,
+             "faults_counts": render_faults_counts, "mcdist": render_mcdist, "migrate": render_migrate,
              "slurm": render_slurm, "executor": render_executor, "linger": render_linger, "auth": render_auth,
              "linger_sim": render_linger_sim, "linger_policy": render_linger_policy, "roam": render_roam,
              "glx": render_glx}

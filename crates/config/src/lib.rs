@@ -130,6 +130,9 @@ pub struct ForkSettings {
     pub page_server_bind: Option<SocketAddr>,
     /// Pages fetched per fault: the faulting one and following `Fetch` pages.
     pub prefetch: usize,
+    /// How long a host's fault handler busy-polls for the page server's
+    /// reply before it sleeps in `read` (µs; 0: it sleeps at once).
+    pub reply_spin_us: u32,
     /// Encrypt fork and migration traffic (page server, multicast pages,
     /// migration stream); a side that sets it gets it whatever its peer's.
     pub encrypt: bool,
@@ -248,7 +251,7 @@ pub enum OwnerKind {
 
 impl Default for ForkSettings {
     fn default() -> Self {
-        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, encrypt: true, isolate_network: starling_proto::NetworkIsolation::On }
+        ForkSettings { backend: Backend::Cluster, mcdist: None, heuristics: true, page_server_bind: None, prefetch: 16, reply_spin_us: 0, encrypt: true, isolate_network: starling_proto::NetworkIsolation::On }
     }
 }
 
@@ -693,6 +696,17 @@ pub static SETTINGS: &[Setting] = &[
         meaning: "most pages fetched per fault (the faulting page and following unserved ones, when faults walk memory in order; else 1; 1..=1024), by the hosts' fault handlers",
         apply: |c, v| {
             c.fork.prefetch = usize::try_from(v.number()?).ok().filter(|n| (1..=1024).contains(n)).ok_or("a number from 1 to 1024")?;
+            Ok(())
+        },
+    },
+    Setting {
+        key: "fork.reply_spin_us",
+        env: Some("STARLING_FORK_REPLY_SPIN_US"),
+        flag: "",
+        default: "0",
+        meaning: "how long (µs, 0..=1000) a host's fault handler busy-polls for the page server's reply before it sleeps: saves the handler's wake-up per fetch at the cost of a core while it waits (0: off)",
+        apply: |c, v| {
+            c.fork.reply_spin_us = u32::try_from(v.number()?).ok().filter(|n| *n <= 1000).ok_or("a number from 0 to 1000")?;
             Ok(())
         },
     },

@@ -268,6 +268,9 @@ pub struct FaultOptions {
     /// Take pages only encrypted (`fork.encrypt`): page-server connections
     /// ask for it, and a multicast group in clear is not joined.
     pub encrypt: bool,
+    /// How long the faulting path busy-polls for a page-server reply before
+    /// it sleeps (`fork.reply_spin_us`; zero: it sleeps at once).
+    pub reply_spin: std::time::Duration,
 }
 
 impl FaultOptions {
@@ -278,6 +281,7 @@ impl FaultOptions {
             probe_timeout: std::time::Duration::from_millis(300),
             prefetch: settings.prefetch,
             encrypt: settings.encrypt,
+            reply_spin: std::time::Duration::from_micros(u64::from(settings.reply_spin_us)),
         }
     }
 }
@@ -563,6 +567,7 @@ impl FaultHandler {
             }
         };
         let prefetch = opts.prefetch.clamp(1, crate::page_server::MAX_BATCH as usize);
+        client.set_reply_spin(opts.reply_spin);
         FaultHandler { shared, local: None, files: HashMap::new(), client, mc, stats, prefetch, walk_next: 0, remaps: vec![], parked: vec![], drained: None, materialize: None }
     }
 
@@ -708,6 +713,13 @@ impl FaultHandler {
                         self.parked.push((page, started));
                     } else {
                         self.stats.service_us.record(started.elapsed());
+                        if self.parked.is_empty() {
+                            // Back to poll, which returns at once if more
+                            // is pending: a lone fault then costs no read
+                            // that finds nothing (nothing parked waits for
+                            // the rest to be read).
+                            break;
+                        }
                     }
                 } else {
                     self.handle_event(ev, &mut moved);

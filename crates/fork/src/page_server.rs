@@ -68,6 +68,8 @@ const TAG_DATA: u8 = 1;
 const TAG_UNREADABLE: u8 = 2;
 #[allow(clippy::cast_possible_truncation)] // 4096 fits in any usize
 const PAGE: usize = PAGE_SIZE as usize;
+/// A page's tag and bytes in a reply.
+const SLOT: usize = 1 + PAGE;
 
 /// Counters of a page server, shared with its threads.
 #[derive(Default, Debug)]
@@ -247,15 +249,26 @@ impl Image {
 
     /// Read `addrs` into `out` (one page each); per-page success.
     fn read(&self, addrs: &[u64], out: &mut [u8]) -> Vec<bool> {
+        self.read_strided(addrs, out, 0, PAGE)
+    }
+
+    /// Read `addrs` into the slots of a reply (page i at `i * SLOT + 1`, after its tag's byte).
+    fn read_slots(&self, addrs: &[u64], slots: &mut [u8]) -> Vec<bool> {
+        self.read_strided(addrs, slots, 1, SLOT)
+    }
+
+    /// Read page i of `addrs` into `out[at + i * stride..][..PAGE]`; per-page success.
+    fn read_strided(&self, addrs: &[u64], out: &mut [u8], at: usize, stride: usize) -> Vec<bool> {
         if addrs.iter().all(|&a| a < DESCRIPTOR_BASE) {
-            return read_pages(self.pid, addrs, out);
+            return read_pages(self.pid, addrs, out, at, stride);
         }
         addrs
             .iter()
-            .zip(out.chunks_exact_mut(PAGE))
-            .map(|(&a, page)| {
+            .enumerate()
+            .map(|(i, &a)| {
+                let page = &mut out[at + i * stride..at + i * stride + PAGE];
                 if a < DESCRIPTOR_BASE {
-                    return read_pages(self.pid, &[a], page)[0];
+                    return read_pages(self.pid, &[a], page, 0, PAGE)[0];
                 }
                 self.stats.descriptor_pages_sent.fetch_add(1, Ordering::Relaxed);
                 let from = usize::try_from(a - DESCRIPTOR_BASE).unwrap_or(usize::MAX).min(self.descriptor.len());
@@ -611,11 +624,6 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
         }
     };
     let (mut rd, mut wr) = halves(conn, secrecy)?;
-    // Grown to the largest batch seen, not allocated at MAX_BATCH up front:
-    // this runs in the user's process, where a 4 MiB calloc per connection
-    // is often served from a malloc arena and memset in full (glibc's
-    // dynamic mmap threshold), for connections that mostly ask for little.
-    let mut data: Vec<u8> = Vec::new();
     loop {
         let addrs = match read_request(&mut rd)? {
             None => return Ok(()),
@@ -632,27 +640,49 @@ fn serve_connection(image: &Image, stats: &ServerStats, info: Option<McdistInfo>
         }
         stats.requests.fetch_add(1, Ordering::Relaxed);
         stats.pages_requested.fetch_add(addrs.len() as u64, Ordering::Relaxed);
-        if data.len() < addrs.len() * PAGE {
-            data.resize(addrs.len() * PAGE, 0);
-        }
-        let mut reply_bytes = 8u64;
-        let ok = image.read(&addrs, &mut data[..addrs.len() * PAGE]);
         let count = u32::try_from(addrs.len()).expect("at most MAX_BATCH");
-        wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes()))
-            .map_err(|e| ForkError::io("write reply", e))?;
-        for (i, page) in data[..addrs.len() * PAGE].chunks_exact(PAGE).enumerate() {
-            reply_bytes += 1;
-            let res = if !ok[i] {
-                wr.write_all(&[TAG_UNREADABLE])
-            } else if page.iter().all(|&b| b == 0) {
-                stats.pages_zero.fetch_add(1, Ordering::Relaxed);
-                wr.write_all(&[TAG_ZERO])
-            } else {
-                stats.pages_data.fetch_add(1, Ordering::Relaxed);
-                reply_bytes += PAGE as u64;
-                wr.write_all(&[TAG_DATA]).and_then(|_| wr.write_all(page))
+        wr.write_all(&REPLY_MAGIC).and_then(|_| wr.write_all(&count.to_le_bytes())).map_err(|e| ForkError::io("write reply", e))?;
+        let mut reply_bytes = 8u64;
+        // The pages are read from the template straight into the reply's
+        // record, each in a slot after its tag, as many at a time as the
+        // record has room for; zero and unreadable pages are then dropped
+        // from it (their tag says it all) and the rest moved up.
+        let mut left = &addrs[..];
+        while !left.is_empty() {
+            let fit = match wr.room() / SLOT {
+                0 => crate::stream::RECORD / SLOT,
+                n => n,
             };
-            res.map_err(|e| ForkError::io("write reply", e))?;
+            let (now, rest) = left.split_at(fit.min(left.len()));
+            left = rest;
+            let mut used = 0;
+            wr.write_in_place(now.len() * SLOT, |slots| {
+                let ok = image.read_slots(now, slots);
+                for (i, ok) in ok.into_iter().enumerate() {
+                    let page = i * SLOT + 1;
+                    let tag = if !ok {
+                        TAG_UNREADABLE
+                    } else if slots[page..page + PAGE].iter().all(|&b| b == 0) {
+                        stats.pages_zero.fetch_add(1, Ordering::Relaxed);
+                        TAG_ZERO
+                    } else {
+                        stats.pages_data.fetch_add(1, Ordering::Relaxed);
+                        TAG_DATA
+                    };
+                    // `used` <= i * SLOT: the tag lands before this page's bytes.
+                    slots[used] = tag;
+                    used += 1;
+                    if tag == TAG_DATA {
+                        if used != page {
+                            slots.copy_within(page..page + PAGE, used);
+                        }
+                        used += PAGE;
+                    }
+                }
+                used
+            })
+            .map_err(|e| ForkError::io("write reply", e))?;
+            reply_bytes += used as u64;
         }
         wr.flush().map_err(|e| ForkError::io("write reply", e))?;
         stats.bytes_wire.fetch_add(tcp_wire_bytes(reply_bytes), Ordering::Relaxed);
@@ -665,28 +695,47 @@ fn tcp_wire_bytes(payload: u64) -> u64 {
     payload + payload.div_ceil(TCP_MSS) * TCP_SEGMENT_OVERHEAD
 }
 
-/// Read `addrs` from `pid` into `out` (one page each); returns per-page success.
-fn read_pages(pid: i32, addrs: &[u64], out: &mut [u8]) -> Vec<bool> {
+/// Read `addrs` from `pid`, page i into `out[at + i * stride..][..PAGE]`, with
+/// one `process_vm_readv`; returns per-page success.
+fn read_pages(pid: i32, addrs: &[u64], out: &mut [u8], at: usize, stride: usize) -> Vec<bool> {
+    assert!(stride >= PAGE && (addrs.is_empty() || at + (addrs.len() - 1) * stride + PAGE <= out.len()), "pages outside the buffer");
     let remote: Vec<libc::iovec> =
         addrs.iter().map(|&a| libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE }).collect();
-    let local = libc::iovec { iov_base: out.as_mut_ptr().cast(), iov_len: out.len() };
-    // SAFETY: `local` covers exactly `out`, which we own mutably; remote
-    // iovecs are addresses in the other process (the kernel checks them).
-    let n = unsafe { libc::process_vm_readv(pid, &local, 1, remote.as_ptr(), remote.len() as _, 0) };
-    if n == out.len().cast_signed() {
+    let local: Vec<libc::iovec> =
+        (0..addrs.len()).map(|i| libc::iovec { iov_base: out[at + i * stride..].as_mut_ptr().cast(), iov_len: PAGE }).collect();
+    // SAFETY: `local` covers disjoint pages of `out`, which we own mutably;
+    // remote iovecs are addresses in the other process (the kernel checks them).
+    let n = unsafe { libc::process_vm_readv(pid, local.as_ptr(), local.len() as _, remote.as_ptr(), remote.len() as _, 0) };
+    if usize::try_from(n).ok() == Some(addrs.len() * PAGE) {
         return vec![true; addrs.len()];
     }
     // Partial read: retry page by page to find out which are unreadable.
-    addrs
+    local
         .iter()
-        .zip(out.chunks_exact_mut(PAGE))
-        .map(|(&a, page)| {
-            let l = libc::iovec { iov_base: page.as_mut_ptr().cast(), iov_len: PAGE };
-            let r = libc::iovec { iov_base: a as *mut libc::c_void, iov_len: PAGE };
+        .zip(&remote)
+        .map(|(l, r)| {
             // SAFETY: as above, one page.
-            unsafe { libc::process_vm_readv(pid, &l, 1, &r, 1, 0) == PAGE.cast_signed() }
+            unsafe { libc::process_vm_readv(pid, l, 1, r, 1, 0) == PAGE.cast_signed() }
         })
         .collect()
+}
+
+/// Poll `socket` without sleeping until it is readable (or in error) or
+/// `spin` has passed; whether it became readable.
+fn spin_until_readable(socket: &TcpStream, spin: std::time::Duration) -> bool {
+    use std::os::fd::AsRawFd;
+    let started = std::time::Instant::now();
+    loop {
+        let mut p = libc::pollfd { fd: socket.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+        // SAFETY: polls one fd we hold, with a zero timeout.
+        if unsafe { libc::poll(&raw mut p, 1, 0) } != 0 {
+            return true;
+        }
+        if started.elapsed() >= spin {
+            return false;
+        }
+        std::hint::spin_loop();
+    }
 }
 
 /// One page in a reply.
@@ -714,6 +763,8 @@ pub struct PageClient {
     key: SecretKey,
     server: SocketAddr,
     encrypt: bool,
+    /// Busy-poll for a reply this long before sleeping in `read`.
+    reply_spin: std::time::Duration,
 }
 
 impl PageClient {
@@ -721,7 +772,14 @@ impl PageClient {
     /// prove it back, or (`encrypt`: this host's `fork.encrypt`) would not encrypt.
     pub fn connect(addr: SocketAddr, key: &SecretKey, encrypt: bool) -> Result<PageClient> {
         let (rd, wr) = connect_proven(addr, key, encrypt)?;
-        Ok(PageClient { rd, wr, key: *key, server: addr, encrypt })
+        Ok(PageClient { rd, wr, key: *key, server: addr, encrypt, reply_spin: std::time::Duration::ZERO })
+    }
+
+    /// Busy-poll for each reply up to `spin` before sleeping in `read`
+    /// (`fork.reply_spin_us`): a reply that comes meanwhile costs this
+    /// thread no wake-up, one that does not costs `spin` of a core.
+    pub fn set_reply_spin(&mut self, spin: std::time::Duration) {
+        self.reply_spin = spin;
     }
 
     /// The ticket's key (multicast is sealed with it).
@@ -796,6 +854,9 @@ impl PageClient {
             self.wr.write_all(&a.to_le_bytes()).map_err(io)?;
         }
         self.wr.flush().map_err(io)?;
+        if !self.reply_spin.is_zero() && !self.rd.has_buffered() {
+            spin_until_readable(self.rd.get_ref(), self.reply_spin);
+        }
         read_reply(&mut self.rd, addrs.len())
     }
 }

@@ -68,20 +68,31 @@ impl Secrecy {
 }
 
 /// The reading half (see the module doc).
+///
+/// Encrypted, it asks the socket for as much as its buffer holds, not for a
+/// record's length and then its body: a record that has arrived whole (a
+/// page-server reply, a request) costs one `read(2)`, and records that
+/// arrived together are opened from the same read. A record split across
+/// reads is put together in the buffer.
 pub struct StreamReader<R> {
     inner: R,
     cipher: Option<Cipher>,
     /// Records read so far (the next one's nonce).
     count: u64,
+    /// Bytes read from `inner`: `[pos, end)` is plaintext not yet taken (in
+    /// place of its record when encrypted); encrypted, `[next, filled)` are
+    /// the bytes of the records after it (the last one possibly partial).
     buf: Vec<u8>,
     pos: usize,
     end: usize,
+    next: usize,
+    filled: usize,
 }
 
 impl<R: Read> StreamReader<R> {
     /// `cipher`: the peer's sending key, or None in clear.
     pub fn new(inner: R, cipher: Option<Cipher>) -> StreamReader<R> {
-        StreamReader { inner, cipher, count: 0, buf: Vec::new(), pos: 0, end: 0 }
+        StreamReader { inner, cipher, count: 0, buf: Vec::new(), pos: 0, end: 0, next: 0, filled: 0 }
     }
 
     pub fn get_ref(&self) -> &R {
@@ -92,38 +103,85 @@ impl<R: Read> StreamReader<R> {
         self.cipher.is_some()
     }
 
+    /// Whether bytes are in hand that a read can take without asking
+    /// `inner` (plaintext, or received bytes of a record still to open).
+    pub fn has_buffered(&self) -> bool {
+        self.pos < self.end || self.next < self.filled
+    }
+
+    /// One `read` from `inner` into the buffer past `filled`, at least `need`
+    /// bytes of room from `next` on (earlier, consumed bytes are dropped to
+    /// make room); the number of bytes read.
+    fn fill(&mut self, need: usize) -> io::Result<usize> {
+        if self.next == self.filled {
+            (self.next, self.filled) = (0, 0);
+        }
+        if self.next + need > self.buf.len() {
+            self.buf.copy_within(self.next..self.filled, 0);
+            (self.filled, self.next) = (self.filled - self.next, 0);
+            if need > self.buf.len() {
+                self.buf.resize(need.max(CLEAR_READ), 0);
+            }
+        }
+        if self.buf.len() == self.filled {
+            // Only the start of a record is in hand and it is still short of `need`.
+            self.buf.resize(self.filled + CLEAR_READ, 0);
+        }
+        loop {
+            match self.inner.read(&mut self.buf[self.filled..]) {
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                r => {
+                    let n = r?;
+                    self.filled += n;
+                    return Ok(n);
+                }
+            }
+        }
+    }
+
     /// Fill the buffer: `Ok(false)` at a clean end of the connection.
     fn refill(&mut self) -> io::Result<bool> {
-        let Some(cipher) = &self.cipher else {
-            self.buf.resize(CLEAR_READ, 0);
-            let n = loop {
-                match self.inner.read(&mut self.buf) {
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                    r => break r?,
-                }
-            };
-            (self.pos, self.end) = (0, n);
+        if self.cipher.is_none() {
+            (self.next, self.filled) = (0, 0);
+            let n = self.fill(CLEAR_READ)?;
+            (self.pos, self.end, self.next) = (0, n, n);
             return Ok(n > 0);
-        };
-        let mut len = [0u8; 4];
-        match self.inner.read_exact(&mut len) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(false),
-            Err(e) => return Err(e),
         }
-        let n = u32::from_le_bytes(len) as usize;
-        if !(TAG_LEN..=RECORD + TAG_LEN).contains(&n) {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, format!("an encrypted record of {n} bytes")));
+        loop {
+            let have = self.filled - self.next;
+            let need = if have < 4 {
+                4
+            } else {
+                let len: [u8; 4] = self.buf[self.next..self.next + 4].try_into().expect("4 bytes");
+                let n = u32::from_le_bytes(len) as usize;
+                if !(TAG_LEN..=RECORD + TAG_LEN).contains(&n) {
+                    return Err(io::Error::new(io::ErrorKind::InvalidData, format!("an encrypted record of {n} bytes")));
+                }
+                if have >= 4 + n {
+                    return self.open(len, n).map(|()| true);
+                }
+                4 + n
+            };
+            if self.fill(need)? == 0 {
+                return match have {
+                    0 => Ok(false),
+                    _ => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the connection ended inside an encrypted record")),
+                };
+            }
         }
-        self.buf.resize(n, 0);
-        self.inner.read_exact(&mut self.buf)?;
-        let (data, tag) = self.buf.split_at_mut(n - TAG_LEN);
+    }
+
+    /// Open the record of `n` bytes (after its length `len`) at `next`, in place.
+    fn open(&mut self, len: [u8; 4], n: usize) -> io::Result<()> {
+        let cipher = self.cipher.as_ref().expect("encrypted");
+        let start = self.next + 4;
+        let (data, tag) = self.buf[start..start + n].split_at_mut(n - TAG_LEN);
         if !cipher.open(seal::counter_nonce(self.count), &len, data, tag) {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "an encrypted record failed authentication"));
         }
         self.count += 1;
-        (self.pos, self.end) = (0, n - TAG_LEN);
-        Ok(true)
+        (self.pos, self.end, self.next) = (start, start + n - TAG_LEN, start + n);
+        Ok(())
     }
 }
 
@@ -163,6 +221,28 @@ impl<W: Write> StreamWriter<W> {
 
     pub fn get_ref(&self) -> &W {
         &self.inner
+    }
+
+    /// Room left in the pending record.
+    pub fn room(&self) -> usize {
+        RECORD - (self.buf.len() - 4)
+    }
+
+    /// Let `fill` write up to `n` bytes (1..=[`RECORD`]) straight into the
+    /// pending record — sent first if they would not fit — and say how many
+    /// it wrote; the rest is dropped. For bytes that would otherwise be read
+    /// into a buffer of the caller's and copied in here (pages read from
+    /// another process).
+    pub fn write_in_place(&mut self, n: usize, fill: impl FnOnce(&mut [u8]) -> usize) -> io::Result<()> {
+        assert!((1..=RECORD).contains(&n), "write_in_place of {n} bytes");
+        if self.room() < n {
+            self.send()?;
+        }
+        let at = self.buf.len();
+        self.buf.resize(at + n, 0);
+        let used = fill(&mut self.buf[at..]).min(n);
+        self.buf.truncate(at + used);
+        Ok(())
     }
 
     /// Send what is buffered (one record when encrypted).
@@ -239,6 +319,105 @@ mod tests {
             assert_eq!(seen, !encrypt, "page pattern on the wire, encrypt = {encrypt}");
             let got = read_all(&key, encrypt, &bytes).unwrap();
             assert_eq!(got, [&b"SFPQ"[..], &page, &big].concat());
+        }
+    }
+
+    /// A socket's side of `bytes`: a read returns what has arrived and was
+    /// asked for, never past the next of `arrived` (the offsets where the
+    /// sender's writes ended) nor more than `most` bytes; counts the reads.
+    struct Socket<'a> {
+        bytes: &'a [u8],
+        at: usize,
+        arrived: Vec<usize>,
+        most: usize,
+        reads: usize,
+    }
+
+    impl<'a> Socket<'a> {
+        fn new(bytes: &'a [u8], arrived: Vec<usize>, most: usize) -> Socket<'a> {
+            Socket { bytes, at: 0, arrived, most, reads: 0 }
+        }
+    }
+
+    impl Read for Socket<'_> {
+        fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+            self.reads += 1;
+            let upto = self.arrived.iter().copied().find(|&c| c > self.at).unwrap_or(self.bytes.len());
+            let n = out.len().min(upto - self.at).min(self.most);
+            out[..n].copy_from_slice(&self.bytes[self.at..self.at + n]);
+            self.at += n;
+            Ok(n)
+        }
+    }
+
+    fn reader<'a>(key: &SecretKey, encrypt: bool, socket: Socket<'a>) -> StreamReader<Socket<'a>> {
+        let s = if encrypt { Secrecy::encrypted(key, b"c", b"s", false) } else { Secrecy::clear() };
+        s.split(socket, io::sink()).0
+    }
+
+    #[test]
+    fn a_record_that_arrived_whole_takes_one_read() {
+        // A request, a page reply, and a record sent while the first was being read.
+        let key = SecretKey([3; 32]);
+        let messages: [&[u8]; 3] = [b"SFPQ\x01\0\0\0\0\x10\0\0\0\0\0\0", &[0x77; 4096 + 9], b"last"];
+        let bytes = wire(&key, true, &messages);
+        let mut ends = Vec::new();
+        let mut end = 0;
+        for m in &messages {
+            end += 4 + m.len() + TAG_LEN;
+            ends.push(end);
+        }
+        assert_eq!(end, bytes.len());
+        // Each record arrives on its own; the last two together.
+        let mut r = reader(&key, true, Socket::new(&bytes, vec![ends[0], ends[2]], usize::MAX));
+        for (i, m) in messages.iter().enumerate() {
+            let mut got = vec![0u8; m.len()];
+            r.read_exact(&mut got).unwrap();
+            assert_eq!(&got, m, "record {i}");
+        }
+        assert_eq!(r.inner.reads, 2, "one read per arrival, not a length and a body per record");
+        assert!(!r.has_buffered());
+        assert_eq!(r.read(&mut [0u8; 1]).unwrap(), 0, "then a clean end");
+    }
+
+    #[test]
+    fn records_split_across_reads_are_put_together() {
+        let key = SecretKey([4; 32]);
+        let page = [0x5au8; 4096];
+        let big = vec![0xa5u8; RECORD + 7]; // two records
+        let want = [&b"SFPR"[..], &page, &big, b"x"].concat();
+        for encrypt in [false, true] {
+            let bytes = wire(&key, encrypt, &[b"SFPR", &page, &big, b"x"]);
+            for most in [1, 2, 3, 5, 4099, 70_000, usize::MAX] {
+                let mut r = reader(&key, encrypt, Socket::new(&bytes, vec![], most));
+                let mut got = Vec::new();
+                r.read_to_end(&mut got).unwrap();
+                assert!(got == want, "encrypt {encrypt}, reads of at most {most} bytes: {} bytes back, {} sent", got.len(), want.len());
+            }
+        }
+    }
+
+    #[test]
+    fn a_connection_cut_inside_a_record_is_an_error_and_at_its_end_a_clean_end() {
+        let key = SecretKey([5; 32]);
+        let bytes = wire(&key, true, &[b"one", b"two!"]);
+        let first = 4 + 3 + TAG_LEN;
+        for cut in 0..=bytes.len() {
+            for most in [1, usize::MAX] {
+                let mut r = reader(&key, true, Socket::new(&bytes[..cut], vec![], most));
+                let mut got = Vec::new();
+                let res = r.read_to_end(&mut got);
+                match cut {
+                    0 => assert!(res.is_ok() && got.is_empty(), "cut at 0"),
+                    c if c == first => assert!(res.is_ok() && got == b"one", "cut between the records"),
+                    c if c == bytes.len() => assert!(res.is_ok() && got == b"onetwo!", "whole"),
+                    c => {
+                        let e = res.expect_err("a record cut short");
+                        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "cut at {c}: {e}");
+                        assert_eq!(got, if c > first { &b"one"[..] } else { &b""[..] }, "cut at {c}: only whole records' bytes");
+                    }
+                }
+            }
         }
     }
 

@@ -253,7 +253,7 @@ impl Incoming {
             let (Some(image), Some(staged), Some(&server)) = (images.get(i), staged.get(i), servers.get(i)) else {
                 return Err(starling_fork::ForkError::HandlerPanicked(id));
             };
-            let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch, encrypt };
+            let opts = FaultOptions { mcdist: starling_mcdist::Switch::Off, probe_timeout: std::time::Duration::ZERO, prefetch, encrypt, reply_spin: std::time::Duration::ZERO };
             let mut h = FaultHandler::new_with(uffd, image, PageClient::connect(server, &key, encrypt)?, stats.clone(), opts)
                 .with_local_pages(staged.clone());
             let (replies2, lost2, stats2, drains2) = (replies.clone(), on_lost.clone(), stats.clone(), drains.clone());
