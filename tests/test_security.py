@@ -455,7 +455,7 @@ def test_a_clone_moved_to_another_host_stays_in_its_tickets_network(cluster, wor
             row = wait_for(lambda: next((r for r in ps() if "starling-clone" in r["command"]), None), "the clone in ps")
             first = row["host"]
             to = next(n for n in hosts if n != first)
-            assert migrate(row["task"], to, between_connections=True)["to"] == to
+            assert migrate(row["task"], to)["to"] == to
             p.stdin.write("go\n")
             p.stdin.flush()
             out, err = p.communicate(timeout=600)

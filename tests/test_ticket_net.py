@@ -166,7 +166,7 @@ def test_migrate_auto_never_picks_a_host_that_cannot_enforce_the_clones_network(
     c = OneClone(workdir, isolate)
     try:
         assert c.row["host"] == mixed["free"], c.row
-        r = migrate(c.row["task"], "auto", check=False, between_connections=True)
+        r = migrate(c.row["task"], "auto", check=False)
         assert r.returncode == 1, r.stdout + r.stderr
         assert "no other host that can enforce its ticket's own network has a free core" in r.stderr, r.stderr
         assert next(x for x in ps() if x["task"] == c.row["task"])["host"] == mixed["free"]
@@ -178,7 +178,7 @@ def test_migrate_auto_never_picks_a_host_that_cannot_enforce_the_clones_network(
 def test_migrate_to_a_host_that_cannot_enforce_is_refused_when_the_ticket_requires_it(mixed, workdir):
     c = OneClone(workdir, "required")
     try:
-        r = migrate(c.row["task"], "nc1", check=False, between_connections=True)
+        r = migrate(c.row["task"], "nc1", check=False)
         assert r.returncode == 1, r.stdout + r.stderr
         assert re.search(r"requires its own network .* host nc1 cannot enforce one \(.+\)", r.stderr), r.stderr
         assert next(x for x in ps() if x["task"] == c.row["task"])["host"] == mixed["free"]
@@ -190,7 +190,7 @@ def test_migrate_to_a_host_that_cannot_enforce_is_refused_when_the_ticket_requir
 def test_migrate_to_a_host_that_cannot_enforce_moves_an_on_tickets_clone_and_says_so(mixed, workdir):
     c = OneClone(workdir, "on")
     try:
-        r = migrate(c.row["task"], "nc1", check=False, between_connections=True)
+        r = migrate(c.row["task"], "nc1", check=False)
         assert r.returncode == 0, r.stdout + r.stderr
         report = json.loads(r.stdout)
         assert report["to"] == "nc1" and report["unisolated"] == mixed["hosts"]["nc1"]["cannot_isolate"], report

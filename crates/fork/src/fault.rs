@@ -334,8 +334,20 @@ struct MaterializeInner {
     /// Readable when asked (a byte), polled by the handler.
     asked_r: OwnedFd,
     asked_w: Mutex<std::fs::File>,
-    outcome: Mutex<Option<std::result::Result<(), String>>>,
+    outcome: Mutex<Outcome>,
     changed: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Outcome {
+    /// The answer to the request under way.
+    answer: Option<std::result::Result<(), String>>,
+    /// The answer to every request from now on, once the handler is gone:
+    /// it let go of the process (its memory is all its own: Ok), or it
+    /// ended without (nothing would read a request again). A clone whose
+    /// move was refused after its memory became its own is asked again by
+    /// the next move, and must not wait for a handler that is no more.
+    settled: Option<std::result::Result<(), String>>,
 }
 
 impl Materialize {
@@ -344,7 +356,7 @@ impl Materialize {
         Ok(Materialize(Arc::new(MaterializeInner {
             asked_r: r,
             asked_w: Mutex::new(std::fs::File::from(w)),
-            outcome: Mutex::new(None),
+            outcome: Mutex::new(Outcome::default()),
             changed: std::sync::Condvar::new(),
         })))
     }
@@ -353,18 +365,34 @@ impl Materialize {
     /// the process, or it says why it cannot (at most `timeout`).
     pub fn request(&self, timeout: std::time::Duration) -> std::result::Result<(), String> {
         let inner = &self.0;
-        *inner.outcome.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        {
+            let mut o = inner.outcome.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(settled) = &o.settled {
+                return settled.clone();
+            }
+            o.answer = None;
+        }
         inner.asked_w.lock().unwrap_or_else(|p| p.into_inner()).write_all(&[1]).map_err(|e| format!("asking its fault handler: {e}"))?;
         let guard = inner.outcome.lock().unwrap_or_else(|p| p.into_inner());
         let (mut guard, _) = inner
             .changed
-            .wait_timeout_while(guard, timeout, |o| o.is_none())
+            .wait_timeout_while(guard, timeout, |o| o.answer.is_none() && o.settled.is_none())
             .unwrap_or_else(|p| p.into_inner());
-        guard.take().unwrap_or_else(|| Err(format!("its memory did not arrive within {} s", timeout.as_secs())))
+        let settled = guard.settled.clone();
+        guard.answer.take().or(settled).unwrap_or_else(|| Err(format!("its memory did not arrive within {} s", timeout.as_secs())))
     }
 
     fn answer(&self, outcome: std::result::Result<(), String>) {
-        *self.0.outcome.lock().unwrap_or_else(|p| p.into_inner()) = Some(outcome);
+        self.0.outcome.lock().unwrap_or_else(|p| p.into_inner()).answer = Some(outcome);
+        self.0.changed.notify_all();
+    }
+
+    /// The handler is gone: `outcome` answers this request and all later ones.
+    fn settle(&self, outcome: std::result::Result<(), String>) {
+        let mut o = self.0.outcome.lock().unwrap_or_else(|p| p.into_inner());
+        if o.settled.is_none() {
+            o.settled = Some(outcome);
+        }
         self.0.changed.notify_all();
     }
 }
@@ -676,7 +704,7 @@ impl FaultHandler {
                     let m = self.materialize.take();
                     drop(self);
                     if let Some((m, _)) = m {
-                        m.answer(Ok(()));
+                        m.settle(Ok(()));
                     }
                     return Ok(());
                 }
@@ -1226,13 +1254,55 @@ impl Drop for FaultHandler {
         if let Some((rx, _)) = &self.mc {
             log::debug!("mcdist receiver (this host's): {:?}", rx.stats());
         }
+        // Ended without letting go of its process (which ended, or was
+        // stopped): no request will be read again.
+        if let Some((m, _)) = &self.materialize {
+            m.settle(Err("its fault handler has ended".into()));
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{claim, claim_run, missing, read_ahead_window, unclaim, Run, ST_DONE, ST_FAULTING, ST_FETCH, ST_FILE, ST_PUSHING, ST_ZERO};
+    use super::{claim, claim_run, missing, read_ahead_window, unclaim, Materialize, Run, ST_DONE, ST_FAULTING, ST_FETCH, ST_FILE, ST_PUSHING, ST_ZERO};
     use std::sync::atomic::{AtomicU8, Ordering};
+
+    // Long enough never to be reached by a request that is answered: one
+    // that is not fails with "did not arrive" once it passes.
+    const NEVER: std::time::Duration = std::time::Duration::from_secs(120);
+
+    #[test]
+    fn a_request_after_the_handler_let_go_is_answered_at_once() {
+        // A clone's memory became its own (the handler let go), then its move
+        // was refused: the next move asks again, and nothing reads the request.
+        let m = Materialize::new().unwrap();
+        m.settle(Ok(()));
+        assert_eq!(m.request(NEVER), Ok(()));
+        assert_eq!(m.request(NEVER), Ok(()));
+    }
+
+    #[test]
+    fn a_request_after_the_handler_ended_says_so_at_once() {
+        let m = Materialize::new().unwrap();
+        m.settle(Err("its fault handler has ended".into()));
+        assert_eq!(m.request(NEVER), Err("its fault handler has ended".into()));
+    }
+
+    #[test]
+    fn a_request_is_answered_by_the_handler() {
+        let m = Materialize::new().unwrap();
+        let handler = m.clone();
+        let t = std::thread::spawn(move || {
+            // As the handler: the request's byte arrives, then the answer.
+            let mut byte = [0u8; 1];
+            // SAFETY: read(2) of one byte into a local buffer from a pipe the Materialize holds.
+            let n = unsafe { libc::read(std::os::fd::AsRawFd::as_raw_fd(&handler.0.asked_r), byte.as_mut_ptr().cast(), 1) };
+            assert_eq!(n, 1);
+            handler.answer(Err("it is changing its memory map (mremap, discards): try again".into()));
+        });
+        assert_eq!(m.request(NEVER), Err("it is changing its memory map (mremap, discards): try again".into()));
+        t.join().unwrap();
+    }
 
     fn states(s: &[u8]) -> Vec<AtomicU8> {
         s.iter().map(|&x| AtomicU8::new(x)).collect()

@@ -520,6 +520,38 @@ fn children(pid: i32) -> Result<Vec<i32>> {
     Ok(out)
 }
 
+/// What a refused socket descriptor is ([`MigrateError::UnmovableFd`]'s `what`).
+pub const SOCKET: &str = "a socket: network connections cannot move";
+
+/// Whether `e` refuses a socket descriptor (and nothing else was found
+/// unmovable before it): a task that opens short connections now and then
+/// holds none a moment later.
+pub fn refuses_socket(e: &MigrateError) -> bool {
+    matches!(e, MigrateError::UnmovableFd { what, .. } if what.starts_with(SOCKET))
+}
+
+/// The first socket among the descriptors of `pids` that cannot move (one
+/// the host's proxy re-attaches can), as `classify_fds` refuses it: only
+/// the links of `/proc/PID/fd` are read, so this is cheap enough for the
+/// pause.
+pub fn held_socket(pids: &[i32], opts: &CaptureOptions) -> Result<()> {
+    for &pid in pids {
+        let dir = format!("/proc/{pid}/fd");
+        let entries = std::fs::read_dir(&dir).map_err(|e| MigrateError::Proc { path: dir.clone(), source: e })?;
+        for e in entries.flatten() {
+            let Some(fd) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+            let Ok(target) = std::fs::read_link(e.path()) else { continue };
+            let target = target.to_string_lossy().into_owned();
+            let Some(inode) = target.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']')) else { continue };
+            let inode = inode.parse::<u64>().ok();
+            if inode.zip(opts.reconnect.as_ref()).and_then(|(ino, r)| (r.0)(ino)).is_none() {
+                return Err(MigrateError::UnmovableFd { fd, target, what: SOCKET.to_string() });
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The process's descriptors as the image carries them, or the first one
 /// that cannot move; the tree's pipes it holds are added to `ctx`.
 pub fn classify_fds(pid: i32, root: &Path, ctx: &mut TreeFds) -> Result<Vec<FdEntry>> {
@@ -572,7 +604,7 @@ pub fn classify_fds(pid: i32, root: &Path, ctx: &mut TreeFds) -> Result<Vec<FdEn
             let inode = target.strip_prefix("socket:[").and_then(|t| t.strip_suffix(']')).and_then(|n| n.parse::<u64>().ok());
             match inode.zip(ctx.reconnect.as_ref()).and_then(|(ino, r)| (r.0)(ino)) {
                 Some((path, hello)) => FdKind::Reconnect { path, hello, flags },
-                None => return refuse("a socket: network connections cannot move"),
+                None => return refuse(SOCKET),
             }
         } else if target.ends_with(" (deleted)") {
             return refuse("a deleted file");

@@ -1,7 +1,7 @@
 //! The source side: pre-copy while the process runs, freeze, hand over,
 //! serve what the target still lacks, and end the process here.
 
-use crate::capture::{capture, freeze_tree, precheck, CaptureOptions, ReadAhead};
+use crate::capture::{capture, freeze_tree, held_socket, precheck, refuses_socket, CaptureOptions, Member, ReadAhead};
 use crate::dirty::DirtyTracker;
 use crate::freeze::Frozen;
 use crate::inject::Injector;
@@ -13,7 +13,7 @@ use starling_fork::stream::{StreamReader, StreamWriter};
 use starling_image::{PageClass, Region, RegionKind, PAGE_BYTES, PAGE_SIZE};
 use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr, TcpStream};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Pages per `Pages` frame (1 MiB).
 const BATCH_PAGES: usize = 256;
@@ -39,11 +39,90 @@ pub struct SourceOptions {
     /// Snowbird's way, kept as the baseline: no copy while it runs, every
     /// page sent while it is frozen.
     pub stop_and_copy: bool,
+    /// Looks at a task that holds a socket before the move is refused (so
+    /// many before pre-copy, so many frozen at the switch): between two looks it runs on
+    /// for a moment ([`SOCKET_WAITS_MS`]), so a task that opens short
+    /// connections now and then is caught between two of them.
+    pub socket_looks: u32,
 }
 
 impl SourceOptions {
     pub fn new(capture: CaptureOptions, page_server_ip: IpAddr) -> SourceOptions {
-        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_proto::SecretKey::random(), encrypt: true }
+        SourceOptions { capture, max_rounds: 8, converged_pages: 64, freeze_send_pages: 256, page_server_ip, stop_and_copy: false, key: starling_proto::SecretKey::random(), encrypt: true, socket_looks: 10 }
+    }
+}
+
+/// How long a task found holding a socket runs on before the next look
+/// (ms; ~1.7 s for 10 looks). Growing, and none a multiple of 50 ms, so a
+/// task that connects at a round pace (every 100 ms, 200 ms…) is not looked
+/// at in the same phase of its cycle every time.
+pub const SOCKET_WAITS_MS: [u64; 9] = [15, 35, 65, 105, 155, 215, 285, 365, 455];
+
+/// The looks at a task, while it holds a socket, that one move may take.
+struct SocketWait {
+    looks: u32,
+    max: u32,
+    started: Instant,
+}
+
+impl SocketWait {
+    fn new(max: u32) -> SocketWait {
+        SocketWait { looks: 0, max: max.max(1), started: Instant::now() }
+    }
+
+    /// After refusal `e`: Ok once the task ran on for the next look, else
+    /// the refusal, saying how often it was looked at when it is a socket's.
+    fn again(&mut self, e: MigrateError) -> Result<()> {
+        if !refuses_socket(&e) {
+            return Err(e);
+        }
+        self.looks += 1;
+        if self.looks >= self.max {
+            return Err(match e {
+                MigrateError::UnmovableFd { fd, target, what } => MigrateError::UnmovableFd {
+                    fd,
+                    target,
+                    what: format!("{what} (the task held one at each of {} looks over {:.1} s)", self.looks, self.started.elapsed().as_secs_f64()),
+                },
+                e => e,
+            });
+        }
+        let i = usize::try_from(self.looks - 1).unwrap_or(usize::MAX).min(SOCKET_WAITS_MS.len() - 1);
+        log::debug!("migration: {e}; looking again in {} ms", SOCKET_WAITS_MS[i]);
+        std::thread::sleep(Duration::from_millis(SOCKET_WAITS_MS[i]));
+        Ok(())
+    }
+}
+
+/// Freeze the tree `pid` is the root of at a moment none of its processes
+/// holds a socket (thawed and looked at again after a while, as `wait`
+/// allows): the frozen processes, the tree, and when the last freeze began.
+fn freeze_movable(pid: i32, opts: &CaptureOptions, wait: &mut SocketWait) -> Result<(Vec<Frozen>, Vec<Member>, Instant)> {
+    loop {
+        let freezing_at = Instant::now();
+        let (frozen, members) = freeze_tree(pid)?;
+        let pids: Vec<i32> = members.iter().map(|m| m.pid).collect();
+        match held_socket(&pids, opts) {
+            Ok(()) => return Ok((frozen, members, freezing_at)),
+            Err(e) => {
+                // Children first, as `finish` kills them.
+                for f in frozen.into_iter().rev() {
+                    f.thaw()?;
+                }
+                wait.again(e)?;
+            }
+        }
+    }
+}
+
+/// The tree `pid` is the root of, once nothing in it is unmovable, looked
+/// at again while only a socket is (as `wait` allows).
+fn precheck_movable(pid: i32, opts: &CaptureOptions, wait: &mut SocketWait) -> Result<Vec<Member>> {
+    loop {
+        match precheck(pid, opts) {
+            Ok(members) => return Ok(members),
+            Err(e) => wait.again(e)?,
+        }
     }
 }
 
@@ -210,14 +289,24 @@ struct Tracked {
     tracker: Option<DirtyTracker>,
     /// Pages the target holds (sent while it ran, not dropped since).
     sent: HashSet<u64>,
+    /// Pages found written by the first copy's probe ([`first_copy`]): the
+    /// next scan's too (the probe's scans protected them again).
+    carried: Vec<u64>,
 }
 
 impl Tracked {
-    /// Pages written since the last scan; none once tracking is lost. A
-    /// process gone is the root's end (`Gone`), else the move's failure.
+    /// Pages written since the last scan (ascending); none once tracking is
+    /// lost. A process gone is the root's end (`Gone`), else the move's failure.
     fn scan(&mut self) -> Result<Vec<u64>> {
+        let carried = std::mem::take(&mut self.carried);
         let Some(t) = &self.tracker else { return Ok(Vec::new()) };
         match t.scan() {
+            Ok(mut written) if !carried.is_empty() => {
+                written.extend(carried);
+                written.sort_unstable();
+                written.dedup();
+                Ok(written)
+            }
             Ok(written) => Ok(written),
             Err(e) if std::path::Path::new(&format!("/proc/{}/exe", self.pid)).exists() => {
                 log::info!("pid {}: write tracking lost ({e}): it ran another program; its memory moves after the switch", self.pid);
@@ -227,6 +316,81 @@ impl Tracked {
             Err(e) => Err(e),
         }
     }
+}
+
+/// A process's first copy probes how fast it writes when it has at least
+/// this many pages to send (16 MiB); a smaller one is simply sent.
+const PROBE_FROM_PAGES: usize = 4096;
+/// The probe: the first sixteenth of the first copy, 4 MiB to 32 MiB.
+const PROBE_MIN_PAGES: usize = 1024;
+const PROBE_MAX_PAGES: usize = 8192;
+
+/// What the first copy of a process did.
+struct FirstCopy {
+    bytes: u64,
+    /// The pages sent, in order: all of them, or the probe's when the rest was cut.
+    sent: usize,
+    cut: bool,
+}
+
+/// Whether a first copy of `pages` pages should stop after its probe,
+/// which sent `probe_pages` pages in `send`: by its end `written_pages`
+/// pages were found written since tracking began, `new_pages` of them in
+/// the last `write` of it. The copy would take `pages / probe_pages` times
+/// `send`; when the process writes half of the pages or more by then
+/// (already, or at the pace of its new pages), those would go twice (once
+/// before the switch, once after) where post-copy alone sends each once.
+/// (A process that rewrites the same few pages again and again writes no
+/// new ones, and is copied as before.)
+pub fn cut_first_copy(pages: usize, written_pages: usize, probe_pages: usize, send: Duration, new_pages: usize, write: Duration) -> bool {
+    if written_pages.saturating_mul(2) >= pages {
+        return true;
+    }
+    if probe_pages == 0 || write.is_zero() || send.is_zero() {
+        return false;
+    }
+    // new / write * (pages / probe * send) >= pages / 2, in integers.
+    let wide = |n: usize| u128::try_from(n).unwrap_or(u128::MAX);
+    wide(new_pages).saturating_mul(send.as_micros()).saturating_mul(2) >= wide(probe_pages).saturating_mul(write.as_micros())
+}
+
+/// The first copy of `t`'s process (`first`: every page to fetch, its
+/// tracking armed before they were listed): a large one sends its first part in
+/// two halves, scanning after each, and stops there when the process would
+/// rewrite most of the copy while it is sent ([`cut_first_copy`]).
+fn first_copy(t: &mut Tracked, index: u32, first: &[u64], w: &mut StreamWriter<TcpStream>) -> Result<FirstCopy> {
+    if first.len() < PROBE_FROM_PAGES {
+        return Ok(FirstCopy { bytes: send_pages(t.pid, index, first, w)?, sent: first.len(), cut: false });
+    }
+    let probe = (first.len() / 16).clamp(PROBE_MIN_PAGES, PROBE_MAX_PAGES);
+    let half = probe / 2;
+    let started = Instant::now();
+    let mut bytes = send_pages(t.pid, index, &first[..half], w)?;
+    let before = t.scan()?;
+    let halfway = Instant::now();
+    bytes += send_pages(t.pid, index, &first[half..probe], w)?;
+    let after = t.scan()?;
+    let ended = Instant::now();
+    let seen: HashSet<u64> = before.iter().copied().collect();
+    let new_pages = after.iter().filter(|a| !seen.contains(a)).count();
+    let written = before.len() + new_pages;
+    let (send, write) = (ended - started, ended - halfway);
+    t.carried = before;
+    t.carried.extend(after);
+    let cut = cut_first_copy(first.len(), written, probe, send, new_pages, write);
+    log::info!(
+        "pid {}: first copy probe: {probe} of {} pages sent in {:.0} ms, {written} pages written, {new_pages} new ones in the last {:.0} ms{}",
+        t.pid,
+        first.len(),
+        send.as_secs_f64() * 1e3,
+        write.as_secs_f64() * 1e3,
+        if cut { ": the rest goes after the switch" } else { "" }
+    );
+    if cut {
+        return Ok(FirstCopy { bytes, sent: probe, cut });
+    }
+    bytes += send_pages(t.pid, index, &first[probe..], w)?;
+    Ok(FirstCopy { bytes, sent: first.len(), cut })
 }
 
 /// Arm write tracking in `pid` (a short freeze to inject the userfaultfd).
@@ -251,7 +415,7 @@ fn arm(pid: i32, region_opts: RegionOptions) -> Result<DirtyTracker> {
 pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn SourceHooks) -> Result<SourceReport> {
     let start = Instant::now();
     let mut report = SourceReport::default();
-    let members = precheck(pid, &opts.capture)?;
+    let members = precheck_movable(pid, &opts.capture, &mut SocketWait::new(opts.socket_looks))?;
     let (mut reader, mut w) = conn;
     let payload = hooks.prepare().map_err(|reason| MigrateError::Hook { stage: "prepare", reason })?;
     wire::send(&mut w, &ToTarget::Prepare { payload })?;
@@ -263,6 +427,7 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
     // Pre-copy per process of the tree as it was at the start; one started
     // later has no tracker and all of its memory is fetched after the switch.
     let mut tracked = Vec::with_capacity(members.len());
+    let mut cut = false;
     for (i, m) in members.iter().enumerate() {
         let index = u32::try_from(i).unwrap_or(u32::MAX);
         let tracker = match arm(m.pid, region_opts) {
@@ -274,17 +439,23 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
             }
             Err(e) => return Err(e),
         };
-        // Round 0: everything there is to fetch.
-        let first = fetch_pages(&dump_regions(m.pid, region_opts)?);
+        // Round 0: everything there is to fetch (or its first part: see `first_copy`).
+        let mut first = fetch_pages(&dump_regions(m.pid, region_opts)?);
+        let mut t = Tracked { pid: m.pid, tracker: Some(tracker), sent: HashSet::new(), carried: Vec::new() };
+        let copied = first_copy(&mut t, index, &first, &mut w)?;
         report.footprint_pages += first.len() as u64;
-        report.bytes += send_pages(m.pid, index, &first, &mut w)?;
-        report.precopy_pages += first.len() as u64;
-        tracked.push((index, Tracked { pid: m.pid, tracker: Some(tracker), sent: first.into_iter().collect() }));
+        report.bytes += copied.bytes;
+        report.precopy_pages += copied.sent as u64;
+        cut |= copied.cut;
+        first.truncate(copied.sent);
+        t.sent = first.into_iter().collect();
+        tracked.push((index, t));
     }
-    // Rounds: what was written meanwhile, until it stops shrinking.
+    // Rounds: what was written meanwhile, until it stops shrinking (none
+    // after a first copy cut short: it would be rewritten as it goes).
     let mut counts = vec![tracked.iter().map(|(_, t)| t.sent.len()).sum::<usize>()];
     // (counts[i] is round i's: the rule below stops at max_rounds; with 0 none runs.)
-    while counts.len() <= usize::try_from(opts.max_rounds).unwrap_or(usize::MAX) {
+    while !cut && counts.len() <= usize::try_from(opts.max_rounds).unwrap_or(usize::MAX) {
         let mut found = Vec::with_capacity(tracked.len());
         for (_, t) in &mut tracked {
             found.push(t.scan()?);
@@ -327,8 +498,7 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
         .collect();
     wait_prepared(&mut reader)?;
     // Freeze: from here the pause runs.
-    let freezing_at = Instant::now();
-    let (frozen, members) = freeze_tree(pid)?;
+    let (frozen, members, freezing_at) = freeze_movable(pid, &opts.capture, &mut SocketWait::new(opts.socket_looks))?;
     let frozen_at = Instant::now();
     report.threads = frozen.iter().map(|f| f.tids.len()).sum();
     let mut written = Vec::with_capacity(tracked.len());
@@ -398,9 +568,9 @@ pub fn migrate_out(pid: i32, conn: Halves, opts: &SourceOptions, hooks: &mut dyn
         ("last pages + image".into(), ms(handed_at, sent_at)),
     ];
     log::info!("pid {pid}: {} processes frozen: {:?}", members.len(), report.phases_ms);
-    drop(tracked);
+    let trackers = tracked.into_iter().filter_map(|(_, t)| t.tracker).collect();
 
-    finish(frozen, &mut reader, servers, hooks, freezing_at, start, report)
+    finish(Held { frozen, trackers }, &mut reader, servers, hooks, freezing_at, start, report)
 }
 
 /// A page server for frozen process `f`'s memory (`image`: its descriptor).
@@ -423,8 +593,7 @@ fn stop_and_copy(
 ) -> Result<SourceReport> {
     wait_prepared(reader)?;
     // The pause runs from the first thread stopped.
-    let frozen_at = Instant::now();
-    let (frozen, members) = freeze_tree(pid)?;
+    let (frozen, members, frozen_at) = freeze_movable(pid, &opts.capture, &mut SocketWait::new(opts.socket_looks))?;
     report.threads = frozen.iter().map(|f| f.tids.len()).sum();
     let desc = capture(&frozen, &members, &opts.capture, &[])?;
     let payload = hooks.at_freeze().map_err(|reason| MigrateError::Hook { stage: "freeze", reason })?;
@@ -439,7 +608,7 @@ fn stop_and_copy(
     let page_servers = servers.iter().map(|s| s.addr().to_string()).collect();
     let stale = vec![Vec::new(); frozen.len()];
     wire::send(w, &ToTarget::Image { descriptor: desc.encode(), stale, page_servers, payload })?;
-    finish(frozen, reader, servers, hooks, frozen_at, start, report)
+    finish(Held { frozen, trackers: Vec::new() }, reader, servers, hooks, frozen_at, start, report)
 }
 
 /// Wait until the target has what the restore needs besides memory (its
@@ -455,8 +624,19 @@ fn wait_prepared(reader: &mut StreamReader<TcpStream>) -> Result<()> {
 
 /// After the image went: wait for the target to run the process, serve it
 /// until it holds everything, then end it here.
-fn finish(
+/// The frozen processes and their write tracking, kept until they are
+/// killed: a tracker's userfaultfd closed while its process lives takes the
+/// write protection off every page it tracks (a walk of its page tables,
+/// ~25 ms per 512 MiB, which was in the pause), and costs nothing once the
+/// process is gone. (Dropped before the switch, the processes are let go
+/// first, then their tracking.)
+struct Held {
     frozen: Vec<Frozen>,
+    trackers: Vec<DirtyTracker>,
+}
+
+fn finish(
+    held: Held,
     reader: &mut StreamReader<TcpStream>,
     mut servers: Vec<PageServer>,
     hooks: &mut dyn SourceHooks,
@@ -486,9 +666,11 @@ fn finish(
         server.stop();
     }
     // Children first: none is re-parented or reaped before it is gone.
+    let Held { frozen, trackers } = held;
     for f in frozen.into_iter().rev() {
         f.kill();
     }
+    drop(trackers);
     report.total_ms = start.elapsed().as_secs_f64() * 1e3;
     match end {
         Ok(ToSource::Complete { faults, fault_p50_us, fault_p99_us, discarded_pages, .. }) => {
@@ -539,6 +721,30 @@ mod tests {
         assert_eq!(end(&[1 << 20, 1 << 19, 1 << 18, 1 << 17, 1 << 16, 1 << 15, 1 << 14, 1 << 13, 1 << 12]), RoundEnd::SendAndStop);
         // Not shrinking wins over the last round: it is not sent.
         assert_eq!(after_round(&[10000, 5000, 2500, 2400], 3, 64), RoundEnd::StopUnsent);
+    }
+
+    #[test]
+    fn a_first_copy_stops_after_its_probe_when_most_of_it_would_be_rewritten_meanwhile() {
+        use super::cut_first_copy;
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        // 64 MiB (16384 pages), a probe of 1024 sent in 40 ms (25600 pages/s: 100 MiB/s; the
+        // copy would take 640 ms), new pages found in its last 20 ms: at 100 MiB/s (512 of them)
+        // the whole copy is rewritten as it goes.
+        assert!(cut_first_copy(16384, 1200, 1024, ms(40), 512, ms(20)));
+        // 10 MiB/s (51): a tenth of it, copied as before.
+        assert!(!cut_first_copy(16384, 120, 1024, ms(40), 51, ms(20)));
+        // Half of it is the bound.
+        assert!(cut_first_copy(16384, 600, 1024, ms(40), 256, ms(20)));
+        assert!(!cut_first_copy(16384, 600, 1024, ms(40), 255, ms(20)));
+        // A few pages rewritten again and again are no new ones.
+        assert!(!cut_first_copy(16384, 300, 1024, ms(40), 0, ms(20)));
+        // A sweep faster than the probe: every page written already, none new since.
+        assert!(cut_first_copy(16384, 16384, 1024, ms(40), 0, ms(20)));
+        assert!(cut_first_copy(16384, 8192, 1024, ms(40), 0, ms(20)));
+        assert!(!cut_first_copy(16384, 8191, 1024, ms(40), 0, ms(20)));
+        // Nothing measured: no cut.
+        assert!(!cut_first_copy(16384, 0, 0, Duration::ZERO, 0, Duration::ZERO));
     }
 
     #[test]
