@@ -436,6 +436,19 @@ def test_root_clones_of_an_isolated_ticket_lose_network_admin_only(cluster, work
             assert int(c["inh"], 16) & net_admin == 0 and int(c["amb"], 16) & net_admin == 0, c
 
 
+def clone_ready(p):
+    """Read movednet's output up to its clone's "clone ready": what the clone reached where it was cloned
+    (its "REACH BEFORE TARGET result" lines, as {TARGET: result})."""
+    before = {}
+    for line in p.stdout:
+        if line == "clone ready\n":
+            return before
+        words = line.split()
+        assert words[:2] == ["REACH", "BEFORE"] and len(words) == 4, line
+        before[words[2]] = words[3]
+    raise AssertionError(f"movednet ended before its clone was ready: {p.stderr.read()}")
+
+
 def test_a_clone_moved_to_another_host_stays_in_its_tickets_network(cluster, workdir):
     """A one-clone ticket's clone is moved (`starling migrate`) to a host outside its grant; there it still
     cannot reach a listener on the other two hosts (it joined its ticket's group and rules on the new
@@ -451,7 +464,7 @@ def test_a_clone_moved_to_another_host_stays_in_its_tickets_network(cluster, wor
         p = subprocess.Popen([str(exe), *targets], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, env=fork_env(STARLING_FORK_ISOLATE_NETWORK="on"), cwd="/var/tmp")
         try:
-            assert p.stdout.readline() == "clone ready\n"
+            clone_ready(p)
             row = wait_for(lambda: next((r for r in ps() if "starling-clone" in r["command"]), None), "the clone in ps")
             first = row["host"]
             to = next(n for n in hosts if n != first)
@@ -469,6 +482,57 @@ def test_a_clone_moved_to_another_host_stays_in_its_tickets_network(cluster, wor
             want_ok = name in (first, to)
             got = reach[f"{h['address']}:{port}"]
             assert (got == "ok") == want_ok, f"moved from {first} to {to}: {name}: {got}; {reach}"
+    finally:
+        for lp in listeners:
+            lp.kill()
+            lp.wait()
+
+
+def test_a_clone_moved_outside_its_grant_is_let_in_by_its_tickets_other_clone(cluster, workdir):
+    """tests/fork/movedpair.c: a two-clone ticket spread on two hosts; clone 1 is moved to a third host, outside
+    the grant. Its ticket's members learn that host: clone 2's listener answers clone 1 there, and clone 2
+    reaches a listener on the new host, while a listener on the fourth host answers neither."""
+    require_tool("nft", "nftables")
+    hosts = {h["name"]: h for h in cluster["hosts"]}
+    assert len(hosts) >= 4, "needs a host outside a two-clone ticket to move one to, and one more outside it"
+    by_address = {h["address"]: n for n, h in hosts.items()}
+    exe = build_fork_program("movedpair", workdir)
+    port = 17397
+    listeners = in_hosts(hosts, LISTENER, lambda h: port)
+    try:
+        p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=fork_env(STARLING_FORK_ISOLATE_NETWORK="on"), cwd="/var/tmp")
+        try:
+            seen = {}
+            while len(seen) < 2:
+                line = p.stdout.readline()
+                assert line, f"movedpair ended before both clones were ready: {p.stderr.read()}"
+                words = line.split()
+                assert words[0] in ("SELF", "LISTEN") and len(words) == 3, line
+                seen[words[1]] = words[2]
+            first, second = by_address[seen["1"]], by_address[seen["2"].split(":")[0]]
+            assert first != second, f"the grant put both clones on {first}"
+            rows = wait_for(lambda: (lambda rs: rs if len(rs) == 2 else None)([r for r in ps() if "starling-clone" in r["command"]]),
+                            "both clones in ps")
+            moved = next(r for r in rows if r["host"] == first)
+            to = next(n for n in hosts if n not in (first, second))
+            outside = next(n for n in hosts if n not in (first, second, to))
+            assert migrate(moved["task"], to, between_connections=True)["to"] == to
+            at_to, at_outside = f"{hosts[to]['address']}:{port}", f"{hosts[outside]['address']}:{port}"
+            p.stdin.write(f"{seen['2']} {at_to} {at_outside}\n")
+            p.stdin.flush()
+            out, err = p.communicate(timeout=600)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        assert p.returncode == 0 and "STATUS 1 0" in out and "STATUS 2 0" in out, out + err
+        reach = {(w[1], w[2]): w[3] for w in (line.split() for line in out.splitlines()) if w[:1] == ["REACH"] and len(w) == 4}
+        where = f"clone 1 moved from {first} to {to}, clone 2 on {second}: {reach}"
+        assert reach[("1", seen["2"])] == "ok", where
+        assert reach[("2", at_to)] == "ok", where
+        assert reach[("1", at_to)] == "ok", where
+        assert reach[("1", at_outside)] != "ok" and reach[("2", at_outside)] != "ok", where
     finally:
         for lp in listeners:
             lp.kill()

@@ -19,7 +19,10 @@ as the last host and nc1 have free cores needs both, and the hosts kept busy are
 - `starling migrate` of an isolated ticket's clone (tests/fork/movednet.c): `--to auto` does not pick nc1
   (refused while nc1 is the only other host with a free core); `--to nc1` is refused naming nc1 when the
   ticket requires its network, and under `on` moves it and tells the caller it runs with nc1's whole
-  network there.
+  network there;
+- a clone launched on nc1 (the free embedded host kept busy too) reaches a listener outside its ticket;
+  moved to the free host it gets its ticket's network there (`MigrateIn::network`), and that listener
+  refuses it.
 """
 import json
 import os
@@ -32,7 +35,7 @@ import pytest
 
 from conftest import STARLING, require_root, require_tool, sh, status, terminate, up, wait_for
 from test_migrate import migrate, ps
-from test_security import LISTENER, build_fork_program, in_hosts, run_dir
+from test_security import LISTENER, build_fork_program, clone_ready, in_hosts, run_dir
 
 BASE = pathlib.Path(f"/var/tmp/starling-tests{os.environ.get('STARLING_INSTANCE', '')}/mixed")
 PORT = 17396
@@ -139,13 +142,14 @@ def test_a_ticket_requiring_its_own_network_is_refused_naming_the_host_that_cann
 
 
 class OneClone:
-    """tests/fork/movednet.c: a one-clone ticket whose clone waits for "go" (then exits 0)."""
+    """tests/fork/movednet.c: a one-clone ticket whose clone tries `targets` (`before`: {target: result}), waits
+    for "go", tries them again (finish's {target: result}) and exits 0."""
 
-    def __init__(self, workdir, isolate):
+    def __init__(self, workdir, isolate, targets=()):
         exe = build_fork_program("movednet", workdir)
-        self.p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env_with(isolate), cwd="/var/tmp")
-        assert self.p.stdout.readline() == "clone ready\n"
+        self.p = subprocess.Popen([str(exe), *targets], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env_with(isolate), cwd="/var/tmp")
+        self.before = clone_ready(self.p)
         self.row = wait_for(lambda: next((r for r in ps() if "starling-clone" in r["command"]), None), "the clone in ps")
 
     def finish(self):
@@ -153,6 +157,7 @@ class OneClone:
         self.p.stdin.flush()
         out, err = self.p.communicate(timeout=600)
         assert self.p.returncode == 0 and "STATUS 1 0" in out, out + err
+        return dict(line.split()[1:3] for line in out.splitlines() if line.startswith("REACH "))
 
     def kill(self):
         if self.p.poll() is None:
@@ -199,3 +204,38 @@ def test_migrate_to_a_host_that_cannot_enforce_moves_an_on_tickets_clone_and_say
         c.finish()
     finally:
         c.kill()
+
+
+def test_a_clone_launched_unisolated_gets_its_tickets_network_when_moved_to_a_host_that_enforces_it(mixed, workdir):
+    """The free embedded host kept busy too, a one-clone `on` ticket runs its clone on nc1, with nc1's whole
+    network: it reaches a listener on a host outside the ticket. Moved to the free host (which can enforce
+    the ticket's network), it joins the ticket's network there: the same listener refuses it, its new host's
+    still answers, the move's report does not call it un-isolated, and it still reaches its parent."""
+    hosts, free = mixed["hosts"], mixed["free"]
+    outside, own = f"{hosts[mixed['busy'][0]]['address']}:{PORT}", f"{hosts[free]['address']}:{PORT}"
+    cores = hosts[free]["cores"]
+    fillers = [subprocess.Popen([STARLING, "exec", "--host", free, "--", "sleep", "3601"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd="/var/tmp") for _ in range(cores)]
+    c = None
+    try:
+        busy_free = lambda: sum(1 for r in ps() if r["command"] == "sleep 3601" and r["host"] == free)  # noqa: E731
+        wait_for(lambda: busy_free() == cores, f"{cores} sleeping tasks on {free}", timeout=180)
+        c = OneClone(workdir, "on", [outside, own])
+        assert c.row["host"] == "nc1", c.row
+        assert c.before == {outside: "ok", own: "ok"}, c.before
+        for f in fillers:
+            terminate(f)  # (the client passes SIGTERM on to its task, which ends)
+        wait_for(lambda: busy_free() == 0, f"{free}'s sleeping tasks to end", timeout=180)
+        r = migrate(c.row["task"], free, check=False, between_connections=True)
+        assert r.returncode == 0, r.stdout + r.stderr
+        report = json.loads(r.stdout)
+        assert report["to"] == free and not report.get("unisolated"), report
+        assert "whole network" not in r.stderr, r.stderr
+        after = c.finish()
+        assert after[outside] != "ok" and after[own] == "ok", after
+    finally:
+        if c:
+            c.kill()
+        for f in fillers:
+            f.kill()
+            f.wait()

@@ -1,6 +1,8 @@
 /* What a clone moved by `starling migrate` can reach (issue 12: a moved
- * clone must stay in its ticket's network). One clone; it prints "clone
- * ready" and then asks its parent, once per 200 ms over a new connection,
+ * clone must stay in its ticket's network). One clone; it connects to each
+ * TARGET (IP:PORT) of the command line where it was cloned and prints
+ *   REACH BEFORE IP:PORT ok|ERRNO
+ * then prints "clone ready" and asks its parent, once per 200 ms over a new connection,
  * "?": the parent answers "wait" until a line arrives on its stdin (the
  * test sends one after moving the clone), then "go". The clone then
  * connects to each TARGET (IP:PORT) of the command line and prints
@@ -57,6 +59,7 @@ int main(int argc, char **argv) {
     if (id < 0) { fprintf(stderr, "sf_clone: %s\n", sf_last_error()); return 2; }
     if (id > 0) {
         const char *parent = sf_parent_host();
+        reach_targets("BEFORE", argv + 1, argc - 1);
         printf("clone ready\n");
         fflush(stdout);
         int r, failed = 0;

@@ -331,8 +331,17 @@ impl Agent {
                 Msg::UsageRequest { nonce } => {
                     let _ = tx.send(Msg::UsageReply { nonce, tasks: self.usage() }).await;
                 }
-                Msg::MigrateIn { migration, task, from, key } => {
-                    tokio::spawn(migrate::accept(self.clone(), tx.clone(), migration, task, from, key));
+                Msg::MigrateIn { migration, task, from, key, network } => {
+                    tokio::spawn(migrate::accept(self.clone(), tx.clone(), migration, task, from, key, network));
+                }
+                // Awaited: the head's next word on the ticket's members must not overtake this one.
+                Msg::TicketMembers { ticket, members } => {
+                    let nets = self.ticket_nets.clone();
+                    match tokio::task::spawn_blocking(move || nets.set_members(ticket, &members)).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => log::warn!("ticket {ticket}: its clones' rules here keep the members they had: {e}"),
+                        Err(e) => log::warn!("ticket {ticket}: updating its members: {e}"),
+                    }
                 }
                 Msg::MigrateAbort { migration } => {
                     if let Some(flag) = self.incoming.lock().unwrap().remove(&migration) {

@@ -454,8 +454,17 @@ fn read_upper(upper: &Path) -> Result<Vec<UpperItem>, String> {
 // target
 
 /// The target's part: listen for the source, tell the head where, and take
-/// the task when it comes.
-pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task: TaskId, from: String, key: starling_proto::SecretKey) {
+/// the task when it comes. `network`: a clone's ticket network here, the head's word (not the
+/// one its source ran it with, which lacks the ticket's network if the source could not enforce it).
+pub(crate) async fn accept(
+    agent: Arc<Agent>,
+    tx: Outgoing,
+    migration: u64,
+    task: TaskId,
+    from: String,
+    key: starling_proto::SecretKey,
+    network: Option<starling_proto::TicketNetwork>,
+) {
     let ip = agent.addr.lock().unwrap().clone();
     let listener = match TcpListener::bind((ip.as_str(), 0)) {
         Ok(l) => l,
@@ -473,7 +482,7 @@ pub(crate) async fn accept(agent: Arc<Agent>, tx: Outgoing, migration: u64, task
     let body = {
         let (agent, tx, dir) = (agent.clone(), tx.clone(), dir.clone());
         move || {
-            let r = receive(&agent, &tx, task, &dir, listener, &key, &abort);
+            let r = receive(&agent, &tx, task, &dir, listener, &key, network, &abort);
             agent.incoming.lock().unwrap().remove(&migration);
             r
         }
@@ -526,6 +535,7 @@ struct Prepared {
     age: Duration,
 }
 
+#[allow(clippy::too_many_arguments)] // what the head's MigrateIn said, and where the task goes
 fn receive(
     agent: &Arc<Agent>,
     tx: &Outgoing,
@@ -533,6 +543,7 @@ fn receive(
     dir: &Path,
     listener: TcpListener,
     key: &starling_proto::SecretKey,
+    network: Option<starling_proto::TicketNetwork>,
     abort: &AtomicBool,
 ) -> crate::Result<()> {
     // Until the task resumes here it is the source's: a failure is logged
@@ -547,7 +558,10 @@ fn receive(
     };
     let mut prepared: Option<Prepared> = None;
     let incoming = starling_migrate::target::receive(conn, *key, agent.cfg.fork.encrypt, &mut |payload| {
-        let p: Prepare = decode(&payload)?;
+        let mut p: Prepare = decode(&payload)?;
+        if let Some(c) = p.spec.clone.as_mut() {
+            c.network.clone_from(&network);
+        }
         let view_dir = dir.join("view");
         std::fs::create_dir_all(&view_dir).map_err(|e| e.to_string())?;
         let source = Arc::new(RemoteSource { task, tx: tx.clone(), waiters: agent.waiters.clone(), cache: agent.cache.clone(), peers: agent.peers.as_ref().map(|(p, _)| p.clone()) });
@@ -677,7 +691,8 @@ fn restore_here(
     let mut sb = sandbox_spec(agent, &spec, overlay.root());
     sb.placement = placement;
     sb.terminal.clone_from(&terminal);
-    // A clone of an isolated ticket stays in its ticket's network here (held until it ends here).
+    // A clone of an isolated ticket is in its ticket's network here (the head's `MigrateIn` said
+    // which; held until it ends here or moves on).
     let ticket_net = match spec.clone.as_ref().and_then(|c| Some((c, c.network.as_ref()?))) {
         // The notice is in this host's log: the clone's stderr went with it from its first host.
         Some((c, n)) => crate::ticket_net::enter(agent, c, n, &mut sb, |_| {}).map_err(early)?,

@@ -72,6 +72,8 @@ struct Ticket {
     /// Its connections' conntrack mark (1..=MAX_MARKS), below [`MARK_MASK`].
     mark: u32,
     members: BTreeSet<IpAddr>,
+    /// The parents' machines its clones here named (members whatever the head says).
+    parents: BTreeSet<IpAddr>,
     refused_ports: BTreeSet<u16>,
 }
 
@@ -169,6 +171,7 @@ impl TicketNets {
                     t.members.extend(new_members);
                     t.refused_ports.extend(new_ports);
                 }
+                t.parents.insert(parent);
                 t.tasks += 1;
             }
             None => {
@@ -181,10 +184,29 @@ impl TicketNets {
                     return Err(e.into());
                 }
                 log::info!("ticket {ticket}: its clones reach only {} (table {})", shown(&members), self.table(ticket));
-                live.insert(ticket, Ticket { tasks: 1, mark, members, refused_ports: refused });
+                live.insert(ticket, Ticket { tasks: 1, mark, members, parents: BTreeSet::from([parent]), refused_ports: refused });
             }
         }
         Ok(TicketNetHold { nets: self.clone(), ticket, procs: dir.join("cgroup.procs") })
+    }
+
+    /// The head says `ticket`'s hosts are now `members` (a clone of it moved): its rules here, if
+    /// any of its clones runs here, let exactly those and its parents' machines through.
+    pub fn set_members(&self, ticket: u64, members: &[IpAddr]) -> Result<(), TicketNetError> {
+        let Some(unified) = self.unified.as_ref() else { return Ok(()) };
+        let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(t) = live.get_mut(&ticket) else { return Ok(()) };
+        let want: BTreeSet<IpAddr> = members.iter().copied().chain(t.parents.iter().copied()).collect();
+        let added: Vec<IpAddr> = want.difference(&t.members).copied().collect();
+        let removed: Vec<IpAddr> = t.members.difference(&want).copied().collect();
+        if added.is_empty() && removed.is_empty() {
+            return Ok(());
+        }
+        let table = self.table(ticket);
+        Nft::new(unified).apply(&(additions(&table, &added, &[]) + &removals(&table, &removed)))?;
+        log::info!("ticket {ticket}: its clones here reach only {} now", shown(&want));
+        t.members = want;
+        Ok(())
     }
 
     fn leave(&self, ticket: u64) {
@@ -332,6 +354,17 @@ fn additions(table: &str, members: &[IpAddr], ports: &[u16]) -> String {
     s
 }
 
+/// Members the head no longer counts among a ticket's hosts.
+fn removals(table: &str, members: &[IpAddr]) -> String {
+    let mut s = String::new();
+    for (set, v) in [("members4", elements(members.iter().filter(|a| a.is_ipv4()))), ("members6", elements(members.iter().filter(|a| a.is_ipv6())))] {
+        if let Some(e) = v {
+            let _ = writeln!(s, "delete element inet {table} {set} {e}");
+        }
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,5 +392,15 @@ mod tests {
         assert!(s.contains("set members6 { type ipv6_addr; }") && s.contains("set refused { type inet_service; }"), "{s}");
         assert_eq!(additions("t", &[], &[]), "");
         assert_eq!(additions("t", &["10.0.0.3".parse().unwrap()], &[9]), "add element inet t members4 { 10.0.0.3 }\nadd element inet t refused { 9 }\n");
+        assert_eq!(removals("t", &[]), "");
+    }
+
+    #[test]
+    fn removed_members_leave_their_familys_set() {
+        let gone: Vec<IpAddr> = ["10.0.0.3", "fd00::2", "10.0.0.4"].iter().map(|a| a.parse().unwrap()).collect();
+        assert_eq!(
+            removals("t", &gone),
+            "delete element inet t members4 { 10.0.0.3, 10.0.0.4 }\ndelete element inet t members6 { fd00::2 }\n"
+        );
     }
 }

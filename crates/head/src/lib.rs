@@ -88,9 +88,10 @@ pub(crate) struct Route {
     pub(crate) started: std::time::Instant,
     /// A remote-fork clone task (clones cannot move yet).
     pub(crate) clone_task: bool,
-    /// What a clone's ticket asks of its network (`Off` for other tasks): a move keeps an
-    /// isolated ticket's clone on hosts that can enforce it (`head::migration`).
-    pub(crate) isolation: starling_proto::NetworkIsolation,
+    /// A clone of an isolated ticket: the ticket, and what its launch asked of the ticket's
+    /// network (`None` for other tasks). A move keeps it on hosts that can enforce that network
+    /// and gives it the network there (`head::migration`).
+    pub(crate) ticket_net: Option<TicketAsk>,
     /// The task's own Linger-Longer policy (`None`: its host's).
     pub(crate) policy: Option<starling_proto::GuestPolicy>,
     /// IE: what a rerun from the start needs (`None`: the task is not rerun).
@@ -110,6 +111,24 @@ pub(crate) struct Route {
     pub(crate) relayed: u64,
 }
 
+/// A clone's ticket and what its launch asked of the ticket's own network (the ports its client
+/// refuses too, `required`); the members are the head's to fill in wherever the clone runs.
+pub(crate) struct TicketAsk {
+    pub(crate) ticket: u64,
+    pub(crate) asked: starling_proto::TicketNetwork,
+}
+
+impl Route {
+    /// What the task's ticket asks of its network (`Off` for tasks that are not clones).
+    pub(crate) fn isolation(&self) -> starling_proto::NetworkIsolation {
+        match &self.ticket_net {
+            None => starling_proto::NetworkIsolation::Off,
+            Some(t) if t.asked.required => starling_proto::NetworkIsolation::Required,
+            Some(_) => starling_proto::NetworkIsolation::On,
+        }
+    }
+}
+
 #[derive(Default)]
 pub(crate) struct State {
     pub(crate) hosts: HashMap<String, Host>,
@@ -121,7 +140,8 @@ pub(crate) struct State {
     /// `ps` waiting for hosts' usage: (host connection, its tasks) by request nonce.
     pub(crate) usage_waiters: HashMap<u64, tokio::sync::mpsc::UnboundedSender<(u64, Vec<starling_proto::TaskUsage>)>>,
     /// Fork tickets granted and their hosts, by (client connection, ticket): a clone's
-    /// ticket network is its grant's hosts (forgotten when the client goes).
+    /// ticket network is its grant's hosts and those its clones were moved to
+    /// (`placement::ticket_hosts`; forgotten when the client goes).
     pub(crate) grants: HashMap<(u64, u64), Vec<String>>,
     /// Tasks on a terminal that ended with no client attached (their output and end kept for
     /// `starling attach`), or whose end is on its way to the client.

@@ -20,11 +20,11 @@
 //! may need files before the task resumes, so they go to the client at once
 //! with a marked id, and their answers come back to the target.
 
-use crate::placement::natural_key;
+use crate::placement::{members_changed, natural_key, ticket_hosts};
 use crate::{Head, Host};
 use starling_proto::conn::Outgoing;
 use starling_proto::{MigrationReport, Msg, NetworkIsolation, SecretKey, TaskId};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
 /// File-request ids of a target's requests before the switch carry this bit
@@ -76,7 +76,7 @@ impl Head {
     pub async fn migrate(&self, task: TaskId, to: Option<String>, stop_and_copy: bool, requester: Option<Outgoing>) -> Result<u64, String> {
         let id = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let key = SecretKey::random();
-        let (target_tx, from) = {
+        let (target_tx, from, network, pushes) = {
             let mut st = self.state.lock().unwrap();
             let st = &mut *st;
             let route = st.routes.get(&task).ok_or_else(|| format!("no running task {task} (see `starling ps`)"))?;
@@ -89,7 +89,7 @@ impl Head {
                     route.cores
                 ));
             }
-            let (from, cores, isolation) = (route.host.clone(), route.cores, route.isolation);
+            let (from, cores, isolation, conn) = (route.host.clone(), route.cores, route.isolation(), route.client_conn);
             // A clone of an isolated ticket goes only where its network can be enforced, unless
             // the caller names a host that cannot and the ticket does not require it.
             let enforces = |h: &Host| isolation == NetworkIsolation::Off || h.info.cannot_isolate.is_none();
@@ -126,6 +126,15 @@ impl Head {
             };
             // Told to whoever asked, with the report: the clone loses its ticket's network there.
             let unisolated = (isolation != NetworkIsolation::Off).then(|| st.hosts.get(&target)?.info.cannot_isolate.clone()).flatten();
+            // Its ticket's network there, as for a clone launched there (whatever its source ran
+            // it with: a source that could not enforce it ran it with none).
+            let ticket = route.ticket_net.as_ref().map(|t| t.ticket);
+            let network = route
+                .ticket_net
+                .as_ref()
+                .filter(|t| unisolated.is_none() || t.asked.required)
+                .map(|t| crate::placement::ticket_network(st, conn, t.ticket, &target, &self.control_ports, &t.asked));
+            let before = ticket.map(|t| owned(ticket_hosts(st, conn, t)));
             let h = st.hosts.get_mut(&target).expect("chosen above");
             // The target holds the task's cores from now on (no launch may take them).
             h.cores_busy += cores;
@@ -145,10 +154,13 @@ impl Head {
                 started: Instant::now(),
                 unisolated,
             });
-            (target_tx, from)
+            // The ticket's other clones learn the target (once its `moving` counts it).
+            let pushes = ticket.zip(before).map(|(t, before)| members_changed(st, conn, t, &before)).unwrap_or_default();
+            (target_tx, from, network, pushes)
         };
         log::info!("migration {id}: task {task} from {from}");
-        if target_tx.send(Msg::MigrateIn { migration: id, task, from, key }).await.is_err() {
+        send_all(pushes).await;
+        if target_tx.send(Msg::MigrateIn { migration: id, task, from, key, network }).await.is_err() {
             self.migration_failed(task, id, "the target host went away").await;
         }
         Ok(id)
@@ -243,8 +255,9 @@ impl Head {
     pub(crate) async fn migrate_done(&self, migration: u64, task: TaskId, result: Result<MigrationReport, String>) {
         match result {
             Ok(mut report) => {
-                let requester = {
+                let (requester, pushes) = {
                     let mut st = self.state.lock().unwrap();
+                    let before = ticket_hosts_of(&st, task);
                     let m = st.routes.get_mut(&task).and_then(|r| r.moving.take_if(|m| m.id == migration));
                     if let Some(r) = st.routes.get_mut(&task) {
                         crate::roam::moved(r, &report);
@@ -255,8 +268,11 @@ impl Head {
                     if st.recent_migrations.len() > RECENT_MIGRATIONS {
                         st.recent_migrations.pop_front();
                     }
-                    m.and_then(|m| m.requester)
+                    // The host it left, unless the grant or another clone keeps it in the ticket.
+                    let pushes = members_after(&st, task, before);
+                    (m.and_then(|m| m.requester), pushes)
                 };
+                send_all(pushes).await;
                 self.moved_away(task);
                 log::info!("migration {migration}: task {task} moved {} -> {} (pause {:.1} ms)", report.from, report.to, report.pause_ms);
                 if let Some(r) = requester {
@@ -271,9 +287,10 @@ impl Head {
     /// it ran: held input goes there, the target forgets it. After, the
     /// task is the target's (if the target lost it, its end says so).
     pub(crate) async fn migration_failed(&self, task: TaskId, migration: u64, why: &str) {
-        let (moving, source_tx, target_tx) = {
+        let (moving, source_tx, target_tx, pushes) = {
             let mut st = self.state.lock().unwrap();
             let st = &mut *st;
+            let before = ticket_hosts_of(st, task);
             let Some(r) = st.routes.get_mut(&task) else { return };
             let Some(m) = r.moving.take_if(|m| m.id == migration) else { return };
             let source_tx = st.hosts.get(&r.host).map(|h| h.tx.clone());
@@ -285,8 +302,11 @@ impl Head {
                     h.tx.clone()
                 })
             };
-            (m, source_tx, target_tx)
+            // The target it did not reach (or the source it left), unless kept in the ticket.
+            let pushes = members_after(st, task, before);
+            (m, source_tx, target_tx, pushes)
         };
+        send_all(pushes).await;
         log::warn!("migration {migration}: task {task} {} -> {}: {why}", moving.from, moving.to);
         if let Some(t) = target_tx {
             let _ = t.send(Msg::MigrateAbort { migration }).await;
@@ -382,6 +402,29 @@ impl Head {
             }
         }
     }
+}
+
+fn owned(hosts: BTreeSet<&str>) -> BTreeSet<String> {
+    hosts.into_iter().map(str::to_owned).collect()
+}
+
+async fn send_all(msgs: Vec<(Outgoing, Msg)>) {
+    for (tx, m) in msgs {
+        let _ = tx.send(m).await;
+    }
+}
+
+/// The hosts of `task`'s ticket network, if it is a clone of an isolated ticket.
+fn ticket_hosts_of(st: &crate::State, task: TaskId) -> Option<BTreeSet<String>> {
+    let r = st.routes.get(&task)?;
+    Some(owned(ticket_hosts(st, r.client_conn, r.ticket_net.as_ref()?.ticket)))
+}
+
+/// What tells `task`'s ticket's hosts their members, if they changed from `before`.
+fn members_after(st: &crate::State, task: TaskId, before: Option<BTreeSet<String>>) -> Vec<(Outgoing, Msg)> {
+    let (Some(r), Some(before)) = (st.routes.get(&task), before) else { return Vec::new() };
+    let Some(t) = &r.ticket_net else { return Vec::new() };
+    members_changed(st, r.client_conn, t.ticket, &before)
 }
 
 /// The least loaded host other than `from` with `cores` free that `eligible` keeps (never the

@@ -2,8 +2,9 @@
 //! clones go to. Pure functions over the head's view of its hosts.
 
 use crate::Host;
-use starling_proto::{NetworkIsolation, Unisolated};
-use std::collections::HashMap;
+use starling_proto::conn::Outgoing;
+use starling_proto::{Msg, NetworkIsolation, Unisolated};
+use std::collections::{BTreeSet, HashMap};
 
 /// Why a launch or a ticket cannot be placed (told to the client as its message).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -85,9 +86,9 @@ fn load(h: &Host) -> f64 {
     f64::from(h.cores_busy) / f64::from(h.info.cores.max(1))
 }
 
-/// Where a clone of `ticket` (launched by client connection `conn`, placed on `host`) may
-/// connect: the hosts of its grant (and `host`, should the launch name one outside it), by the
-/// address each registered from; refused everywhere: `control_ports` (the head's, the agents' it
+/// Where a clone of `ticket` (launched by client connection `conn`, placed or moved to `host`)
+/// may connect: the ticket's hosts ([`ticket_hosts`]) and `host`, by the address each registered
+/// from; refused everywhere: `control_ports` (the head's, the agents' it
 /// dials), every host's chunk port and the ports the client `asked` to refuse too (the port it
 /// reaches the cluster at: a link relay's); a client never adds members. The parent's machine is
 /// added by the agent (the page server's address).
@@ -99,17 +100,48 @@ pub(crate) fn ticket_network(
     control_ports: &[u16],
     asked: &starling_proto::TicketNetwork,
 ) -> starling_proto::TicketNetwork {
-    let granted = st.grants.get(&(conn, ticket));
-    let names = granted.into_iter().flatten().map(String::as_str).chain(std::iter::once(host));
-    let mut members: Vec<std::net::IpAddr> =
-        names.filter_map(|n| st.hosts.get(n)).filter_map(|h| h.info.addr.parse().ok()).collect();
-    members.sort();
-    members.dedup();
+    let mut names = ticket_hosts(st, conn, ticket);
+    names.insert(host);
+    let members = addresses(st, &names);
     let chunk_ports = st.hosts.values().filter_map(|h| h.info.peer.as_deref()?.parse::<std::net::SocketAddr>().ok()).map(|a| a.port());
     let mut refused_ports: Vec<u16> = control_ports.iter().copied().chain(chunk_ports).chain(asked.refused_ports.iter().copied()).collect();
     refused_ports.sort_unstable();
     refused_ports.dedup();
     starling_proto::TicketNetwork { members, refused_ports, required: asked.required }
+}
+
+/// The hosts of `ticket`'s network (launched by client connection `conn`): its grant's, and those
+/// its clones run on or are moving to (a clone moved outside the grant takes its new host in).
+pub(crate) fn ticket_hosts(st: &crate::State, conn: u64, ticket: u64) -> BTreeSet<&str> {
+    let granted = st.grants.get(&(conn, ticket)).into_iter().flatten().map(String::as_str);
+    let clones = st.routes.values().filter(|r| r.client_conn == conn && r.ticket_net.as_ref().is_some_and(|t| t.ticket == ticket));
+    let running = clones.flat_map(|r| std::iter::once(r.host.as_str()).chain(r.moving.as_ref().map(|m| m.to.as_str())));
+    granted.chain(running).collect()
+}
+
+/// The registered addresses of hosts `names` (sorted, each once).
+fn addresses(st: &crate::State, names: &BTreeSet<&str>) -> Vec<std::net::IpAddr> {
+    let set: BTreeSet<std::net::IpAddr> = names.iter().filter_map(|n| st.hosts.get(*n)).filter_map(|h| h.info.addr.parse().ok()).collect();
+    set.into_iter().collect()
+}
+
+/// `ticket`'s hosts changed from `before` (a clone of it moved): tell each host running a clone
+/// of it the members now, so its clones' listeners there let the moved clone in (and stop
+/// letting in a host it left). Nothing when they did not change. Sent by the caller.
+pub(crate) fn members_changed(st: &crate::State, conn: u64, ticket: u64, before: &BTreeSet<String>) -> Vec<(Outgoing, Msg)> {
+    let now = ticket_hosts(st, conn, ticket);
+    if now.iter().copied().eq(before.iter().map(String::as_str)) {
+        return Vec::new();
+    }
+    let members = addresses(st, &now);
+    let running: BTreeSet<&str> =
+        st.routes.values().filter(|r| r.client_conn == conn && r.ticket_net.as_ref().is_some_and(|t| t.ticket == ticket)).map(|r| r.host.as_str()).collect();
+    running
+        .iter()
+        .filter_map(|n| st.hosts.get(*n))
+        .filter(|h| h.info.cannot_isolate.is_none())
+        .map(|h| (h.tx.clone(), Msg::TicketMembers { ticket, members: members.clone() }))
+        .collect()
 }
 
 /// A fork ticket's grant: up to `n` clones by free cores (cores minus

@@ -58,11 +58,7 @@ impl Head {
 
     /// Start a placed launch: route it, tell the client, hand it to the host.
     async fn start(&self, mut q: Queued, (host, host_tx, host_conn): Placed) {
-        let isolation = match q.spec.clone.as_ref().and_then(|c| c.network.as_ref()) {
-            None => starling_proto::NetworkIsolation::Off,
-            Some(n) if n.required => starling_proto::NetworkIsolation::Required,
-            Some(_) => starling_proto::NetworkIsolation::On,
-        };
+        let ticket_net = q.spec.clone.as_ref().and_then(|c| Some(crate::TicketAsk { ticket: c.ticket, asked: c.network.clone()? }));
         if let Some(c) = q.spec.clone.as_mut() {
             c.placed_ns = starling_proto::realtime_ns();
             if let Some(asked) = c.network.take() {
@@ -100,7 +96,7 @@ impl Head {
             job: q.spec.job.clone(),
             started: std::time::Instant::now(),
             clone_task: q.spec.clone.is_some(),
-            isolation,
+            ticket_net,
             policy: q.spec.policy,
             rerun,
             moving: None,

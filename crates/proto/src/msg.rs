@@ -192,11 +192,18 @@ pub enum Msg {
     /// Head → target agent: `task` will move here from `from`; listen for it,
     /// and take the stream only from a peer that proves `key` (the move's
     /// secret, made by the head; the source gets it in `MigrateOut`).
-    MigrateIn { migration: u64, task: TaskId, from: String, key: SecretKey },
+    /// `network`: a moving clone's ticket network here, as the head makes it
+    /// for a clone launched here (the ticket's members, this host among them;
+    /// `None`: the whole network, whatever the clone had on its source).
+    MigrateIn { migration: u64, task: TaskId, from: String, key: SecretKey, network: Option<TicketNetwork> },
     /// Target agent → head: listening at this address (or why not).
     MigrateInReady { migration: u64, result: Result<String, String> },
     /// Head → target agent: forget the migration (it failed before the switch).
     MigrateAbort { migration: u64 },
+    /// Head → agent: the hosts of ticket `ticket` are now `members` (a clone of
+    /// it moved): the rules of its clones here let exactly these (and the
+    /// parent's machine) through. Ignored where no clone of it runs.
+    TicketMembers { ticket: u64, members: Vec<std::net::IpAddr> },
     /// Head → source agent: move `task` to `to_host`, whose agent listens at `to_addr`.
     /// `key`: the move's secret, proved to the target's listener, and the
     /// key of the page server the target fetches the rest of memory from.
@@ -472,7 +479,11 @@ impl Msg {
             }
             Msg::UsageReply { tasks, .. } => check_bytes("task usage rows", tasks.len(), 1 << 20),
             Msg::Migrate { to: Some(h), .. } => check_bytes("host name", h.len(), 256),
-            Msg::MigrateIn { from, .. } => check_bytes("host name", from.len(), 256),
+            Msg::MigrateIn { from, network, .. } => {
+                check_bytes("host name", from.len(), 256)?;
+                network.as_ref().map_or(Ok(()), TicketNetwork::validate)
+            }
+            Msg::TicketMembers { members, .. } => check_bytes("a ticket network's members", members.len(), MAX_TICKET_NETWORK),
             Msg::OnBehalfOf { groups, .. } => check_bytes("groups", groups.len(), 65536),
             Msg::Credentials { certificate, ca } => {
                 check_bytes("certificate", certificate.as_ref().map_or(0, String::len), 64 << 10)?;

@@ -722,6 +722,14 @@ pub const TASK_INDEX_ENV: &str = "STARLING_TASK";
 /// The variable a job's task finds the job's number of tasks in.
 pub const TASK_COUNT_ENV: &str = "STARLING_TASKS";
 
+impl TicketNetwork {
+    /// No more members or refused ports than [`MAX_TICKET_NETWORK`].
+    pub fn validate(&self) -> Result<(), ProtoError> {
+        check_len("a ticket network's members", self.members.len(), MAX_TICKET_NETWORK)?;
+        check_len("a ticket network's refused ports", self.refused_ports.len(), MAX_TICKET_NETWORK)
+    }
+}
+
 fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), ProtoError> {
     if len > max {
         return Err(Invalid::TooLarge { what, len, max }.into());
@@ -789,8 +797,7 @@ impl TaskSpec {
                 return Err(Invalid::CloneSpec.into());
             }
             if let Some(n) = &c.network {
-                check_len("a ticket network's members", n.members.len(), MAX_TICKET_NETWORK)?;
-                check_len("a ticket network's refused ports", n.refused_ports.len(), MAX_TICKET_NETWORK)?;
+                n.validate()?;
             }
         }
         if self.umask > 0o777 {
