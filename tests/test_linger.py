@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import STARLING, down, require_root, starling, status, up, wait_for
+from conftest import STARLING, down, require_root, starling, status, terminate, up, wait_for
 
 NS = 1_000_000_000
 
@@ -205,6 +205,94 @@ def test_memory_band_caps_the_guest_when_free_memory_drops(lcluster):
             out, _ = g.communicate(timeout=120)
         assert started + out == "started\n"
     finally:
+        starling("down", check=False)
+        up(2)
+
+
+# The memory-move guest: one process (a task that can move) printing a numbered line every 0.5 s, so
+# it outlasts the owner's allocation, the band's reaction and the move however busy this machine is
+# (at cpu.idle a CPU-bound guest may barely run here), for at least 90 s.
+MEM_LINES = 180
+MEM_GUEST = f"import time\nfor i in range(1, {MEM_LINES} + 1):\n    print(i, flush=True)\n    time.sleep(0.5)\nprint('memdone')"
+MEM_EXPECTED = "".join(f"{i}\n" for i in range(1, MEM_LINES + 1)) + "memdone\n"
+
+
+def oom_kills():
+    """The machine's OOM kills so far (/proc/vmstat `oom_kill`)."""
+    return next(int(l.split()[1]) for l in pathlib.Path("/proc/vmstat").read_text().splitlines() if l.startswith("oom_kill "))
+
+
+def group_oom_kills(d):
+    """OOM kills in one v1 memory group (`oom_kill` of memory.oom_control)."""
+    f = dict(l.split() for l in (d / "memory.oom_control").read_text().splitlines())
+    assert "oom_kill" in f, f"{d}/memory.oom_control counts no OOM kills on this kernel: {f}"
+    return int(f["oom_kill"])
+
+
+def test_memory_pressure_moves_an_ll_guest_to_a_host_with_room(lcluster, tmp_path):
+    """Capping or freezing a guest gives no memory back (no swap): the head moves an LL guest of a host
+    whose band capped it to a host with room, at once (no T_lingr), and says so. h1's band sits just below
+    today's free memory (all emulated hosts share this machine's MemAvailable, so h1 is the cluster's only
+    embedded host); a second host joins with a token and the default band (1/2 GiB) as the room. An owner
+    on h1 takes 3 GiB; the guest's output is complete and in order, its exit status 0, nobody OOM-killed."""
+    from test_security import run_dir
+    require_root("an embedded cluster, an agent as root, cgroups")
+    avail = next(int(l.split()[1]) for l in pathlib.Path("/proc/meminfo").read_text().splitlines()
+                 if l.startswith("MemAvailable:")) // 1024
+    if avail < 8192:
+        pytest.fail(f"needs 8 GiB free memory for its 3 GiB owner (MemAvailable {avail} MiB)")
+    env = dict(os.environ, STARLING_LOW_WATER_MIB=str(avail - 1536), STARLING_HIGH_WATER_MIB=str(avail - 768))
+    starling("down", check=False)
+    r = subprocess.run([STARLING, "up", "--hosts", "1"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    room = f"memroom{os.getpid()}"
+    agent = g = own = None
+    try:
+        token = starling("token", "create").stdout.strip()
+        head = json.loads((run_dir() / "cluster.json").read_text())["head_addr"]
+        plain = {k: v for k, v in os.environ.items() if k not in ("STARLING_LOW_WATER_MIB", "STARLING_HIGH_WATER_MIB")}
+        log = open(tmp_path / "room.log", "wb")
+        # Its owner is emulated (its owner group, idle): not the rest of this machine, busy or not.
+        agent = subprocess.Popen([STARLING, "agent", "--name", room, "--join", head, "--token", token, "--auth", str(tmp_path / "creds"),
+                                  "--state", str(tmp_path / "state"), "--cache-mib", "256", "--owner", "emulated"],
+                                 stdout=log, stderr=subprocess.STDOUT, env=dict(plain, STARLING_LOG="info"))
+        wait_for(lambda: agent.poll() is not None or any(h["name"] == room for h in status()["hosts"]), f"{room} to join", timeout=120)
+        assert agent.poll() is None, (tmp_path / "room.log").read_text(errors="replace")
+        wait_for(lambda: (o := host(room).get("owner")) and o["state"] == "idle", f"{room}'s owner report")
+        o = owner_report("h1")
+        assert o["low_water"] == (avail - 1536) << 20 and o["high_water"] == (avail - 768) << 20, o
+        mem_dir = cg("memory", o["guest_cgroup"])
+        owner_mem = cg("memory", o["owner_cgroup"])
+        kills, guest_kills, owner_kills = oom_kills(), group_oom_kills(mem_dir), group_oom_kills(owner_mem)
+        g = spawn(STARLING, "exec", "--host", "h1", "--policy", "LL", "--", "python3", "-c", MEM_GUEST)
+        wait_for(lambda: ps_host("memdone"), "the guest task")
+        guest_wait(lambda: select.select([g.stdout], [], [], 0)[0], "the guest's first line")
+        assert ps_host("memdone")["host"] == "h1"
+        own = spawn(STARLING, "owner", "h1", "--", "python3", "-c",
+                    "import time; b = b'x' * (3 << 30); print('held', flush=True); time.sleep(3600)")
+        wait_for(lambda: owner_report("h1")["guest_mem_cap"] is not None or owner_report("h1")["guests_frozen"],
+                 "h1's band to cap its guest", timeout=300)
+        moved = wait_for(lambda: g.poll() is not None or ((t := ps_host("memdone")) and t["host"] == room and t),
+                         f"the guest moved to {room}", timeout=300)
+        assert g.poll() is None, f"the guest ended on h1 before it was moved (exit {g.returncode})"
+        doing = owner_report("h1")["doing"]
+        # "memory: moving tN (R MiB resident) to ROOM, free …" at the move, "…; moved tN …" after it.
+        assert doing.startswith("memory: ") and f"t{moved['task']} (" in doing and f"to {room}" in doing, doing
+        assert own.poll() is None, "the owner ended (killed?) while it held its memory"
+        kill_group(own)
+        own = None
+        out, err = g.communicate(timeout=900)
+        assert g.returncode == 0, err
+        assert out == MEM_EXPECTED, f"output differs from the undisturbed one:\n{out!r}"
+        assert oom_kills() == kills, "the kernel OOM-killed a process meanwhile"
+        assert (group_oom_kills(mem_dir), group_oom_kills(owner_mem)) == (guest_kills, owner_kills)
+        print(f"h1 said: {doing!r}")
+    finally:
+        for p in (own, g):
+            if p is not None and p.poll() is None:
+                kill_group(p)
+        if agent is not None:
+            terminate(agent)
         starling("down", check=False)
         up(2)
 

@@ -31,6 +31,9 @@ pub(crate) struct Linger {
 
 const MIB: u64 = 1 << 20;
 
+/// The guest's groups a task being moved away leaves for its capture ([`Linger::boost`]).
+const MOVED_OUT: [Controller; 3] = [Controller::Cpu, Controller::Freezer, Controller::Memory];
+
 /// Processes taken out of the guest's CPU and freezer groups for a move.
 #[derive(Debug, Default)]
 pub(crate) struct Boosted {
@@ -240,9 +243,17 @@ impl Linger {
             let doing = if suspended {
                 format!("PM guests suspended: moved to an idle host if the owner is still active after {} s", pause_s)
             } else if st.frozen {
-                format!("guests frozen: free memory {} MiB < {} MiB (LF does not move them)", mib(s.mem_available), mib(band.low_water / 2))
+                format!(
+                    "guests frozen: free memory {} MiB < {} MiB (the head moves LL and PM guests away; LF ones stay frozen)",
+                    mib(s.mem_available),
+                    mib(band.low_water / 2)
+                )
             } else if let Some(c) = cap {
-                format!("guest memory capped at {} MiB: free memory below {} MiB", mib(c), mib(band.low_water))
+                format!(
+                    "guest memory capped at {} MiB: free memory below {} MiB (the head moves LL and PM guests away; LF ones stay capped)",
+                    mib(c),
+                    mib(band.low_water)
+                )
             } else if !busy {
                 "no guests".to_string()
             } else if s.state == starling_linger::OwnerState::Idle {
@@ -265,6 +276,8 @@ impl Linger {
                 guest_mem: g.memory_bytes(),
                 guest_mem_cap: cap,
                 guests_frozen: st.frozen,
+                low_water: band.low_water,
+                high_water: band.high_water,
                 priority: g.cpu.as_str().to_string(),
                 policy: policy.as_str().to_string(),
                 pause_s,
@@ -316,9 +329,13 @@ impl Linger {
     /// A guest being moved is captured under ptrace with code injected into
     /// it: at starvation priority under a busy owner that takes seconds, so
     /// its processes leave the idle CPU group (they are frozen meanwhile, and
-    /// stay in the guest's memory and accounting groups). Returns who was moved.
-    /// A suspended (PM) guest leaves the frozen freezer group the same way
-    /// (it thaws; the capture stops it under ptrace).
+    /// stay in the guest's accounting groups). Returns who was moved.
+    /// A suspended (PM) guest, or one the memory band froze, leaves the frozen
+    /// freezer group the same way (it thaws; the capture stops it under
+    /// ptrace). It leaves the memory group too: the capture's scratch page and
+    /// the copy-on-write of its poked code are new pages, which a guest capped
+    /// at what it used (the band) would wait for forever; what it already used
+    /// stays charged to the guest group.
     pub fn boost(&self, pids: &[i32]) -> Boosted {
         let Some(g) = &self.guest else { return Boosted::default() };
         let in_pm: Vec<i32> = {
@@ -326,7 +343,7 @@ impl Linger {
             pids.iter().copied().filter(|p| pm.contains(p)).collect()
         };
         let h = Hierarchies::discover();
-        for c in [Controller::Cpu, Controller::Freezer] {
+        for c in MOVED_OUT {
             let Some(root) = h.dir(c).map(|d| d.join("cgroup.procs")) else { continue };
             if g.group().dir(c).is_some() {
                 for p in pids {
@@ -337,11 +354,11 @@ impl Linger {
         Boosted { pids: pids.to_vec(), in_pm }
     }
 
-    /// After a move: what is still here goes back to the CPU and freezer
-    /// groups it came from.
+    /// After a move: what is still here goes back to the CPU, freezer and
+    /// memory groups it came from.
     pub fn unboost(&self, boosted: &Boosted) {
         let Some(g) = &self.guest else { return };
-        for c in [Controller::Cpu, Controller::Freezer] {
+        for c in MOVED_OUT {
             let Some(dir) = g.group().dir(c) else { continue };
             for p in &boosted.pids {
                 let back = match g.pm_dir() {

@@ -54,8 +54,9 @@ pub(crate) fn pick<'a>(hosts: &'a mut HashMap<String, Host>, want: Option<&str>,
             .values()
             .filter(|h| free(h) && !h.info.home)
             .min_by(|a, b| {
-                owner_rank(a)
-                    .total_cmp(&owner_rank(b))
+                memory_pressed(a)
+                    .cmp(&memory_pressed(b))
+                    .then(owner_rank(a).total_cmp(&owner_rank(b)))
                     .then(load(a).total_cmp(&load(b)))
                     .then(natural_key(&a.info.name).cmp(&natural_key(&b.info.name)))
             })
@@ -74,6 +75,12 @@ fn owner_rank(h: &Host) -> f64 {
         Some(o) if o.state != "idle" => 1.0 + f64::from(o.cpu),
         _ => 0.0,
     }
+}
+
+/// The host's memory band capped or froze its guests: such hosts come last (a new guest there
+/// would be held at once, and the policy is moving guests away: `head::linger`).
+fn memory_pressed(h: &Host) -> bool {
+    h.info.owner.as_ref().is_some_and(|o| o.guest_mem_cap.is_some() || o.guests_frozen)
 }
 
 /// The host's owner is idle (or the host has none).
@@ -283,6 +290,8 @@ mod tests {
             guest_mem: 0,
             guest_mem_cap: None,
             guests_frozen: false,
+            low_water: 0,
+            high_water: 0,
             priority: "cpu.idle".into(),
             policy: "LF".into(),
             pause_s: 600,
@@ -306,6 +315,23 @@ mod tests {
         assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h2", "then the lightest owner");
         h.get_mut("h2").unwrap().cores_busy = 4;
         assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h1", "a busy owner's host still takes work when nothing else can");
+    }
+
+    #[test]
+    fn hosts_whose_guests_are_held_for_memory_come_last() {
+        // h1: owner idle but its guests capped by the memory band; h2: owner light; h3: idle, frozen.
+        let mut h = hosts(&[("h1", 4, 0), ("h2", 4, 1), ("h3", 4, 1)]);
+        h.get_mut("h1").unwrap().info.owner = owned("idle", 0.0);
+        h.get_mut("h1").unwrap().info.owner.as_mut().unwrap().guest_mem_cap = Some(64 << 20);
+        h.get_mut("h2").unwrap().info.owner = owned("active-light", 0.2);
+        h.get_mut("h3").unwrap().info.owner = owned("idle", 0.0);
+        h.get_mut("h3").unwrap().info.owner.as_mut().unwrap().guests_frozen = true;
+        assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h2", "an owner at work before capped guests");
+        h.get_mut("h2").unwrap().cores_busy = 4;
+        assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h1", "then capped, idle, less loaded first");
+        h.get_mut("h1").unwrap().cores_busy = 4;
+        assert_eq!(pick(&mut h, None, 1, false).unwrap().info.name, "h3", "a frozen host still takes work when nothing else can");
+        assert_eq!(pick(&mut h, Some("h3"), 1, false).unwrap().info.name, "h3", "named: placed there");
     }
 
     #[test]

@@ -20,24 +20,21 @@ pub(crate) fn command_line(argv: &[Vec<u8>]) -> String {
 }
 
 impl Head {
-    /// The rows of `starling ps` for `viewer`: the uid of the user who asked, as the kernel
-    /// (a local client) or their certificate says. A user other than root sees only their own
-    /// tasks (command lines are theirs to show); `None` (root, the administrator's client
-    /// certificate, a head without authentication) sees every task.
-    pub async fn ps(&self, viewer: Option<u32>) -> Vec<TaskRow> {
+    /// What the tasks of `hosts` (every host: `None`) use now, asked of their agents, by answering
+    /// connection: a task that just moved may still be listed by its source (winding down) as well.
+    /// A slow agent's tasks are missing after [`USAGE_WAIT`].
+    pub(crate) async fn usage(&self, hosts: Option<&[String]>) -> HashMap<(u64, starling_proto::TaskId), TaskUsage> {
         let nonce = self.next_task.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let agents: Vec<_> = {
             let mut st = self.state.lock().unwrap();
             st.usage_waiters.insert(nonce, tx);
-            st.hosts.values().map(|h| h.tx.clone()).collect()
+            st.hosts.values().filter(|h| hosts.is_none_or(|n| n.contains(&h.info.name))).map(|h| h.tx.clone()).collect()
         };
         let mut asked = 0;
         for a in agents {
             asked += usize::from(a.send(Msg::UsageRequest { nonce }).await.is_ok());
         }
-        // By answering connection: a task that just moved may still be listed by its source
-        // (winding down) as well; its row is its route's host's.
         let mut usage: HashMap<(u64, starling_proto::TaskId), TaskUsage> = HashMap::new();
         let deadline = tokio::time::Instant::now() + USAGE_WAIT;
         for _ in 0..asked {
@@ -46,8 +43,18 @@ impl Head {
                 _ => break,
             }
         }
-        let st = &mut *self.state.lock().unwrap();
-        st.usage_waiters.remove(&nonce);
+        self.state.lock().unwrap().usage_waiters.remove(&nonce);
+        usage
+    }
+
+    /// The rows of `starling ps` for `viewer`: the uid of the user who asked, as the kernel
+    /// (a local client) or their certificate says. A user other than root sees only their own
+    /// tasks (command lines are theirs to show); `None` (root, the administrator's client
+    /// certificate, a head without authentication) sees every task.
+    pub async fn ps(&self, viewer: Option<u32>) -> Vec<TaskRow> {
+        let usage = self.usage(None).await;
+        // A task listed by two connections (it just moved): its row is its route's host's.
+        let st = &*self.state.lock().unwrap();
         let mut rows: Vec<TaskRow> = st
             .routes
             .iter()

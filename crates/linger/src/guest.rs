@@ -12,8 +12,11 @@
 //!   `oom_kill_disable = 1`, a guest that reaches the cap waits (it is not
 //!   killed) until the cap is lifted. Below half of LowWater (the owner keeps
 //!   growing) the guest is frozen (`freezer.state = FROZEN`). There is no
-//!   swap here, so neither gives memory back: only the guest leaving does
-//!   (a moving policy). As the last line, every guest process has
+//!   swap here, so neither gives memory back: only the guest leaving does.
+//!   The agent reports the hold and the band (`OwnerReport::guest_mem_cap`,
+//!   `guests_frozen`, `low_water`, `high_water`); the head moves LL and PM
+//!   guests of a held host away at once, reruns IE ones elsewhere, and
+//!   leaves LF ones held (`head::linger`). As the last line, every guest process has
 //!   `oom_score_adj = 1000`: if the machine runs out of memory the kernel's
 //!   OOM killer takes a guest before any owner process. Above HighWater the
 //!   guest is thawed and uncapped.

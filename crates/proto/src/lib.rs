@@ -36,7 +36,7 @@ pub const MAGIC: [u8; 4] = *b"STRL";
 /// Protocol version spoken by this build. Peers of another version are refused.
 /// Bump it with every change to the encoding of any message (bincode encodes
 /// enum variants by index: even adding a variant in the middle changes it).
-pub const PROTOCOL_VERSION: u16 = 29;
+pub const PROTOCOL_VERSION: u16 = 30;
 /// Largest frame body accepted (32 MiB). Chunk batches are sized to fit.
 pub const MAX_FRAME: u32 = 32 << 20;
 /// Largest path accepted on the wire (Linux PATH_MAX).

@@ -882,6 +882,11 @@ pub struct OwnerReport {
     pub guest_mem: u64,
     pub guest_mem_cap: Option<u64>,
     pub guests_frozen: bool,
+    /// The host's memory band (bytes of MemAvailable): below `low_water` the guests are capped,
+    /// below half of it frozen, at `high_water` released. The head moves an LL or PM guest of a
+    /// capped or frozen host to one whose free memory minus the guest's stays above its `high_water`.
+    pub low_water: u64,
+    pub high_water: u64,
     /// How guests get starvation priority: `cpu.idle` or `SCHED_IDLE`.
     pub priority: String,
     /// `LF`, `LL` or `PM`.
