@@ -517,7 +517,7 @@ def test_a_clone_moved_outside_its_grant_is_let_in_by_its_tickets_other_clone(cl
             moved = next(r for r in rows if r["host"] == first)
             to = next(n for n in hosts if n not in (first, second))
             outside = next(n for n in hosts if n not in (first, second, to))
-            assert migrate(moved["task"], to, between_connections=True)["to"] == to
+            assert migrate(moved["task"], to)["to"] == to
             at_to, at_outside = f"{hosts[to]['address']}:{port}", f"{hosts[outside]['address']}:{port}"
             p.stdin.write(f"{seen['2']} {at_to} {at_outside}\n")
             p.stdin.flush()

@@ -226,7 +226,7 @@ def test_a_clone_launched_unisolated_gets_its_tickets_network_when_moved_to_a_ho
         for f in fillers:
             terminate(f)  # (the client passes SIGTERM on to its task, which ends)
         wait_for(lambda: busy_free() == 0, f"{free}'s sleeping tasks to end", timeout=180)
-        r = migrate(c.row["task"], free, check=False, between_connections=True)
+        r = migrate(c.row["task"], free, check=False)
         assert r.returncode == 0, r.stdout + r.stderr
         report = json.loads(r.stdout)
         assert report["to"] == free and not report.get("unisolated"), report
